@@ -1,0 +1,35 @@
+# The two commands in the README are the contract: `make demo` and `make test`
+# work on a fresh machine with only python3 and make.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: demo test test-fast bench setup clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch is pinned first: 2.13.0 is the CPU wheel on disk; any other spec pulls a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[demo,test,federated,bench]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rankwise demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/rankwise bench lora-vs-peft --out bench/results/lora-vs-peft
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info
