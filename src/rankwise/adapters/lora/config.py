@@ -1,0 +1,52 @@
+"""LoRA configuration: the one place its defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+@dataclass
+class LoraConfig:
+    """LoRA / rsLoRA settings (Hu et al. 2021; Kalajdzievski 2023 for rsLoRA).
+
+    Attributes:
+        name: Registry name (``lora``).
+        r: Rank of every adapted layer unless ``rank_pattern`` says otherwise.
+        alpha: Scale numerator: s = alpha / r (or alpha / sqrt(r) with ``use_rslora``).
+        targets: ``"all-linear"``, a regex over full module paths, or a list of name suffixes.
+        exclude: Name suffixes never adapted.
+        dropout: Dropout on the adapter input.
+        use_rslora: Use s = alpha / sqrt(r).
+        init: Initialisation of A and B: ``kaiming`` (PEFT's default: A Kaiming-uniform,
+            B = 0), ``gaussian`` (A ~ N(0, 1/r^2), B = 0). Other methods add their own.
+        rank_pattern: ``{regex: r}``; a key matches a module path ``(.*\\.)?(key)$`` as in PEFT.
+        alpha_pattern: ``{regex: alpha}``, same matching.
+        modules_to_save: Whole modules trained and saved with the adapter. ``None`` means
+            the task's head for classification models (``classifier``/``score``), else none.
+    """
+
+    name: str = "lora"
+    r: int = 8
+    alpha: float = 16.0
+    targets: Union[list[str], str] = "all-linear"
+    exclude: list[str] = field(default_factory=list)
+    dropout: float = 0.0
+    use_rslora: bool = False
+    init: str = "kaiming"
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    modules_to_save: Union[list[str], None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        out = []
+        if self.r < 1:
+            out.append(f"r: got {self.r}; expected an integer >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
+        if self.alpha <= 0:
+            out.append(f"alpha: got {self.alpha}; expected a positive number")
+        from rankwise.adapters.lora.layer import LORA_INITS
+        if self.init not in LORA_INITS:
+            out.append(f"init: got {self.init!r}; expected one of {sorted(LORA_INITS)}")
+        return out

@@ -1,0 +1,163 @@
+"""The LoRA layer: ``y = W x + s * B A x`` (Hu et al. 2021, eq. 3), with rsLoRA's scale.
+
+Wraps ``nn.Linear`` or transformers' ``Conv1D`` (weight stored (in, out), i.e. fan-in/fan-out
+transposed) and holds any number of named adapters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from rankwise.core.inject import Conv1D
+from rankwise.errors import RankwiseError
+
+
+def _init_kaiming(a: nn.Linear, b: nn.Linear) -> None:
+    nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+    nn.init.zeros_(b.weight)
+
+
+def _init_gaussian(a: nn.Linear, b: nn.Linear) -> None:
+    nn.init.normal_(a.weight, std=1.0 / a.out_features)
+    nn.init.zeros_(b.weight)
+
+
+# name -> fn(A, B) initialising the two factors in place; methods may register more.
+LORA_INITS: dict[str, Callable[[nn.Linear, nn.Linear], None]] = {
+    "kaiming": _init_kaiming,
+    "gaussian": _init_gaussian,
+}
+
+
+def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
+    """Return s = alpha / r, or alpha / sqrt(r) for rsLoRA (Kalajdzievski 2023)."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+class LoraLayer(nn.Module):
+    """A linear layer with named low-rank adapters (``AdapterModule``).
+
+    Args:
+        base_layer: ``nn.Linear`` or ``Conv1D`` to wrap; its weights are not modified except
+            by :meth:`merge`.
+
+    Raises:
+        RankwiseError: If ``base_layer`` is not a supported layer type.
+    """
+
+    def __init__(self, base_layer: nn.Module) -> None:
+        super().__init__()
+        if isinstance(base_layer, nn.Linear):
+            self.fan_in_fan_out = False
+            self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        elif Conv1D and isinstance(base_layer, Conv1D):
+            self.fan_in_fan_out = True
+            self.in_features, self.out_features = base_layer.weight.shape
+        else:
+            raise RankwiseError(f"LoRA supports nn.Linear and Conv1D, got {type(base_layer).__name__}")
+        self.base_layer = base_layer
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.lora_dropout = nn.ModuleDict()
+        self.scaling: dict[str, float] = {}
+        self.ranks: dict[str, int] = {}
+        self.alphas: dict[str, float] = {}
+        self.rslora: dict[str, bool] = {}
+        self._active: list[str] = []
+        self._merged: list[str] = []
+
+    # ----- construction -------------------------------------------------------------------
+    def add(self, name: str, r: int, alpha: float, dropout: float = 0.0,
+            use_rslora: bool = False, init: str = "kaiming") -> None:
+        """Add adapter ``name`` of rank ``r`` and make it active.
+
+        Raises:
+            RankwiseError: If ``r`` is outside [1, min(in, out)] or ``init`` is unknown.
+        """
+        limit = min(self.in_features, self.out_features)
+        if not 1 <= r <= limit:
+            raise RankwiseError(f"rank {r} is invalid for a {self.in_features}->{self.out_features} "
+                                f"layer; choose r in [1, {limit}]")
+        if init not in LORA_INITS:
+            raise RankwiseError(f"unknown LoRA init {init!r}; expected one of {sorted(LORA_INITS)}")
+        w = self.base_layer.weight
+        a = nn.Linear(self.in_features, r, bias=False, device=w.device, dtype=w.dtype)
+        b = nn.Linear(r, self.out_features, bias=False, device=w.device, dtype=w.dtype)
+        LORA_INITS[init](a, b)
+        self.lora_A[name], self.lora_B[name] = a, b
+        self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling[name] = lora_scale(r, alpha, use_rslora)
+        self.ranks[name], self.alphas[name], self.rslora[name] = r, alpha, use_rslora
+        if name not in self._active:
+            self._active.append(name)
+
+    # ----- AdapterModule protocol -----------------------------------------------------------
+    def adapter_names(self) -> list[str]:
+        """Return the adapter names held by this layer."""
+        return list(self.lora_A.keys())
+
+    def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
+        """Return ``{"lora_A.weight": A, "lora_B.weight": B}`` for adapter ``name``."""
+        return {"lora_A.weight": self.lora_A[name].weight, "lora_B.weight": self.lora_B[name].weight}
+
+    def set_active(self, names: list[str]) -> None:
+        """Use ``names`` in forward (unknown names are ignored by design of multi-adapter models)."""
+        self._active = [n for n in names if n in self.lora_A]
+
+    def active_names(self) -> list[str]:
+        """Return the active adapter names."""
+        return list(self._active)
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """Return s * B A in the base weight's layout ((out, in), or (in, out) for Conv1D)."""
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        delta = (b.float() @ a.float()) * self.scaling[name]  # (out, in)
+        return delta.T if self.fan_in_fan_out else delta
+
+    def merge(self, name: str) -> None:
+        """Add s * B A to the base weight (skips an adapter that is already merged)."""
+        if name in self._merged:
+            return
+        w = self.base_layer.weight
+        with torch.no_grad():
+            w.add_(self.delta_weight(name).to(w.dtype))
+        self._merged.append(name)
+
+    def unmerge(self) -> None:
+        """Subtract every merged adapter's delta, newest first."""
+        w = self.base_layer.weight
+        with torch.no_grad():
+            while self._merged:
+                w.sub_(self.delta_weight(self._merged.pop()).to(w.dtype))
+
+    def delete(self, name: str) -> None:
+        """Remove adapter ``name`` (unmerging first if needed)."""
+        if name in self._merged:
+            self.unmerge()
+        for d in (self.lora_A, self.lora_B, self.lora_dropout):
+            del d[name]
+        for d in (self.scaling, self.ranks, self.alphas, self.rslora):
+            d.pop(name, None)
+        self._active = [n for n in self._active if n != name]
+
+    # ----- compute ------------------------------------------------------------------------
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base weight (so code that reads ``layer.weight`` keeps working)."""
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``W x + sum_active s_i B_i A_i dropout(x)``; merged adapters are already in W."""
+        out = self.base_layer(x)
+        for name in self._active:
+            if name in self._merged:
+                continue
+            a, b = self.lora_A[name], self.lora_B[name]
+            out = out + b(a(self.lora_dropout[name](x.to(a.weight.dtype)))).to(out.dtype) * self.scaling[name]
+        return out
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{n}: r={self.ranks[n]}, s={self.scaling[n]:.3g}" for n in self.adapter_names())

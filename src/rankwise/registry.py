@@ -1,0 +1,117 @@
+"""One registry: ``(kind, name) -> Entry(config class, builder)``.
+
+Kinds used by rankwise:
+
+* ``"method"`` - how a model is adapted. ``builder(model, config, adapter_name) -> None``
+  changes the model in place (injects adapters, or unfreezes weights for ``full``).
+* ``"optimizer"`` - ``builder(model, config) -> torch.optim.Optimizer`` over the parameters
+  that require grad.
+* ``"strategy"`` - a federated strategy (registered by :mod:`rankwise.federated`).
+
+A method family registers itself once, in its package ``__init__``; nothing else needs editing.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rankwise.errors import RankwiseError, closest
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered implementation.
+
+    Attributes:
+        kind: ``"method"``, ``"optimizer"`` or ``"strategy"``.
+        name: The name users write in configs (``method.name: lora``).
+        config_cls: The dataclass holding every default of this entry.
+        builder: The callable that applies or constructs it (signature depends on ``kind``).
+        summary: One line for ``rankwise list``.
+        trains: For methods: ``"adapter"`` (only adapter weights train) or ``"full"``.
+    """
+
+    kind: str
+    name: str
+    config_cls: type
+    builder: Callable[..., Any]
+    summary: str = ""
+    trains: str = "adapter"
+
+
+_ENTRIES: dict[tuple[str, str], Entry] = {}
+# Packages whose import registers the built-in entries. Optional ones may fail to import
+# (e.g. federated without flwr); they are then simply absent.
+_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim")
+_OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
+_loaded = False
+
+
+def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any],
+             summary: str = "", trains: str = "adapter") -> Entry:
+    """Register an implementation under ``(kind, name)``.
+
+    Args:
+        kind: ``"method"``, ``"optimizer"`` or ``"strategy"``.
+        name: Lower-case name used in configs and on the CLI.
+        config_cls: Config dataclass; its field defaults are the only defaults.
+        builder: See the module docstring for the signature per kind.
+        summary: One-line description.
+        trains: ``"adapter"`` or ``"full"`` (methods only).
+
+    Returns:
+        The entry.
+
+    Raises:
+        ValueError: If the name is already taken by a different builder.
+    """
+    key = (kind, name)
+    old = _ENTRIES.get(key)
+    if old is not None and old.builder is not builder:
+        raise ValueError(f"{kind} {name!r} is registered twice")
+    entry = Entry(kind, name, config_cls, builder, summary, trains)
+    _ENTRIES[key] = entry
+    return entry
+
+
+def _load_builtins(kind: str | None = None) -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for pkg in _BUILTIN_PACKAGES:
+            importlib.import_module(pkg)
+    if kind in _OPTIONAL_PACKAGES and not any(k == kind for k, _ in _ENTRIES):
+        try:
+            importlib.import_module(_OPTIONAL_PACKAGES[kind])
+        except ImportError:
+            pass
+
+
+def get(kind: str, name: str) -> Entry:
+    """Look up an entry.
+
+    Args:
+        kind: The entry kind.
+        name: The name the user wrote.
+
+    Returns:
+        The registered entry.
+
+    Raises:
+        RankwiseError: If nothing is registered under that name; the message lists the names.
+    """
+    _load_builtins(kind)
+    try:
+        return _ENTRIES[(kind, name)]
+    except KeyError:
+        valid = names(kind)
+        raise RankwiseError(
+            f"unknown {kind} {name!r}{closest(name, valid)}; expected one of: {', '.join(valid)}"
+        ) from None
+
+
+def names(kind: str) -> list[str]:
+    """Return the sorted names registered for ``kind``."""
+    _load_builtins(kind)
+    return sorted(n for k, n in _ENTRIES if k == kind)
