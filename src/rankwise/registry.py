@@ -30,6 +30,9 @@ class Entry:
         builder: The callable that applies or constructs it (signature depends on ``kind``).
         summary: One line for ``rankwise list``.
         trains: For methods: ``"adapter"`` (only adapter weights train) or ``"full"``.
+        needs_batches: For methods with a data-driven initialisation (GoRA): the builder is
+            called as ``builder(model, config, adapter_name, batches=iterator)`` where each
+            batch is a dict that ``model(**batch)`` turns into an output with ``.loss``.
     """
 
     kind: str
@@ -38,6 +41,7 @@ class Entry:
     builder: Callable[..., Any]
     summary: str = ""
     trains: str = "adapter"
+    needs_batches: bool = False
 
 
 _ENTRIES: dict[tuple[str, str], Entry] = {}
@@ -49,7 +53,7 @@ _loaded = False
 
 
 def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any],
-             summary: str = "", trains: str = "adapter") -> Entry:
+             summary: str = "", trains: str = "adapter", needs_batches: bool = False) -> Entry:
     """Register an implementation under ``(kind, name)``.
 
     Args:
@@ -59,6 +63,7 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
         builder: See the module docstring for the signature per kind.
         summary: One-line description.
         trains: ``"adapter"`` or ``"full"`` (methods only).
+        needs_batches: The builder wants calibration batches (see :class:`Entry`).
 
     Returns:
         The entry.
@@ -70,7 +75,7 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
     old = _ENTRIES.get(key)
     if old is not None and old.builder is not builder:
         raise ValueError(f"{kind} {name!r} is registered twice")
-    entry = Entry(kind, name, config_cls, builder, summary, trains)
+    entry = Entry(kind, name, config_cls, builder, summary, trains, needs_batches)
     _ENTRIES[key] = entry
     return entry
 

@@ -1,0 +1,132 @@
+"""The ``rankwise`` command.
+
+Every mistake a user can make ends with one line on stderr and exit code 2; ``--debug``
+shows the traceback instead. Subcommands import their heavy modules lazily.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from rankwise.errors import RankwiseError
+
+# name -> "module:function"; each function is run(out: Path) -> dict and writes
+# out/results.json and out/results.md.
+BENCHMARKS = {
+    "lora-vs-peft": "rankwise.benchmarks.lora_vs_peft:run",
+    "lowrank-pretrain": "rankwise.benchmarks.lowrank_pretrain:run",
+}
+
+
+def _load(spec: str):
+    mod, _, fn = spec.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+class _Group(click.Group):
+    """Turns user errors into one line + exit 2 (tracebacks only with --debug)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RankwiseError as err:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"error: {err}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group)
+@click.option("--debug", is_flag=True, help="Show full tracebacks.")
+@click.version_option(package_name="rankwise")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """rankwise: low-rank and parameter-efficient training."""
+    ctx.obj = {"debug": debug}
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Run folder (default runs/<name>).")
+@click.option("--resume", is_flag=True, help="Continue from the run folder's last checkpoint.")
+def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -> None:
+    """Train an adapter (or all weights) as described by CONFIG.yaml."""
+    from rankwise.recipes.config import load_run_config
+    from rankwise.recipes.train import train as run_train
+    cfg = load_run_config(config, list(sets))
+    run_train(cfg, out or Path("runs") / config.stem, resume=resume)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["peft", "merged", "rankwise"]), required=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+def export(run_dir: Path, fmt: str, out: Path) -> None:
+    """Export a run's adapter to the PEFT format or a merged transformers model."""
+    from rankwise.recipes.export import export_run
+    path = export_run(run_dir, fmt, out)
+    click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True)
+@click.option("--steps", type=int, default=None, help="Training steps per method (default: the demo's).")
+def demo(out: Path, steps: int | None) -> None:
+    """Frozen MiniLM + head vs LoRA on the stdlib-docstring topic task."""
+    from rankwise.recipes.demo import run_demo
+    run_demo(out, steps=steps)
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--methods", default="lora,gora,altlora", show_default=True, help="Comma-separated method names.")
+@click.option("--seeds", type=int, default=3, show_default=True)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/compare"), show_default=True)
+def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path) -> None:
+    """Run several methods on one task at the same budget and tabulate the results."""
+    from rankwise.recipes.compare import run_compare
+    run_compare(config, [m.strip() for m in methods.split(",") if m.strip()], seeds, list(sets), out)
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def federated(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
+    """Federated fine-tuning on the Flower simulation engine."""
+    from rankwise.federated.run import run_federated
+    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated")
+
+
+@main.command()
+@click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def bench(name: str, out: Path | None) -> None:
+    """Run a benchmark against the peer implementation; writes results.json and results.md."""
+    out = out or Path("bench/results") / name
+    _load(BENCHMARKS[name])(out)
+    click.echo(f"wrote {out}/results.json and {out}/results.md")
+
+
+@main.command(name="list")
+def list_() -> None:
+    """List the registered methods and optimizers."""
+    from rankwise import registry
+    for kind in ("method", "optimizer", "strategy"):
+        for name in registry.names(kind):
+            click.echo(f"{kind:9s} {name:12s} {registry.get(kind, name).summary}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
