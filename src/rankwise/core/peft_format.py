@@ -1,0 +1,287 @@
+"""HF PEFT's LoRA file format, out and in: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+What PEFT expects on disk (checked against peft 0.21 by saving real ``PeftModel`` objects):
+
+* tensor keys ``base_model.model.<module path>.lora_A.weight`` (shape (r, in)) and
+  ``...lora_B.weight`` (shape (out, r)); the adapter name is not part of the key; GPT-2's
+  ``Conv1D`` uses the same shapes and ``fan_in_fan_out: true`` in the config;
+* whole trained modules (``modules_to_save``) as ``base_model.model.<path>.<param>``;
+* one global ``r`` / ``lora_alpha`` / ``use_rslora``, with per-layer exceptions in
+  ``rank_pattern`` / ``alpha_pattern`` (a key matches a path by ``(.*\\.)?(key)$``).
+
+rankwise never imports ``peft``: this module only writes and reads those two files.
+"""
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rankwise.core import atomic
+from rankwise.core.inject import matches
+from rankwise.core.ops import load_adapter_state_dict, modules_to_save
+from rankwise.core.protocol import adapter_modules
+from rankwise.errors import RankwiseError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PICKLE_WEIGHTS = "adapter_model.bin"
+PREFIX = "base_model.model."
+
+# transformers class-name suffix -> PEFT task_type
+_TASKS = (("ForSequenceClassification", "SEQ_CLS"), ("ForCausalLM", "CAUSAL_LM"),
+          ("LMHeadModel", "CAUSAL_LM"), ("ForTokenClassification", "TOKEN_CLS"),
+          ("ForQuestionAnswering", "QUESTION_ANS"), ("ForConditionalGeneration", "SEQ_2_SEQ_LM"))
+
+# PEFT config keys rankwise understands or can safely ignore at these values. A key whose
+# value differs from every listed neutral value is an unsupported feature (RankwiseError).
+_NEUTRAL: dict[str, tuple] = {
+    "use_dora": (False, None), "lora_bias": (False, None), "bias": ("none", None),
+    "layers_to_transform": (None,), "layers_pattern": (None, [], ""), "layer_replication": (None,),
+    "trainable_token_indices": (None,), "target_parameters": (None, []), "use_qalora": (False, None),
+    "alora_invocation_tokens": (None,), "arrow_config": (None,), "megatron_config": (None,),
+    "use_bdlora": (None, False), "modules_to_tie": (None, []),
+}
+# Keys read by load_peft, and keys that only describe training or provenance.
+_USED = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
+         "lora_dropout", "target_modules", "modules_to_save", "fan_in_fan_out", "task_type",
+         "base_model_name_or_path"}
+_HARMLESS = {"inference_mode", "init_lora_weights", "revision", "peft_version", "auto_mapping",
+             "exclude_modules", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+             "kasa_config", "velora_config", "monteclora_config", "megatron_core",
+             "qalora_group_size", "ensure_weight_tying"}
+
+
+def _task_type(model: nn.Module) -> str | None:
+    name = type(model).__name__
+    return next((task for suffix, task in _TASKS if name.endswith(suffix)), None)
+
+
+def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
+    from rankwise.adapters.lora.layer import LoraLayer  # core stays import-light
+    layers = {p: m for p, m in adapter_modules(model)
+              if isinstance(m, LoraLayer) and adapter_name in m.adapter_names()}
+    others = [p for p, m in adapter_modules(model)
+              if not isinstance(m, LoraLayer) and adapter_name in m.adapter_names()]
+    if others:
+        raise RankwiseError(f"adapter {adapter_name!r} has non-LoRA layers (e.g. {others[0]!r}, "
+                            f"{type(model.get_submodule(others[0])).__name__}); the PEFT format "
+                            "holds LoRA only: export with --format merged instead")
+    if not layers:
+        names = sorted({n for _, m in adapter_modules(model) for n in m.adapter_names()})
+        raise RankwiseError(f"no LoRA adapter named {adapter_name!r} in the model; adapters "
+                            f"here: {names}")
+    return layers
+
+
+def _target_modules(model: nn.Module, paths: list[str]) -> list[str]:
+    """Short suffixes when they select exactly ``paths`` (as PEFT will match them), else paths."""
+    from rankwise.core.inject import is_linear_like
+    suffixes = sorted({p.rsplit(".", 1)[-1] for p in paths})
+    wrapped = [p for p, _ in adapter_modules(model)]
+    hit = [p for p, m in model.named_modules()
+           if p and (is_linear_like(m) or hasattr(m, "base_layer"))
+           and any(matches(p, s) for s in suffixes)
+           and not any(p.startswith(q + ".") for q in wrapped)]
+    return suffixes if sorted(hit) == sorted(paths) else sorted(paths)
+
+
+def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "default",
+                task_type: str | None = None, base_model_name_or_path: str | None = None) -> Path:
+    """Write LoRA adapter ``adapter_name`` in HF PEFT's format (atomically).
+
+    Per-layer settings become PEFT's single global ``r``/``lora_alpha``/``use_rslora`` (the
+    most common values) plus ``rank_pattern``/``alpha_pattern`` entries keyed by the escaped
+    full module path. A layer whose rsLoRA flag differs from the global one gets the alpha
+    that gives the same scale (alpha' = alpha * sqrt(r) or alpha / sqrt(r)), so PEFT computes
+    exactly rankwise's scale.
+
+    Args:
+        model: A model with rankwise LoRA layers holding ``adapter_name``.
+        out_dir: Target folder (replaced only when writing succeeded).
+        adapter_name: The adapter to export.
+        task_type: PEFT task type; inferred from the model class (``SEQ_CLS``, ``CAUSAL_LM``,
+            ...) when None.
+        base_model_name_or_path: Recorded in the config; defaults to the model config's
+            ``_name_or_path``.
+
+    Returns:
+        The folder written.
+
+    Raises:
+        RankwiseError: If the adapter is missing, or has layers that are not LoRA.
+    """
+    layers = _lora_layers(model, adapter_name)
+    settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
+                    bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
+    rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
+    for p, (r, alpha, rs) in settings.items():  # same scale under the global rsLoRA flag
+        if rs != rslora:
+            alpha = alpha * r ** 0.5 if rs else alpha / r ** 0.5
+            settings[p] = (r, alpha, rslora)
+    r0 = Counter(s[0] for s in settings.values()).most_common(1)[0][0]
+    a0 = Counter(s[1] for s in settings.values()).most_common(1)[0][0]
+    rank_pattern = {re.escape(p): r for p, (r, _, _) in settings.items() if r != r0}
+    alpha_pattern = {re.escape(p): a for p, (_, a, _) in settings.items() if a != a0}
+    first = next(iter(layers.values()))
+    drop = first.lora_dropout[adapter_name]
+    saved = modules_to_save(model)
+    cfg_name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    config = {
+        "peft_type": "LORA", "task_type": task_type or _task_type(model),
+        "base_model_name_or_path": base_model_name_or_path or cfg_name,
+        "r": r0, "lora_alpha": a0, "use_rslora": rslora,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+        "target_modules": _target_modules(model, list(layers)),
+        "lora_dropout": float(getattr(drop, "p", 0.0)),
+        "fan_in_fan_out": any(m.fan_in_fan_out for m in layers.values()),
+        "modules_to_save": saved or None, "bias": "none", "use_dora": False,
+        "init_lora_weights": True, "inference_mode": True,
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    for path, layer in layers.items():
+        for key, p in layer.adapter_params(adapter_name).items():
+            tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
+    for path in saved:
+        for key, p in model.get_submodule(path).named_parameters():
+            tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
+    out_dir = Path(out_dir)
+    with atomic.folder(out_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        atomic.write_json(tmp / CONFIG, config)
+    return out_dir
+
+
+def read_peft_config(peft_dir: str | Path) -> dict[str, Any]:
+    """Read and check a PEFT ``adapter_config.json``.
+
+    Args:
+        peft_dir: A folder written by ``PeftModel.save_pretrained`` or :func:`export_peft`.
+
+    Returns:
+        The config dict.
+
+    Raises:
+        RankwiseError: If the file is missing or corrupt, or it uses a feature rankwise
+            cannot load (DoRA, LoRA bias, a non-LoRA ``peft_type``, ...). Unknown keys only
+            warn.
+    """
+    path = Path(peft_dir) / CONFIG
+    if not path.is_file():
+        raise RankwiseError(f"{peft_dir} is not a PEFT adapter folder: {CONFIG} is missing")
+    try:
+        cfg = json.loads(path.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, OSError) as err:
+        raise RankwiseError(f"{path} is corrupt ({err}); re-save the adapter with PEFT") from None
+    if cfg.get("peft_type") != "LORA":
+        raise RankwiseError(f"{path}: peft_type is {cfg.get('peft_type')!r}; rankwise imports "
+                            "LoRA adapters only (expected 'LORA')")
+    bad = [f"{k}={cfg[k]!r}" for k, ok in _NEUTRAL.items() if k in cfg and cfg[k] not in ok]
+    if bad:
+        raise RankwiseError(f"{path} uses PEFT features rankwise does not support: "
+                            f"{', '.join(bad)}; merge it with PEFT and load the merged model")
+    unknown = sorted(set(cfg) - _USED - _HARMLESS - set(_NEUTRAL))
+    if unknown:
+        warnings.warn(f"{path}: ignoring PEFT config keys rankwise does not know: {unknown}",
+                      stacklevel=2)
+    return cfg
+
+
+def _read_tensors(peft_dir: Path) -> dict[str, torch.Tensor]:
+    weights = peft_dir / WEIGHTS
+    if not weights.is_file():
+        if (peft_dir / PICKLE_WEIGHTS).is_file():
+            raise RankwiseError(
+                f"{peft_dir} holds {PICKLE_WEIGHTS} (a pickle, which rankwise never loads); "
+                "re-save it with PEFT as model.save_pretrained(dir, safe_serialization=True)")
+        raise RankwiseError(f"{weights} is missing; re-save the adapter with PEFT")
+    try:
+        return load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise RankwiseError(f"{weights} is corrupt ({err}); re-save the adapter with PEFT") from None
+
+
+def _split(tensors: dict[str, torch.Tensor], model: nn.Module):
+    """Split file tensors into ``{layer path: {A, B}}`` and ``{model param: tensor}``."""
+    lora: dict[str, dict[str, torch.Tensor]] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if not key.startswith(PREFIX):
+            raise RankwiseError(f"PEFT tensor key {key!r} does not start with {PREFIX!r}; "
+                                "re-save the adapter with PEFT")
+        key = key[len(PREFIX):]
+        m = re.fullmatch(r"(.+)\.(lora_[AB])\.weight", key)
+        if m:
+            lora.setdefault(m[1], {})[m[2]] = value
+        elif "lora_" in key:
+            raise RankwiseError(f"PEFT tensor {key!r} is not a LoRA linear weight (embedding or "
+                                "bias adapters are unsupported); merge it with PEFT instead")
+        else:
+            rest[key] = value
+    modules = dict(model.named_modules())
+    missing = [p for p in lora if p not in modules]
+    if missing:
+        raise RankwiseError(f"PEFT adapter targets {missing[0]!r}, which this model lacks; load "
+                            "it onto the base model it was trained on")
+    return lora, rest
+
+
+def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "default") -> dict:
+    """Import a PEFT-saved LoRA adapter into rankwise LoRA layers (in place).
+
+    Ranks come from the tensors' shapes; alpha from ``alpha_pattern`` / ``lora_alpha`` with
+    PEFT's matching rule; whole modules (``modules_to_save``) are copied into the model's
+    own modules, which then train and save with the adapter.
+
+    Args:
+        model: The base model the adapter was trained on (no adapter named ``adapter_name``).
+        peft_dir: A folder with ``adapter_config.json`` + ``adapter_model.safetensors``.
+        adapter_name: The name to give the adapter in rankwise.
+
+    Returns:
+        The PEFT config dict.
+
+    Raises:
+        RankwiseError: On a missing/corrupt/pickled file, unsupported features, or an
+            adapter that does not fit the model.
+    """
+    from rankwise.adapters.lora import LoraConfig, apply_lora, pattern_value
+
+    peft_dir = Path(peft_dir)
+    cfg = read_peft_config(peft_dir)
+    lora, rest = _split(_read_tensors(peft_dir), model)
+    if not lora:
+        raise RankwiseError(f"{peft_dir / WEIGHTS} holds no LoRA tensors; re-save the adapter")
+    rslora = bool(cfg.get("use_rslora", False))
+    structure = {}
+    for path, ab in lora.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise RankwiseError(f"PEFT adapter has only {sorted(ab)} for {path!r}; re-save it")
+        alpha = pattern_value(path, cfg.get("alpha_pattern") or {}, cfg.get("lora_alpha", 8))
+        structure[path] = {"r": int(ab["lora_A"].shape[0]), "alpha": float(alpha),
+                           "use_rslora": rslora}
+    params = dict(model.named_parameters())
+    unknown = [k for k in rest if k not in params]
+    if unknown:
+        raise RankwiseError(f"PEFT adapter holds {unknown[0]!r}, which this model lacks; load it "
+                            "onto the base model it was trained on")
+    names = cfg.get("modules_to_save") or []
+    saved = sorted({p for p, _ in model.named_modules() if p and any(matches(p, n) for n in names)
+                    and any(k.startswith(p + ".") for k in rest)})
+    config = LoraConfig(targets=list(lora), dropout=float(cfg.get("lora_dropout") or 0.0),
+                        modules_to_save=saved)
+    apply_lora(model, config, adapter_name, structure=structure)
+    state = {f"{p}.{k}.weight": v for p, ab in lora.items() for k, v in ab.items()}
+    state.update(rest)
+    load_adapter_state_dict(model, state, adapter_name)
+    return cfg

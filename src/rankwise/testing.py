@@ -1,0 +1,86 @@
+"""Tiny transformers models built in code, for tests and the method contract suite.
+
+Nothing is downloaded: each builder makes a randomly initialised model a few kilobytes in
+size from a config, with a fixed seed, plus a matching batch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 64
+SEQ = 8
+
+
+def tiny_bert_cls(num_labels: int = 3, seed: int = 0) -> nn.Module:
+    """Return a 2-layer, 16-wide ``BertForSequenceClassification`` (``nn.Linear`` layers).
+
+    Args:
+        num_labels: Classes of the head (``classifier``).
+        seed: Torch seed for the random weights.
+
+    Returns:
+        The model in eval mode.
+    """
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32, num_labels=num_labels,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg).eval()
+
+
+def tiny_gpt2_lm(seed: int = 0) -> nn.Module:
+    """Return a 2-layer, 16-wide ``GPT2LMHeadModel`` (transformers ``Conv1D`` layers).
+
+    Args:
+        seed: Torch seed for the random weights.
+
+    Returns:
+        The model in eval mode.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_llama_lm(seed: int = 0) -> nn.Module:
+    """Return a 2-layer, 16-wide ``LlamaForCausalLM`` (``q_proj`` ... ``down_proj``).
+
+    Args:
+        seed: Torch seed for the random weights.
+
+    Returns:
+        The model in eval mode.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+TINY_MODELS = {"bert": tiny_bert_cls, "gpt2": tiny_gpt2_lm, "llama": tiny_llama_lm}
+
+
+def tiny_batch(kind: str, batch: int = 2, seq: int = SEQ, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Return ``model(**batch)`` inputs with labels, so the output has ``.loss``.
+
+    Args:
+        kind: ``"bert"`` (class labels) or ``"gpt2"``/``"llama"`` (next-token labels).
+        batch: Batch size.
+        seq: Sequence length.
+        seed: Seed of the token generator.
+
+    Returns:
+        ``{"input_ids", "attention_mask", "labels"}``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    out["labels"] = torch.randint(0, 3, (batch,), generator=g) if kind == "bert" else ids.clone()
+    return out
