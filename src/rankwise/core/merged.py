@@ -1,0 +1,52 @@
+"""Export a merged model: adapters folded into the base weights, saved for ``from_pretrained``."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from rankwise.core import atomic
+from rankwise.core.ops import merge_and_unload
+from rankwise.core.protocol import adapter_modules
+from rankwise.errors import RankwiseError
+
+
+def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
+                  adapter_name: str | None = None) -> Path:
+    """Save a copy of ``model`` with its adapters merged, as a plain transformers model folder.
+
+    The caller's model is not changed: a deep copy is merged (``W + s B A`` per layer, see
+    :func:`rankwise.core.ops.merge_and_unload`), stripped of adapter layers, and written with
+    ``save_pretrained`` (safetensors), so ``transformers.AutoModel*.from_pretrained(out_dir)``
+    loads it without rankwise. Trained whole modules (the head) are part of the model already.
+
+    Args:
+        model: An adapted transformers model (a ``PreTrainedModel``).
+        out_dir: Target folder (replaced only when writing succeeded).
+        tokenizer: Optional tokenizer saved beside the weights.
+        adapter_name: Merge only this adapter; ``None`` merges the active adapters.
+
+    Returns:
+        The folder written.
+
+    Raises:
+        RankwiseError: If ``model`` has no ``save_pretrained`` (not a transformers model).
+    """
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise RankwiseError(f"cannot export a merged {type(model).__name__}: it is not a "
+                            "transformers model (no save_pretrained); save its state_dict instead")
+    if adapter_name is not None:
+        names = {n for _, m in adapter_modules(model) for n in m.adapter_names()}
+        if adapter_name not in names:
+            raise RankwiseError(f"no adapter named {adapter_name!r}; adapters here: {sorted(names)}")
+    merged = merge_and_unload(copy.deepcopy(model), adapter_name)
+    out_dir = Path(out_dir)
+    with atomic.folder(out_dir) as tmp:
+        merged.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if not any(tmp.glob("*.safetensors")):
+            raise RuntimeError(f"save_pretrained wrote no safetensors file in {tmp}")
+    return out_dir
