@@ -1,0 +1,24 @@
+"""GoRA (ROADMAP A2): gradient-driven adaptive rank and initialisation; one registration.
+
+Usage from a training recipe, after the method's builder ran::
+
+    from rankwise.adapters.gora import gora_report, plot_ranks, write_ranks
+    report = gora_report(model, adapter_name)      # None unless the method was gora
+    if report is not None:
+        write_ranks(report, run_dir / "ranks.json")
+        plot_ranks(report, run_dir / "ranks.png")
+"""
+from __future__ import annotations
+
+from rankwise import registry
+from rankwise.adapters.gora.allocate import allocate_ranks, importance, normalise
+from rankwise.adapters.gora.config import GoraConfig
+from rankwise.adapters.gora.gradients import accumulate_gradients
+from rankwise.adapters.gora.layer import apply_gora, gora_report, projected_step_b
+from rankwise.adapters.gora.report import plot_ranks, write_ranks
+
+__all__ = ["GoraConfig", "apply_gora", "gora_report", "plot_ranks", "write_ranks",
+           "allocate_ranks", "importance", "normalise", "accumulate_gradients", "projected_step_b"]
+
+registry.register("method", "gora", GoraConfig, apply_gora, needs_batches=True,
+                  summary="GoRA: gradient-driven adaptive ranks + projected-gradient init (NeurIPS 2025)")

@@ -1,0 +1,99 @@
+"""GoRA configuration: the one place its defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+IMPORTANCES = ("union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv", "union_log_sv")
+
+
+@dataclass
+class GoraConfig:
+    """GoRA settings (He et al., "GoRA: Gradient-driven Adaptive Low Rank Adaptation", NeurIPS 2025).
+
+    Defaults follow the paper's released scripts (``scripts/gora/*.sh`` in hhnqqq/MyTransformers)
+    where they exist; ``(ours)`` marks choices of rankwise.
+
+    Attributes:
+        name: Registry name (``gora``).
+        r: The reference rank r0. The parameter budget is ``sum_W (m_W + n_W) * r``, the same
+            number of adapter weights as uniform LoRA at rank ``r`` on the same targets.
+        alpha: Scale numerator. With ``use_rslora`` each layer gets s_W = alpha / sqrt(r_W)
+            (the scripts' ``--gora-dynamic-scaling --gora-rank-stablize``), else alpha / r_W.
+        use_rslora: See ``alpha``.
+        targets: As in LoRA: ``"all-linear"``, a regex over module paths, or name suffixes.
+        exclude: Name suffixes never adapted.
+        dropout: Dropout on the adapter input.
+        modules_to_save: Whole modules trained and saved with the adapter; ``None`` = task head.
+        r_min: Smallest rank a layer may get; 0 lets unimportant layers be skipped entirely.
+        r_max: Largest rank a layer may get (also capped at min(m, n) per layer).
+        importance: Per-layer importance from the averaged gradient G and weight W:
+            ``union_mean`` = mean|W ⊙ G| (the paper's scripts), ``union_frobenius`` = ||W ⊙ G||_F
+            (the code's default), ``grad_nuclear`` = ||G||_*, ``grad_log_sv`` / ``union_log_sv``
+            = sum of log(1 + sigma_i) over the top 4·r singular values of G / of W ⊙ G.
+        sqrt_importance: Use sqrt(I) before normalising (``--gora-scale-importance``).
+        softmax_temperature: If set, normalise with softmax(((I - min)/(max - min)) / T)
+            instead of I / sum(I) (``--gora-softmax-importance``; the code uses T = 0.5).
+        allocation: ``largest_remainder`` (ours): water-fill the budget under the clamps, then
+            round so the total stays within one layer's (m + n) of the budget;
+            ``round``: the code's rule, r_W = clamp(round(b * I_W / (m + n))), which may drift.
+        n_batches: Calibration batches whose gradients are averaged (``--gradient-est-n-steps``).
+        early_stop: Stop before ``n_batches`` once every layer's importance changed by less
+            than ``stop_tolerance`` (relative) from one batch to the next.
+        stop_tolerance: See ``early_stop`` (the code's ``--gora-convergence-threshold``).
+        min_batches: Never stop before this many batches.
+        init_lr: eta_g, the step size of the initial projected gradient step.
+        scale_init_by_dim: Multiply ``init_lr`` by sqrt(n_in / r_W) (``--gora-scale-by-lr``),
+            so the projected step keeps the size of a full step as the rank shrinks.
+        init_sign: ``descent``: s·B A = -eta·G·P_A, one gradient-descent step (the paper, and
+            the code until Aug 2025); ``ascent``: +eta·G·P_A (the released code since then).
+    """
+
+    name: str = "gora"
+    r: int = 8
+    alpha: float = 16.0
+    use_rslora: bool = True
+    targets: Union[list[str], str] = "all-linear"
+    exclude: list[str] = field(default_factory=list)
+    dropout: float = 0.0
+    modules_to_save: Union[list[str], None] = None
+    r_min: int = 4
+    r_max: int = 32
+    importance: Literal["union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv",
+                        "union_log_sv"] = "union_mean"
+    sqrt_importance: bool = False
+    softmax_temperature: Optional[float] = None
+    allocation: Literal["largest_remainder", "round"] = "largest_remainder"
+    n_batches: int = 8
+    early_stop: bool = False
+    stop_tolerance: float = 0.1
+    min_batches: int = 3
+    init_lr: float = 5e-2
+    scale_init_by_dim: bool = True
+    init_sign: Literal["descent", "ascent"] = "descent"
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        out = []
+        if self.r < 1:
+            out.append(f"r: got {self.r}; expected an integer >= 1 (the reference rank r0)")
+        if self.r_min < 0:
+            out.append(f"r_min: got {self.r_min}; expected an integer >= 0")
+        if self.r_max < max(1, self.r_min):
+            out.append(f"r_max: got {self.r_max}; expected an integer >= max(1, r_min={self.r_min})")
+        if self.alpha <= 0:
+            out.append(f"alpha: got {self.alpha}; expected a positive number")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
+        if self.n_batches < 1:
+            out.append(f"n_batches: got {self.n_batches}; expected an integer >= 1")
+        if self.min_batches < 1:
+            out.append(f"min_batches: got {self.min_batches}; expected an integer >= 1")
+        if self.stop_tolerance <= 0:
+            out.append(f"stop_tolerance: got {self.stop_tolerance}; expected a positive number")
+        if self.softmax_temperature is not None and self.softmax_temperature <= 0:
+            out.append(f"softmax_temperature: got {self.softmax_temperature}; expected a positive "
+                       "number or null")
+        if self.init_lr < 0:
+            out.append(f"init_lr: got {self.init_lr}; expected a number >= 0 (0 gives B = 0)")
+        return out

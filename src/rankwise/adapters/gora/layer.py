@@ -1,0 +1,165 @@
+"""GoRA: gradient-driven rank allocation and initialisation of plain LoRA layers.
+
+The result of :func:`apply_gora` is an ordinary :class:`~rankwise.adapters.lora.LoraLayer`
+per adapted path, with per-layer ranks; saving, loading, merging and the PEFT export
+(``rank_pattern``) therefore work exactly as for LoRA.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from rankwise.adapters.gora.allocate import allocate_ranks, importance, normalise
+from rankwise.adapters.gora.config import GoraConfig
+from rankwise.adapters.gora.gradients import accumulate_gradients
+from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
+from rankwise.core.inject import Conv1D, find_targets
+from rankwise.core.protocol import base_weight
+from rankwise.errors import RankwiseError
+
+REPORT_ATTR = "_rankwise_gora"
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return bool(Conv1D) and isinstance(module, Conv1D)
+
+
+def _out_in(module: nn.Module, grad: torch.Tensor) -> torch.Tensor:
+    """Return a tensor in (out, in) layout; Conv1D stores its weight (in, out)."""
+    return grad.T if _is_conv1d(module) else grad
+
+
+def projected_step_b(grad: torch.Tensor, a: torch.Tensor, scale: float, eta: float,
+                     sign: float = -1.0) -> torch.Tensor:
+    """Return B such that ``scale * B @ A == sign * eta * G @ P_A`` (GoRA, step 3).
+
+    ``P_A = Aᵀ (A Aᵀ)⁻¹ A`` projects onto A's row space, so ``s·B A`` is one gradient step of
+    size eta restricted to the directions A can express: B = sign·(eta/s)·G Aᵀ (A Aᵀ)⁻¹.
+    The paper writes the pseudo-inverse of A; for a random A of full row rank (r <= n_in)
+    that is ``Aᵀ (A Aᵀ)⁻¹``, which is what we solve (in float64, then cast).
+
+    Args:
+        grad: G, shape (out, in).
+        a: A, shape (r, in), full row rank.
+        scale: The layer's LoRA scale s.
+        eta: Step size.
+        sign: -1 for a descent step, +1 for ascent.
+
+    Returns:
+        B, shape (out, r), in ``a``'s dtype.
+    """
+    a64, g64 = a.detach().double(), grad.detach().double()
+    gram = a64 @ a64.T                       # (r, r)
+    ga = g64 @ a64.T                         # (out, r)
+    b = torch.linalg.solve(gram, ga.T).T     # G Aᵀ (A Aᵀ)⁻¹ since gram is symmetric
+    return (b * (sign * eta / scale)).to(a.dtype)
+
+
+def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "default",
+               batches: Iterable[dict] | None = None) -> dict[str, LoraLayer]:
+    """Inject GoRA adapter ``adapter_name``: allocate ranks from gradients, then init B.
+
+    Implements GoRA (He et al., NeurIPS 2025) steps 1-3: average each target weight's
+    gradient G over ``config.n_batches`` batches, score every layer (``config.importance``,
+    the paper's mean|W ⊙ G| by default), allocate ranks under the budget
+    ``sum_W (m_W + n_W) * r0`` clamped to [r_min, r_max] (rank 0 skips a layer), inject plain
+    LoRA layers with those ranks (A Kaiming-uniform as in the code), and set
+    ``B = ∓(eta/s)·G Aᵀ (A Aᵀ)⁻¹`` so that the initial update is ``s·B A = ∓eta·G·P_A``
+    (``config.init_sign``; eta = init_lr·sqrt(n_in / r_W) with ``scale_init_by_dim``).
+    The base weights are not modified (the code's ``reinit_weight=False``); the model's
+    output therefore moves by that one projected step at initialisation.
+
+    The allocation and importances are kept on the model; read them with
+    :func:`rankwise.adapters.gora.gora_report`.
+
+    Args:
+        model: The model; ``model(**batch).loss`` must be the training loss.
+        config: GoRA settings.
+        adapter_name: Name of the adapter.
+        batches: Calibration batches (the train recipe passes its training iterator).
+
+    Returns:
+        ``{path: LoraLayer}`` for the layers that received a rank > 0.
+
+    Raises:
+        RankwiseError: Without batches, on targets matching nothing, or on batches without
+            a loss.
+    """
+    if batches is None:
+        raise RankwiseError("method 'gora' needs calibration batches: call its builder with "
+                            "batches=<iterator of batch dicts> (rankwise train does this)")
+    paths = find_targets(model, config.targets, config.exclude)
+    modules = {p: model.get_submodule(p) for p in paths}
+    weights = {p: base_weight(m) for p, m in modules.items()}
+
+    def score(grads: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {p: importance(config.importance, weights[p], g, config.r) for p, g in grads.items()}
+
+    stats = accumulate_gradients(model, weights, batches, config.n_batches,
+                                 score=score if config.early_stop else None,
+                                 stop_tolerance=config.stop_tolerance,
+                                 min_batches=config.min_batches)
+    scores = stats.history[-1] if stats.history else score(stats.grads)
+    shares = normalise(scores, config.sqrt_importance, config.softmax_temperature)
+    dims = {p: tuple(_out_in(modules[p], weights[p]).shape) for p in paths}
+    ranks = allocate_ranks(shares, dims, config.r, config.r_min, config.r_max, config.allocation)
+
+    lora_cfg = LoraConfig(r=config.r, alpha=config.alpha, targets=list(paths), dropout=config.dropout,
+                          use_rslora=config.use_rslora, modules_to_save=config.modules_to_save)
+    structure = {p: {"r": ranks[p], "alpha": config.alpha, "use_rslora": config.use_rslora}
+                 for p in paths}
+    layers = apply_lora(model, lora_cfg, adapter_name, structure=structure)
+
+    sign = -1.0 if config.init_sign == "descent" else 1.0
+    etas: dict[str, float] = {}
+    with torch.no_grad():
+        for p, layer in layers.items():
+            a = layer.lora_A[adapter_name].weight                   # (r, in)
+            r, n_in = a.shape
+            eta = config.init_lr * (math.sqrt(n_in / r) if config.scale_init_by_dim else 1.0)
+            g = _out_in(modules[p], stats.grads[p])                  # (out, in)
+            b = layer.lora_B[adapter_name].weight
+            b.copy_(projected_step_b(g, a, layer.scaling[adapter_name], eta, sign).to(b.device))
+            etas[p] = eta
+    del stats.grads
+
+    budget = sum((m + n) * config.r for m, n in dims.values())
+    report: dict[str, Any] = {
+        "method": "gora", "adapter": adapter_name, "r0": config.r,
+        "r_min": config.r_min, "r_max": config.r_max,
+        "importance": config.importance, "allocation": config.allocation,
+        "budget_params": budget,
+        "allocated_params": sum((dims[p][0] + dims[p][1]) * ranks[p] for p in paths),
+        "ranks": {p: int(ranks[p]) for p in paths},
+        "importances": {p: float(scores[p]) for p in paths},
+        "shapes": {p: list(dims[p]) for p in paths},
+        "init": {"sign": config.init_sign, "eta": etas},
+        "batches": stats.batches, "early_stopped": stats.early_stopped,
+        "importance_history": stats.history,
+        "memory": stats.memory(),
+    }
+    reports = dict(getattr(model, REPORT_ATTR, {}))
+    reports[adapter_name] = report
+    object.__setattr__(model, REPORT_ATTR, reports)
+    return layers
+
+
+def gora_report(model: nn.Module, adapter_name: str = "default") -> dict | None:
+    """Return what :func:`apply_gora` decided for ``adapter_name``, or None for other methods.
+
+    Args:
+        model: A model adapted by :func:`apply_gora` (or not).
+        adapter_name: The adapter.
+
+    Returns:
+        A JSON-ready dict with ``ranks`` and ``importances`` (``{path: value}``, rank 0 for
+        skipped layers), ``shapes`` ((out, in) per path), ``budget_params`` /
+        ``allocated_params``, ``batches`` used, ``early_stopped``, ``init`` (sign and eta per
+        layer) and ``memory`` (bytes of the gradient phase); None if GoRA was not applied.
+    """
+    return getattr(model, REPORT_ATTR, {}).get(adapter_name)

@@ -1,0 +1,84 @@
+"""The ``federated:`` section of a run config: the one place its defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+FAULTS = ("nan", "shape", "keys", "crash")
+
+
+@dataclass
+class FederatedConfig:
+    """How a federated run is set up (``rankwise federated``).
+
+    Attributes:
+        strategy: A strategy name (``fedit``, ``ffa-lora``, ``rolora``, ``fedlease``, ``yoco``,
+            ``leff``) or a mapping ``{name: ..., <option>: ...}`` overriding that strategy's
+            config dataclass.
+        clients: Number of simulated clients (Flower SuperNodes), one data partition each.
+        rounds: Communication rounds (YOCO always runs exactly one).
+        partition: ``natural`` (each client an organisation owning whole labels, i.e. whole
+            stdlib packages; strongly non-IID) or ``dirichlet`` (``flwr-datasets``'
+            DirichletPartitioner over the labels).
+        alpha: Dirichlet concentration (smaller = more skewed).
+        fraction: Fraction of connected clients sampled per round (at least ``min_clients``).
+        min_clients: A round is aggregated when at least this many valid updates arrive;
+            otherwise the global adapter stays unchanged and the round is logged as skipped.
+        local_steps: Optimiser steps per client per round.
+        lr: Client learning rate; ``None`` uses the run's ``train.lr``.
+        batch_size: Client batch size; ``None`` uses the run's ``train.batch_size``.
+        round_timeout: Seconds the server waits for replies; late clients count as missing.
+        client_cpus: CPUs Flower's simulation engine reserves per ClientApp (sets parallelism).
+        seed: Seed of partitioning, sampling and the initial adapter.
+        faults: Fault injection for tests and drills: ``{partition id: kind}`` with kind in
+            ``nan``, ``shape``, ``keys`` (malformed updates) or ``crash`` (the ClientApp raises).
+    """
+
+    strategy: Union[str, dict] = "fedit"
+    clients: int = 4
+    rounds: int = 5
+    partition: Literal["natural", "dirichlet"] = "natural"
+    alpha: float = 0.5
+    fraction: float = 1.0
+    min_clients: int = 2
+    local_steps: int = 10
+    lr: Union[float, None] = None
+    batch_size: Union[int, None] = None
+    round_timeout: float = 600.0
+    client_cpus: float = 1.0
+    seed: int = 0
+    faults: dict[str, str] = field(default_factory=dict)
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        out = []
+        if self.clients < 1:
+            out.append(f"clients: got {self.clients}; expected an integer >= 1")
+        if self.rounds < 1:
+            out.append(f"rounds: got {self.rounds}; expected an integer >= 1")
+        if not 0.0 < self.fraction <= 1.0:
+            out.append(f"fraction: got {self.fraction}; expected a value in (0, 1]")
+        if not 1 <= self.min_clients <= max(self.clients, 1):
+            out.append(f"min_clients: got {self.min_clients}; expected 1..clients ({self.clients})")
+        if self.alpha <= 0:
+            out.append(f"alpha: got {self.alpha}; expected a positive number")
+        if self.local_steps < 1:
+            out.append(f"local_steps: got {self.local_steps}; expected an integer >= 1")
+        for pid, kind in self.faults.items():
+            if kind not in FAULTS:
+                out.append(f"faults.{pid}: got {kind!r}; expected one of {list(FAULTS)}")
+            if not str(pid).isdigit():
+                out.append(f"faults: key {pid!r} must be a partition id (0..clients-1)")
+        if not isinstance(self.strategy, (str, dict)) or (
+                isinstance(self.strategy, dict) and "name" not in self.strategy):
+            out.append(f"strategy: got {self.strategy!r}; expected a name or {{name: ..., ...}}")
+        return out
+
+    def strategy_name(self) -> str:
+        """The strategy's registry name."""
+        return self.strategy if isinstance(self.strategy, str) else self.strategy["name"]
+
+    def strategy_options(self) -> dict:
+        """The overrides of the strategy's config dataclass (without ``name``)."""
+        return {} if isinstance(self.strategy, str) else {
+            k: v for k, v in self.strategy.items() if k != "name"}

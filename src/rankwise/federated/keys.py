@@ -1,0 +1,38 @@
+"""Every key that the ServerApp and the ClientApp must both spell, in one place.
+
+Flower messages carry a ``RecordDict``; these constants name its records and the entries of
+the config and metric records. Nothing else in rankwise spells these strings.
+"""
+from __future__ import annotations
+
+# --- records inside a message's RecordDict ------------------------------------------------
+ARRAYS = "arrays"          # ArrayRecord: adapter tensors (down: global values, up: update)
+CONFIG = "config"          # ConfigRecord: what the client must do this round
+METRICS = "metrics"        # MetricRecord: what the client reports
+STATE = "rankwise-adapter"  # ArrayRecord kept in a node's Context.state between rounds
+
+# --- ConfigRecord entries (server -> client) ------------------------------------------------
+ROUND = "server-round"     # int: current round (Flower's own spelling)
+TRAIN_FACTORS = "train-factors"  # str: "AB", "A" or "B": which LoRA factors train
+TRAIN_LAYERS = "train-layers"    # list[int]: layer indices that train; empty = all layers
+TRAIN_STEPS = "train-steps"      # int: local optimiser steps this round
+LEARNING_RATE = "learning-rate"  # float
+PHASE = "phase"                  # str: "train", "warmup" (FedLEASE), "oneshot" (YOCO)
+CLUSTER = "cluster"              # int: FedLEASE expert/cluster index of the receiving client
+NUM_EXPERTS = "num-experts"      # int: FedLEASE number of experts M
+TOP_M = "top-m"                  # int: FedLEASE router selects at most M of 2M-1 slots
+
+# --- MetricRecord entries (client -> server) -----------------------------------------------
+NUM_EXAMPLES = "num-examples"    # weight of a client in every weighted mean (Flower's spelling)
+TRAIN_LOSS = "train-loss"
+PARTITION = "partition-id"       # the client's data partition (maps node ids to data)
+CAPACITY = "capacity"            # LEFF: layers the client can train
+IMPORTANCE = "layer-importance"  # LEFF: per-layer first-order Taylor importance (list)
+
+# --- key prefixes inside the ArrayRecord for multi-part payloads (FedLEASE) -----------------
+EXPERT_PREFIX = "expert{m}/"     # expert m's LoRA tensors: "expert0/<parameter name>"
+ROUTER_PREFIX = "router/"        # the cluster's router tensors: "router/<parameter name>"
+
+# --- factors -------------------------------------------------------------------------------
+FACTOR_A = ".lora_A."            # substring of a LoRA down-projection parameter name
+FACTOR_B = ".lora_B."            # substring of a LoRA up-projection parameter name

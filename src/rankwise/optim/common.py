@@ -1,0 +1,158 @@
+"""Pieces every low-rank optimizer shares: which parameters are projected, Adam's moment
+arithmetic, decoupled weight decay, and counting optimizer-state bytes.
+
+Param groups are decided here, explicitly: the 2-D weight matrices of linear layers inside the
+repeated transformer blocks go to the projected group; embeddings, norms, biases, poolers and
+output heads go to a plain AdamW group (GaLore's own recipe does the same).
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from rankwise.core.inject import _head_paths, is_linear_like
+from rankwise.errors import RankwiseError
+
+# A module path with a numeric segment (``model.layers.3.mlp.up_proj``) sits inside a
+# ``ModuleList`` of blocks; that is how "in the transformer blocks" is recognised.
+_BLOCK_SEGMENT = re.compile(r"(^|\.)\d+(\.|$)")
+
+
+def split_params(model: nn.Module, targets: list[str] | None = None
+                 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """Split the trainable parameters into (projected matrices, everything else).
+
+    Args:
+        model: Any model. Only parameters with ``requires_grad`` are returned.
+        targets: ``None`` selects the weight of every linear layer (``nn.Linear`` or
+            transformers' ``Conv1D``) whose module path has a numeric segment (a block of a
+            ``ModuleList``), except output heads. Otherwise a list of regular expressions
+            searched in the module path (``["attn", "mlp"]``, GaLore's choice).
+
+    Returns:
+        ``(projected, plain)``: lists of ``(parameter name, parameter)`` in model order,
+        each parameter once. Projected parameters are 2-D with both sides larger than 1.
+
+    Raises:
+        RankwiseError: If ``targets`` is given but a pattern is not a valid regex.
+    """
+    patterns = []
+    for t in targets or []:
+        try:
+            patterns.append(re.compile(t))
+        except re.error as err:
+            raise RankwiseError(f"optim.targets: got {t!r} ({err}); expected a regular expression") from None
+    heads = _head_paths(model)
+    chosen: set[int] = set()
+    for path, module in model.named_modules():
+        if not is_linear_like(module) or path in heads:
+            continue
+        hit = any(p.search(path) for p in patterns) if patterns else bool(_BLOCK_SEGMENT.search(path))
+        w = getattr(module, "weight", None)
+        if hit and w is not None and w.ndim == 2 and min(w.shape) > 1:
+            chosen.add(id(w))
+    projected, plain, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (projected if id(p) in chosen else plain).append((name, p))
+    return projected, plain
+
+
+def adam_direction(state: dict, grad: torch.Tensor, beta1: float, beta2: float, eps: float,
+                   step: int) -> torch.Tensor:
+    """Update Adam's moments in ``state`` with ``grad`` and return the bias-corrected direction.
+
+    Follows ``torch.optim.AdamW`` (Loshchilov & Hutter 2019, Alg. 2 lines 6-12):
+    ``m <- b1 m + (1-b1) g``, ``v <- b2 v + (1-b2) g^2``,
+    direction ``= (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``.
+
+    Args:
+        state: Holds (or receives, zero-initialised) ``exp_avg`` and ``exp_avg_sq`` shaped
+            like ``grad``.
+        grad: The (possibly projected) gradient.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the denominator.
+        step: 1-based step count for bias correction.
+
+    Returns:
+        The direction (same shape as ``grad``); the caller multiplies by ``-lr``.
+    """
+    if "exp_avg" not in state:
+        state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bc1 = 1 - beta1 ** step
+    bc2_sqrt = math.sqrt(1 - beta2 ** step)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    return (m / bc1).div_(denom)
+
+
+def decay_(param: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """Decoupled weight decay, ``p <- p (1 - lr wd)``, applied before the update as in AdamW."""
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
+
+
+def next_step(state: dict) -> int:
+    """Increment ``state["step"]`` (a 0-dim float tensor, as torch's optimizers keep it).
+
+    Returns:
+        The new 1-based step count as an int.
+    """
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0)
+    state["step"] += 1
+    return int(state["step"].item())
+
+
+def state_bytes(optimizer: torch.optim.Optimizer,
+                params: Iterable[torch.Tensor] | None = None) -> int:
+    """Bytes held in ``optimizer.state``, counted from the tensors themselves.
+
+    0-dim bookkeeping tensors (step counters, orientation flags) are left out so that the count
+    can be compared with the per-matrix formulas (``2nr + mr`` ...); they are a few bytes each.
+
+    Args:
+        optimizer: Any torch optimizer.
+        params: Restrict the count to these parameters (default: all).
+
+    Returns:
+        Total ``numel * element_size`` of the non-scalar state tensors.
+    """
+    keys = None if params is None else {id(p) for p in params}
+    total = 0
+    for p, st in optimizer.state.items():
+        if keys is not None and id(p) not in keys:
+            continue
+        for v in st.values():
+            if torch.is_tensor(v) and v.ndim > 0:
+                total += v.numel() * v.element_size()
+    return total
+
+
+def check_common(lr: float, weight_decay: float, betas=None, eps: float | None = None,
+                 rank: int | None = None, update_every: int | None = None) -> list[str]:
+    """Return the value problems shared by every optimizer config (empty when valid)."""
+    out = []
+    if not lr > 0:
+        out.append(f"lr: got {lr}; expected a positive number such as 1e-3")
+    if weight_decay < 0:
+        out.append(f"weight_decay: got {weight_decay}; expected 0 or more")
+    if betas is not None and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
+        out.append(f"betas: got {list(betas)}; expected two numbers in [0, 1) such as [0.9, 0.999]")
+    if eps is not None and eps < 0:
+        out.append(f"eps: got {eps}; expected 0 or more")
+    if rank is not None and rank < 1:
+        out.append(f"rank: got {rank}; expected a positive integer such as 64")
+    if update_every is not None and update_every < 1:
+        out.append(f"update_every: got {update_every}; expected a positive integer such as 200")
+    return out

@@ -1,0 +1,67 @@
+"""Settings of the GaLore-style optimizers (``galore``, ``galore-is``); the only defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from rankwise.optim.common import check_common
+
+
+@dataclass
+class GaLoreConfig:
+    """GaLore: Adam moments kept in a rank-``r`` subspace of each gradient (Zhao et al. 2024).
+
+    Defaults follow the GaLore paper's pre-training scripts (rank 128, subspace refresh every
+    200 steps, scale 0.25) except ``lr`` (1e-3, the rankwise default for every optimizer).
+
+    Attributes:
+        name: Registry name.
+        lr: Peak learning rate (all groups).
+        weight_decay: Decoupled weight decay (all groups).
+        betas: Adam's (beta1, beta2).
+        eps: Adam's epsilon (added after the square root, as ``torch.optim.AdamW``).
+        rank: Subspace dimension ``r`` of each projected matrix; ranks at or above
+            ``min(m, n)`` mean no projection (plain AdamW for that matrix).
+        update_every: ``T``: the subspace is recomputed from the gradient every ``T`` steps.
+        scale: ``alpha``: multiplies the back-projected update of projected matrices.
+        targets: ``None``: project the linear weights inside the transformer blocks; or regexes
+            searched in module paths (see :func:`rankwise.optim.common.split_params`).
+        svd: ``"svd"`` (exact thin SVD, GaLore's choice) or ``"eigh"`` (eigenvectors of the
+            small Gram matrix; same subspace, cheaper on CPU).
+        stagger: Spread the refreshes of different matrices over the ``T`` steps instead of
+            doing all of them on the same step (same amortised cost, flatter step times).
+        select: ``"top"`` (the leading singular directions) or ``"sampled"``
+            (importance sampling; the ``galore-is`` entry sets it).
+        seed: Seed of the subspace sampling (``"sampled"`` only).
+    """
+
+    name: str = "galore"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    rank: int = 128
+    update_every: int = 200
+    scale: float = 0.25
+    targets: Union[list[str], None] = None
+    svd: Literal["svd", "eigh"] = "svd"
+    stagger: bool = False
+    select: Literal["top", "sampled"] = "top"
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        """Return value errors (empty when valid)."""
+        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
+                           self.update_every)
+        if not self.scale > 0:
+            out.append(f"scale: got {self.scale}; expected a positive number such as 0.25")
+        return out
+
+
+@dataclass
+class GaLoreISConfig(GaLoreConfig):
+    """GaLore with importance-sampled subspaces (Zhang et al. 2025, "Breaking the Frozen
+    Subspace"). Same fields as :class:`GaLoreConfig`; only ``name`` and ``select`` differ."""
+
+    name: str = "galore-is"
+    select: Literal["top", "sampled"] = "sampled"

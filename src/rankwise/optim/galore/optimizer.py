@@ -1,0 +1,144 @@
+"""GaLore-style AdamW: Adam moments in a low-rank subspace of each weight gradient."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from rankwise.optim import projector
+from rankwise.optim.common import adam_direction, decay_, next_step, split_params
+from rankwise.optim.galore.config import GaLoreConfig
+
+
+def sample_generator(seed: int, index: int, step: int) -> torch.Generator:
+    """A generator that depends only on (seed, parameter index, step), so sampled subspaces
+    are identical on every DDP process and after a resume, with no RNG state to save."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + index * 10_007 + step) % (2**63 - 1))
+    return g
+
+
+class GaLoreAdamW(torch.optim.Optimizer):
+    """AdamW whose moments for selected matrices live in a rank-``r`` gradient subspace.
+
+    GaLore (Zhao et al., ICML 2024, Algorithm 2): every ``T`` steps ``P`` is taken from the SVD
+    of the current gradient ``G_t``; ``R_t = P^T G_t``; Adam's moments are updated with
+    ``R_t``; the weight moves by ``-lr * alpha * P N_t`` with ``N_t = M_t / (sqrt(V_t) + eps)``.
+    Moments are reused unchanged across a subspace change, as in the paper's code.
+
+    With ``select="sampled"`` this is the importance-sampling variant of Zhang et al.
+    (NeurIPS 2025, "Breaking the Frozen Subspace"): the ``r`` singular directions are drawn
+    without replacement with probability proportional to their singular values instead of
+    always taking the top ``r``. The paper's algorithm text was not available to us; our
+    reading (from its abstract and reviewer summaries) is: plain sampling, no rescaling of the
+    projected gradient, moments kept across refreshes as in GaLore.
+
+    Param-group keys (a group without ``rank`` is plain AdamW):
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        rank: subspace dimension (``>= min(m, n)`` means no projection for that matrix).
+        update_every: refresh period ``T``.
+        scale: ``alpha`` applied to the back-projected update.
+        select: ``"top"`` or ``"sampled"``.
+        svd: ``"svd"`` or ``"eigh"`` (see :func:`rankwise.optim.projector.spectrum`).
+        stagger: spread refreshes of different matrices over the period.
+        seed: seed of the sampling.
+
+    State per projected matrix (all tensors): ``exp_avg``, ``exp_avg_sq`` (``max(m,n) x r``),
+    ``proj_basis`` (``min(m,n) x r``), ``proj_side`` and ``step`` (0-dim): ``2nr + mr`` floats.
+
+    Args:
+        params: Parameters or param-group dicts.
+        lr: Default learning rate.
+        betas: Default Adam betas.
+        eps: Default epsilon.
+        weight_decay: Default decoupled weight decay.
+
+    Raises:
+        ValueError: For a non-positive rank or period in a group (torch's convention).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        update_every=200, scale=1.0, select="top", svd="svd", stagger=False, seed=0)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group.get("rank") is not None and (group["rank"] < 1 or group["update_every"] < 1):
+                raise ValueError(f"rank and update_every must be positive: got {group['rank']}, "
+                                 f"{group['update_every']}")
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        """Perform one step.
+
+        Args:
+            closure: Optional closure that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = -1
+        for group in self.param_groups:
+            n_matrices = sum(p.ndim == 2 for p in group["params"])
+            beta1, beta2 = group["betas"]
+            pos = -1
+            for p in group["params"]:
+                index += 1
+                pos += p.ndim == 2
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                step = next_step(state)
+                decay_(p, group["lr"], group["weight_decay"])
+                if group.get("rank") is None or p.ndim != 2:
+                    p.add_(adam_direction(state, p.grad, beta1, beta2, group["eps"], step),
+                           alpha=-group["lr"])
+                    continue
+                grad = p.grad
+                period = group["update_every"]
+                phase = (pos * period // n_matrices) if group["stagger"] else 0
+                if "proj_side" not in state or (step - 1 + phase) % period == 0:
+                    gen = sample_generator(group["seed"], index, step) if group["select"] == "sampled" else None
+                    projector.refresh(state, grad, group["rank"], group["select"], group["svd"], gen)
+                low = projector.project(state, grad)  # (max(m,n), r) or (r, max(m,n))
+                direction = adam_direction(state, low, beta1, beta2, group["eps"], step)
+                p.add_(projector.project_back(state, direction), alpha=-group["lr"] * group["scale"])
+        return loss
+
+
+def galore_param_groups(model: nn.Module, config: GaLoreConfig) -> list[dict]:
+    """Return ``[plain group, projected group]`` for ``model`` under ``config``.
+
+    Args:
+        model: The model; only trainable parameters are used.
+        config: Supplies rank, period, scale, selection and target patterns.
+
+    Returns:
+        Param-group dicts for :class:`GaLoreAdamW` (empty groups are dropped).
+    """
+    projected, plain = split_params(model, config.targets)
+    groups = [{"params": [p for _, p in plain]},
+              {"params": [p for _, p in projected], "rank": config.rank,
+               "update_every": config.update_every, "scale": config.scale,
+               "select": config.select, "svd": config.svd, "stagger": config.stagger,
+               "seed": config.seed}]
+    return [g for g in groups if g["params"]]
+
+
+def build_galore(model: nn.Module, config: GaLoreConfig) -> GaLoreAdamW:
+    """Registry builder for ``galore`` and ``galore-is``.
+
+    Args:
+        model: The model to train.
+        config: The ``optim:`` section.
+
+    Returns:
+        The optimizer over the trainable parameters: block matrices projected, the rest AdamW.
+    """
+    return GaLoreAdamW(galore_param_groups(model, config), lr=config.lr, betas=config.betas,
+                       eps=config.eps, weight_decay=config.weight_decay)

@@ -1,0 +1,78 @@
+"""Crash-safe checkpoints: trainable weights, optimizer, scheduler, RNG states, data position.
+
+Each checkpoint is a folder ``checkpoints/step-NNNNNNN`` written under a temporary name and
+renamed, so a kill at any moment leaves the previous checkpoints intact. Weights are
+safetensors; optimizer/scheduler/RNG state is loaded with ``torch.load(weights_only=True)``,
+which never runs pickled code.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rankwise.core import atomic
+from rankwise.errors import RankwiseError
+
+PREFIX = "step-"
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Return clones of every parameter that requires grad, by name."""
+    return {n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, keep: int = 2,
+                    meta: dict | None = None) -> Path:
+    """Write checkpoint ``step`` atomically (``meta`` goes into meta.json) and keep the newest ``keep``."""
+    folder = Path(run_dir) / "checkpoints" / f"{PREFIX}{step:07d}"
+    # Data order is a pure function of (seed, step); torch's RNG covers dropout and sampling.
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "torch_rng": torch.get_rng_state()}
+    with atomic.folder(folder) as tmp:
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        torch.save(state, tmp / "state.pt")
+        atomic.write_json(tmp / "meta.json", {**(meta or {}), "step": step})
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Return complete checkpoint folders, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "meta.json").is_file())
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
+    """Restore a checkpoint into live objects and return its meta (``step`` and extras).
+
+    Raises:
+        RankwiseError: If the checkpoint is corrupt or does not fit the model.
+    """
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        int(meta["step"])
+        weights = load_file(str(path / "trainable.safetensors"))
+        state = torch.load(path / "state.pt", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any corruption is the same user-facing problem
+        raise RankwiseError(f"checkpoint {path} is corrupt ({type(err).__name__}); delete it to "
+                            "resume from the previous one") from None
+    params = dict(model.named_parameters())
+    missing = [k for k, p in params.items() if p.requires_grad and k not in weights]
+    if missing or any(k not in params for k in weights):
+        raise RankwiseError(f"checkpoint {path} does not match this run's model/method; "
+                            "resume with the run's own config.yaml")
+    with torch.no_grad():
+        for k, v in weights.items():
+            params[k].copy_(v)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    return meta

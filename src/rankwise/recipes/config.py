@@ -1,0 +1,247 @@
+"""The run config: ``model``, ``data``, ``method``, ``optim``, ``train`` (and ``federated``).
+
+Defaults live in the dataclasses below and in each method's/optimizer's own config class;
+YAML files and ``--set key=value`` only override them. Every problem in a config is reported
+at once, each unknown key with the closest valid one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from rankwise import registry
+from rankwise.configs import from_dict
+from rankwise.errors import RankwiseError, closest
+
+
+@dataclass
+class ModelConfig:
+    """Which model to adapt.
+
+    Attributes:
+        path: ``demo`` (the packaged MiniLM), a local Hugging Face model folder, or one of the
+            tiny in-code models ``tiny-bert``, ``tiny-gpt2``, ``tiny-llama`` (for tests).
+        task: ``classification`` (sequence classification head) or ``causal-lm``.
+        num_labels: Number of classes; ``None`` infers it from the data.
+    """
+
+    path: str = "demo"
+    task: Literal["classification", "causal-lm"] = "classification"
+    num_labels: Union[int, None] = None
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from.
+
+    Attributes:
+        source: ``demo`` (stdlib docstring topics) or a ``.csv`` / ``.jsonl`` file.
+        text_field: Column/key holding the text.
+        label_field: Column/key holding the label (classification).
+        max_length: Tokens per example (longer texts are truncated).
+        eval_source: A separate evaluation file; else a held-out fraction of ``source``.
+        eval_fraction: Held-out fraction, chosen by a hash of each record (deterministic).
+        limit: Use at most this many training records (``None`` = all).
+    """
+
+    source: str = "demo"
+    text_field: str = "text"
+    label_field: str = "label"
+    max_length: int = 64
+    eval_source: Union[str, None] = None
+    eval_fraction: float = 0.2
+    limit: Union[int, None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        out = []
+        if not 0.0 < self.eval_fraction < 1.0:
+            out.append(f"eval_fraction: got {self.eval_fraction}; expected a value in (0, 1)")
+        if self.max_length < 2:
+            out.append(f"max_length: got {self.max_length}; expected at least 2")
+        return out
+
+
+@dataclass
+class TrainConfig:
+    """The training loop.
+
+    Attributes:
+        steps: Optimizer steps.
+        batch_size: Examples per step.
+        eval_batch_size: Examples per evaluation forward.
+        eval_every: Evaluate every N steps (0 = only at the end).
+        save_every: Checkpoint every N steps (0 = only at the end).
+        log_every: Write a line to ``events.jsonl`` every N steps.
+        seed: Seeds model init, data order and dropout.
+        warmup_fraction: Linear warm-up over this fraction of steps, then linear decay to 0.
+        grad_clip: Clip the gradient norm (0 = off).
+        calibration_batches: Batches given to data-driven initialisations (GoRA).
+        keep_checkpoints: How many checkpoints to keep.
+        progress: Show a progress bar.
+    """
+
+    steps: int = 200
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    eval_every: int = 0
+    save_every: int = 50
+    log_every: int = 5
+    seed: int = 0
+    warmup_fraction: float = 0.06
+    grad_clip: float = 1.0
+    calibration_batches: int = 8
+    keep_checkpoints: int = 2
+    progress: bool = True
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        out = []
+        for name in ("steps", "batch_size", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
+        for name in ("eval_every", "save_every", "log_every", "calibration_batches"):
+            if getattr(self, name) < 0:
+                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 0")
+        return out
+
+
+@dataclass
+class RunConfig:
+    """A whole run. ``method`` and ``optim`` are the registered entries' own config classes."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    method: Any = None
+    optim: Any = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    federated: Union[dict, None] = None
+
+    def to_dict(self) -> dict:
+        """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+                for k, v in out.items() if v is not None}
+
+
+SECTIONS = ("model", "data", "method", "optim", "train", "federated")
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """Parse ``a.b=value`` (value read as YAML) into ``(["a", "b"], value)``.
+
+    Raises:
+        RankwiseError: If there is no ``=`` or the value is not valid YAML.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise RankwiseError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=100")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise RankwiseError(f"--set {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+    return key.strip().split("."), value
+
+
+def apply_sets(data: dict, sets: list[str]) -> dict:
+    """Apply ``--set`` overrides to the raw config dict (in place; returns it)."""
+    for item in sets:
+        path, value = parse_set(item)
+        node = data
+        for part in path[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise RankwiseError(f"--set {item!r}: {part!r} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: Path) -> dict:
+    """Read a YAML mapping from ``path``.
+
+    Raises:
+        RankwiseError: Missing/unreadable file, malformed YAML, or not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RankwiseError(f"config file {path} not found; pass the path of a YAML run config "
+                            "(see examples/ in the repository)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise RankwiseError(f"cannot read config {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RankwiseError(f"config {path} is not valid YAML{where}: "
+                            f"{getattr(err, 'problem', None) or err}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
+    return data
+
+
+def build_run_config(data: dict) -> RunConfig:
+    """Validate a raw dict into a :class:`RunConfig`, reporting every problem at once.
+
+    Raises:
+        RankwiseError: Listing unknown sections/keys (with suggestions) and bad values.
+    """
+    problems: list[str] = []
+    for key in data:
+        if key not in SECTIONS:
+            problems.append(f"{key}: unknown section{closest(key, SECTIONS)}; valid: {', '.join(SECTIONS)}")
+    for key in SECTIONS:
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            problems.append(f"{key}: expected a mapping, got {data[key]!r}")
+    if problems:
+        raise RankwiseError("; ".join(problems))
+
+    def part(fn):
+        try:
+            return fn()
+        except RankwiseError as err:
+            problems.append(str(err))
+            return None
+
+    method = dict(data.get("method") or {})
+    optim = dict(data.get("optim") or {})
+    method.setdefault("name", "lora")
+    optim.setdefault("name", "adamw")
+    cfg = RunConfig(
+        model=part(lambda: from_dict(ModelConfig, data.get("model"), "model")),
+        data=part(lambda: from_dict(DataConfig, data.get("data"), "data")),
+        method=part(lambda: from_dict(registry.get("method", str(method["name"])).config_cls, method, "method")),
+        optim=part(lambda: from_dict(registry.get("optimizer", str(optim["name"])).config_cls, optim, "optim")),
+        train=part(lambda: from_dict(TrainConfig, data.get("train"), "train")),
+        federated=data.get("federated"),
+    )
+    if problems:
+        raise RankwiseError("; ".join(problems))
+    return cfg
+
+
+def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:
+    """Read a YAML run config, apply ``--set`` overrides, validate.
+
+    Args:
+        path: The YAML file (``None``: start from ``base`` or all defaults).
+        sets: ``["train.steps=100", "method.targets=[query,value]"]``.
+        base: A raw dict to start from instead of a file.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        RankwiseError: On any problem with the file, the overrides or the values.
+    """
+    data = read_yaml(path) if path is not None else dict(base or {})
+    return build_run_config(apply_sets(data, list(sets or [])))
