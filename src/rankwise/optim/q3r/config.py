@@ -1,0 +1,47 @@
+"""Settings of ``q3r``; the only defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from rankwise.optim.common import check_common
+
+
+@dataclass
+class Q3RConfig:
+    """AdamW plus the Q3R rank regularizer (Ghosh, Nguyen, Kuemmerle; NeurIPS 2025).
+
+    Defaults follow the authors' code where it has one: reweighting every 5 steps,
+    ``lam = 0.1``, the monotone ``eps <- min(eps, sigma_{r+1})`` smoothing schedule.
+
+    Attributes:
+        name: Registry name.
+        lr: Peak learning rate (all groups; also multiplies the regularizer step).
+        weight_decay: Decoupled weight decay (all groups).
+        betas: Adam's (beta1, beta2).
+        eps: Adam's epsilon.
+        rank: Target rank ``r`` of every regularized matrix (the rank kept by
+            :func:`rankwise.optim.q3r.truncate_to_factorized` after training).
+        update_every: Reweighting period: the SVD of each regularized weight is refreshed every
+            this many steps; in between only the quadratic is evaluated.
+        lam: ``lambda``, the regularizer's weight.
+        targets: ``None`` (linear weights in the transformer blocks) or regexes on module paths.
+    """
+
+    name: str = "q3r"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    rank: int = 32
+    update_every: int = 5
+    lam: float = 0.1
+    targets: Union[list[str], None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors (empty when valid)."""
+        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
+                           self.update_every)
+        if self.lam < 0:
+            out.append(f"lam: got {self.lam}; expected 0 or more such as 0.1")
+        return out

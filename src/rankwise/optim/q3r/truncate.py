@@ -1,0 +1,104 @@
+"""After Q3R training: replace regularized linear layers by their rank-r factors."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rankwise.core.inject import Conv1D
+from rankwise.errors import RankwiseError
+from rankwise.optim.common import split_params
+
+
+class LowRankLinear(nn.Module):
+    """``y = up(down(x))``: a linear layer stored as two factors of rank ``r``.
+
+    Args:
+        in_features: Input width ``n``.
+        out_features: Output width ``m``.
+        rank: Inner width ``r``.
+        bias: Whether ``up`` has a bias.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.down = nn.Linear(in_features, rank, bias=False)   # (r, n)
+        self.up = nn.Linear(rank, out_features, bias=bias)     # (m, r)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply ``up(down(x))``; ``x`` is ``(..., n)``, the result ``(..., m)``."""
+        return self.up(self.down(x))
+
+
+def _factor(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-``r`` factors ``(up, down)`` of an ``m x n`` weight, singular values split
+    evenly (``up = U_r S^{1/2}``, ``down = S^{1/2} V_r^T``)."""
+    u, s, vh = torch.linalg.svd(weight.float(), full_matrices=False)
+    root = s[:rank].sqrt()
+    return (u[:, :rank] * root).to(weight.dtype), (root[:, None] * vh[:rank]).to(weight.dtype)
+
+
+@torch.no_grad()
+def truncate_to_factorized(model: nn.Module, rank: int, targets: list[str] | None = None) -> dict[str, int]:
+    """Replace each selected linear layer by a :class:`LowRankLinear` of rank ``rank``.
+
+    This is Q3R's final step (train to a prescribed rank, then truncate). Typical use::
+
+        opt = rankwise.registry.get("optimizer", "q3r").builder(model, cfg)
+        ...train...
+        report = truncate_to_factorized(model, rank=cfg.rank, targets=cfg.targets)
+
+    Pass the same ``rank`` and ``targets`` as the optimizer config so exactly the regularized
+    layers are factorized. Layers whose factors would not be smaller than the dense weight
+    (``r (m + n) >= m n``) are left dense.
+
+    Args:
+        model: The trained model (changed in place).
+        rank: Rank kept (the top singular directions of each weight).
+        targets: ``None`` or regexes, as in :func:`rankwise.optim.common.split_params`.
+
+    Returns:
+        ``{"layers": k, "params_before": a, "params_after": b}`` over the replaced layers.
+
+    Raises:
+        RankwiseError: If ``rank`` is not positive.
+    """
+    if rank < 1:
+        raise RankwiseError(f"truncate_to_factorized: got rank={rank!r}; expected a positive integer")
+    projected, _ = split_params(model, targets) if any(p.requires_grad for p in model.parameters()) \
+        else _split_all(model, targets)
+    chosen = {id(p) for _, p in projected}
+    report = {"layers": 0, "params_before": 0, "params_after": 0}
+    for path, module in list(model.named_modules()):
+        w = getattr(module, "weight", None)
+        if w is None or id(w) not in chosen:
+            continue
+        dense = w.T if isinstance(module, Conv1D) else w  # (m, n) = (out, in)
+        m, n = dense.shape
+        if rank * (m + n) >= m * n:
+            continue
+        bias = getattr(module, "bias", None)
+        new = LowRankLinear(n, m, rank, bias=bias is not None).to(dtype=w.dtype, device=w.device)
+        up, down = _factor(dense, rank)
+        new.up.weight.copy_(up)
+        new.down.weight.copy_(down)
+        if bias is not None:
+            new.up.bias.copy_(bias)
+        parent_path, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, leaf, new)
+        report["layers"] += 1
+        report["params_before"] += m * n
+        report["params_after"] += rank * (m + n)
+    return report
+
+
+def _split_all(model: nn.Module, targets: list[str] | None):
+    """``split_params`` for a fully frozen model: select as if every weight were trainable."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(True)
+    try:
+        return split_params(model, targets)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)

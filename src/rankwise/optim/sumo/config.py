@@ -1,0 +1,50 @@
+"""Settings of ``sumo``; the only defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from rankwise.optim.common import check_common
+
+
+@dataclass
+class SumoConfig:
+    """SUMO: subspace-aware moment orthogonalization by exact SVD (Refael et al. 2025).
+
+    Attributes:
+        name: Registry name.
+        lr: Peak learning rate (all groups).
+        weight_decay: Decoupled weight decay (all groups).
+        momentum: ``mu``, decay of the single (first) moment of projected matrices.
+        rank: Subspace dimension ``r`` (``>= min(m, n)``: no projection, i.e. exact-SVD Muon).
+        update_every: ``K``: the subspace is recomputed from the gradient every ``K`` steps and
+            the moment is transported into it.
+        scale: Target RMS of one projected matrix's update before ``lr`` (see
+            :class:`rankwise.optim.sumo.SumoOptimizer`); 0.2 makes AdamW learning rates carry over.
+        betas: Adam's betas for the matrices that are not projected (embeddings, norms, heads).
+        eps: Adam's epsilon for those matrices.
+        targets: ``None`` (linear weights in the transformer blocks) or regexes on module paths.
+        svd: How the subspace is found: ``"svd"`` (exact) or ``"eigh"`` (Gram eigenvectors).
+    """
+
+    name: str = "sumo"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    rank: int = 128
+    update_every: int = 200
+    scale: float = 0.2
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    targets: Union[list[str], None] = None
+    svd: Literal["svd", "eigh"] = "svd"
+
+    def problems(self) -> list[str]:
+        """Return value errors (empty when valid)."""
+        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
+                           self.update_every)
+        if not 0 <= self.momentum < 1:
+            out.append(f"momentum: got {self.momentum}; expected a number in [0, 1) such as 0.9")
+        if not self.scale > 0:
+            out.append(f"scale: got {self.scale}; expected a positive number such as 0.2")
+        return out
