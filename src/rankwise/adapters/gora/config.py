@@ -9,7 +9,8 @@ IMPORTANCES = ("union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv", "
 
 @dataclass
 class GoraConfig:
-    """GoRA settings (He et al., "GoRA: Gradient-driven Adaptive Low Rank Adaptation", NeurIPS 2025).
+    """GoRA settings ("GoRA: Gradient-driven Adaptive Low Rank Adaptation", NeurIPS 2025,
+    arXiv 2502.12171).
 
     Defaults follow the paper's released scripts (``scripts/gora/*.sh`` in hhnqqq/MyTransformers)
     where they exist; ``(ours)`` marks choices of rankwise.

@@ -64,7 +64,7 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
                batches: Iterable[dict] | None = None) -> dict[str, LoraLayer]:
     """Inject GoRA adapter ``adapter_name``: allocate ranks from gradients, then init B.
 
-    Implements GoRA (He et al., NeurIPS 2025) steps 1-3: average each target weight's
+    Implements GoRA (arXiv 2502.12171, NeurIPS 2025) steps 1-3: average each target weight's
     gradient G over ``config.n_batches`` batches, score every layer (``config.importance``,
     the paper's mean|W ⊙ G| by default), allocate ranks under the budget
     ``sum_W (m_W + n_W) * r0`` clamped to [r_min, r_max] (rank 0 skips a layer), inject plain
