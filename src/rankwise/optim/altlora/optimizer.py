@@ -130,8 +130,9 @@ class AltLoRA(torch.optim.Optimizer):
             state["other_old"] = other.detach().clone()
             if group["plus"]:
                 state["exp_avg_sq"] = torch.zeros_like(p)
-        g = p.grad.float()
-        o, o_old, m = other.float(), state["other_old"].float(), state["exp_avg"].float()
+        dt = torch.promote_types(p.dtype, torch.float32)  # bf16/fp16 factors are solved in fp32
+        g = p.grad.to(dt)
+        o, o_old, m = other.to(dt), state["other_old"].to(dt), state["exp_avg"].to(dt)
         if left:   # p = A (r, d), other = B (k, r)
             precond = _inverse(o.T @ o, reg)            # (r, r)
             g_pre = precond @ g                          # (r, d)
@@ -146,10 +147,10 @@ class AltLoRA(torch.optim.Optimizer):
         step_size = lr / (1 - beta1 ** state["step"])
         update = m
         if group["plus"]:
-            v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g_pre, g_pre, value=1 - beta2)
+            v = state["exp_avg_sq"].to(dt).mul_(beta2).addcmul_(g_pre, g_pre, value=1 - beta2)
             state["exp_avg_sq"].copy_(v)
             update = m / (v.sqrt() + group["eps"])
-        new = p.float() - step_size * update
+        new = p.to(dt) - step_size * update
         if group["weight_decay"]:
             new = new - lr * group["weight_decay"] * new
         p.copy_(new)

@@ -10,6 +10,11 @@ from rankwise.optim.common import adam_direction, decay_, next_step, split_param
 from rankwise.optim.q3r.config import Q3RConfig
 
 
+def _svd_dtype(w: torch.Tensor) -> torch.Tensor:
+    """``w`` in float32 at least (half precision has no LAPACK SVD; float64 stays float64)."""
+    return w if w.dtype in (torch.float32, torch.float64) else w.float()
+
+
 def reweight(w: torch.Tensor, rank: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """One IRLS reweighting: SVD of the current weight and the new smoothing ``eps``.
 
@@ -23,7 +28,7 @@ def reweight(w: torch.Tensor, rank: int, eps: float) -> tuple[torch.Tensor, torc
         ``s'_i = eps / sigma_i - 1`` where ``sigma_i > eps`` and 0 elsewhere (shape ``(r,)``),
         and ``eps = min(eps, sigma_{r+1})`` (the authors' default, monotone schedule).
     """
-    u, s, vh = torch.linalg.svd(w.float(), full_matrices=False)
+    u, s, vh = torch.linalg.svd(_svd_dtype(w), full_matrices=False)
     eps = min(eps, float(s[rank]))
     top = s[:rank]
     s_prime = torch.where(top > eps, eps / top.clamp_min(1e-30) - 1, torch.zeros_like(top))

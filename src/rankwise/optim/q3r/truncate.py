@@ -7,6 +7,7 @@ from torch import nn
 from rankwise.core.inject import Conv1D
 from rankwise.errors import RankwiseError
 from rankwise.optim.common import split_params
+from rankwise.optim.q3r.optimizer import _svd_dtype
 
 
 class LowRankLinear(nn.Module):
@@ -33,7 +34,7 @@ class LowRankLinear(nn.Module):
 def _factor(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best rank-``r`` factors ``(up, down)`` of an ``m x n`` weight, singular values split
     evenly (``up = U_r S^{1/2}``, ``down = S^{1/2} V_r^T``)."""
-    u, s, vh = torch.linalg.svd(weight.float(), full_matrices=False)
+    u, s, vh = torch.linalg.svd(_svd_dtype(weight), full_matrices=False)
     root = s[:rank].sqrt()
     return (u[:, :rank] * root).to(weight.dtype), (root[:, None] * vh[:rank]).to(weight.dtype)
 
