@@ -203,7 +203,7 @@ def test_registry_config_and_resume_from_state_dict():
     cfg = from_dict(AltLoraPlusConfig, {"lr": 0.01, "mode": "alternate"}, "optim")
     entry = registry.get("optimizer", "altlora-plus")
     assert entry.config_cls is AltLoraPlusConfig and registry.get("optimizer", "altlora")
-    model = _tiny_lora(dtype=torch.float64)  # LS steps amplify float32 noise between copies
+    model = _tiny_lora(dtype=torch.float64)
     opt = entry.builder(model, cfg)
     _train(model, opt, steps=2)
     twin = copy.deepcopy(model)
