@@ -17,21 +17,29 @@ TRAIN_FACTORS = "train-factors"  # str: "AB", "A" or "B": which LoRA factors tra
 TRAIN_LAYERS = "train-layers"    # list[int]: layer indices that train; empty = all layers
 TRAIN_STEPS = "train-steps"      # int: local optimiser steps this round
 LEARNING_RATE = "learning-rate"  # float
+SYNC_ROUND = "sync-round"        # int: round of the last payload this node was sent (0: none)
+FULL_SYNC = "full-sync"          # bool: the payload holds every global tensor
+INIT_FINGERPRINT = "init-fingerprint"  # str: hash of the initial adapter (first contact)
+RESYNC_REASON = "rankwise-resync"      # marker in a client's error: its adapter copy is lost
 PHASE = "phase"                  # str: "train", "warmup" (FedLEASE), "oneshot" (YOCO)
 CLUSTER = "cluster"              # int: FedLEASE expert/cluster index of the receiving client
 NUM_EXPERTS = "num-experts"      # int: FedLEASE number of experts M
 TOP_M = "top-m"                  # int: FedLEASE router selects at most M of 2M-1 slots
+YOCO_SIGN_WEIGHT = "yoco-sign-weight"      # float
+YOCO_GAMMA_MAX = "yoco-gamma-max"          # float
+YOCO_SPARSE_WEIGHT = "yoco-sparse-weight"  # float
 
 # --- MetricRecord entries (client -> server) -----------------------------------------------
 NUM_EXAMPLES = "num-examples"    # weight of a client in every weighted mean (Flower's spelling)
 TRAIN_LOSS = "train-loss"
 PARTITION = "partition-id"       # the client's data partition (maps node ids to data)
-CAPACITY = "capacity"            # LEFF: layers the client can train
+CAPACITY = "capacity"            # LEFF: layers the client can train (reply; node_config key)
+CAPACITIES = "capacities"        # LEFF: list[int] capacity per partition id (query config)
 IMPORTANCE = "layer-importance"  # LEFF: per-layer first-order Taylor importance (list)
 
 # --- key prefixes inside the ArrayRecord for multi-part payloads (FedLEASE) -----------------
 EXPERT_PREFIX = "expert{m}/"     # expert m's LoRA tensors: "expert0/<parameter name>"
-ROUTER_PREFIX = "router/"        # the cluster's router tensors: "router/<parameter name>"
+CLUSTER_PREFIX = "cluster{c}/"   # cluster c's router and head: "cluster0/<parameter name>"
 
 # --- factors -------------------------------------------------------------------------------
 FACTOR_A = ".lora_A."            # substring of a LoRA down-projection parameter name

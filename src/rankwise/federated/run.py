@@ -1,0 +1,151 @@
+"""``rankwise federated CONFIG.yaml [--set ...] [--out DIR]``: a federated run on Flower's
+simulation engine.
+
+Engine choice: ``flwr.simulation.run_simulation`` runs the same ServerApp and ClientApp as a
+deployment on Flower's simulation runtime (Ray actors as virtual SuperNodes) inside this
+process. It is deprecated in favour of ``flwr run`` but present in flwr 1.42; ``flwr run``
+needs an app folder with a ``pyproject.toml`` and a background SuperLink, which is the
+deployment recipe in ``docs/federated.md`` (the same apps, unchanged).
+
+The run folder gets ``config.yaml`` (resolved; the clients read it), ``rounds.jsonl``,
+``metrics.json``, ``results.md`` and ``accuracy_vs_bytes.png``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+from rankwise import registry
+from rankwise.configs import from_dict
+from rankwise.core import atomic
+from rankwise.errors import RankwiseError
+from rankwise.federated.config import FederatedConfig
+
+
+def resolve(config_path: Path | None, sets: list[str], base: dict | None = None):
+    """Load and check a federated run config.
+
+    Returns:
+        ``(RunConfig, FederatedConfig)``.
+
+    Raises:
+        RankwiseError: On any problem in any section, the strategy name or its options.
+    """
+    from rankwise.recipes.config import load_run_config
+    cfg = load_run_config(config_path, sets, base)
+    fed = from_dict(FederatedConfig, cfg.federated, "federated")
+    entry = registry.get("strategy", fed.strategy_name())
+    from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
+    if entry.name == "fedlease" and cfg.method.name != "lora":
+        raise RankwiseError(f"federated.strategy fedlease needs method.name: lora; got {cfg.method.name!r}")
+    if entry.name in ("ffa-lora", "rolora", "yoco") and cfg.method.name != "lora":
+        raise RankwiseError(f"federated.strategy {entry.name} works on LoRA factors; "
+                            f"set method.name: lora (got {cfg.method.name!r})")
+    bad = [p for p in fed.faults if int(p) >= fed.clients]
+    if bad:
+        raise RankwiseError(f"federated.faults: partitions {bad} do not exist; expected 0..{fed.clients - 1}")
+    return cfg, fed
+
+
+def write_config(cfg, fed: FederatedConfig, out: Path) -> Path:
+    """Write the resolved run config (with the full ``federated`` section) to ``out/config.yaml``."""
+    data = cfg.to_dict()
+    data["federated"] = dataclasses.asdict(fed)
+    path = out / "config.yaml"
+    atomic.write_bytes(path, yaml.safe_dump(data, sort_keys=False).encode())
+    return path
+
+
+def simulate(config_file: Path, out: Path, fed: FederatedConfig) -> None:
+    """Run the ServerApp and ClientApp on Flower's simulation runtime (one process + Ray)."""
+    from flwr.simulation import run_simulation
+
+    from rankwise.federated.client_app import ENV_CONFIG
+    from rankwise.federated.client_app import app as client_app
+    from rankwise.federated.server_app import ENV_OUT
+    from rankwise.federated.server_app import app as server_app
+    os.environ[ENV_CONFIG] = str(config_file.resolve())
+    os.environ[ENV_OUT] = str(out.resolve())
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    cpus = max(1, os.cpu_count() or 1)
+    backend = {"client_resources": {"num_cpus": min(fed.client_cpus, cpus), "num_gpus": 0.0},
+               "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False}}
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=fed.clients,
+                   backend_config=backend)
+    if not (out / "metrics.json").is_file():
+        raise RuntimeError(f"the federation ended without writing {out / 'metrics.json'}; see the log above")
+
+
+def read_rounds(run: Path) -> list[dict]:
+    """The lines of a run folder's ``rounds.jsonl``."""
+    return [json.loads(line) for line in (Path(run) / "rounds.jsonl").read_text().splitlines() if line]
+
+
+def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs") -> dict:
+    """Results table (``results.md``, ``results.json``) and accuracy-vs-bytes plot of runs.
+
+    Args:
+        runs: ``{label: run folder}``.
+        out: Folder to write into.
+        title: Plot title.
+
+    Returns:
+        ``{label: summary row}``.
+    """
+    from rankwise.recipes.plots import plot_curves
+    out.mkdir(parents=True, exist_ok=True)
+    rows, curves = {}, {}
+    for label, folder in runs.items():
+        m = json.loads((Path(folder) / "metrics.json").read_text())
+        lines = read_rounds(folder)
+        trained = max(m["rounds"], 1)
+        rows[label] = {"strategy": m["strategy"], "eval_accuracy": m.get("eval_accuracy"),
+                       "initial_eval_accuracy": m.get("initial_eval_accuracy"), "rounds": m["rounds"],
+                       "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"],
+                       "bytes_total": m["bytes_total"], "bytes_per_round": m["bytes_total"] / trained,
+                       "rejected": m["rejected"], "failed": m["failed"], "missing": m["missing"],
+                       "wall_time_s": m.get("wall_time_s")}
+        if any("eval_accuracy" in e for e in lines):
+            curves[label] = [(e["cum_bytes"] / 1e6, e["eval_accuracy"]) for e in lines]
+    md = ["| run | strategy | final acc. | initial acc. | rounds | MB up | MB down | MB total | MB/round |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for label, r in rows.items():
+        acc = "—" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.4f}"
+        init = "—" if r["initial_eval_accuracy"] is None else f"{r['initial_eval_accuracy']:.4f}"
+        md.append(f"| {label} | {r['strategy']} | {acc} | {init} | {r['rounds']} | {r['bytes_up'] / 1e6:.3f} | "
+                  f"{r['bytes_down'] / 1e6:.3f} | {r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
+    atomic.write_bytes(out / "results.md", ("\n".join(md) + "\n").encode())
+    atomic.write_json(out / "results.json", rows)
+    if curves:
+        plot_curves(curves, out / "accuracy_vs_bytes.png", "cumulative MB sent (up + down)",
+                    "global eval accuracy", title)
+    return rows
+
+
+def run_federated(config_path: Path | None, sets: list[str], out: Path, base: dict | None = None) -> dict:
+    """Run a federated fine-tuning from a run config (the ``rankwise federated`` command).
+
+    Args:
+        config_path: YAML run config with a ``federated`` section (``None``: use ``base``).
+        sets: ``--set`` overrides (``federated.strategy=rolora``).
+        out: The run folder (must not hold a finished run).
+        base: A raw config dict used instead of a file (tests, the benchmark).
+
+    Returns:
+        The run's ``metrics.json`` content.
+
+    Raises:
+        RankwiseError: On config problems or an occupied run folder.
+    """
+    cfg, fed = resolve(config_path, sets, base)
+    out = Path(out)
+    if (out / "metrics.json").exists():
+        raise RankwiseError(f"run folder {out} already holds a finished run; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    simulate(write_config(cfg, fed, out), out, fed)
+    write_results({fed.strategy_name(): out}, out, title=f"{fed.strategy_name()} ({fed.partition})")
+    return json.loads((out / "metrics.json").read_text())

@@ -1,0 +1,168 @@
+"""The rankwise Flower ServerApp: runs the configured strategy and evaluates centrally.
+
+Writes into the run folder: ``rounds.jsonl`` (one line per round, round 0 = the initial
+adapter) and ``metrics.json`` (final global eval metrics, ``rounds``, ``bytes_up``,
+``bytes_down``). The folder comes from the run config key ``rankwise-out`` or the environment
+variable ``RANKWISE_FED_OUT``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from flwr.app import Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from rankwise import registry
+from rankwise.configs import from_dict
+from rankwise.core import atomic
+from rankwise.federated import keys
+from rankwise.federated.moe import mark_wire, to_moe
+from rankwise.federated.payload import to_record
+from rankwise.federated.task import (build_session, initial_state, load_run, load_tensors,
+                                     partitions, subset)
+
+ENV_OUT = "RANKWISE_FED_OUT"
+OUT_KEY = "rankwise-out"
+LOG = logging.getLogger("rankwise.federated")
+
+app = ServerApp()
+
+
+class Evaluator:
+    """Central evaluation of a strategy's views on the run's evaluation split.
+
+    A view ``(tensors, config, partitions)`` is evaluated on all examples (``partitions`` is
+    ``None``) or on the examples whose label belongs mostly to those partitions' training data
+    (FedLEASE's per-cluster models); the reported accuracy is over all evaluated examples.
+
+    Args:
+        cfg: The run config.
+        fed: The federated settings.
+    """
+
+    def __init__(self, cfg, fed) -> None:
+        self.cfg, self.fed = cfg, fed
+        self.session = build_session(cfg)
+        self.names = [n for n, p in self.session.model.named_parameters() if p.requires_grad]
+        mark_wire(self.session.model, self.names)
+        data = self.session.train_data
+        parts = partitions(cfg, fed, data)
+        self.owner: dict[int, int] = {}
+        if data.labels is not None:
+            counts: dict[int, dict[int, int]] = {}
+            for k, idx in enumerate(parts):
+                for i in idx:
+                    counts.setdefault(data.labels[i], {}).setdefault(k, 0)
+                    counts[data.labels[i]][k] += 1
+            self.owner = {lab: max(c, key=c.get) for lab, c in counts.items()}
+
+    def initial(self) -> dict:
+        """The initial global adapter."""
+        return initial_state(self.session)
+
+    def __call__(self, views) -> dict[str, float]:
+        """Evaluate every view; return example-weighted ``eval_loss`` and ``eval_accuracy``."""
+        from rankwise.recipes.train import evaluate
+        ev = self.session.eval_data
+        totals: dict[str, float] = {}
+        count = 0
+        for state, extra, parts in views:
+            model = self.session.model
+            if keys.CLUSTER in extra:
+                model = copy.deepcopy(model)
+                to_moe(model, int(extra[keys.NUM_EXPERTS]), int(extra[keys.CLUSTER]), int(extra[keys.TOP_M]))
+            load_tensors(model, state)
+            idx = list(range(len(ev)))
+            if parts is not None and ev.labels is not None:
+                idx = [i for i in idx if self.owner.get(ev.labels[i]) in parts]
+            if not idx:
+                continue
+            res = evaluate(model, subset(ev, idx), self.cfg.model.task, self.cfg.train.eval_batch_size, "cpu")
+            for k, v in res.items():
+                totals[k] = totals.get(k, 0.0) + v * len(idx)
+            count += len(idx)
+        return {k: v / max(count, 1) for k, v in totals.items()}
+
+
+def build_strategy(cfg, fed, initial: dict):
+    """Instantiate the configured strategy with the run's local-training settings.
+
+    Raises:
+        RankwiseError: Unknown strategy or bad strategy options.
+    """
+    entry = registry.get("strategy", fed.strategy_name())
+    scfg = from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
+    train_config = {keys.TRAIN_STEPS: fed.local_steps, keys.LEARNING_RATE: float(fed.lr or cfg.optim.lr)}
+    return entry.builder(scfg, fed, initial, train_config)
+
+
+def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
+    """Run a whole federation on ``grid`` and write the run folder.
+
+    Args:
+        grid: Flower's Grid (simulation or deployment).
+        config_path: The run config with a ``federated`` section.
+        out: The run folder.
+
+    Returns:
+        The metrics written to ``metrics.json``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, fed, _ = load_run(config_path)
+    evaluator = Evaluator(cfg, fed)
+    strategy = build_strategy(cfg, fed, evaluator.initial())
+    num_rounds = strategy.num_rounds(fed.rounds)
+    lines: list[dict] = []
+    began = time.perf_counter()
+    rounds_path = out / "rounds.jsonl"
+    rounds_path.write_text("")
+
+    def evaluate_fn(server_round: int, _arrays) -> MetricRecord:
+        metrics = evaluator(strategy.eval_views())
+        entry = dict(strategy.history[-1]) if server_round > 0 and strategy.history else {
+            "round": 0, "bytes_up": 0, "bytes_down": 0}
+        entry.update({k: round(v, 6) for k, v in metrics.items()})
+        prev = lines[-1]["cum_bytes"] if lines else 0
+        entry["cum_bytes"] = prev + entry["bytes_up"] + entry["bytes_down"]
+        entry["time_s"] = round(time.perf_counter() - began, 2)
+        lines.append(entry)
+        with rounds_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        LOG.info("round %d: %s", server_round, metrics)
+        return MetricRecord({k: float(v) for k, v in metrics.items()})
+
+    strategy.start(grid=grid, initial_arrays=to_record(strategy.global_state), num_rounds=num_rounds,
+                   timeout=fed.round_timeout, evaluate_fn=evaluate_fn)
+    final = {k: v for k, v in lines[-1].items() if k.startswith("eval_")}
+    metrics = {**final, "strategy": strategy.name, "rounds": num_rounds, "clients": fed.clients,
+               "partition": fed.partition, "method": cfg.method.name,
+               "bytes_up": sum(e["bytes_up"] for e in lines), "bytes_down": sum(e["bytes_down"] for e in lines),
+               "initial_eval_accuracy": lines[0].get("eval_accuracy"),
+               "failed": sorted({n for e in lines for n in e.get("failed", [])}),
+               "missing": sorted({n for e in lines for n in e.get("missing", [])}),
+               "rejected": sorted({n for e in lines for n in e.get("rejected", [])}),
+               "wall_time_s": round(time.perf_counter() - began, 2)}
+    metrics["bytes_total"] = metrics["bytes_up"] + metrics["bytes_down"]
+    if getattr(strategy, "silhouettes", None):
+        metrics["fedlease_experts"] = strategy.num_experts
+        metrics["fedlease_silhouettes"] = {str(k): round(v, 4) for k, v in strategy.silhouettes.items()}
+    atomic.write_json(out / "metrics.json", metrics)
+    return metrics
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """ServerApp entry point (simulation and deployment)."""
+    from rankwise.federated.client_app import ENV_CONFIG, RUN_CONFIG_KEY
+    path = context.run_config.get(RUN_CONFIG_KEY) or os.environ.get(ENV_CONFIG)
+    out = context.run_config.get(OUT_KEY) or os.environ.get(ENV_OUT)
+    if not path or not out:
+        raise RuntimeError(f"set {RUN_CONFIG_KEY!r} and {OUT_KEY!r} in the run config "
+                           f"(or {ENV_CONFIG} and {ENV_OUT})")
+    run_server(grid, str(path), str(out))

@@ -1,0 +1,275 @@
+"""The round lifecycle shared by every rankwise strategy (a Flower ``Strategy``).
+
+One round: sample nodes -> send each a *plan* (which factors/layers train) and the global
+tensors it does not hold yet -> receive updates -> reject malformed ones -> aggregate the
+rest (method-specific hook) -> log bytes, who failed, who was rejected. Evaluation is central
+(the ServerApp evaluates the global adapter), so ``configure_evaluate`` sends nothing.
+
+Download rule (all methods): a node receives a global tensor only if its value changed since
+that node last received it, or the node trained it locally since (its copy diverged). Nodes
+keep their adapter across rounds (``Context.state``), so this is exactly what they need.
+Clients build the initial adapter from the run's seed, as the server does, so nothing is sent
+for it; on first contact the server sends a fingerprint of it and the client refuses to train
+if its own differs. A client that lost its copy (``sync-round`` mismatch) answers with an
+error marked ``rankwise-resync`` and gets every tensor next time it is sampled.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from rankwise.federated import keys
+from rankwise.federated.config import FederatedConfig
+from rankwise.federated.payload import (from_record, record_bytes, select_keys, shapes_of,
+                                        to_record, validate_update)
+
+LOG = logging.getLogger("rankwise.federated")
+
+try:  # flwr is optional for the rest of rankwise; strategies need it
+    from flwr.serverapp.strategy import Strategy as _FlowerStrategy
+except ImportError:  # pragma: no cover - exercised only without flwr
+    _FlowerStrategy = object
+
+
+@dataclass
+class Plan:
+    """What one node does in one round.
+
+    Attributes:
+        factors: LoRA factors that train (``"AB"``, ``"A"``, ``"B"``).
+        layers: Block indices that train; empty means all.
+        phase: ``"train"``, ``"warmup"`` or ``"oneshot"``.
+        extra: More ConfigRecord entries (e.g. a FedLEASE cluster id).
+    """
+
+    factors: str = "AB"
+    layers: list[int] = field(default_factory=list)
+    phase: str = "train"
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Update:
+    """One accepted client update.
+
+    Attributes:
+        node_id: Flower node id of the sender.
+        state: The tensors it sent.
+        weight: Its number of examples.
+        metrics: Everything else it reported.
+    """
+
+    node_id: int
+    state: dict[str, torch.Tensor]
+    weight: float
+    metrics: dict
+
+
+class AdapterStrategy(_FlowerStrategy):
+    """Base class: FedAvg's round lifecycle (McMahan et al. 2017, Alg. 1) over adapter tensors.
+
+    Subclasses override :meth:`plan` and :meth:`aggregate_updates` (and for multi-model
+    methods :meth:`payload_keys`, :meth:`expected` and :meth:`eval_views`).
+
+    Args:
+        config: The strategy's own config dataclass.
+        fed: The run's federated settings.
+        initial: The initial global tensors ``{name: tensor}`` (same on every client).
+        train_config: Extra ConfigRecord entries sent every round (steps, learning rate).
+    """
+
+    name = "base"
+
+    def __init__(self, config, fed: FederatedConfig, initial: dict[str, torch.Tensor],
+                 train_config: dict | None = None) -> None:
+        self.config, self.fed = config, fed
+        self.global_state = {k: v.detach().float().clone() for k, v in initial.items()}
+        self.train_config = dict(train_config or {})
+        self.history: list[dict] = []          # one entry per round (rounds.jsonl)
+        self.partition_of: dict[int, int] = {}  # node id -> data partition
+        self._version = {k: 0 for k in self.global_state}  # round a key last changed
+        self._held: dict[int, dict[str, int]] = {}  # node -> key -> version it holds (-1 stale)
+        self._last_sent: dict[int, int] = {}  # node -> round of its last payload
+        self._full_sync: set[int] = set()  # nodes that lost their copy
+        self.fingerprint = fingerprint(self.global_state)
+        self._expected: dict[int, dict[str, tuple]] = {}
+        self._bytes_down = 0
+        self._rng = random.Random(fed.seed)
+
+    # ----- hooks ---------------------------------------------------------------------------
+    def plan(self, server_round: int, node_id: int) -> Plan:
+        """The plan of ``node_id`` in ``server_round`` (default: train everything)."""
+        return Plan()
+
+    def payload_keys(self, node_id: int, plan: Plan) -> list[str]:
+        """Global keys a node may need this round (default: all); filtered by version."""
+        return list(self.global_state)
+
+    def expected(self, node_id: int, plan: Plan) -> dict[str, tuple]:
+        """``{name: shape}`` the node must send back (default: :func:`select_keys` of the plan)."""
+        names = select_keys(self.global_state, plan.factors, plan.layers)
+        return {n: tuple(self.global_state[n].shape) for n in names}
+
+    def aggregate_updates(self, server_round: int, updates: list[Update]) -> list[str]:
+        """Fold accepted updates into ``self.global_state``; return the keys that changed."""
+        raise NotImplementedError
+
+    def eval_views(self) -> list[tuple[dict[str, torch.Tensor], dict, set[int] | None]]:
+        """Models to evaluate: ``(tensors, config entries, partitions or None = all data)``."""
+        return [(self.global_state, {}, None)]
+
+    def num_rounds(self, requested: int) -> int:
+        """Rounds this strategy runs when the user asks for ``requested``."""
+        return requested
+
+    # ----- Flower Strategy API -----------------------------------------------------------------
+    def summary(self) -> None:
+        """Log the configuration."""
+        LOG.info("rankwise strategy %s: %s; %s", self.name, self.config, self.fed)
+
+    def _sample(self, grid) -> list[int]:
+        from flwr.serverapp.strategy.strategy_utils import sample_nodes
+        n = len(list(grid.get_node_ids()))
+        size = min(max(int(n * self.fed.fraction), self.fed.min_clients), max(n, self.fed.min_clients))
+        nodes, _ = sample_nodes(grid, self.fed.min_clients, size)
+        return sorted(nodes)
+
+    def configure_train(self, server_round: int, arrays, config, grid) -> Iterable:
+        """Send each sampled node its plan and the global tensors it lacks.
+
+        Args:
+            server_round: Round number, from 1.
+            arrays: Ignored: the global state lives in the strategy (it is not one record
+                for every method).
+            config: Flower's train ConfigRecord (entries are forwarded).
+            grid: The Flower Grid.
+
+        Returns:
+            One ``Message`` per sampled node.
+        """
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+        self._expected, self._bytes_down = {}, 0
+        messages = []
+        for node in self._sample(grid):
+            plan = self.plan(server_round, node)
+            full = node in self._full_sync
+            if full:
+                self._held[node] = {}
+            held = self._held.setdefault(node, {k: 0 for k, v in self._version.items() if v == 0})
+            send = [k for k in self.payload_keys(node, plan) if held.get(k) != self._version[k]]
+            cfg = {**dict(config), **self.train_config, keys.ROUND: server_round,
+                   keys.TRAIN_FACTORS: plan.factors, keys.TRAIN_LAYERS: list(plan.layers),
+                   keys.PHASE: plan.phase, keys.SYNC_ROUND: self._last_sent.get(node, 0),
+                   keys.FULL_SYNC: full, **plan.extra}
+            if node not in self._last_sent:
+                cfg[keys.INIT_FINGERPRINT] = self.fingerprint
+            self._last_sent[node] = server_round
+            self._full_sync.discard(node)
+            content = RecordDict({keys.ARRAYS: to_record({k: self.global_state[k] for k in send}),
+                                  keys.CONFIG: ConfigRecord(cfg)})
+            self._bytes_down += record_bytes(content)
+            for k in send:
+                held[k] = self._version[k]
+            self._expected[node] = self.expected(node, plan)
+            messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
+        LOG.info("round %d: sent plans to nodes %s", server_round, sorted(self._expected))
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable):
+        """Validate replies, log failures, aggregate the accepted updates.
+
+        Returns:
+            ``(ArrayRecord of the global state, MetricRecord of round metrics)``.
+        """
+        from flwr.app import MetricRecord
+        replies = list(replies)
+        entry = {"round": server_round, "sampled": len(self._expected), "bytes_down": self._bytes_down,
+                 "bytes_up": 0, "failed": [], "missing": [], "rejected": []}
+        updates: list[Update] = []
+        seen = set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            seen.add(node)
+            if msg.has_error():
+                LOG.warning("round %d: node %d failed: %s", server_round, node, msg.error.reason)
+                entry["failed"].append(node)
+                if keys.RESYNC_REASON in str(msg.error.reason):
+                    self._full_sync.add(node)
+                continue
+            entry["bytes_up"] += record_bytes(msg.content)
+            update, problems = self._parse(msg, node)
+            if problems:
+                LOG.warning("round %d: rejected update of node %d: %s", server_round, node,
+                            "; ".join(problems))
+                entry["rejected"].append(node)
+                continue
+            updates.append(update)
+        for node in sorted(set(self._expected) - seen):
+            LOG.warning("round %d: node %d sent no reply (crashed, disconnected or timed out)",
+                        server_round, node)
+            entry["missing"].append(node)
+        for node, exp in self._expected.items():  # their local copies of trained keys diverged
+            for k in exp:
+                if k in self._version:
+                    self._held[node][k] = -1
+        if len(updates) >= self.fed.min_clients:
+            for k in self.aggregate_updates(server_round, updates):
+                self._version[k] = server_round
+            entry["aggregated"] = len(updates)
+        else:
+            LOG.warning("round %d: only %d valid updates (min_clients=%d); global adapter unchanged",
+                        server_round, len(updates), self.fed.min_clients)
+            entry["aggregated"] = 0
+        total = sum(u.weight for u in updates)
+        entry["train_loss"] = (sum(u.weight * u.metrics.get(keys.TRAIN_LOSS, 0.0) for u in updates)
+                               / total) if total else None
+        self.history.append(entry)
+        metrics = {"bytes-up": entry["bytes_up"], "bytes-down": entry["bytes_down"],
+                   "clients-aggregated": entry["aggregated"]}
+        if entry["train_loss"] is not None:
+            metrics[keys.TRAIN_LOSS] = entry["train_loss"]
+        return to_record(self.global_state), MetricRecord(metrics)
+
+    def _parse(self, msg, node: int) -> tuple[Update | None, list[str]]:
+        content = msg.content
+        if keys.ARRAYS not in content.array_records or keys.METRICS not in content.metric_records:
+            return None, [f"reply lacks the {keys.ARRAYS!r} or {keys.METRICS!r} record"]
+        metrics = dict(content.metric_records[keys.METRICS])
+        weight = metrics.get(keys.NUM_EXAMPLES)
+        if not isinstance(weight, (int, float)) or not weight > 0 or weight != weight:
+            return None, [f"{keys.NUM_EXAMPLES!r} is {weight!r}; expected a positive number"]
+        try:
+            state = from_record(content.array_records[keys.ARRAYS])
+        except Exception as err:  # noqa: BLE001 - any undecodable payload is a rejection
+            return None, [f"undecodable arrays: {err}"]
+        problems = validate_update(state, self._expected.get(node, {}))
+        if keys.PARTITION in metrics:
+            self.partition_of[node] = int(metrics[keys.PARTITION])
+        return Update(node, state, float(weight), metrics), problems
+
+    def configure_evaluate(self, server_round: int, arrays, config, grid) -> Iterable:
+        """Evaluation is central (``evaluate_fn`` of the ServerApp): no messages."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable):
+        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
+        return None
+
+
+def fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """A short hash of tensors (names, shapes and float32 values)."""
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """Re-export of :func:`rankwise.federated.payload.shapes_of` for strategy modules."""
+    return shapes_of(state)

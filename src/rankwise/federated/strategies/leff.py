@@ -1,0 +1,152 @@
+"""LEFF: layer-wise efficient federated fine-tuning (Shen et al., NeurIPS 2025, "LLM at Network
+Edge"; OpenReview DqRbfiTdKK). No official code exists; choices are in the class docstring."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from rankwise.federated import keys
+from rankwise.federated.payload import layer_index
+from rankwise.federated.strategies.base import AdapterStrategy, Plan, Update
+from rankwise.federated.strategies.lora_avg import average_present
+
+LOG = logging.getLogger("rankwise.federated")
+
+
+@dataclass
+class LeffConfig:
+    """LEFF settings.
+
+    Attributes:
+        name: Registry name.
+        capacities: Layers each client can train, by partition id (cycled when shorter than the
+            number of clients). A SuperNode started with ``--node-config "capacity=N"``
+            overrides its entry.
+        temperature: Softmax temperature over block importances normalised to sum 1.
+    """
+
+    name: str = "leff"
+    capacities: list[int] = field(default_factory=lambda: [1, 2, 3])
+    temperature: float = 0.1
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings."""
+        out = []
+        if not self.capacities or any(c < 1 for c in self.capacities):
+            out.append(f"capacities: got {self.capacities}; expected a list of integers >= 1")
+        if self.temperature <= 0:
+            out.append(f"temperature: got {self.temperature}; expected a positive number")
+        return out
+
+
+def block_probabilities(importance: list[float], capacity: int, temperature: float) -> list[float]:
+    """Probability of each contiguous block of ``capacity`` layers (LEFF stage 2).
+
+    Block importance is the sum of its layers' importances (normalised so all layers sum to
+    1); the probabilities are ``softmax(block_importance / temperature)``.
+
+    Args:
+        importance: One non-negative number per layer.
+        capacity: Block length (clipped to the number of layers).
+        temperature: Softmax temperature.
+
+    Returns:
+        One probability per block start ``0 .. len(importance) - capacity``.
+    """
+    n = len(importance)
+    c = min(max(capacity, 1), n)
+    total = sum(importance) or 1.0
+    scores = [sum(importance[s:s + c]) / total / temperature for s in range(n - c + 1)]
+    top = max(scores)
+    ex = [math.exp(v - top) for v in scores]
+    z = sum(ex)
+    return [e / z for e in ex]
+
+
+class Leff(AdapterStrategy):
+    """LEFF (Shen et al. 2025), per round: (1) each client declares its capacity L_i (a query
+    message on first contact); (2) the server samples one block of L_i consecutive layers with
+    probability softmax(block importance), importance = sum over a layer's parameters of the
+    first-order Taylor term ``|g * theta|`` (Molchanov et al. 2019), reported by the client from
+    one local batch and refreshed with every update; (4) the client trains only that block
+    (plus the task head) and sends it; each layer is averaged over the clients that trained it,
+    layers nobody trained keep their value.
+
+    Choices: the trained tensors are whatever the run's method trains (LoRA factors, or the
+    full weights with ``method: full``, the paper's setting); stage 3 (distilling the untrained
+    layers into a smaller frozen student on a public set) is not implemented: clients run the
+    frozen layers as they are; importance is computed on the client's local data.
+    """
+
+    name = "leff"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.layers = sorted({i for k in self.global_state if (i := layer_index(k)) is not None})
+        self.capacity: dict[int, int] = {}
+        self.importance: dict[int, list[float]] = {}
+        self.blocks: dict[int, list[int]] = {}  # last block per node (for the log)
+
+    def configure_train(self, server_round: int, arrays, config, grid):
+        """Query unknown nodes for capacity and importance, then send plans (see base class)."""
+        self._query_new_nodes(grid)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def _query_new_nodes(self, grid) -> None:
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+        from rankwise.federated.payload import record_bytes
+        new = [n for n in grid.get_node_ids() if n not in self.capacity]
+        if not new:
+            return
+        cfg = ConfigRecord({keys.CAPACITIES: list(self.config.capacities)})
+        msgs = [Message(RecordDict({keys.CONFIG: cfg}), message_type=MessageType.QUERY, dst_node_id=n)
+                for n in new]
+        self._query_down = sum(record_bytes(m.content) for m in msgs)
+        for reply in grid.send_and_receive(msgs, timeout=self.fed.round_timeout):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                LOG.warning("LEFF query: node %d failed: %s", node, reply.error.reason)
+                continue
+            self._query_up = getattr(self, "_query_up", 0) + record_bytes(reply.content)
+            self._read_report(node, dict(reply.content.metric_records[keys.METRICS]))
+
+    def _read_report(self, node: int, metrics: dict) -> None:
+        if keys.CAPACITY in metrics:
+            self.capacity[node] = int(metrics[keys.CAPACITY])
+        imp = metrics.get(keys.IMPORTANCE)
+        if isinstance(imp, list) and imp:
+            self.importance[node] = [float(v) for v in imp]
+        if keys.PARTITION in metrics:
+            self.partition_of[node] = int(metrics[keys.PARTITION])
+
+    def plan(self, server_round: int, node_id: int) -> Plan:
+        """Sample a block of the node's capacity by importance."""
+        cap = self.capacity.get(node_id, self.config.capacities[0])
+        imp_all = self.importance.get(node_id)
+        imp = [imp_all[i] if imp_all and i < len(imp_all) else 1.0 for i in self.layers]
+        probs = block_probabilities(imp, cap, self.config.temperature)
+        start = self._rng.choices(range(len(probs)), weights=probs)[0]
+        block = self.layers[start:start + min(cap, len(self.layers))]
+        self.blocks[node_id] = block
+        return Plan(factors="AB", layers=block)
+
+    def aggregate_train(self, server_round: int, replies):
+        """Base aggregation, plus reading refreshed importances and logging the blocks."""
+        replies = list(replies)
+        for r in replies:
+            if not r.has_error() and keys.METRICS in r.content.metric_records:
+                self._read_report(r.metadata.src_node_id, dict(r.content.metric_records[keys.METRICS]))
+        out = super().aggregate_train(server_round, replies)
+        entry = self.history[-1]
+        entry["blocks"] = {str(n): b for n, b in self.blocks.items() if n in self._expected}
+        entry["bytes_down"] += getattr(self, "_query_down", 0)
+        entry["bytes_up"] += getattr(self, "_query_up", 0)
+        self._query_down = self._query_up = 0
+        return out
+
+    def aggregate_updates(self, server_round: int, updates: list[Update]) -> list[str]:
+        """Each key averaged over the clients that trained it; others unchanged."""
+        new = average_present(updates)
+        self.global_state.update(new)
+        return list(new)
