@@ -93,6 +93,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     if task == "classification" and cfg.model.num_labels and cfg.model.num_labels < len(train_data.label_names):
         raise RankwiseError(f"model.num_labels is {cfg.model.num_labels} but the data has "
                             f"{len(train_data.label_names)} labels; remove num_labels to infer it")
+    cfg.model.num_labels = num_labels  # resolved: config.yaml records it for export/resume
     if model is None:
         model, tokenizer = load_model(cfg.model.path, task, num_labels, seed=cfg.train.seed)
     model.to(device)
@@ -157,12 +158,15 @@ def evaluate(model: nn.Module, data: TextData, task: str, batch_size: int, devic
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
-def _check_run_folder(out: Path, cfg: RunConfig, resume: bool) -> None:
-    cfg_file = out / "config.yaml"
-    if not resume and (cfg_file.exists() or list_checkpoints(out)):
+def _check_run_folder(out: Path, resume: bool) -> None:
+    if not resume and ((out / "config.yaml").exists() or list_checkpoints(out)):
         raise RankwiseError(f"run folder {out} already holds a run; pass --resume to continue it "
                             "or choose another --out")
-    if resume and cfg_file.exists():
+
+
+def _check_same_config(out: Path, cfg: RunConfig) -> None:
+    cfg_file = out / "config.yaml"
+    if cfg_file.exists():
         saved = yaml.safe_load(cfg_file.read_text()) or {}
         now = cfg.to_dict()
         for d in (saved, now):
@@ -170,7 +174,7 @@ def _check_run_folder(out: Path, cfg: RunConfig, resume: bool) -> None:
         if saved != now:
             diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
             raise RankwiseError(f"the config differs from {cfg_file} in section(s) {diff}; resume "
-                                "with the run's own config (rankwise train {cfg_file} --resume --out {out})")
+                                f"with the run's own config: rankwise train {cfg_file} --resume --out {out}")
 
 
 def _read_events(path: Path, upto: int) -> list[dict]:
@@ -213,8 +217,10 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
 
     console = console or Console(stderr=True)
     out = Path(out)
-    _check_run_folder(out, cfg, resume)
+    _check_run_folder(out, resume)
     session = session or prepare(cfg)
+    if resume:
+        _check_same_config(out, cfg)
     t = cfg.train
     out.mkdir(parents=True, exist_ok=True)
     start_step, prior_time = 0, 0.0

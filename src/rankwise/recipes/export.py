@@ -1,0 +1,77 @@
+"""``rankwise export RUN_DIR --format peft|merged|rankwise --out DIR``."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rankwise import registry
+from rankwise.core.io import load_adapter
+from rankwise.errors import RankwiseError
+from rankwise.recipes.config import load_run_config
+from rankwise.recipes.model import demo_model_path, load_model
+
+
+def load_run(run_dir: Path):
+    """Rebuild a finished run's trained model from its folder.
+
+    Returns:
+        ``(cfg, model, tokenizer)`` with the adapter loaded (or the fully trained model).
+
+    Raises:
+        RankwiseError: If the folder is not a finished run or its files are corrupt.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
+                            "of a finished 'rankwise train'")
+    cfg = load_run_config(run_dir / "config.yaml")
+    entry = registry.get("method", cfg.method.name)
+    if entry.trains == "full":
+        if not (run_dir / "model" / "config.json").is_file():
+            raise RankwiseError(f"{run_dir} has no trained model/ yet; let the run finish (or --resume it)")
+        model, tok = load_model(str(run_dir / "model"), cfg.model.task, cfg.model.num_labels)
+        return cfg, model, tok
+    if not (run_dir / "adapter").is_dir():
+        raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
+    model, tok = load_model(cfg.model.path, cfg.model.task, cfg.model.num_labels, seed=cfg.train.seed)
+    load_adapter(model, run_dir / "adapter")
+    model.eval()
+    return cfg, model, tok
+
+
+def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
+    """Export a run's result.
+
+    Args:
+        run_dir: A finished run folder.
+        fmt: ``peft`` (adapter_config.json + adapter_model.safetensors), ``merged`` (a plain
+            transformers model folder with the adapter folded in), or ``rankwise``.
+        out: Target folder; must not exist or be empty.
+
+    Returns:
+        The folder written.
+
+    Raises:
+        RankwiseError: Bad run folder, a non-empty target, or a format the run can't produce.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise RankwiseError(f"export target {out} is not empty; choose a new --out or delete it first")
+    cfg, model, tok = load_run(run_dir)
+    full = registry.get("method", cfg.method.name).trains == "full"
+    if fmt == "peft":
+        if full:
+            raise RankwiseError(f"run {run_dir} trained every weight ({cfg.method.name}); it has no "
+                                "adapter to export: use --format merged")
+        from rankwise.core.peft_format import export_peft
+        base = str(demo_model_path()) if cfg.model.path == "demo" else cfg.model.path
+        return export_peft(model, out, base_model_name_or_path=base)
+    if fmt == "merged":
+        from rankwise.core.merged import export_merged
+        return export_merged(model, out, tokenizer=tok)
+    if fmt == "rankwise":
+        if full:
+            raise RankwiseError("a full fine-tuning run has no adapter: use --format merged")
+        shutil.copytree(Path(run_dir) / "adapter", out, dirs_exist_ok=True)
+        return out
+    raise RankwiseError(f"unknown export format {fmt!r}; expected peft, merged or rankwise")
