@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rankwise.core.inject import Conv1D
 from rankwise.errors import RankwiseError
@@ -150,13 +151,25 @@ class LoraLayer(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``W x + sum_active s_i B_i A_i dropout(x)``; merged adapters are already in W."""
+        """``W x + sum_active s_i B_i A_i dropout(x)``; merged adapters are already in W.
+
+        The low-rank term is added into the base output in place with one fused
+        ``add_(delta, alpha=s)`` (no separate scale and sum tensors); that is safe for autograd
+        because a linear layer's backward never reads its own output. Casts and the dropout call
+        happen only when needed.
+        """
         out = self.base_layer(x)
         for name in self._active:
             if name in self._merged:
                 continue
-            a, b = self.lora_A[name], self.lora_B[name]
-            out = out + b(a(self.lora_dropout[name](x.to(a.weight.dtype)))).to(out.dtype) * self.scaling[name]
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight
+            h = x if x.dtype == a.dtype else x.to(a.dtype)
+            drop = self.lora_dropout[name]
+            if not isinstance(drop, nn.Identity):
+                h = drop(h)
+            delta = F.linear(F.linear(h, a), b)  # (..., r) then (..., out)
+            out = out.add_(delta if delta.dtype == out.dtype else delta.to(out.dtype),
+                           alpha=self.scaling[name])
         return out
 
     def extra_repr(self) -> str:
