@@ -1,7 +1,7 @@
 """``adamw``: torch's AdamW over the trainable parameters (the reference optimizer)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ class AdamWConfig:
     name: str = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0
-    betas: list[float] = (0.9, 0.999)  # type: ignore[assignment]
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
 
     def problems(self) -> list[str]:

@@ -168,7 +168,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> None:
     cfg_file = out / "config.yaml"
     if cfg_file.exists():
         saved = yaml.safe_load(cfg_file.read_text()) or {}
-        now = cfg.to_dict()
+        now = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
         for d in (saved, now):
             d.get("train", {}).pop("progress", None)
         if saved != now:
