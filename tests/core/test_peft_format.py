@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
 from rankwise.core.peft_format import export_peft, load_peft
@@ -133,7 +132,10 @@ def test_load_warns_on_unknown_keys_and_rejects_other_models(tmp_path):
 
 
 def test_export_refuses_missing_adapter(tmp_path):
-    with pytest.raises(RankwiseError, match="no LoRA adapter"):
+    with pytest.raises(RankwiseError, match="no LoRA adapter.*--format merged"):
         export_peft(tiny_bert_cls(), tmp_path / "p")
-    save_file({}, str(tmp_path / "x.safetensors"))  # unrelated file untouched
+    model = tiny_bert_cls()
+    apply_lora(model, LoraConfig(r=2, targets=["query"]), "a")
+    with pytest.raises(RankwiseError, match=r"adapters here: \['a'\]"):
+        export_peft(model, tmp_path / "p")
     assert not (tmp_path / "p").exists()

@@ -77,8 +77,9 @@ def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
                             "holds LoRA only: export with --format merged instead")
     if not layers:
         names = sorted({n for _, m in adapter_modules(model) for n in m.adapter_names()})
-        raise RankwiseError(f"no LoRA adapter named {adapter_name!r} in the model; adapters "
-                            f"here: {names}")
+        fix = "pass one of those names" if names else "export with --format merged instead"
+        raise RankwiseError(f"no LoRA adapter named {adapter_name!r} in the model (adapters "
+                            f"here: {names}); {fix}")
     return layers
 
 
