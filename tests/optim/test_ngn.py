@@ -52,7 +52,9 @@ def test_builder_observes_loss_through_forward_hook():
     opt = entry.builder(model, from_dict(entry.config_cls, {"name": "ngn-m"}, "optim"))
     out = model(**tiny_batch("llama"))
     out.loss.backward()
-    assert opt.step() == pytest.approx(float(out.loss))
+    assert opt.step() == pytest.approx(float(out.loss.detach()))
     with pytest.raises(RankwiseError, match="no loss value"):
         opt.step()
+    model(**tiny_batch("llama"))                       # observed, but an explicit loss wins
+    assert opt.step(loss=torch.tensor(2.5)) == 2.5
     opt.loss_hook.remove()

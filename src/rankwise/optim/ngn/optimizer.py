@@ -34,7 +34,8 @@ class NGNM(torch.optim.Optimizer):
     over processes (gradients already are), so every process takes the same step.
 
     The loss reaches the optimizer in one of two ways: ``step(closure)`` (the closure
-    re-evaluates and returns it, torch's convention) or :meth:`observe_loss` before ``step()``;
+    re-evaluates and returns it, torch's convention), ``step(loss=value)`` (the rankwise training
+    loop does this, seeing ``needs_closure_loss``), or :meth:`observe_loss` before ``step()``;
     the registry builder installs a forward hook that observes ``output.loss`` of every
     training-mode forward, averaging them over gradient-accumulation micro-batches.
 
@@ -50,17 +51,19 @@ class NGNM(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
         self._losses: list[torch.Tensor] = []
         self.last_step_size = 0.0
+        self.needs_closure_loss = True  # tells rankwise.recipes.train to call step(loss=...)
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Record a mini-batch loss for the next :meth:`step` (several are averaged)."""
         self._losses.append(torch.as_tensor(loss, dtype=torch.float64).detach().cpu())
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None):
+    def step(self, closure: Callable | None = None, loss: torch.Tensor | float | None = None):
         """Perform one step.
 
         Args:
             closure: Optional closure returning the loss (after its backward pass).
+            loss: The mini-batch loss, if known (overrides losses seen by the hook).
 
         Returns:
             The loss used.
@@ -71,20 +74,22 @@ class NGNM(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 self._losses = [torch.as_tensor(closure(), dtype=torch.float64).detach().cpu()]
+        elif loss is not None:
+            self._losses = [torch.as_tensor(loss, dtype=torch.float64).detach().cpu()]
         if not self._losses:
             raise RankwiseError("ngn-m: got no loss value for this step; expected "
                                 "optimizer.step(closure) or optimizer.observe_loss(loss) "
                                 "before step() (models whose output has .loss are observed "
                                 "automatically when the optimizer is built by the registry)")
-        loss = torch.stack(self._losses).mean()
+        f = torch.stack(self._losses).mean()
         self._losses = []
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-            loss /= dist.get_world_size()
+            dist.all_reduce(f, op=dist.ReduceOp.SUM)
+            f /= dist.get_world_size()
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         sq = float(sum((g.double() ** 2).sum() for g in grads)) if grads else 0.0
         for group in self.param_groups:
-            gamma = ngn_step_size(group["lr"], float(loss), sq)
+            gamma = ngn_step_size(group["lr"], float(f), sq)
             self.last_step_size = gamma
             beta = group["momentum"]
             for p in group["params"]:
@@ -98,7 +103,7 @@ class NGNM(torch.optim.Optimizer):
                     p.mul_(1 - gamma * group["weight_decay"])
                 d.mul_(beta).add_(p.grad, alpha=-(1 - beta) * gamma)  # x_{k+1} - x_k
                 p.add_(d)
-        return loss.item()
+        return f.item()
 
 
 def _loss_hook(optimizer: NGNM) -> Callable:
