@@ -23,6 +23,9 @@ from rankwise.core import (
     set_adapter, unmerge_adapters,
 )
 from rankwise.core.io import load_adapter, save_adapter
+from rankwise.core.merged import export_merged
+from rankwise.core.peft_format import export_peft, load_peft
+from rankwise.core.summary import print_summary
 from rankwise.errors import RankwiseError
 
 __version__ = "0.1.0"
@@ -58,6 +61,7 @@ def apply(model: nn.Module, method: str | Any = "lora", adapter_name: str = "def
 
 __all__ = [
     "RankwiseError", "apply", "method_config", "registry", "save_adapter", "load_adapter",
+    "export_peft", "load_peft", "export_merged", "print_summary",
     "adapter_state_dict", "count_parameters", "disable_adapters", "merge_adapters",
     "unmerge_adapters", "merge_and_unload", "set_adapter", "__version__",
 ]

@@ -74,7 +74,7 @@ def run_demo(out: Path, steps: int | None = None, console=None) -> dict:
             shutil.rmtree(run_dir)
         console.print(f"[bold]{name}[/]: {cfg.method.name} + {cfg.optim.name} (lr {cfg.optim.lr}), "
                       f"{cfg.train.steps} steps x {cfg.train.batch_size}")
-        metrics = train(cfg, run_dir, console=console)
+        metrics = train(cfg, run_dir, console=console, summary=False)
         results[name] = metrics
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
         curves[name] = [(e["step"], e["eval_accuracy"]) for e in events if "eval_accuracy" in e]

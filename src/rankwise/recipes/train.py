@@ -194,7 +194,7 @@ def save_result(session: Session, out: Path) -> Path:
 
 
 def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | None = None,
-          console=None) -> dict:
+          console=None, summary: bool = True) -> dict:
     """Run training as configured and write the run folder.
 
     Args:
@@ -203,6 +203,7 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
         resume: Continue from the newest checkpoint in ``out``.
         session: A prepared session (default: built from ``cfg``).
         console: A ``rich.console.Console`` for messages (default: stderr).
+        summary: Print the per-layer adapter table (else one parameter-count line).
 
     Returns:
         The metrics written to ``metrics.json``.
@@ -221,6 +222,12 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     session = session or prepare(cfg)
     if resume:
         _check_same_config(out, cfg)
+    if summary and cfg.train.progress:
+        from rankwise.core.summary import print_summary
+        print_summary(session.model, console, max_rows=12)
+    else:
+        trainable, total = count_parameters(session.model)
+        console.print(f"trainable params: {trainable:,} / {total:,} ({100 * trainable / total:.2f}%)")
     t = cfg.train
     out.mkdir(parents=True, exist_ok=True)
     start_step, prior_time = 0, 0.0
