@@ -124,6 +124,9 @@ def test_load_warns_on_unknown_keys_and_rejects_other_models(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.warns(UserWarning, match="future_option"):
         load_peft(tiny_bert_cls(), tmp_path / "p")
+    cfg_path.write_text(json.dumps({**cfg, "init_lora_weights": "pissa"}))
+    with pytest.warns(UserWarning, match="modified base model"):
+        load_peft(tiny_bert_cls(), tmp_path / "p")
     with pytest.warns(UserWarning), pytest.raises(RankwiseError, match="lacks"):
         load_peft(tiny_llama_lm(), tmp_path / "p")
     (tmp_path / "p/adapter_model.safetensors").write_bytes(b"garbage")

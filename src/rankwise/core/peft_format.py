@@ -191,6 +191,11 @@ def read_peft_config(peft_dir: str | Path) -> dict[str, Any]:
     if bad:
         raise RankwiseError(f"{path} uses PEFT features rankwise does not support: "
                             f"{', '.join(bad)}; merge it with PEFT and load the merged model")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init not in ("gaussian", "eva", "orthogonal"):
+        warnings.warn(f"{path}: init_lora_weights={init!r} changes the base weights in PEFT; unless "
+                      "the adapter was saved with path_initial_model_for_weight_conversion, it "
+                      "only reproduces its outputs on that modified base model", stacklevel=2)
     unknown = sorted(set(cfg) - _USED - _HARMLESS - set(_NEUTRAL))
     if unknown:
         warnings.warn(f"{path}: ignoring PEFT config keys rankwise does not know: {unknown}",
