@@ -1,6 +1,7 @@
 """GoRA (ROADMAP A2): gradient-driven adaptive rank and initialisation; one registration.
 
-Usage from a training recipe, after the method's builder ran::
+The builder returns a :class:`GoraResult`; ``rankwise train`` calls its
+``write_artifacts(run_dir)``, which writes ``ranks.json`` and ``ranks.png``. Elsewhere::
 
     from rankwise.adapters.gora import gora_report, plot_ranks, write_ranks
     report = gora_report(model, adapter_name)      # None unless the method was gora
@@ -14,10 +15,10 @@ from rankwise import registry
 from rankwise.adapters.gora.allocate import allocate_ranks, importance, normalise
 from rankwise.adapters.gora.config import GoraConfig
 from rankwise.adapters.gora.gradients import accumulate_gradients
-from rankwise.adapters.gora.layer import apply_gora, gora_report, projected_step_b
+from rankwise.adapters.gora.layer import GoraResult, apply_gora, gora_report, projected_step_b
 from rankwise.adapters.gora.report import plot_ranks, write_ranks
 
-__all__ = ["GoraConfig", "apply_gora", "gora_report", "plot_ranks", "write_ranks",
+__all__ = ["GoraConfig", "GoraResult", "apply_gora", "gora_report", "plot_ranks", "write_ranks",
            "allocate_ranks", "importance", "normalise", "accumulate_gradients", "projected_step_b"]
 
 registry.register("method", "gora", GoraConfig, apply_gora, needs_batches=True,

@@ -8,6 +8,7 @@ averaged G) at most one transient full-size gradient is alive per backward step,
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -31,6 +32,8 @@ class GradStats:
         all_grads_bytes: Bytes a plain ``backward()`` over every trainable parameter would keep
             in ``.grad`` (what the hooks avoid).
         cuda_peak_bytes: ``torch.cuda.max_memory_allocated`` growth during the phase (CUDA only).
+        rss_peak_mb: Resident-set growth over the phase in MiB, sampled at every hook and after
+            every backward (CPU; Linux ``/proc``, else 0). Noisy for small models.
     """
 
     grads: dict[str, torch.Tensor]
@@ -41,11 +44,21 @@ class GradStats:
     peak_grad_bytes: int = 0
     all_grads_bytes: int = 0
     cuda_peak_bytes: int | None = None
+    rss_peak_mb: float = 0.0
 
     def memory(self) -> dict[str, Any]:
         """Return the memory figures as a JSON-ready dict."""
         return {"accumulator_bytes": self.accumulator_bytes, "peak_grad_bytes": self.peak_grad_bytes,
-                "all_grads_bytes": self.all_grads_bytes, "cuda_peak_bytes": self.cuda_peak_bytes}
+                "all_grads_bytes": self.all_grads_bytes, "cuda_peak_bytes": self.cuda_peak_bytes,
+                "rss_peak_mb": round(self.rss_peak_mb, 2)}
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -99,8 +112,10 @@ def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter],
             stats.peak_grad_bytes = max(stats.peak_grad_bytes, live)
             acc[path].add_(p.grad.float())
             p.grad = None
+            stats.rss_peak_mb = max(stats.rss_peak_mb, _rss_mb() - rss0)
         return hook
 
+    rss0 = _rss_mb()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -128,6 +143,7 @@ def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter],
                                     "None; include labels in the calibration batches")
             loss.backward()
             stats.batches += 1
+            stats.rss_peak_mb = max(stats.rss_peak_mb, _rss_mb() - rss0)
             if score is not None and stats.batches >= max(1, min_batches - 1):
                 cur = score({p: a / stats.batches for p, a in acc.items()})
                 stats.history.append(cur)

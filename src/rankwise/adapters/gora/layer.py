@@ -7,6 +7,7 @@ per adapted path, with per-layer ranks; saving, loading, merging and the PEFT ex
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -21,6 +22,30 @@ from rankwise.core.protocol import base_weight
 from rankwise.errors import RankwiseError
 
 REPORT_ATTR = "_rankwise_gora"
+
+
+class GoraResult(dict):
+    """``{path: LoraLayer}`` returned by :func:`apply_gora`, plus the allocation report.
+
+    The train recipe calls :meth:`write_artifacts` on a method's result when it has one.
+
+    Attributes:
+        report: The dict also returned by :func:`gora_report`.
+    """
+
+    def __init__(self, layers: dict[str, LoraLayer], report: dict[str, Any]) -> None:
+        super().__init__(layers)
+        self.report = report
+
+    def write_artifacts(self, run_dir: str | Path) -> None:
+        """Write ``ranks.json`` (ranks, importances, budget, memory) and ``ranks.png``.
+
+        Args:
+            run_dir: The run folder.
+        """
+        from rankwise.adapters.gora.report import plot_ranks, write_ranks
+        write_ranks(self.report, Path(run_dir) / "ranks.json")
+        plot_ranks(self.report, Path(run_dir) / "ranks.png")
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -61,7 +86,7 @@ def projected_step_b(grad: torch.Tensor, a: torch.Tensor, scale: float, eta: flo
 
 
 def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "default",
-               batches: Iterable[dict] | None = None) -> dict[str, LoraLayer]:
+               batches: Iterable[dict] | None = None) -> GoraResult:
     """Inject GoRA adapter ``adapter_name``: allocate ranks from gradients, then init B.
 
     Implements GoRA (arXiv 2502.12171, NeurIPS 2025) steps 1-3: average each target weight's
@@ -84,7 +109,8 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
         batches: Calibration batches (the train recipe passes its training iterator).
 
     Returns:
-        ``{path: LoraLayer}`` for the layers that received a rank > 0.
+        A :class:`GoraResult`: ``{path: LoraLayer}`` for the layers that received a rank > 0,
+        with ``.report`` and ``.write_artifacts(run_dir)`` (``ranks.json``, ``ranks.png``).
 
     Raises:
         RankwiseError: Without batches, on targets matching nothing, or on batches without
@@ -146,7 +172,7 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
     reports = dict(getattr(model, REPORT_ATTR, {}))
     reports[adapter_name] = report
     object.__setattr__(model, REPORT_ATTR, reports)
-    return layers
+    return GoraResult(layers, report)
 
 
 def gora_report(model: nn.Module, adapter_name: str = "default") -> dict | None:

@@ -1,0 +1,92 @@
+"""``rankwise compare``: row table, same budget, mean ± std over seeds, files written."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import yaml
+
+from rankwise.errors import RankwiseError
+from rankwise.recipes.compare import ROWS, markdown, row_config, run_compare
+
+BASE = {
+    "model": {"path": "tiny-bert", "task": "classification"},
+    "method": {"name": "lora", "r": 4, "alpha": 8, "targets": ["query", "value"]},
+    "optim": {"name": "adamw", "lr": 0.005},
+    "train": {"steps": 2, "batch_size": 8, "eval_batch_size": 64, "save_every": 0, "log_every": 1,
+              "progress": False, "calibration_batches": 2},
+}
+WORDS = {"cat": "feline whiskers purr", "dog": "canine bark fetch", "fish": "fins swim gills"}
+
+
+@pytest.fixture
+def config(tmp_path):
+    rows = [{"text": f"{WORDS[lab]} {i}", "label": lab} for i in range(12) for lab in WORDS]
+    data = tmp_path / "pets.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {**BASE, "data": {"source": str(data), "max_length": 8, "eval_fraction": 0.25},
+           "compare": {"gora": {"method": {"n_batches": 2, "r_min": 1}}}}
+    path = tmp_path / "cmp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_rows_share_the_budget_and_keep_the_head_optimizer():
+    gora = row_config(BASE, "gora")
+    assert gora["method"] == {"name": "gora", "r": 4, "alpha": 8, "targets": ["query", "value"]}
+    alt = row_config(BASE, "altlora")
+    assert alt["method"] == BASE["method"]
+    assert alt["optim"]["name"] == "altlora" and alt["optim"]["head_lr"] == 0.005
+    assert alt["optim"]["lr"] == ROWS["altlora"]["optim"]["lr"]
+    assert row_config(BASE, "lora", {"optim": {"lr": 0.1}})["optim"] == {"name": "adamw", "lr": 0.1}
+    with pytest.raises(RankwiseError, match="did you mean 'gora'"):
+        row_config(BASE, "goraa")
+
+
+def test_two_methods_two_seeds_table(config, tmp_path):
+    out = tmp_path / "cmp"
+    result = run_compare(config, ["lora", "gora"], 2, ["train.steps=2"], out)
+    rows = result["rows"]
+    assert list(rows) == ["lora", "gora"]
+    for row in rows:
+        per_seed = [json.loads((out / row / f"seed{k}" / "metrics.json").read_text()) for k in (0, 1)]
+        assert rows[row]["runs"] == per_seed and rows[row]["seeds"] == 2
+        accs = [m["eval_accuracy"] for m in per_seed]
+        assert rows[row]["mean"]["eval_accuracy"] == pytest.approx(statistics.fmean(accs))
+        assert rows[row]["std"]["eval_accuracy"] == pytest.approx(statistics.stdev(accs))
+        losses = [m["eval_loss"] for m in per_seed]
+        assert rows[row]["mean"]["eval_loss"] == pytest.approx(statistics.fmean(losses))
+        assert rows[row]["std"]["eval_loss"] == pytest.approx(statistics.stdev(losses))
+        for k in (0, 1):
+            assert yaml.safe_load((out / row / f"seed{k}" / "config.yaml").read_text())["train"]["seed"] == k
+    assert rows["gora"]["overrides"]["method"]["n_batches"] == 2      # the compare: section
+    assert (out / "gora/seed0/ranks.json").is_file()
+    # the same parameter budget: GoRA is within one layer's (m + n) = 64 of LoRA
+    lora_p, gora_p = rows["lora"]["mean"]["trainable_params"], rows["gora"]["mean"]["trainable_params"]
+    assert abs(lora_p - gora_p) < 64
+    assert json.loads((out / "results.json").read_text())["rows"]["lora"]["mean"] == rows["lora"]["mean"]
+    md = (out / "results.md").read_text()
+    s = rows["lora"]
+    acc = f"{100 * s['mean']['eval_accuracy']:.1f} ± {100 * s['std']['eval_accuracy']:.1f}"
+    assert f"| lora | lora | adamw | {acc} | {s['mean']['eval_loss']:.4f} ± {s['std']['eval_loss']:.4f} |" in md
+    assert (out / "results.png").stat().st_size > 1000
+    again = run_compare(config, ["lora"], 2, ["train.steps=2"], out)   # finished runs are reused
+    assert again["rows"]["lora"]["runs"] == rows["lora"]["runs"]
+
+
+def test_bad_requests_fail_before_training(config, tmp_path):
+    with pytest.raises(RankwiseError, match="unknown comparison row 'lorra'"):
+        run_compare(config, ["lorra"], 1, [], tmp_path / "x")
+    with pytest.raises(RankwiseError, match="seeds"):
+        run_compare(config, ["lora"], 0, [], tmp_path / "x")
+    with pytest.raises(RankwiseError, match="row 'gora'"):
+        run_compare(config, ["lora", "gora"], 1, ["gora:method.r_max=0"], tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_markdown_perplexity_rows():
+    summary = {"lora": {"method": "lora", "optim": "adamw", "seeds": 1, "runs": [],
+                        "mean": {"eval_perplexity": 12.5, "eval_loss": 2.5, "trainable_params": 10},
+                        "std": {"eval_perplexity": 0.0, "eval_loss": 0.0, "trainable_params": 0}}}
+    assert "| lora | lora | adamw | 12.500 ± 0.000 | 2.5000 ± 0.0000 | 10 |" in markdown(summary, "t")
