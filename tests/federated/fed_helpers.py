@@ -55,3 +55,27 @@ def config_of(msg) -> dict:
     """The ConfigRecord of a message as a dict."""
     from rankwise.federated import keys
     return dict(msg.content.config_records[keys.CONFIG])
+
+
+def write_toy_data(path, n: int = 160, seed: int = 0):
+    """A 4-class JSONL text set whose classes differ by vocabulary (fast to tokenize)."""
+    import json
+    import random
+    rng = random.Random(seed)
+    vocab = {0: "socket stream loop await task future", 1: "header message mime parse email address",
+             2: "logger handler level format record emit", 3: "element tree node parse attribute xml"}
+    with open(path, "w") as f:
+        for i in range(n):
+            y = i % 4
+            words = rng.choices(vocab[y].split(), k=6) + rng.choices("the a of to in is".split(), k=3)
+            rng.shuffle(words)
+            f.write(json.dumps({"text": " ".join(words), "label": ["net", "mail", "log", "xml"][y]}) + "\n")
+    return path
+
+
+def toy_config(data_path, **federated) -> dict:
+    """A raw run config: tiny BERT + LoRA on the toy data, with ``federated`` overrides."""
+    return {"model": {"path": "tiny-bert"}, "data": {"source": str(data_path), "max_length": 16},
+            "method": {"name": "lora", "r": 4, "alpha": 8}, "optim": {"name": "adamw", "lr": 0.01},
+            "train": {"batch_size": 8, "eval_batch_size": 128},
+            "federated": {"clients": 2, "rounds": 2, "local_steps": 2, "client_cpus": 2, **federated}}

@@ -71,6 +71,8 @@ def simulate(config_file: Path, out: Path, fed: FederatedConfig) -> None:
     os.environ[ENV_CONFIG] = str(config_file.resolve())
     os.environ[ENV_OUT] = str(out.resolve())
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray runs workers at niceness 15 by default; on a shared CPU the clients then starve.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     cpus = max(1, os.cpu_count() or 1)
     backend = {"client_resources": {"num_cpus": min(fed.client_cpus, cpus), "num_gpus": 0.0},
                "init_args": {"num_cpus": cpus, "num_gpus": 0, "include_dashboard": False}}

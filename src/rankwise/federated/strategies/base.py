@@ -132,11 +132,17 @@ class AdapterStrategy(_FlowerStrategy):
         LOG.info("rankwise strategy %s: %s; %s", self.name, self.config, self.fed)
 
     def _sample(self, grid) -> list[int]:
+        """Wait for ``min_clients`` nodes, then draw ``max(fraction * n, min_clients)`` (seeded)."""
         from flwr.serverapp.strategy.strategy_utils import sample_nodes
-        n = len(list(grid.get_node_ids()))
-        size = min(max(int(n * self.fed.fraction), self.fed.min_clients), max(n, self.fed.min_clients))
-        nodes, _ = sample_nodes(grid, self.fed.min_clients, size)
-        return sorted(nodes)
+        _, everyone = sample_nodes(grid, self.fed.min_clients, self.fed.min_clients)
+        everyone = sorted(everyone)
+        size = min(max(int(len(everyone) * self.fed.fraction), self.fed.min_clients), len(everyone))
+        return sorted(self._rng.sample(everyone, size))
+
+    def who(self, node: int) -> str:
+        """``"node 123 (partition 2)"`` for logs (partition once the node has reported it)."""
+        part = self.partition_of.get(node)
+        return f"node {node}" + ("" if part is None else f" (partition {part})")
 
     def configure_train(self, server_round: int, arrays, config, grid) -> Iterable:
         """Send each sampled node its plan and the global tensors it lacks.
@@ -195,7 +201,8 @@ class AdapterStrategy(_FlowerStrategy):
             node = msg.metadata.src_node_id
             seen.add(node)
             if msg.has_error():
-                LOG.warning("round %d: node %d failed: %s", server_round, node, msg.error.reason)
+                LOG.warning("round %d: %s failed: %s", server_round, self.who(node),
+                            _last_line(msg.error.reason))
                 entry["failed"].append(node)
                 if keys.RESYNC_REASON in str(msg.error.reason):
                     self._full_sync.add(node)
@@ -203,14 +210,14 @@ class AdapterStrategy(_FlowerStrategy):
             entry["bytes_up"] += record_bytes(msg.content)
             update, problems = self._parse(msg, node)
             if problems:
-                LOG.warning("round %d: rejected update of node %d: %s", server_round, node,
+                LOG.warning("round %d: rejected update of %s: %s", server_round, self.who(node),
                             "; ".join(problems))
                 entry["rejected"].append(node)
                 continue
             updates.append(update)
         for node in sorted(set(self._expected) - seen):
-            LOG.warning("round %d: node %d sent no reply (crashed, disconnected or timed out)",
-                        server_round, node)
+            LOG.warning("round %d: %s sent no reply (crashed, disconnected or timed out)",
+                        server_round, self.who(node))
             entry["missing"].append(node)
         for node, exp in self._expected.items():  # their local copies of trained keys diverged
             for k in exp:
@@ -258,6 +265,12 @@ class AdapterStrategy(_FlowerStrategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable):
         """Nothing to aggregate (see :meth:`configure_evaluate`)."""
         return None
+
+
+def _last_line(text) -> str:
+    """The last non-empty line of an error text (a remote traceback's exception line)."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
 
 
 def fingerprint(state: dict[str, torch.Tensor]) -> str:

@@ -1,0 +1,70 @@
+"""``rankwise federated``: config checks (fast) and one real Flower simulation (slow): four
+clients x two rounds on a tiny BERT, one sending NaN and one crashing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rankwise.errors import RankwiseError
+from rankwise.federated.run import resolve, run_federated
+
+from fed_helpers import toy_config, write_toy_data
+
+
+def test_config_errors_name_the_fix(tmp_path):
+    data = write_toy_data(tmp_path / "toy.jsonl")
+    with pytest.raises(RankwiseError, match="unknown strategy 'fedavg'.*expected one of: fedit"):
+        resolve(None, [], toy_config(data, strategy="fedavg"))
+    cfg = toy_config(data, strategy="fedlease")
+    cfg["method"] = {"name": "full"}
+    with pytest.raises(RankwiseError, match="fedlease needs method.name: lora"):
+        resolve(None, [], cfg)
+    with pytest.raises(RankwiseError, match="faults: partitions \\['7'\\] do not exist"):
+        resolve(None, [], toy_config(data, faults={"7": "nan"}))
+    with pytest.raises(RankwiseError, match="federated.strategy.pca_components"):
+        resolve(None, [], toy_config(data, strategy={"name": "yoco", "pca_components": 0}))
+    with pytest.raises(RankwiseError, match="federated.fraction: got 0.0"):
+        resolve(None, ["federated.fraction=0.0"], toy_config(data))
+
+
+def test_cli_reports_config_error_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from rankwise.cli import main
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("federated: {strategy: rolora, partition: iid}\n")
+    res = CliRunner().invoke(main, ["federated", str(cfg), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "federated.partition" in res.output and "natural" in res.output
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """One shared simulation run (Flower simulation runtime, Ray)."""
+    root = tmp_path_factory.mktemp("fedsim")
+    data = write_toy_data(root / "toy.jsonl")
+    cfg = toy_config(data, strategy="rolora", clients=4, faults={"2": "nan", "3": "crash"})
+    out = root / "run"
+    metrics = run_federated(None, [], out, base=cfg)
+    return out, metrics
+
+
+@pytest.mark.slow
+def test_simulation_survives_bad_and_crashed_clients(simulated):
+    out, m = simulated
+    assert m["rounds"] == 2 and m["strategy"] == "rolora" and 0.0 <= m["eval_accuracy"] <= 1.0
+    lines = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in lines] == [0, 1, 2]
+    for e in lines[1:]:
+        assert e["sampled"] == 4 and e["aggregated"] == 2
+        assert len(e["rejected"]) == 1 and len(e["failed"]) == 1
+    assert len(m["rejected"]) == 1 and len(m["failed"]) == 1 and m["rejected"] != m["failed"]
+    assert m["bytes_up"] == sum(e["bytes_up"] for e in lines) > 0
+    assert m["bytes_down"] == sum(e["bytes_down"] for e in lines) > 0
+    # round 1 trains B (no download but configs), round 2 sends the new B down to all four
+    assert lines[1]["bytes_down"] < lines[2]["bytes_down"] / 10
+    assert (out / "results.md").read_text().count("| rolora |") == 1
+    assert (out / "accuracy_vs_bytes.png").stat().st_size > 1000
+    assert (out / "config.yaml").is_file()
+    with pytest.raises(RankwiseError, match="already holds a finished run"):
+        run_federated(None, [], out, base=toy_config(write_toy_data(out.parent / "t2.jsonl")))
