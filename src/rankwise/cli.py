@@ -19,6 +19,7 @@ from rankwise.errors import RankwiseError
 BENCHMARKS = {
     "lora-vs-peft": "rankwise.benchmarks.lora_vs_peft:run",
     "lowrank-pretrain": "rankwise.benchmarks.lowrank_pretrain:run",
+    "federated-demo": "rankwise.federated.bench:run",
 }
 
 
