@@ -32,7 +32,9 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.optim.common import split_params, state_bytes
 
-METHODS = ("adamw", "galore-torch", "galore", "galore-is", "sumo", "q3r", "ngn-m")
+METHODS = ("adamw", "galore-torch", "galore", "galore-eigh", "galore-is", "sumo", "q3r", "ngn-m")
+# "galore-eigh" is rankwise's galore with its two step-time options on: Gram eigh instead of
+# the SVD, and refreshes staggered over the period.
 
 
 @dataclass
@@ -63,9 +65,9 @@ class Sizes:
     rank: int = 32
     update_every: int = 30
     lrs: dict = field(default_factory=lambda: {
-        "adamw": [1e-3, 3e-3, 1e-2], "galore-torch": [3e-3, 1e-2, 3e-2], "galore": [3e-3, 1e-2, 3e-2],
-        "galore-is": [3e-3, 1e-2, 3e-2], "sumo": [1e-3, 3e-3, 1e-2], "q3r": [1e-3, 3e-3, 1e-2],
-        "ngn-m": [0.3, 1.0, 3.0]})
+        "adamw": [1e-3, 3e-3, 1e-2], "galore-torch": [1e-2, 3e-2, 1e-1], "galore": [1e-2, 3e-2, 1e-1],
+        "galore-eigh": [1e-2, 3e-2, 1e-1], "galore-is": [1e-2, 3e-2, 1e-1], "sumo": [3e-3, 1e-2, 3e-2],
+        "q3r": [1e-3, 3e-3, 1e-2], "ngn-m": [0.1, 0.3, 1.0]})
     threads: int = 1
     seed: int = 0
 
@@ -120,9 +122,11 @@ def make_optimizer(method: str, model: nn.Module, lr: float, s: Sizes) -> torch.
                    "scale": 0.25, "proj_type": "std"}]
         return galore_torch.GaLoreAdamW(groups, lr=lr, eps=1e-6, no_deprecation_warning=True)
     over = {"adamw": {"eps": 1e-6}, "galore": {**common, "eps": 1e-6}, "galore-is": {**common, "eps": 1e-6},
+            "galore-eigh": {**common, "eps": 1e-6, "svd": "eigh", "stagger": True},
             "sumo": {**common, "eps": 1e-6}, "q3r": {"rank": s.rank, "eps": 1e-6}, "ngn-m": {}}[method]
-    entry = registry.get("optimizer", method)
-    return entry.builder(model, from_dict(entry.config_cls, {"name": method, "lr": lr, **over}, "optim"))
+    name = "galore" if method == "galore-eigh" else method
+    entry = registry.get("optimizer", name)
+    return entry.builder(model, from_dict(entry.config_cls, {"name": name, "lr": lr, **over}, "optim"))
 
 
 def formula_floats(method: str, model: nn.Module, r: int) -> int:
@@ -132,7 +136,7 @@ def formula_floats(method: str, model: nn.Module, r: int) -> int:
     mats = [tuple(p.shape) for _, p in proj]
     if method == "adamw":
         return 2 * (dense + sum(m * n for m, n in mats))
-    if method in ("galore", "galore-is", "galore-torch"):
+    if method in ("galore", "galore-eigh", "galore-is", "galore-torch"):
         return 2 * dense + sum(2 * max(m, n) * r + min(m, n) * r for m, n in mats)
     if method == "sumo":
         return 2 * dense + sum(max(m, n) * r + min(m, n) * r for m, n in mats)
@@ -165,39 +169,37 @@ def train_one(method: str, lr: float, s: Sizes, train: torch.Tensor, evalw: torc
     """Train one (method, learning rate) and measure it.
 
     Returns:
-        Curves, held-out loss, state bytes (counted and formula), step times, peak memory.
+        Curves, held-out loss, state bytes (counted and formula), step times.
     """
-    from rankwise.recipes.memory import PeakMemory
     model = build_model(s)
     opt = make_optimizer(method, model, lr, s)
     warm = max(1, s.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / warm if k < warm else
                                               0.1 + 0.45 * (1 + math.cos(math.pi * (k - warm) / (s.steps - warm))))
     curve, step_t, opt_t, fb_t = [], [], [], []
-    with PeakMemory() as peak:
-        for k in range(s.steps):
-            x = _windows(train, starts[k], s.seq)  # (B, T) bytes
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            sched.step()
-            step_t.append(t2 - t0)
-            opt_t.append(t2 - t1)
-            fb_t.append(t1 - t0)
-            curve.append(loss.item())
-            if not math.isfinite(curve[-1]):
-                break
+    for k in range(s.steps):
+        x = _windows(train, starts[k], s.seq)  # (B, T) bytes
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        sched.step()
+        step_t.append(t2 - t0)
+        opt_t.append(t2 - t1)
+        fb_t.append(t1 - t0)
+        curve.append(loss.item())
+        if not math.isfinite(curve[-1]):
+            break
     out = {"method": method, "lr": lr, "train_curve": curve, "diverged": not math.isfinite(curve[-1]),
            "heldout_loss": heldout_loss(model, evalw) if math.isfinite(curve[-1]) else float("nan"),
            "state_bytes": counted_state_bytes(opt), "formula_bytes": 4 * formula_floats(method, model, s.rank),
            "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
            "step_s": sum(step_t) / len(step_t), "opt_step_s": sum(opt_t) / len(opt_t),
            "max_opt_step_s": max(opt_t),
-           "fwd_bwd_median_s": sorted(fb_t)[len(fb_t) // 2], "peak_rss_mb": peak.peak_mb}
+           "fwd_bwd_median_s": sorted(fb_t)[len(fb_t) // 2]}
     if method in ("q3r", "adamw") and not out["diverged"]:
         from rankwise.optim.q3r import truncate_to_factorized
         small = copy.deepcopy(model)
@@ -208,10 +210,40 @@ def train_one(method: str, lr: float, s: Sizes, train: torch.Tensor, evalw: torc
     return out
 
 
+def peak_tensor_mib(method: str, lr: float, s: Sizes, x: torch.Tensor) -> dict | None:
+    """Peak memory of live tensors over two training steps (the first one computes every
+    subspace), measured by torch's ``MemTracker`` (it sees every tensor torch allocates,
+    unlike the process RSS, which a long-lived process does not give back).
+
+    Returns:
+        ``{"total": MiB, "optimizer": MiB}`` or ``None`` if the tracker is unavailable.
+    """
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:  # pragma: no cover - private torch tool
+        return None
+    model = build_model(s)
+    opt = make_optimizer(method, model, lr, s)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            tracker.reset_mod_stats()
+    snap = tracker.get_tracker_snapshot("peak")
+    cpu = next(iter(snap.values()))
+    opt_key = next(k for k in cpu if str(k).endswith("OPT"))
+    if hasattr(opt, "loss_hook"):
+        opt.loss_hook.remove()
+    return {"total": cpu["Total"] / 2**20, "optimizer": cpu[opt_key] / 2**20}
+
+
 def _table(best: dict, ratios: dict, s: Sizes) -> str:
     lines = ["| optimizer | best lr | held-out loss (nats/byte) | ppl/byte | loss after rank-"
              f"{s.rank} truncation | state MiB counted | state MiB formula | params+grads+state MiB | "
-             "peak RSS MiB | "
+             "peak live tensors MiB (optimizer's) | "
              "step time / AdamW, measured | step time / AdamW, common fwd+bwd | optimizer.step / "
              "AdamW's | slowest optimizer.step ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -221,10 +253,15 @@ def _table(best: dict, ratios: dict, s: Sizes) -> str:
             f"| {m} | {r['lr']:g} | {r['heldout_loss']:.4f} | {math.exp(r['heldout_loss']):.3f} | "
             f"{'' if trunc is None else f'{trunc:.4f}'} | {r['state_bytes'] / 2**20:.3f} | "
             f"{r['formula_bytes'] / 2**20:.3f} | {(2 * r['param_bytes'] + r['state_bytes']) / 2**20:.2f} | "
-            f"{r['peak_rss_mb']:.1f} | {ratios[m]['step']:.2f} | "
+            f"{_peak(r)} | {ratios[m]['step']:.2f} | "
             f"{ratios[m]['step_common_fb']:.2f} | {ratios[m]['opt_step']:.2f} | "
             f"{ratios[m]['refresh_step_ms']:.0f} |")
     return "\n".join(lines)
+
+
+def _peak(r: dict) -> str:
+    p = r.get("peak_mib")
+    return "n/a" if p is None else f"{p['total']:.2f} ({p['optimizer']:.2f})"
 
 
 def _plot(best: dict, runs: list[dict], path: Path) -> None:
@@ -283,6 +320,7 @@ def run(out: Path, sizes: Sizes | None = None, methods: tuple[str, ...] = METHOD
     for m in methods:
         ok = [r for r in runs if r["method"] == m and math.isfinite(r["heldout_loss"])]
         best[m] = min(ok, key=lambda r: r["heldout_loss"]) if ok else [r for r in runs if r["method"] == m][0]
+        best[m]["peak_mib"] = peak_tensor_mib(m, best[m]["lr"], s, _windows(train, starts[0], s.seq))
 
     def mean(m, key):
         vals = [r[key] for r in runs if r["method"] == m and not r["diverged"]]

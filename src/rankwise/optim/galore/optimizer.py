@@ -13,7 +13,16 @@ from rankwise.optim.galore.config import GaLoreConfig
 
 def sample_generator(seed: int, index: int, step: int) -> torch.Generator:
     """A generator that depends only on (seed, parameter index, step), so sampled subspaces
-    are identical on every DDP process and after a resume, with no RNG state to save."""
+    are identical on every DDP process and after a resume, with no RNG state to save.
+
+    Args:
+        seed: The group's ``seed``.
+        index: Position of the parameter in the optimizer (over all groups).
+        step: 1-based step count of the refresh.
+
+    Returns:
+        A freshly seeded CPU generator.
+    """
     g = torch.Generator()
     g.manual_seed((seed * 1_000_003 + index * 10_007 + step) % (2**63 - 1))
     return g
