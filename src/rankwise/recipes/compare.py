@@ -32,11 +32,11 @@ ROWS: dict[str, dict[str, Any]] = {
     "frozen": {"method": {"name": "frozen"}},
     "lora": {"method": {"name": "lora"}},
     "gora": {"method": {"name": "gora"}},
-    "altlora": {"method": {"name": "lora"}, "optim": {"name": "altlora", "lr": 0.05, "reg": 1e-3}},
+    "altlora": {"method": {"name": "lora"}, "optim": {"name": "altlora", "lr": 1.0, "reg": 1e-3}},
     "altlora-plus": {"method": {"name": "lora"},
                      "optim": {"name": "altlora-plus", "lr": 2e-3, "reg": 1e-3}},
     "gora+altlora": {"method": {"name": "gora"},
-                     "optim": {"name": "altlora", "lr": 0.05, "reg": 1e-3}},
+                     "optim": {"name": "altlora", "lr": 1.0, "reg": 1e-3}},
     "full": {"method": {"name": "full"}, "optim": {"name": "adamw", "lr": 5e-5}},
 }
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")

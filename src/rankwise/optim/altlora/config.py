@@ -16,7 +16,9 @@ class AltLoraConfig:
         name: Registry name (``altlora``; ``altlora-plus`` adds the second moment).
         lr: Step size of the preconditioned steps on A and B. The A-step moves the adapter's
             product by about ``lr * s^2 * P_B G`` (s the LoRA scale, G the full-weight
-            gradient), so it behaves like an SGD learning rate, not an Adam one.
+            gradient), so it behaves like an SGD learning rate, not an Adam one. Default
+            (ours): 1.0; on the demo task (MiniLM, gradients clipped to norm 1, 30 steps)
+            0.1 / 0.5 / 2 / 5 reached 39 / 74 / 77 / 32 % accuracy.
         betas: (beta1, beta2): momentum, and AltLoRA+'s second-moment decay.
         eps: AltLoRA+'s denominator epsilon (the code uses 1e-4).
         weight_decay: Decoupled decay applied after each step: p -= lr * wd * p.
@@ -31,7 +33,7 @@ class AltLoraConfig:
     """
 
     name: str = "altlora"
-    lr: float = 1e-3
+    lr: float = 1.0
     betas: list[float] = (0.9, 0.999)  # type: ignore[assignment]
     eps: float = 1e-4
     weight_decay: float = 1e-5
