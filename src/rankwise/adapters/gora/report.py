@@ -53,7 +53,7 @@ def plot_ranks(report: dict, path: str | Path) -> Path:
     ax_r.set_ylabel("allocated rank")
     ax_r.set_title(f"GoRA rank allocation ({report['allocated_params']:,} / "
                    f"{report['budget_params']:,} budget params, importance={report['importance']})")
-    ax_r.legend(loc="upper right")
+    ax_r.legend(loc="upper left")
     ax_i.bar(x, imps, color="#888")
     ax_i.set_ylabel("importance")
     ax_i.set_xticks(list(x))
