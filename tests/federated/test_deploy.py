@@ -31,6 +31,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def adopted_helpers(parents: set[int]) -> list[int]:
+    """Pids of Flower helpers started with ``--parent-pid P`` (P in ``parents``); they detach
+    from their parent (ppid 1), so :func:`descendants` does not see them."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for i, arg in enumerate(argv[:-1]):
+                if arg == b"--parent-pid" and argv[i + 1].isdigit() and int(argv[i + 1]) in parents:
+                    out.append(int(entry.name))
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """Pids of every process below ``pid`` (read from /proc)."""
     children: dict[int, list[int]] = {}
@@ -78,6 +94,8 @@ class Processes:
         pids = []
         for p in self.procs.values():
             pids += descendants(p.pid) + [p.pid]
+        pids += adopted_helpers(set(pids))
+        pids += [d for h in adopted_helpers(set(pids)) for d in descendants(h)]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -102,6 +120,7 @@ def test_tls_deployment_two_rounds_and_unknown_node_refused(tmp_path):
     port = free_port()
     tls = make_tls(tmp_path / "tls")
     keys = {n: make_node_keys(tmp_path / "keys", n) for n in ("node0", "node1")}
+    stranger_key = make_node_keys(tmp_path / "keys", "stranger")  # never registered
     home = tmp_path / "flwr-home"
     write_connection(home, "local-tls", f"127.0.0.1:{port}", tls["ca"])
     cfg = tmp_path / "run.yaml"
@@ -130,7 +149,10 @@ def test_tls_deployment_two_rounds_and_unknown_node_refused(tmp_path):
                                keys[name]["private"], "--port", free_port(),
                                "--node-config", f"partition-id={i} num-partitions=2"])
         procs.start("intruder", [BIN / "flower-supernode", *common, "--port", free_port(), "--max-retries", "2",
-                                 "--node-config", "partition-id=0 num-partitions=2"])
+                                 "--node-config", "partition-id=0 num-partitions=2"])       # no key at all
+        procs.start("stranger", [BIN / "flower-supernode", *common, "--auth-supernode-private-key",
+                                 stranger_key["private"], "--port", free_port(), "--max-retries", "2",
+                                 "--node-config", "partition-id=1 num-partitions=2"])       # unknown key
         run = subprocess.run([BIN / "flwr", "run", app, "local-tls", "--stream"], env=env, cwd=app,
                              capture_output=True, text=True, timeout=480)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
@@ -141,9 +163,11 @@ def test_tls_deployment_two_rounds_and_unknown_node_refused(tmp_path):
         lines = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
         assert metrics["rounds"] == 2 and [e["round"] for e in lines] == [0, 1, 2]
         assert all(e["aggregated"] == 2 and not e["failed"] and not e["missing"] for e in lines[1:])
-        link, intruder = procs.log("superlink"), procs.log("intruder")
-        assert "No SuperNode found with the given public key" in link or "activate-node" in link
-        assert "Connection attempt failed" in intruder or procs.procs["intruder"].poll() not in (None, 0)
+        link = procs.log("superlink")
+        assert "[/v1/fleet/register-node][ApiError" in link          # the node without a key
+        assert "No SuperNode found with the given public key" in link  # the unregistered key
+        for name in ("intruder", "stranger"):
+            assert "Connection attempt failed" in procs.log(name), procs.log(name)[-2000:]
         assert "-----BEGIN" not in procs.log("node0")  # keys are never logged by the nodes
     finally:
         procs.stop_all()

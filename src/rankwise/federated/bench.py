@@ -22,8 +22,8 @@ BASE = {
     "method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
     "optim": {"name": "adamw", "lr": 2e-3},
     "train": {"batch_size": 16, "eval_batch_size": 128, "seed": 0},
-    "federated": {"clients": 4, "rounds": 4, "local_steps": 8, "partition": "natural",
-                  "min_clients": 2, "client_cpus": 2},
+    "federated": {"clients": 4, "rounds": 4, "local_steps": 6, "partition": "natural",
+                  "min_clients": 2, "client_cpus": 1},
 }
 
 
