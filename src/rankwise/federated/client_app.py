@@ -23,9 +23,9 @@ from rankwise.federated.task import (Client, build_client, layer_importance, loa
                                      load_tensors, local_train)
 
 ENV_CONFIG = "RANKWISE_FED_CONFIG"
-RUN_CONFIG_KEY = "rankwise-config"
-_STRUCTURE = "rankwise-structure"
-_SYNC = "rankwise-sync"
+RUN_CONFIG_KEY = keys.RUN_CONFIG_FILE
+_STRUCTURE = keys.STATE_STRUCTURE
+_SYNC = keys.STATE_SYNC
 _CLIENTS: dict[tuple[str, int], Client] = {}
 
 app = ClientApp()
@@ -45,10 +45,10 @@ def config_path(ctx: Context) -> str:
 
 
 def _partition_id(ctx: Context) -> int:
-    if "partition-id" not in ctx.node_config:
+    if keys.PARTITION not in ctx.node_config:
         raise RuntimeError("this SuperNode has no partition-id; start it with "
                            "--node-config 'partition-id=K num-partitions=N'")
-    return int(ctx.node_config["partition-id"])
+    return int(ctx.node_config[keys.PARTITION])
 
 
 def _ensure_structure(client: Client, cfg_rec: dict) -> None:

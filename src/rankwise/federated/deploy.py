@@ -11,6 +11,8 @@ import datetime as dt
 import ipaddress
 from pathlib import Path
 
+from rankwise.federated import keys
+
 
 def _write(path: Path, data: bytes, private: bool = False) -> Path:
     path.write_bytes(data)
@@ -116,8 +118,8 @@ serverapp = "rankwise.federated.server_app:app"
 clientapp = "rankwise.federated.client_app:app"
 
 [tool.flwr.app.config]
-rankwise-config = "{Path(config_path).resolve()}"
-rankwise-out = "{Path(out).resolve()}"
+{keys.RUN_CONFIG_FILE} = "{Path(config_path).resolve()}"
+{keys.RUN_OUT} = "{Path(out).resolve()}"
 """)
     return folder
 

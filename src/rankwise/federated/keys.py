@@ -10,6 +10,12 @@ ARRAYS = "arrays"          # ArrayRecord: adapter tensors (down: global values, 
 CONFIG = "config"          # ConfigRecord: what the client must do this round
 METRICS = "metrics"        # MetricRecord: what the client reports
 STATE = "rankwise-adapter"  # ArrayRecord kept in a node's Context.state between rounds
+STATE_STRUCTURE = "rankwise-structure"  # ConfigRecord in Context.state: FedLEASE layout
+STATE_SYNC = "rankwise-sync"            # ConfigRecord in Context.state: round last received
+
+# --- the app's run config ([tool.flwr.app.config]) and node config -------------------------
+RUN_CONFIG_FILE = "rankwise-config"  # str: path of the rankwise run config (YAML)
+RUN_OUT = "rankwise-out"             # str: run folder the ServerApp writes
 
 # --- ConfigRecord entries (server -> client) ------------------------------------------------
 ROUND = "server-round"     # int: current round (Flower's own spelling)
@@ -36,6 +42,11 @@ PARTITION = "partition-id"       # the client's data partition (maps node ids to
 CAPACITY = "capacity"            # LEFF: layers the client can train (reply; node_config key)
 CAPACITIES = "capacities"        # LEFF: list[int] capacity per partition id (query config)
 IMPORTANCE = "layer-importance"  # LEFF: per-layer first-order Taylor importance (list)
+
+# --- MetricRecord entries of a round (strategy -> Flower's history) ------------------------
+BYTES_UP = "bytes-up"
+BYTES_DOWN = "bytes-down"
+AGGREGATED = "clients-aggregated"
 
 # --- key prefixes inside the ArrayRecord for multi-part payloads (FedLEASE) -----------------
 EXPERT_PREFIX = "expert{m}/"     # expert m's LoRA tensors: "expert0/<parameter name>"

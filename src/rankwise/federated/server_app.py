@@ -27,7 +27,7 @@ from rankwise.federated.task import (build_session, initial_state, load_run, loa
                                      partitions, subset)
 
 ENV_OUT = "RANKWISE_FED_OUT"
-OUT_KEY = "rankwise-out"
+OUT_KEY = keys.RUN_OUT
 LOG = logging.getLogger("rankwise.federated")
 
 app = ServerApp()

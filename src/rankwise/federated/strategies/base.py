@@ -235,8 +235,8 @@ class AdapterStrategy(_FlowerStrategy):
         entry["train_loss"] = (sum(u.weight * u.metrics.get(keys.TRAIN_LOSS, 0.0) for u in updates)
                                / total) if total else None
         self.history.append(entry)
-        metrics = {"bytes-up": entry["bytes_up"], "bytes-down": entry["bytes_down"],
-                   "clients-aggregated": entry["aggregated"]}
+        metrics = {keys.BYTES_UP: entry["bytes_up"], keys.BYTES_DOWN: entry["bytes_down"],
+                   keys.AGGREGATED: entry["aggregated"]}
         if entry["train_loss"] is not None:
             metrics[keys.TRAIN_LOSS] = entry["train_loss"]
         return to_record(self.global_state), MetricRecord(metrics)
