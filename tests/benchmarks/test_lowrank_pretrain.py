@@ -7,10 +7,9 @@ import pytest
 from rankwise.benchmarks.lowrank_pretrain import METHODS, Sizes, load_corpus, run
 
 
-def test_corpus_split_is_by_module_and_deterministic():
+def test_corpus_split_is_by_module():
     train, held, info = load_corpus()
-    again = load_corpus()
-    assert info == again[2] and info["files"]["heldout"] > 0
+    assert info["files"]["heldout"] > 0 and info["bytes"]["train"] == train.numel()
     assert 0.03 < held.numel() / (train.numel() + held.numel()) < 0.3
 
 
