@@ -38,6 +38,11 @@ ROWS: dict[str, dict[str, Any]] = {
     "gora+altlora": {"method": {"name": "gora"},
                      "optim": {"name": "altlora", "lr": 1.0, "reg": 1e-3}},
     "full": {"method": {"name": "full"}, "optim": {"name": "adamw", "lr": 5e-5}},
+    # full training with low-rank optimizer state; scale 1 / RMS-matched SUMO keep full's lr
+    "full+galore": {"method": {"name": "full"},
+                    "optim": {"name": "galore", "lr": 5e-5, "scale": 1.0, "rank": 64, "update_every": 50}},
+    "full+sumo": {"method": {"name": "full"},
+                  "optim": {"name": "sumo", "lr": 5e-5, "rank": 64, "update_every": 50}},
 }
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")
 METRICS = ("eval_accuracy", "eval_loss", "eval_perplexity", "trainable_params", "train_time_s",
