@@ -25,8 +25,8 @@ from rankwise.recipes.plots import plot_curves
 # The demo's settings, chosen to finish in under 3 minutes on 2 CPU cores (see README).
 DEMO_BASE = {
     "model": {"path": "demo", "task": "classification"},
-    "data": {"source": "demo", "max_length": 48, "eval_fraction": 0.2},
-    "train": {"steps": 120, "batch_size": 32, "eval_every": 40, "save_every": 60, "log_every": 5,
+    "data": {"source": "demo", "max_length": 32, "eval_fraction": 0.2},
+    "train": {"steps": 150, "batch_size": 32, "eval_every": 50, "save_every": 50, "log_every": 5,
               "seed": 0, "warmup_fraction": 0.05},
 }
 DEMO_METHODS = {

@@ -93,6 +93,7 @@ def load_model(path: str, task: str, num_labels: int | None = None, seed: int = 
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                               logging as hf_logging)
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
