@@ -106,6 +106,7 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
         lines = read_rounds(folder)
         trained = max(m["rounds"], 1)
         rows[label] = {"strategy": m["strategy"], "eval_accuracy": m.get("eval_accuracy"),
+                       "eval_loss": m.get("eval_loss"),
                        "initial_eval_accuracy": m.get("initial_eval_accuracy"), "rounds": m["rounds"],
                        "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"],
                        "bytes_total": m["bytes_total"], "bytes_per_round": m["bytes_total"] / trained,
@@ -113,12 +114,13 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
                        "wall_time_s": m.get("wall_time_s")}
         if any("eval_accuracy" in e for e in lines):
             curves[label] = [(e["cum_bytes"] / 1e6, e["eval_accuracy"]) for e in lines]
-    md = ["| run | strategy | final acc. | initial acc. | rounds | MB up | MB down | MB total | MB/round |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    md = ["| run | strategy | final acc. | initial acc. | final eval loss | rounds | MB up | MB down | MB total | MB/round |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in rows.items():
         acc = "—" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.4f}"
         init = "—" if r["initial_eval_accuracy"] is None else f"{r['initial_eval_accuracy']:.4f}"
-        md.append(f"| {label} | {r['strategy']} | {acc} | {init} | {r['rounds']} | {r['bytes_up'] / 1e6:.3f} | "
+        loss = "—" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        md.append(f"| {label} | {r['strategy']} | {acc} | {init} | {loss} | {r['rounds']} | {r['bytes_up'] / 1e6:.3f} | "
                   f"{r['bytes_down'] / 1e6:.3f} | {r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
     atomic.write_bytes(out / "results.md", ("\n".join(md) + "\n").encode())
     atomic.write_json(out / "results.json", rows)
