@@ -111,7 +111,10 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
                        "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"],
                        "bytes_total": m["bytes_total"], "bytes_per_round": m["bytes_total"] / trained,
                        "rejected": m["rejected"], "failed": m["failed"], "missing": m["missing"],
-                       "wall_time_s": m.get("wall_time_s")}
+                       "wall_time_s": m.get("wall_time_s"),
+                       "per_round": [{k: e.get(k) for k in ("round", "eval_accuracy", "eval_loss", "bytes_up",
+                                                             "bytes_down", "cum_bytes", "aggregated")}
+                                     for e in lines]}
         if any("eval_accuracy" in e for e in lines):
             curves[label] = [(e["cum_bytes"] / 1e6, e["eval_accuracy"]) for e in lines]
     md = ["| run | strategy | final acc. | initial acc. | final eval loss | rounds | MB up | MB down | MB total | MB/round |",
