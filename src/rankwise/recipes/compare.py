@@ -34,7 +34,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "gora": {"method": {"name": "gora"}},
     "altlora": {"method": {"name": "lora"}, "optim": {"name": "altlora", "lr": 1.0, "reg": 1e-3}},
     "altlora-plus": {"method": {"name": "lora"},
-                     "optim": {"name": "altlora-plus", "lr": 2e-3, "reg": 1e-3}},
+                     "optim": {"name": "altlora-plus", "lr": 5e-4, "reg": 1e-3}},
     "gora+altlora": {"method": {"name": "gora"},
                      "optim": {"name": "altlora", "lr": 1.0, "reg": 1e-3}},
     "full": {"method": {"name": "full"}, "optim": {"name": "adamw", "lr": 5e-5}},

@@ -70,6 +70,9 @@ class AltLoraPlusConfig(AltLoraConfig):
 
     Attributes:
         name: Registry name (``altlora-plus``).
+        lr: Dividing by sqrt(V) makes this an Adam-like step size. Default (ours): 5e-4; on the
+            demo task (30 steps) 1e-4 / 5e-4 / 2e-3 reached 32 / 75 / 32 % accuracy.
     """
 
     name: str = "altlora-plus"
+    lr: float = 5e-4
