@@ -48,6 +48,7 @@ def run(out: Path, strategies: tuple[str, ...] = STRATEGIES, sets: list[str] | N
             run_federated(None, list(sets or []), folder, base=base)
         runs[name] = folder
     rows = write_results(runs, out, title="demo task, natural partition, 4 clients")
-    meta = {"python": platform.python_version(), "config": BASE, "strategies": list(strategies)}
+    meta = {"python": platform.python_version(), "config": BASE, "overrides": list(sets or []),
+            "strategies": list(strategies)}
     (out / "setup.json").write_text(json.dumps(meta, indent=2) + "\n")
     return rows
