@@ -26,13 +26,13 @@ from rankwise.recipes.plots import plot_curves
 DEMO_BASE = {
     "model": {"path": "demo", "task": "classification"},
     "data": {"source": "demo", "max_length": 32, "eval_fraction": 0.2},
-    "train": {"steps": 150, "batch_size": 32, "eval_every": 50, "save_every": 50, "log_every": 5,
+    "train": {"steps": 90, "batch_size": 32, "eval_every": 30, "save_every": 30, "log_every": 5,
               "seed": 0, "warmup_fraction": 0.05},
 }
 DEMO_METHODS = {
-    "frozen": {"method": {"name": "frozen"}, "optim": {"name": "adamw", "lr": 1e-2}},
+    "frozen": {"method": {"name": "frozen"}, "optim": {"name": "adamw", "lr": 2e-2}},
     "lora": {"method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
-             "optim": {"name": "adamw", "lr": 2e-3}},
+             "optim": {"name": "adamw", "lr": 3e-3}},
 }
 
 
