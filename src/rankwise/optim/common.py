@@ -96,6 +96,14 @@ def adam_direction(state: dict, grad: torch.Tensor, beta1: float, beta2: float, 
     return (m / bc1).div_(denom)
 
 
+def run_closure(closure) -> torch.Tensor | None:
+    """Evaluate an optimizer ``step`` closure with gradients enabled (``None`` -> ``None``)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def decay_(param: torch.Tensor, lr: float, weight_decay: float) -> None:
     """Decoupled weight decay, ``p <- p (1 - lr wd)``, applied before the update as in AdamW."""
     if weight_decay:

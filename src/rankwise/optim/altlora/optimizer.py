@@ -9,6 +9,8 @@ import math
 from typing import Any, Callable, Iterable
 
 import torch
+
+from rankwise.optim.common import run_closure
 from torch import nn
 
 from rankwise.errors import RankwiseError
@@ -93,10 +95,7 @@ class AltLoRA(torch.optim.Optimizer):
         Returns:
             The closure's loss, if given.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             if group["lora_pair"]:
                 self._pair_step(group)

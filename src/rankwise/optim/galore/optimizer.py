@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from rankwise.optim import projector
-from rankwise.optim.common import adam_direction, decay_, next_step, split_params
+from rankwise.optim.common import adam_direction, decay_, next_step, split_params, run_closure
 from rankwise.optim.galore.config import GaLoreConfig
 
 
@@ -87,10 +87,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         index = -1
         for group in self.param_groups:
             n_matrices = sum(p.ndim == 2 for p in group["params"])

@@ -6,7 +6,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from rankwise.optim.common import adam_direction, decay_, next_step, split_params
+from rankwise.optim.common import adam_direction, decay_, next_step, split_params, run_closure
 from rankwise.optim.q3r.config import Q3RConfig
 
 
@@ -127,10 +127,7 @@ class Q3RAdamW(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             rank = group.get("rank")
             for p in group["params"]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rankwise.optim import projector
-from rankwise.optim.common import adam_direction, decay_, next_step, split_params
+from rankwise.optim.common import adam_direction, decay_, next_step, split_params, run_closure
 from rankwise.optim.sumo.config import SumoConfig
 
 
@@ -72,10 +72,7 @@ class SumoOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
