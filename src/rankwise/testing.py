@@ -84,3 +84,19 @@ def tiny_batch(kind: str, batch: int = 2, seq: int = SEQ, seed: int = 1) -> dict
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     out["labels"] = torch.randint(0, 3, (batch,), generator=g) if kind == "bert" else ids.clone()
     return out
+
+
+def randomize_trainable(model: nn.Module, seed: int = 7, std: float = 0.3) -> None:
+    """Give every trainable tensor random values (LoRA's B is zero at init) so outputs differ."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def tiny_logits(model: nn.Module, kind: str) -> torch.Tensor:
+    """Logits of ``model`` on :func:`tiny_batch` ``kind`` (labels dropped), without grad."""
+    batch = {k: v for k, v in tiny_batch(kind).items() if k != "labels"}
+    with torch.no_grad():
+        return model(**batch).logits

@@ -12,21 +12,8 @@ from rankwise.core.merged import export_merged
 from rankwise.core.protocol import adapter_modules
 from rankwise.core.summary import print_summary, summary_rows
 from rankwise.errors import RankwiseError
-from rankwise.testing import tiny_batch, tiny_bert_cls, tiny_gpt2_lm
+from rankwise.testing import randomize_trainable, tiny_batch, tiny_logits, tiny_bert_cls, tiny_gpt2_lm
 
-
-def _randomize(model):
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-
-def _logits(model, kind):
-    batch = {k: v for k, v in tiny_batch(kind).items() if k != "labels"}
-    with torch.no_grad():
-        return model(**batch).logits
 
 
 @pytest.mark.parametrize("kind,build,auto,targets", [
@@ -37,12 +24,12 @@ def test_transformers_loads_merged_export(kind, build, auto, targets, tmp_path):
     import transformers
     model = build()
     apply_lora(model, LoraConfig(r=4, alpha=8, targets=targets))
-    _randomize(model)
+    randomize_trainable(model, seed=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    ours = _logits(model, kind)
+    ours = tiny_logits(model, kind)
     export_merged(model, tmp_path / "merged")
     loaded = getattr(transformers, auto).from_pretrained(str(tmp_path / "merged")).eval()
-    torch.testing.assert_close(_logits(loaded, kind), ours, atol=1e-5, rtol=0)
+    torch.testing.assert_close(tiny_logits(loaded, kind), ours, atol=1e-5, rtol=0)
     assert not any("lora" in k for k in loaded.state_dict())
     after = model.state_dict()  # the caller's model is untouched
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

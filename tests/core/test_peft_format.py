@@ -9,7 +9,7 @@ import torch
 from rankwise.adapters.lora import LoraConfig, apply_lora
 from rankwise.core.peft_format import export_peft, load_peft
 from rankwise.errors import RankwiseError
-from rankwise.testing import tiny_batch, tiny_bert_cls, tiny_gpt2_lm, tiny_llama_lm
+from rankwise.testing import randomize_trainable, tiny_batch, tiny_logits, tiny_bert_cls, tiny_gpt2_lm, tiny_llama_lm
 
 peft = pytest.importorskip("peft")
 
@@ -24,20 +24,6 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Give every trainable tensor (B is zero at init) random values so outputs differ."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-
-def _logits(model, kind):
-    batch = {k: v for k, v in tiny_batch(kind).items() if k != "labels"}
-    with torch.no_grad():
-        return model(**batch).logits
-
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_peft_loads_our_export(case, tmp_path):
@@ -45,12 +31,12 @@ def test_peft_loads_our_export(case, tmp_path):
     kind = case.split("-")[0]
     model = build()
     apply_lora(model, cfg)
-    _randomize(model)
-    ours = _logits(model, kind)
-    assert not torch.allclose(ours, _logits(build(), kind), atol=1e-3)  # the adapter matters
+    randomize_trainable(model, seed=7)
+    ours = tiny_logits(model, kind)
+    assert not torch.allclose(ours, tiny_logits(build(), kind), atol=1e-3)  # the adapter matters
     export_peft(model, tmp_path / "peft")
     peft_model = peft.PeftModel.from_pretrained(build(), str(tmp_path / "peft")).eval()
-    torch.testing.assert_close(_logits(peft_model, kind), ours, atol=1e-4, rtol=0)
+    torch.testing.assert_close(tiny_logits(peft_model, kind), ours, atol=1e-4, rtol=0)
 
 
 def test_export_config_and_keys(tmp_path):
@@ -72,10 +58,10 @@ def test_mixed_rslora_exports_exact_scale(tmp_path):
     model = tiny_llama_lm()
     apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj", "v_proj"]), structure={
         "model.layers.0.self_attn.q_proj": {"r": 2, "alpha": 3.0, "use_rslora": True}})
-    _randomize(model)
+    randomize_trainable(model, seed=7)
     export_peft(model, tmp_path / "p")
     pm = peft.PeftModel.from_pretrained(tiny_llama_lm(), str(tmp_path / "p")).eval()
-    torch.testing.assert_close(_logits(pm, "llama"), _logits(model, "llama"), atol=1e-4, rtol=0)
+    torch.testing.assert_close(tiny_logits(pm, "llama"), tiny_logits(model, "llama"), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["bert", "gpt2"])
@@ -86,12 +72,12 @@ def test_load_peft_matches_peft(case, tmp_path):
                            task_type="SEQ_CLS" if case == "bert" else "CAUSAL_LM",
                            rank_pattern={"layer.1.attention.self.value": 2} if case == "bert" else {})
     pm = peft.get_peft_model(build(), pcfg)
-    _randomize(pm)
+    randomize_trainable(pm, seed=7)
     pm.eval().save_pretrained(str(tmp_path / "p"))
-    expected = _logits(pm, case)
+    expected = tiny_logits(pm, case)
     model = build()
     load_peft(model, tmp_path / "p")
-    torch.testing.assert_close(_logits(model, case), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(tiny_logits(model, case), expected, atol=1e-5, rtol=0)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert ("classifier.weight" in trainable) == (case == "bert")
 

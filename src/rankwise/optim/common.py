@@ -96,6 +96,23 @@ def adam_direction(state: dict, grad: torch.Tensor, beta1: float, beta2: float, 
     return (m / bc1).div_(denom)
 
 
+def param_groups(model: nn.Module, targets: list[str] | None, **projected_options) -> list[dict]:
+    """Two param groups: plain AdamW for non-block parameters, ``projected_options`` for the rest.
+
+    Args:
+        model: The model to train.
+        targets: Which matrices are projected (see :func:`split_params`).
+        **projected_options: Group options of the projected group (``rank``, ``update_every``...).
+
+    Returns:
+        The non-empty groups.
+    """
+    projected, plain = split_params(model, targets)
+    groups = [{"params": [p for _, p in plain]},
+              {"params": [p for _, p in projected], **projected_options}]
+    return [g for g in groups if g["params"]]
+
+
 def run_closure(closure) -> torch.Tensor | None:
     """Evaluate an optimizer ``step`` closure with gradients enabled (``None`` -> ``None``)."""
     if closure is None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from rankwise.optim import projector
-from rankwise.optim.common import adam_direction, decay_, next_step, split_params, run_closure
+from rankwise.optim.common import adam_direction, decay_, next_step, param_groups, run_closure
 from rankwise.optim.galore.config import GaLoreConfig
 
 
@@ -127,13 +127,9 @@ def galore_param_groups(model: nn.Module, config: GaLoreConfig) -> list[dict]:
     Returns:
         Param-group dicts for :class:`GaLoreAdamW` (empty groups are dropped).
     """
-    projected, plain = split_params(model, config.targets)
-    groups = [{"params": [p for _, p in plain]},
-              {"params": [p for _, p in projected], "rank": config.rank,
-               "update_every": config.update_every, "scale": config.scale,
-               "select": config.select, "svd": config.svd, "stagger": config.stagger,
-               "seed": config.seed}]
-    return [g for g in groups if g["params"]]
+    return param_groups(model, config.targets, rank=config.rank, update_every=config.update_every,
+                        scale=config.scale, select=config.select, svd=config.svd,
+                        stagger=config.stagger, seed=config.seed)
 
 
 def build_galore(model: nn.Module, config: GaLoreConfig) -> GaLoreAdamW:

@@ -6,7 +6,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from rankwise.optim.common import adam_direction, decay_, next_step, split_params, run_closure
+from rankwise.optim.common import adam_direction, decay_, next_step, param_groups, run_closure
 from rankwise.optim.q3r.config import Q3RConfig
 
 
@@ -170,9 +170,7 @@ def build_q3r(model: nn.Module, config: Q3RConfig) -> Q3RAdamW:
     Returns:
         The optimizer over the trainable parameters.
     """
-    projected, plain = split_params(model, config.targets)
-    groups = [{"params": [p for _, p in plain]},
-              {"params": [p for _, p in projected], "rank": config.rank,
-               "update_every": config.update_every, "lam": config.lam}]
-    return Q3RAdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas,
+    groups = param_groups(model, config.targets, rank=config.rank,
+                          update_every=config.update_every, lam=config.lam)
+    return Q3RAdamW(groups, lr=config.lr, betas=config.betas,
                     eps=config.eps, weight_decay=config.weight_decay)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rankwise.optim import projector
-from rankwise.optim.common import adam_direction, decay_, next_step, split_params, run_closure
+from rankwise.optim.common import adam_direction, decay_, next_step, param_groups, run_closure
 from rankwise.optim.sumo.config import SumoConfig
 
 
@@ -110,10 +110,7 @@ def build_sumo(model: nn.Module, config: SumoConfig) -> SumoOptimizer:
     Returns:
         The optimizer over the trainable parameters.
     """
-    projected, plain = split_params(model, config.targets)
-    groups = [{"params": [p for _, p in plain]},
-              {"params": [p for _, p in projected], "rank": config.rank,
-               "update_every": config.update_every, "momentum": config.momentum,
-               "scale": config.scale, "svd": config.svd}]
-    return SumoOptimizer([g for g in groups if g["params"]], lr=config.lr, betas=config.betas,
+    groups = param_groups(model, config.targets, rank=config.rank, update_every=config.update_every,
+                          momentum=config.momentum, scale=config.scale, svd=config.svd)
+    return SumoOptimizer(groups, lr=config.lr, betas=config.betas,
                          eps=config.eps, weight_decay=config.weight_decay)
