@@ -70,7 +70,8 @@ def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["peft", "merged", "rankwise"]), required=True)
+@click.option("--format", "fmt", required=True, metavar="peft|merged|rankwise",
+              help="peft (HF PEFT adapter), merged (transformers model) or rankwise.")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 def export(run_dir: Path, fmt: str, out: Path) -> None:
     """Export a run's adapter to the PEFT format or a merged transformers model."""

@@ -7,6 +7,11 @@ Kinds used by rankwise:
 * ``"optimizer"`` - ``builder(model, config) -> torch.optim.Optimizer`` over the parameters
   that require grad.
 * ``"strategy"`` - a federated strategy (registered by :mod:`rankwise.federated`).
+* ``"exporter"`` - an adapter file format beyond rankwise's own and the merged model:
+  ``builder(model, out_dir, adapter_name, base_model_name_or_path) -> Path`` (the LoRA package
+  registers ``peft``).
+* ``"task"`` - what a model is trained to do (``classification``, ``causal-lm``): the builder
+  returns a :class:`rankwise.engine.task.Task`.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -31,8 +36,18 @@ class Entry:
         summary: One line for ``rankwise list``.
         trains: For methods: ``"adapter"`` (only adapter weights train) or ``"full"``.
         needs_batches: For methods with a data-driven initialisation (GoRA): the builder is
-            called as ``builder(model, config, adapter_name, batches=iterator)`` where each
-            batch is a dict that ``model(**batch)`` turns into an output with ``.loss``.
+            called as ``builder(model, config, adapter_name, batches=iterator, loss_fn=fn)``
+            where ``loss_fn(model, batch)`` returns the training loss (default
+            ``model(**batch).loss``).
+        rebuild: For methods: ``rebuild(model, config, adapter_name, layers)`` recreates the
+            adapter layers from the structure they described when saved (``{path: dict}``),
+            without any data; ``None`` means the builder alone reproduces them.
+        factorized: For methods: every adapter layer exposes a low-rank pair through the
+            protocol's ``factors`` (strategies and optimizers that act on A and B need it).
+        state_floats: For optimizers: ``state_floats(model, config) -> int``, the optimizer
+            state its formula predicts for ``model`` (``2nr + mr`` per matrix for GaLore...).
+        lr_grid: For optimizers: three learning rates that bracket the optimum of from-scratch
+            training of a small transformer (the benchmarks' sweep when none is given).
     """
 
     kind: str
@@ -42,18 +57,22 @@ class Entry:
     summary: str = ""
     trains: str = "adapter"
     needs_batches: bool = False
+    rebuild: Callable[..., Any] | None = None
+    factorized: bool = False
+    state_floats: Callable[..., int] | None = None
+    lr_grid: tuple[float, ...] = ()
 
 
 _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import
 # (e.g. federated without flwr); they are then simply absent.
-_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim")
+_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.engine")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 _loaded = False
 
 
 def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any],
-             summary: str = "", trains: str = "adapter", needs_batches: bool = False) -> Entry:
+             summary: str = "", **capabilities: Any) -> Entry:
     """Register an implementation under ``(kind, name)``.
 
     Args:
@@ -62,8 +81,8 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
         config_cls: Config dataclass; its field defaults are the only defaults.
         builder: See the module docstring for the signature per kind.
         summary: One-line description.
-        trains: ``"adapter"`` or ``"full"`` (methods only).
-        needs_batches: The builder wants calibration batches (see :class:`Entry`).
+        **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
+            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``).
 
     Returns:
         The entry.
@@ -75,7 +94,7 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
     old = _ENTRIES.get(key)
     if old is not None and old.builder is not builder:
         raise ValueError(f"{kind} {name!r} is registered twice")
-    entry = Entry(kind, name, config_cls, builder, summary, trains, needs_batches)
+    entry = Entry(kind, name, config_cls, builder, summary, **capabilities)
     _ENTRIES[key] = entry
     return entry
 

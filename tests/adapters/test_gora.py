@@ -158,7 +158,7 @@ def test_early_stop_on_stable_importance():
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_save_load_and_peft_export_with_mixed_ranks(kind, tmp_path):
     peft = pytest.importorskip("peft")
-    from rankwise.core.peft_format import export_peft
+    from rankwise.adapters.lora.peft import export_peft
     model = BUILD[kind]()
     apply_gora(model, GoraConfig(r=2, r_min=0, r_max=8, n_batches=3, init_lr=1.0),
                batches=BATCHES[kind])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from rankwise.federated.payload import (from_record, layer_index, record_bytes, select_keys,
-                                        to_record, validate_update, weighted_mean)
+                                        to_record, validate_update)
 
 
 def test_round_trip_casts_to_float32():
@@ -43,6 +43,10 @@ def test_select_keys_and_layer_index():
     assert select_keys(names, "AB", [1]) == [names[2], names[4]]
 
 
-def test_weighted_mean():
-    out = weighted_mean([{"w": torch.tensor([1.0])}, {"w": torch.tensor([4.0])}], [3, 1])
-    assert out["w"].item() == 1.75
+def test_average_present_weights_by_examples_per_key():
+    from rankwise.federated.strategies.base import Update
+    from rankwise.federated.strategies.lora_avg import average_present
+    ups = [Update(1, {"w": torch.tensor([1.0]), "only1": torch.tensor([2.0])}, 3.0, {}),
+           Update(2, {"w": torch.tensor([4.0])}, 1.0, {})]
+    out = average_present(ups)
+    assert out["w"].item() == 1.75 and out["only1"].item() == 2.0

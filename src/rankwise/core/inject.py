@@ -1,32 +1,66 @@
-"""Find target layers by pattern and replace them with adapter layers."""
+"""The one target-selection language, and module surgery (replace a module by another).
+
+Every part of rankwise that picks layers - adapter methods (``method.targets``), low-rank
+optimizers (``optim.targets``), compression - speaks the same language:
+
+* ``"all-linear"``: every linear layer except output heads (PEFT's spelling);
+* ``"block-linear"``: the linear layers inside the repeated transformer blocks (a numeric
+  segment in the module path such as ``layers.3``), heads excluded (GaLore's choice);
+* any other string: a regular expression matched against the whole module path;
+* a list: names or ``.``-separated suffixes of module paths (``["q_proj", "v_proj"]``,
+  PEFT's rule).
+
+Linear layers are ``nn.Linear`` (and its subclasses, such as bitsandbytes' quantized linears)
+and transformers' GPT-2 ``Conv1D``; a layer already wrapped by an adapter counts as its base.
+"""
 from __future__ import annotations
 
 import re
+import sys
 from typing import Callable
 
 from torch import nn
 
 from rankwise.errors import RankwiseError
 
-try:  # transformers' GPT-2 style linear layer, weight stored (in, out)
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is a dependency
-    Conv1D = ()  # type: ignore[assignment]
-
 # Last path segments of common output heads; "all-linear" never adapts these.
 HEAD_NAMES = ("lm_head", "classifier", "score", "qa_outputs", "out_proj_head")
+# Children that hold a task head trained beside any adapter (PEFT does the same for SEQ_CLS).
+HEAD_CHILDREN = ("classifier", "score", "qa_outputs")
+KEYWORDS = ("all-linear", "block-linear")
+# A module path with a numeric segment (``model.layers.3.mlp.up_proj``) sits inside a
+# ``ModuleList`` of blocks; that is how "in the transformer blocks" is recognised.
+_BLOCK_SEGMENT = re.compile(r"(^|\.)\d+(\.|$)")
+
+
+def conv1d_class() -> type | None:
+    """transformers' ``Conv1D`` if transformers is already imported, else None.
+
+    A model can only hold a ``Conv1D`` once transformers is loaded, so rankwise never imports
+    transformers just to ask.
+    """
+    mod = sys.modules.get("transformers.pytorch_utils")
+    return getattr(mod, "Conv1D", None)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """True for transformers' ``Conv1D`` (weight stored ``(in, out)``)."""
+    cls = conv1d_class()
+    return cls is not None and isinstance(module, cls)
 
 
 def is_linear_like(module: nn.Module) -> bool:
-    """Return True for ``nn.Linear`` and transformers' ``Conv1D``."""
-    return isinstance(module, nn.Linear) or (bool(Conv1D) and isinstance(module, Conv1D))
+    """True for ``nn.Linear`` (and subclasses) and transformers' ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def _is_wrapped(path: str, wrapped_paths: set[str]) -> bool:
-    return any(path.startswith(w + ".") for w in wrapped_paths)
+def is_wrapped(module: nn.Module) -> bool:
+    """True for a module that wraps another as ``base_layer`` (an adapter layer)."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module)
 
 
-def _head_paths(model: nn.Module) -> set[str]:
+def head_paths(model: nn.Module) -> set[str]:
+    """Paths of the model's output heads (its output embeddings and :data:`HEAD_NAMES`)."""
     heads = set()
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for path, module in model.named_modules():
@@ -37,60 +71,82 @@ def _head_paths(model: nn.Module) -> set[str]:
     return heads
 
 
+def default_heads(model: nn.Module) -> list[str]:
+    """Task-head children trained beside any adapter (``classifier``, ``score``, ...)."""
+    return [n for n, _ in model.named_children() if n in HEAD_CHILDREN]
+
+
 def matches(path: str, pattern: str) -> bool:
     """PEFT's list-entry rule: the full name, or a ``.``-separated suffix of it."""
     return path == pattern or path.endswith("." + pattern)
 
 
+def in_block(path: str) -> bool:
+    """True if ``path`` lies inside a numbered block (``encoder.layer.3.output.dense``)."""
+    return bool(_BLOCK_SEGMENT.search(path))
+
+
 def find_targets(model: nn.Module, targets: list[str] | str,
-                 exclude: list[str] | None = None) -> list[str]:
-    """Return the paths of the linear layers selected by ``targets``.
+                 exclude: list[str] | None = None, what: str = "targets",
+                 allow_empty: bool = False) -> list[str]:
+    """Return the paths of the linear layers selected by ``targets`` (see the module docstring).
 
     Args:
         model: The model to search.
-        targets: ``"all-linear"`` (every linear layer except output heads), a regex string
-            matched against the full module path, or a list of names/suffixes
-            (``["query", "value"]`` matches ``...attention.self.query``).
-        exclude: Names/suffixes never to adapt.
+        targets: ``"all-linear"``, ``"block-linear"``, a regex string, or a list of
+            names/suffixes.
+        exclude: Names/suffixes never selected.
+        what: The config key named in error messages (``"method.targets"``).
+        allow_empty: Return ``[]`` instead of raising when nothing matches.
 
     Returns:
-        Matching module paths in model order.
+        Matching module paths in model order (adapter layers count as their base layer).
 
     Raises:
-        RankwiseError: If nothing matches, or a match is not a supported layer type; the
-            message lists a few real module names.
+        RankwiseError: If nothing matches, or a match is not a linear layer; the message
+            lists a few real module names.
     """
     exclude = list(exclude or [])
-    wrapped = {p for p, m in model.named_modules() if hasattr(m, "base_layer")}
+    wrapped = {p for p, m in model.named_modules() if is_wrapped(m)}
     candidates = [(p, m) for p, m in model.named_modules()
-                  if p and not _is_wrapped(p, wrapped) and not any(matches(p, e) for e in exclude)]
-    if targets == "all-linear":
-        heads = _head_paths(model)
-        found = [p for p, m in candidates
-                 if (is_linear_like(m) or hasattr(m, "base_layer")) and p not in heads]
+                  if p and not any(p.startswith(w + ".") for w in wrapped)
+                  and not any(matches(p, e) for e in exclude)]
+    linear = [(p, m) for p, m in candidates if is_linear_like(m) or is_wrapped(m)]
+    if targets in KEYWORDS:
+        heads = head_paths(model)
+        found = [p for p, _ in linear if p not in heads and (targets == "all-linear" or in_block(p))]
     elif isinstance(targets, str):
         try:
             rx = re.compile(targets)
         except re.error as err:
-            raise RankwiseError(f"targets regex {targets!r} is invalid: {err}") from None
-        found = [p for p, m in candidates if rx.fullmatch(p)]
+            raise RankwiseError(f"{what} regex {targets!r} is invalid: {err}") from None
+        found = [p for p, _ in candidates if rx.fullmatch(p)]
     else:
-        found = [p for p, m in candidates if any(matches(p, t) for t in targets)]
+        found = [p for p, _ in candidates if any(matches(p, t) for t in targets)]
+    if not found and allow_empty:
+        return []
     if not found:
-        linear = [p for p, m in model.named_modules() if is_linear_like(m)]
-        sample = ", ".join(sorted({p.rsplit(".", 1)[-1] for p in linear})[:8]) or "none"
+        names = [p for p, m in model.named_modules() if is_linear_like(m)]
+        sample = ", ".join(sorted({p.rsplit(".", 1)[-1] for p in names})[:8]) or "none"
         raise RankwiseError(
-            f"targets {targets!r} matched no module; linear layers here end in: {sample} "
-            f"(e.g. {linear[0] if linear else 'n/a'}); use such names or 'all-linear'"
-        )
+            f"{what} {targets!r} matched no module; linear layers here end in: {sample} "
+            f"(e.g. {names[0] if names else 'n/a'}); use such names or 'all-linear'")
     modules = dict(model.named_modules())
-    bad = [p for p in found if not (is_linear_like(modules[p]) or hasattr(modules[p], "base_layer"))]
+    bad = [p for p in found if not (is_linear_like(modules[p]) or is_wrapped(modules[p]))]
     if bad:
         raise RankwiseError(
-            f"targets {targets!r} matched {bad[0]!r} ({type(modules[bad[0]]).__name__}), which is "
-            "not a linear layer; target nn.Linear or Conv1D modules"
-        )
+            f"{what} {targets!r} matched {bad[0]!r} ({type(modules[bad[0]]).__name__}), which "
+            "is not a linear layer; target nn.Linear or Conv1D modules")
     return found
+
+
+def replace_module(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at ``path`` in ``model``; returns the module that was there."""
+    parent_path, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old
 
 
 def inject(model: nn.Module, paths: list[str],
@@ -110,11 +166,9 @@ def inject(model: nn.Module, paths: list[str],
     """
     out = {}
     for path in paths:
-        parent_path, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        old = getattr(parent, child)
+        old = model.get_submodule(path)
         new = wrap(path, old)
         if new is not old:
-            setattr(parent, child, new)
+            replace_module(model, path, new)
         out[path] = new
     return out

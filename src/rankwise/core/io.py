@@ -1,8 +1,9 @@
 """rankwise's own adapter format: ``adapter.safetensors`` + ``rankwise_adapter.json``.
 
-The JSON holds the method config, the *structure* needed to rebuild the adapter layers
-(for every LoRA-shaped result: per-layer rank/alpha), and a fingerprint of the base model's
-parameter shapes. Loading onto a different base model fails with a message naming both.
+The JSON holds the method config, the *structure* each adapter layer describes of itself
+(the protocol's ``describe``: per-layer ranks, expert counts...), and a fingerprint of the base
+model's parameter shapes. Loading rebuilds the layers through the method's registry entry, so
+this module knows no method. Loading onto a different base model fails with a message naming both.
 Nothing is ever unpickled.
 """
 from __future__ import annotations
@@ -19,8 +20,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rankwise.core import atomic
-from rankwise.core.ops import adapter_state_dict, load_adapter_state_dict, modules_to_save
-from rankwise.core.protocol import adapter_modules
+from rankwise.core.ops import (adapter_state_dict, load_adapter_state_dict, mark_trainable,
+                               modules_to_save, set_modules_to_save)
+from rankwise.core.protocol import adapter_modules, describe
+from rankwise.core.weights import logical_shapes
 from rankwise.errors import RankwiseError
 
 WEIGHTS = "adapter.safetensors"
@@ -28,17 +31,9 @@ CONFIG = "rankwise_adapter.json"
 FORMAT_VERSION = 1
 
 
-def base_shapes(model: nn.Module) -> dict[str, list[int]]:
-    """Return ``{name: shape}`` of the base model's parameters (adapter weights excluded)."""
-    adapter_ids = {id(p) for _, m in adapter_modules(model) for n in m.adapter_names()
-                   for p in m.adapter_params(n).values()}
-    return {k.replace(".base_layer", ""): list(p.shape)
-            for k, p in model.named_parameters() if id(p) not in adapter_ids}
-
-
 def fingerprint(model: nn.Module) -> str:
-    """Return a short hash of the base model's parameter names and shapes."""
-    text = json.dumps(sorted(base_shapes(model).items()))
+    """Return a short hash of the base model's parameter names and logical shapes."""
+    text = json.dumps(sorted(logical_shapes(model).items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -48,15 +43,47 @@ def model_id(model: nn.Module) -> str:
     return str(getattr(cfg, "_name_or_path", "") or type(model).__name__)
 
 
-def lora_structure(model: nn.Module, name: str = "default") -> dict[str, dict[str, Any]] | None:
-    """Return ``{path: {"r", "alpha", "use_rslora"}}`` for LoRA-shaped layers, or None if none."""
-    from rankwise.adapters.lora.layer import LoraLayer  # core stays import-light
-    out = {}
-    for path, mod in adapter_modules(model):
-        if isinstance(mod, LoraLayer) and name in mod.adapter_names():
-            out[path] = {"r": mod.ranks[name], "alpha": mod.alphas[name],
-                         "use_rslora": mod.rslora.get(name, False)}
-    return out or None
+def structure(model: nn.Module, name: str = "default") -> dict[str, dict[str, Any]]:
+    """``{layer path: describe(name)}`` for every adapter layer holding ``name``.
+
+    This, with the method config, is what :func:`rebuild` needs to recreate the adapter
+    layers without repeating a data-driven initialisation (GoRA's rank allocation).
+    """
+    return {path: describe(mod, name) for path, mod in adapter_modules(model)
+            if name in mod.adapter_names()}
+
+
+def rebuild(model: nn.Module, method: dict | Any, name: str = "default",
+            layers: dict[str, dict] | None = None, saved_modules: list[str] | None = None) -> Any:
+    """Recreate adapter ``name`` on ``model`` through the registry (weights not loaded).
+
+    Args:
+        model: The base model.
+        method: The method config (dataclass, or a dict with ``name``).
+        name: Adapter name.
+        layers: The saved :func:`structure` (``None``: build from the config alone).
+        saved_modules: The whole modules that trained with it (heads).
+
+    Returns:
+        The method config used.
+
+    Raises:
+        RankwiseError: Unknown method or bad config values.
+    """
+    from rankwise import registry
+    from rankwise.configs import from_dict
+    data = asdict(method) if is_dataclass(method) else dict(method)
+    entry = registry.get("method", str(data.get("name", "?")))
+    cfg = from_dict(entry.config_cls, data, "method")
+    if entry.rebuild is not None:
+        entry.rebuild(model, cfg, name, layers or {})
+    else:
+        entry.builder(model, cfg, name)
+    if saved_modules is not None:
+        set_modules_to_save(model, saved_modules)
+        if entry.trains != "full":
+            mark_trainable(model, name)
+    return cfg
 
 
 def save_adapter(model: nn.Module, out_dir: str | Path, method_config: Any,
@@ -77,7 +104,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, method_config: Any,
     tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model, name).items()}
     meta = {
         "format": "rankwise-adapter", "version": FORMAT_VERSION, "method": cfg,
-        "structure": lora_structure(model, name), "modules_to_save": modules_to_save(model),
+        "structure": structure(model, name), "modules_to_save": modules_to_save(model),
         "base_model": model_id(model), "fingerprint": fingerprint(model), "extra": extra or {},
     }
     out_dir = Path(out_dir)
@@ -98,7 +125,7 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """
     path = Path(path)
     if not (path / CONFIG).is_file():
-        hint = " (this is a PEFT adapter: use rankwise.core.peft_format.load_peft)" \
+        hint = " (this is a PEFT adapter: use rankwise.load_peft)" \
             if (path / "adapter_config.json").is_file() else ""
         raise RankwiseError(f"{path} is not a rankwise adapter folder: {CONFIG} is missing{hint}")
     try:
@@ -129,9 +156,6 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> d
     Raises:
         RankwiseError: If the files are corrupt or the base model differs (names both).
     """
-    from rankwise import registry
-    from rankwise.configs import from_dict
-
     meta, tensors = read_adapter(path)
     have = fingerprint(model)
     if meta.get("fingerprint") != have:
@@ -139,16 +163,7 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> d
             f"adapter in {path} was trained on base model {meta.get('base_model')!r} "
             f"(fingerprint {meta.get('fingerprint')}), but this model is {model_id(model)!r} "
             f"(fingerprint {have}); load it onto the base model it was trained on")
-    structure = meta.get("structure")
-    if structure:
-        from rankwise.adapters.lora import LoraConfig, apply_lora
-        method = meta.get("method", {})
-        cfg = LoraConfig(targets=list(structure), modules_to_save=meta.get("modules_to_save", []),
-                         dropout=float(method.get("dropout", 0.0)))
-        apply_lora(model, cfg, name, structure=structure)
-    else:
-        method = dict(meta.get("method", {}))
-        entry = registry.get("method", method.get("name", "?"))
-        entry.builder(model, from_dict(entry.config_cls, method, "method"), name)
+    rebuild(model, meta.get("method", {}), name, meta.get("structure") or {},
+            meta.get("modules_to_save", []))
     load_adapter_state_dict(model, tensors, name)
     return meta

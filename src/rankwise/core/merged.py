@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from rankwise.core import atomic
-from rankwise.core.ops import merge_and_unload
+from rankwise.core.ops import check_mergeable, merge_and_unload
 from rankwise.core.protocol import adapter_modules
 from rankwise.errors import RankwiseError
 
@@ -32,11 +32,13 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
         The folder written.
 
     Raises:
-        RankwiseError: If ``model`` has no ``save_pretrained`` (not a transformers model).
+        RankwiseError: If ``model`` has no ``save_pretrained`` (not a transformers model) or
+            an adapter layer is not mergeable.
     """
     if not callable(getattr(model, "save_pretrained", None)):
         raise RankwiseError(f"cannot export a merged {type(model).__name__}: it is not a "
                             "transformers model (no save_pretrained); save its state_dict instead")
+    check_mergeable(model)
     if adapter_name is not None:
         names = {n for _, m in adapter_modules(model) for n in m.adapter_names()}
         if adapter_name not in names:

@@ -12,7 +12,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from rankwise.core.protocol import adapter_modules
+from rankwise.core.inject import replace_module
+from rankwise.core.protocol import adapter_modules, is_mergeable
 from rankwise.errors import RankwiseError
 
 _SAVE_ATTR = "_rankwise_modules_to_save"
@@ -179,8 +180,27 @@ def disable_adapters(model: nn.Module) -> Iterator[None]:
             m.set_active(names)
 
 
+def check_mergeable(model: nn.Module) -> None:
+    """Raise if any adapter layer cannot be merged into its base weight.
+
+    Raises:
+        RankwiseError: Naming the first such layer and what to use instead.
+    """
+    for path, mod in adapter_modules(model):
+        if not is_mergeable(mod):
+            raise RankwiseError(
+                f"adapter layer {path!r} ({type(mod).__name__}) cannot be merged into the base "
+                "weights (its output depends on the input, e.g. a router); keep it as an adapter: "
+                "export with --format rankwise")
+
+
 def merge_adapters(model: nn.Module, name: str | None = None) -> None:
-    """Merge the active adapters (or ``name``) into the base weights, reversibly."""
+    """Merge the active adapters (or ``name``) into the base weights, reversibly.
+
+    Raises:
+        RankwiseError: If an adapter layer is not mergeable (nothing is changed then).
+    """
+    check_mergeable(model)
     for _, mod in adapter_modules(model):
         for n in ([name] if name else mod.active_names()):
             if n in mod.adapter_names():
@@ -197,9 +217,7 @@ def merge_and_unload(model: nn.Module, name: str | None = None) -> nn.Module:
     """Merge and replace every adapter layer by its base layer; returns the plain model."""
     merge_adapters(model, name)
     for path, mod in list(adapter_modules(model)):
-        parent_path, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, child, mod.base_layer)
+        replace_module(model, path, mod.base_layer)
     if hasattr(model, _SAVE_ATTR):
         object.__delattr__(model, _SAVE_ATTR)
     return model

@@ -1,11 +1,29 @@
-"""The ``AdapterModule`` protocol: how a layer names and manages its own adapter weights.
+"""The ``AdapterModule`` protocol: what an adapter layer is and what it can do.
 
-Freezing, counting, saving, merging and switching all go through this protocol, never through
-a parameter-name prefix (HF PEFT's prefix matching once misclassified base modules).
+Freezing, counting, saving, merging, switching and loss collection all go through this
+protocol, never through a parameter-name prefix (HF PEFT's prefix matching once misclassified
+base modules). Besides the required methods, a layer declares *capabilities*; the functions
+below read them with defaults, so a new method implements only what it has:
+
+==================  =============================================================  ==========
+capability          meaning                                                        default
+==================  =============================================================  ==========
+``mergeable``       class attribute: ``merge`` folds the adapter into the base       ``True``
+                    weight exactly (a router-weighted mixture cannot)
+``aux_losses()``    ``{name: weighted loss}`` computed in the last forward            none
+                    (load balance, ELBO terms); the training engine adds them
+``factors(name)``   the low-rank pair ``(A (r, in), B (out, r))`` of adapter          ``None``
+                    ``name`` (LoRA-shaped layers; used by AltLoRA, RoLoRA, ...)
+``describe(name)``  JSON structure that, with the method config, rebuilds the         ``{}``
+                    adapter on this layer (per-layer ranks, expert counts)
+==================  =============================================================  ==========
+
+Whole-model input adapters (prompt tuning: virtual tokens in front of the sequence) implement
+:class:`InputAdapter` instead; :func:`transform_inputs` applies them to a batch.
 """
 from __future__ import annotations
 
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -53,6 +71,24 @@ class AdapterModule(Protocol):
         ...
 
 
+@runtime_checkable
+class InputAdapter(Protocol):
+    """A module that changes the model's *input* (e.g. virtual tokens in front of it).
+
+    It is an :class:`AdapterModule` for saving and counting; in addition, before every
+    forward the engine (and generation) passes the batch through :meth:`transform_inputs`.
+    """
+
+    def transform_inputs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Return the batch the model should see (``inputs_embeds`` with the prefix, the
+        attention mask and labels extended by ``virtual_tokens()`` positions)."""
+        ...
+
+    def virtual_tokens(self) -> int:
+        """Positions added in front of every sequence (0 when inactive)."""
+        ...
+
+
 def adapter_modules(model: nn.Module) -> Iterator[tuple[str, AdapterModule]]:
     """Yield ``(path, module)`` for every adapter module in ``model`` (outermost first).
 
@@ -63,12 +99,54 @@ def adapter_modules(model: nn.Module) -> Iterator[tuple[str, AdapterModule]]:
         The dotted path of each adapter module and the module.
     """
     for path, module in model.named_modules():
-        if isinstance(module, AdapterModule) and hasattr(module, "base_layer"):
+        if isinstance(module, AdapterModule) and isinstance(getattr(module, "base_layer", None), nn.Module):
             yield path, module
 
 
-def base_weight(module: nn.Module) -> torch.Tensor:
-    """Return the weight of a (possibly wrapped) layer."""
-    while hasattr(module, "base_layer"):
-        module = module.base_layer
-    return module.weight
+def is_mergeable(module: AdapterModule) -> bool:
+    """The ``mergeable`` capability (default True)."""
+    return bool(getattr(module, "mergeable", True))
+
+
+def factors(module: AdapterModule, name: str) -> tuple[nn.Parameter, nn.Parameter] | None:
+    """The ``factors`` capability: ``(A, B)`` of adapter ``name``, or None."""
+    fn = getattr(module, "factors", None)
+    return fn(name) if callable(fn) else None
+
+
+def describe(module: AdapterModule, name: str) -> dict[str, Any]:
+    """The ``describe`` capability: the JSON structure of adapter ``name`` on this layer."""
+    fn = getattr(module, "describe", None)
+    return dict(fn(name)) if callable(fn) else {}
+
+
+def aux_losses(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Sum, per name, the auxiliary losses every module reported in the last forward.
+
+    Args:
+        model: The adapted model, right after a training forward.
+
+    Returns:
+        ``{name: 0-dim tensor}`` (already weighted by each method's own coefficient); empty
+        when no module reports any.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        fn = getattr(module, "aux_losses", None)
+        if not callable(fn) or isinstance(module, type):
+            continue
+        for key, value in (fn() or {}).items():
+            out[key] = out[key] + value if key in out else value
+    return out
+
+
+def input_adapters(model: nn.Module) -> list[InputAdapter]:
+    """Every module of ``model`` that transforms the input."""
+    return [m for m in model.modules() if isinstance(m, InputAdapter) and m is not model]
+
+
+def transform_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pass ``batch`` through every :class:`InputAdapter` of ``model`` (unchanged if none)."""
+    for adapter in input_adapters(model):
+        batch = adapter.transform_inputs(model, batch)
+    return batch

@@ -6,7 +6,7 @@ from typing import Any
 from torch import nn
 
 from rankwise.core.ops import count_parameters, modules_to_save
-from rankwise.core.protocol import adapter_modules
+from rankwise.core.protocol import adapter_modules, describe
 
 
 def summary_rows(model: nn.Module) -> list[dict[str, Any]]:
@@ -23,11 +23,10 @@ def summary_rows(model: nn.Module) -> list[dict[str, Any]]:
     for path, mod in adapter_modules(model):
         active = set(mod.active_names())
         for name in mod.adapter_names():
-            ranks = getattr(mod, "ranks", {})
-            scales = getattr(mod, "scaling", {})
+            desc = describe(mod, name)
             rows.append({
-                "path": path, "adapter": name, "rank": ranks.get(name),
-                "scale": scales.get(name),
+                "path": path, "adapter": name, "rank": desc.get("r"),
+                "scale": desc.get("scale"),
                 "params": sum(p.numel() for p in mod.adapter_params(name).values()),
                 "active": name in active,
             })

@@ -1,9 +1,7 @@
-"""Turn records into tokenized, deterministically ordered training and evaluation batches."""
+"""Turn records into tokenized training and evaluation examples (collation is the task's)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from rankwise.data.demo import load_demo_records, split_of
 from rankwise.data.files import read_records
@@ -29,20 +27,17 @@ class TextData:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def batch(self, index: list[int], task: str) -> dict[str, torch.Tensor]:
-        """Collate examples ``index`` into padded tensors (``input_ids``, ``attention_mask``, ``labels``)."""
-        seqs = [self.ids[i] for i in index]
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, s in enumerate(seqs):
-            input_ids[row, : len(s)] = torch.tensor(s)
-            mask[row, : len(s)] = 1
-        if task == "classification":
-            labels = torch.tensor([self.labels[i] for i in index])
-        else:
-            labels = input_ids.masked_fill(mask == 0, -100)
-        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    def __getitem__(self, i: int) -> dict:
+        """Example ``i``: ``{"input_ids": [...], "label": int}`` (label only with labels)."""
+        item = {"input_ids": self.ids[i]}
+        if self.labels is not None:
+            item["label"] = self.labels[i]
+        return item
+
+    def subset(self, index: list[int]) -> "TextData":
+        """The examples ``index`` (same label names and pad id)."""
+        labels = None if self.labels is None else [self.labels[i] for i in index]
+        return TextData([self.ids[i] for i in index], labels, self.label_names, self.pad_id)
 
 
 def _check_fields(records: list[dict], source: str, fields: list[str]) -> None:
@@ -54,13 +49,13 @@ def _check_fields(records: list[dict], source: str, fields: list[str]) -> None:
                                 f"set data.text_field/data.label_field to the right column")
 
 
-def load_records(source: str, text_field: str, label_field: str, task: str) -> list[dict]:
+def load_records(source: str, text_field: str, label_field: str, uses_labels: bool) -> list[dict]:
     """Return ``[{"text", "label"?, "id"}]`` from ``demo`` or a file, with fields checked."""
     if source == "demo":
         records, _ = load_demo_records()
         return [{"text": r["text"], "label": r["label"], "id": r["id"]} for r in records]
     raw = read_records(source)
-    fields = [text_field] + ([label_field] if task == "classification" else [])
+    fields = [text_field] + ([label_field] if uses_labels else [])
     _check_fields(raw, source, fields)
     return [{"text": str(r[text_field]), "label": r.get(label_field), "id": f"{i}:{r[text_field]}"}
             for i, r in enumerate(raw)]
@@ -73,16 +68,24 @@ def label_names_of(source: str, records: list[dict]) -> list[str]:
     return sorted({str(r["label"]) for r in records})
 
 
-def build_data(data_cfg, task: str, tokenizer) -> tuple[TextData, TextData]:
+def build_data(data_cfg, task, tokenizer) -> tuple[TextData, TextData]:
     """Build ``(train, eval)`` from a :class:`~rankwise.recipes.config.DataConfig`.
+
+    Args:
+        data_cfg: The ``data:`` section.
+        task: The run's :class:`~rankwise.engine.task.Task` (``uses_labels`` decides whether
+            records need a label).
+        tokenizer: A transformers tokenizer.
 
     Raises:
         RankwiseError: Missing/empty data, missing fields, or an empty split.
     """
-    records = load_records(data_cfg.source, data_cfg.text_field, data_cfg.label_field, task)
+    uses_labels = task.uses_labels
+    records = load_records(data_cfg.source, data_cfg.text_field, data_cfg.label_field, uses_labels)
     if data_cfg.eval_source:
         train_recs = records
-        eval_recs = load_records(data_cfg.eval_source, data_cfg.text_field, data_cfg.label_field, task)
+        eval_recs = load_records(data_cfg.eval_source, data_cfg.text_field, data_cfg.label_field,
+                                 uses_labels)
     else:
         train_recs = [r for r in records if split_of(r["id"], data_cfg.eval_fraction) == "train"]
         eval_recs = [r for r in records if split_of(r["id"], data_cfg.eval_fraction) == "eval"]
@@ -91,32 +94,14 @@ def build_data(data_cfg, task: str, tokenizer) -> tuple[TextData, TextData]:
     if not train_recs or not eval_recs:
         raise RankwiseError(f"data {data_cfg.source}: the {'training' if not train_recs else 'evaluation'} "
                             "split is empty; add records or change data.eval_fraction")
-    names = label_names_of(data_cfg.source, train_recs + eval_recs) if task == "classification" else []
+    names = label_names_of(data_cfg.source, train_recs + eval_recs) if uses_labels else []
     index = {n: i for i, n in enumerate(names)}
 
     def tokenize(recs: list[dict]) -> TextData:
         enc = tokenizer([r["text"] for r in recs], truncation=True, max_length=data_cfg.max_length)
         labels = None
-        if task == "classification":
+        if uses_labels:
             labels = [r["label"] if data_cfg.source == "demo" else index[str(r["label"])] for r in recs]
         return TextData(enc["input_ids"], labels, names, tokenizer.pad_token_id)
 
     return tokenize(train_recs), tokenize(eval_recs)
-
-
-def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
-    """Example indices of training step ``step`` (0-based), independent of any state.
-
-    Each epoch is a fresh permutation seeded by ``(seed, epoch)``, so a resumed run draws
-    exactly the batches an uninterrupted run would.
-    """
-    out = []
-    pos = step * batch_size
-    while len(out) < batch_size:
-        epoch, offset = divmod(pos, n)
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        perm = torch.randperm(n, generator=g)
-        take = min(batch_size - len(out), n - offset)
-        out.extend(perm[offset: offset + take].tolist())
-        pos += take
-    return out

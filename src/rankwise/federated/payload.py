@@ -70,11 +70,6 @@ def record_bytes(content) -> int:
     return len(content.deflate())
 
 
-def shapes_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    """Return ``{name: shape}`` of a state dict."""
-    return {k: tuple(v.shape) for k, v in state.items()}
-
-
 def validate_update(update: Mapping[str, torch.Tensor],
                     expected: Mapping[str, tuple[int, ...]]) -> list[str]:
     """List everything wrong with a client's update; empty means it may be aggregated.
@@ -150,22 +145,3 @@ def select_keys(names: Iterable[str], factors: str = "AB",
             continue
         out.append(n)
     return out
-
-
-def weighted_mean(states: list[Mapping[str, torch.Tensor]], weights: list[float],
-                  names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """``sum_i w_i x_i / sum_i w_i`` for every name (FedAvg, McMahan et al. 2017, Alg. 1).
-
-    Args:
-        states: One dict per client.
-        weights: One non-negative weight per client (e.g. its number of examples).
-        names: Keys to average; default the first state's keys.
-
-    Returns:
-        The averaged tensors (float32).
-    """
-    assert states and len(states) == len(weights) and sum(weights) > 0
-    w = torch.tensor(weights, dtype=torch.float64)
-    w = w / w.sum()
-    names = list(states[0]) if names is None else list(names)
-    return {n: sum(float(wi) * s[n].double() for wi, s in zip(w, states)).float() for n in names}

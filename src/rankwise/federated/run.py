@@ -98,7 +98,7 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
     Returns:
         ``{label: summary row}``.
     """
-    from rankwise.recipes.plots import plot_curves
+    from rankwise.plots import plot_curves
     out.mkdir(parents=True, exist_ok=True)
     rows, curves = {}, {}
     for label, folder in runs.items():

@@ -260,8 +260,3 @@ def layer_importance(client: Client, batches: int = 1) -> list[float]:
 def initial_state(session) -> dict[str, torch.Tensor]:
     """The exchangeable tensors of a freshly prepared session (the initial global adapter)."""
     return {n: p.detach().float().clone() for n, p in session.model.named_parameters() if p.requires_grad}
-
-
-def config_json(cfg) -> str:
-    """The run config as canonical JSON (for logs)."""
-    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)

@@ -1,59 +1,48 @@
 """Pieces every low-rank optimizer shares: which parameters are projected, Adam's moment
 arithmetic, decoupled weight decay, and counting optimizer-state bytes.
 
-Param groups are decided here, explicitly: the 2-D weight matrices of linear layers inside the
-repeated transformer blocks go to the projected group; embeddings, norms, biases, poolers and
-output heads go to a plain AdamW group (GaLore's own recipe does the same).
+Param groups are decided here, explicitly, in the same target language as adapters
+(:mod:`rankwise.core.inject`): by default (``"block-linear"``) the 2-D weight matrices of the
+linear layers inside the repeated transformer blocks go to the projected group; embeddings,
+norms, biases, poolers and output heads go to a plain AdamW group (GaLore's own recipe).
 """
 from __future__ import annotations
 
 import math
-import re
-from typing import Iterable
+from typing import Iterable, Union
 
 import torch
 from torch import nn
 
-from rankwise.core.inject import _head_paths, is_linear_like
-from rankwise.errors import RankwiseError
+from rankwise.core.inject import find_targets
+from rankwise.core.weights import base_layer
 
-# A module path with a numeric segment (``model.layers.3.mlp.up_proj``) sits inside a
-# ``ModuleList`` of blocks; that is how "in the transformer blocks" is recognised.
-_BLOCK_SEGMENT = re.compile(r"(^|\.)\d+(\.|$)")
+DEFAULT_TARGETS = "block-linear"
 
 
-def split_params(model: nn.Module, targets: list[str] | None = None
+def split_params(model: nn.Module, targets: Union[list[str], str, None] = DEFAULT_TARGETS
                  ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """Split the trainable parameters into (projected matrices, everything else).
 
     Args:
         model: Any model. Only parameters with ``requires_grad`` are returned.
-        targets: ``None`` selects the weight of every linear layer (``nn.Linear`` or
-            transformers' ``Conv1D``) whose module path has a numeric segment (a block of a
-            ``ModuleList``), except output heads. Otherwise a list of regular expressions
-            searched in the module path (``["attn", "mlp"]``, GaLore's choice).
+        targets: Which linear layers' weights are projected, in the target language of
+            :func:`rankwise.core.inject.find_targets` (``"block-linear"``, ``"all-linear"``, a
+            regex over module paths, or a list of name suffixes). ``None`` = ``"block-linear"``.
 
     Returns:
         ``(projected, plain)``: lists of ``(parameter name, parameter)`` in model order,
         each parameter once. Projected parameters are 2-D with both sides larger than 1.
 
     Raises:
-        RankwiseError: If ``targets`` is given but a pattern is not a valid regex.
+        RankwiseError: If explicit ``targets`` match no layer or are an invalid regex.
     """
-    patterns = []
-    for t in targets or []:
-        try:
-            patterns.append(re.compile(t))
-        except re.error as err:
-            raise RankwiseError(f"optim.targets: got {t!r} ({err}); expected a regular expression") from None
-    heads = _head_paths(model)
+    targets = targets or DEFAULT_TARGETS
+    paths = find_targets(model, targets, what="optim.targets", allow_empty=targets == DEFAULT_TARGETS)
     chosen: set[int] = set()
-    for path, module in model.named_modules():
-        if not is_linear_like(module) or path in heads:
-            continue
-        hit = any(p.search(path) for p in patterns) if patterns else bool(_BLOCK_SEGMENT.search(path))
-        w = getattr(module, "weight", None)
-        if hit and w is not None and w.ndim == 2 and min(w.shape) > 1:
+    for path in paths:
+        w = getattr(base_layer(model.get_submodule(path)), "weight", None)
+        if w is not None and w.ndim == 2 and min(w.shape) > 1:
             chosen.add(id(w))
     projected, plain, seen = [], [], set()
     for name, p in model.named_parameters():

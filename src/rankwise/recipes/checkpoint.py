@@ -1,4 +1,6 @@
-"""Crash-safe checkpoints: trainable weights, optimizer, scheduler, RNG states, data position.
+"""Crash-safe checkpoints: trainable weights, the engine's state (optimizer, scheduler,
+gradient scaler, RNG), and the adapter's structure (so a resume rebuilds the layers exactly,
+without repeating a data-driven initialisation such as GoRA's).
 
 Each checkpoint is a folder ``checkpoints/step-NNNNNNN`` written under a temporary name and
 renamed, so a kill at any moment leaves the previous checkpoints intact. Weights are
@@ -26,16 +28,26 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, keep: int = 2,
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, keep: int = 2,
                     meta: dict | None = None) -> Path:
-    """Write checkpoint ``step`` atomically (``meta`` goes into meta.json) and keep the newest ``keep``."""
+    """Write checkpoint ``step`` atomically and keep the newest ``keep``.
+
+    Args:
+        run_dir: The run folder.
+        step: Optimizer steps done.
+        model: Its trainable parameters are saved (safetensors).
+        state: The engine's :meth:`~rankwise.engine.loop.Engine.state_dict`.
+        keep: Checkpoints kept.
+        meta: JSON metadata (``train_time_s``, the adapter ``structure``...).
+
+    Returns:
+        The checkpoint folder.
+    """
     folder = Path(run_dir) / "checkpoints" / f"{PREFIX}{step:07d}"
     # Data order is a pure function of (seed, step); torch's RNG covers dropout and sampling.
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "torch_rng": torch.get_rng_state()}
     with atomic.folder(folder) as tmp:
         save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
-        torch.save(state, tmp / "state.pt")
+        torch.save(state, tmp / "state.pt")  # tensors and plain containers only
         atomic.write_json(tmp / "meta.json", {**(meta or {}), "step": step})
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -50,15 +62,29 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "meta.json").is_file())
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
-    """Restore a checkpoint into live objects and return its meta (``step`` and extras).
+def read_meta(path: Path) -> dict:
+    """The ``meta.json`` of a checkpoint (``step``, ``structure``, ...).
+
+    Raises:
+        RankwiseError: If it is missing or corrupt.
+    """
+    try:
+        meta = json.loads((Path(path) / "meta.json").read_text())
+        int(meta["step"])
+        return meta
+    except Exception as err:  # noqa: BLE001 - any corruption is the same user-facing problem
+        raise RankwiseError(f"checkpoint {path} is corrupt ({type(err).__name__}); delete it to "
+                            "resume from the previous one") from None
+
+
+def load_checkpoint(path: Path, model: nn.Module, engine) -> dict:
+    """Restore a checkpoint into the model and the engine; return its meta.
 
     Raises:
         RankwiseError: If the checkpoint is corrupt or does not fit the model.
     """
+    meta = read_meta(path)
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        int(meta["step"])
         weights = load_file(str(path / "trainable.safetensors"))
         state = torch.load(path / "state.pt", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any corruption is the same user-facing problem
@@ -66,13 +92,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
                             "resume from the previous one") from None
     params = dict(model.named_parameters())
     missing = [k for k, p in params.items() if p.requires_grad and k not in weights]
-    if missing or any(k not in params for k in weights):
-        raise RankwiseError(f"checkpoint {path} does not match this run's model/method; "
+    wrong = [k for k, v in weights.items() if k in params and tuple(params[k].shape) != tuple(v.shape)]
+    if missing or wrong or any(k not in params for k in weights):
+        detail = f" ({wrong[0]!r} has shape {tuple(weights[wrong[0]].shape)}, the model's is " \
+                 f"{tuple(params[wrong[0]].shape)})" if wrong else ""
+        raise RankwiseError(f"checkpoint {path} does not match this run's model/method{detail}; "
                             "resume with the run's own config.yaml")
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
+    engine.load_state_dict(state)
     return meta

@@ -82,6 +82,8 @@ class TrainConfig:
         grad_clip: Clip the gradient norm (0 = off).
         calibration_batches: Batches given to data-driven initialisations (GoRA).
         keep_checkpoints: How many checkpoints to keep.
+        early_stopping_patience: Stop after this many evaluations (``eval_every``) without a
+            lower ``eval_loss`` (0 = never).
         progress: Show a progress bar.
     """
 
@@ -96,6 +98,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     calibration_batches: int = 8
     keep_checkpoints: int = 2
+    early_stopping_patience: int = 0
     progress: bool = True
 
     def problems(self) -> list[str]:
@@ -104,7 +107,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
                 out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
-        for name in ("eval_every", "save_every", "log_every", "calibration_batches"):
+        for name in ("eval_every", "save_every", "log_every", "calibration_batches",
+                     "early_stopping_patience"):
             if getattr(self, name) < 0:
                 out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 0")
         return out

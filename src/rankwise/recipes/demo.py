@@ -20,7 +20,7 @@ import torch
 from rankwise.core import atomic
 from rankwise.data.demo import python_version
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.plots import plot_curves
+from rankwise.plots import plot_curves
 
 # The demo's settings, chosen to finish in under 3 minutes on 2 CPU cores (see README).
 DEMO_BASE = {

@@ -6,9 +6,17 @@ from pathlib import Path
 
 from rankwise import registry
 from rankwise.core.io import load_adapter
+from rankwise.engine import get_task
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.model import demo_model_path, load_model
+
+BUILTIN_FORMATS = ("merged", "rankwise")
+
+
+def formats() -> list[str]:
+    """Every export format: the built-in ones and the registered exporters (``peft``)."""
+    return sorted(set(BUILTIN_FORMATS) | set(registry.names("exporter")))
 
 
 def load_run(run_dir: Path):
@@ -29,11 +37,12 @@ def load_run(run_dir: Path):
     if entry.trains == "full":
         if not (run_dir / "model" / "config.json").is_file():
             raise RankwiseError(f"{run_dir} has no trained model/ yet; let the run finish (or --resume it)")
-        model, tok = load_model(str(run_dir / "model"), cfg.model.task, cfg.model.num_labels)
+        model, tok = load_model(str(run_dir / "model"), get_task(cfg.model.task), cfg.model.num_labels)
         return cfg, model, tok
     if not (run_dir / "adapter").is_dir():
         raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
-    model, tok = load_model(cfg.model.path, cfg.model.task, cfg.model.num_labels, seed=cfg.train.seed)
+    model, tok = load_model(cfg.model.path, get_task(cfg.model.task), cfg.model.num_labels,
+                            seed=cfg.train.seed)
     load_adapter(model, run_dir / "adapter")
     model.eval()
     return cfg, model, tok
@@ -54,24 +63,21 @@ def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
     Raises:
         RankwiseError: Bad run folder, a non-empty target, or a format the run can't produce.
     """
+    if fmt not in formats():
+        raise RankwiseError(f"unknown export format {fmt!r}; expected one of: {', '.join(formats())}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise RankwiseError(f"export target {out} is not empty; choose a new --out or delete it first")
     cfg, model, tok = load_run(run_dir)
     full = registry.get("method", cfg.method.name).trains == "full"
-    if fmt == "peft":
-        if full:
-            raise RankwiseError(f"run {run_dir} trained every weight ({cfg.method.name}); it has no "
-                                "adapter to export: use --format merged")
-        from rankwise.core.peft_format import export_peft
-        base = str(demo_model_path()) if cfg.model.path == "demo" else cfg.model.path
-        return export_peft(model, out, base_model_name_or_path=base)
     if fmt == "merged":
         from rankwise.core.merged import export_merged
         return export_merged(model, out, tokenizer=tok)
+    if full:
+        raise RankwiseError(f"run {run_dir} trained every weight ({cfg.method.name}); it has no "
+                            "adapter to export: use --format merged")
     if fmt == "rankwise":
-        if full:
-            raise RankwiseError("a full fine-tuning run has no adapter: use --format merged")
         shutil.copytree(Path(run_dir) / "adapter", out, dirs_exist_ok=True)
         return out
-    raise RankwiseError(f"unknown export format {fmt!r}; expected peft, merged or rankwise")
+    base = str(demo_model_path()) if cfg.model.path == "demo" else cfg.model.path
+    return registry.get("exporter", fmt).builder(model, out, base_model_name_or_path=base)

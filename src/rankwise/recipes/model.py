@@ -61,7 +61,7 @@ def load_tokenizer(path: str):
     return tok
 
 
-def _tiny_config(name: str, vocab_size: int, task: str, num_labels: int):
+def _tiny_config(name: str, vocab_size: int, num_labels: int):
     from transformers import BertConfig, GPT2Config, LlamaConfig
     common = dict(vocab_size=vocab_size, num_labels=num_labels)
     if name == "tiny-bert":
@@ -75,13 +75,14 @@ def _tiny_config(name: str, vocab_size: int, task: str, num_labels: int):
                        pad_token_id=0, bos_token_id=0, eos_token_id=0, **common)
 
 
-def load_model(path: str, task: str, num_labels: int | None = None, seed: int = 0) -> tuple[nn.Module, object]:
+def load_model(path: str, task, num_labels: int | None = None, seed: int = 0) -> tuple[nn.Module, object]:
     """Load ``(model, tokenizer)``.
 
     Args:
         path: ``demo``, a ``tiny-*`` name, or a local Hugging Face model folder.
-        task: ``classification`` or ``causal-lm``.
-        num_labels: Classes for classification.
+        task: The run's :class:`~rankwise.engine.task.Task` (its ``auto_class`` loads the
+            model), or a task name.
+        num_labels: Classes (tasks with labels).
         seed: Seeds the initialisation of new weights (the head, tiny models).
 
     Returns:
@@ -90,19 +91,23 @@ def load_model(path: str, task: str, num_labels: int | None = None, seed: int = 
     Raises:
         RankwiseError: If the folder is missing or holds no loadable model.
     """
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              logging as hf_logging)
+    import transformers
+    from transformers import logging as hf_logging
+
+    from rankwise.engine import get_task
+    if isinstance(task, str):
+        task = get_task(task)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
-    kwargs = {"num_labels": num_labels} if task == "classification" and num_labels else {}
+    auto = getattr(transformers, task.auto_class)
+    kwargs = {"num_labels": num_labels} if task.uses_labels and num_labels else {}
     tok = None
     torch.manual_seed(seed)
     if path in TINY:
         tok = load_tokenizer(path)
-        model = auto.from_config(_tiny_config(path, len(tok), task, num_labels or 2))
+        model = auto.from_config(_tiny_config(path, len(tok), num_labels or 2))
         model.config._name_or_path = path
     else:
         folder = model_folder(path)
@@ -110,11 +115,11 @@ def load_model(path: str, task: str, num_labels: int | None = None, seed: int = 
         try:
             model = auto.from_pretrained(str(folder), local_files_only=True, **kwargs)
         except (OSError, ValueError, KeyError) as err:
-            raise RankwiseError(f"cannot load a {task} model from {folder}: "
+            raise RankwiseError(f"cannot load a {task.name} model from {folder}: "
                                 f"{str(err).splitlines()[0]}") from None
         if path == "demo":
             model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
-    if task == "classification" and getattr(model.config, "pad_token_id", None) is None:
+    if task.uses_labels and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
     model.train()
     return model, tok

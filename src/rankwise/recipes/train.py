@@ -2,14 +2,12 @@
 
 The run folder holds ``config.yaml`` (fully resolved), ``events.jsonl`` (one line per logged
 step), ``metrics.json``, ``adapter/`` (or ``model/`` for full fine-tuning), ``checkpoints/``
-and ``loss.png``. Building blocks (:func:`prepare`, :func:`train_step`, :func:`evaluate`) are
-reused by the demo, the comparison harness and the federated clients.
+and ``loss.png``. :func:`prepare` builds the pieces from a config (model, data, method,
+optimizer); the loop itself is :class:`rankwise.engine.Engine`, and everything around it
+(logging, evaluation, checkpoints, plot, progress) is one of its callbacks.
 """
 from __future__ import annotations
 
-import json
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,15 +18,16 @@ from torch import nn
 
 from rankwise import registry
 from rankwise.core import atomic
-from rankwise.core.io import save_adapter
-from rankwise.core.ops import count_parameters
-from rankwise.data.text import TextData, batch_indices, build_data
+from rankwise.core.io import rebuild, save_adapter, structure
+from rankwise.core.ops import count_parameters, modules_to_save
+from rankwise.data.text import TextData, build_data
+from rankwise.engine import Engine, NonFiniteLoss, Task, batch_indices, get_task, linear_schedule
+from rankwise.engine import callbacks as cb
 from rankwise.errors import RankwiseError
-from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from rankwise.memory import PeakMemory
+from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 from rankwise.recipes.config import RunConfig
-from rankwise.recipes.memory import PeakMemory
 from rankwise.recipes.model import load_model, load_tokenizer
-from rankwise.recipes.plots import plot_loss
 
 
 @dataclass
@@ -38,6 +37,7 @@ class Session:
     cfg: RunConfig
     model: nn.Module
     tokenizer: Any
+    task: Task
     train_data: TextData
     eval_data: TextData
     method_result: Any
@@ -46,10 +46,23 @@ class Session:
     device: str
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
-        """The training batch of ``step`` on the session's device."""
+        """The collated training batch of ``step`` on the session's device."""
         t = self.cfg.train
-        idx = batch_indices(step, len(self.train_data), t.batch_size, t.seed + seed_offset)
-        return {k: v.to(self.device) for k, v in self.train_data.batch(idx, self.cfg.model.task).items()}
+        n = len(self.train_data)
+        idx = batch_indices(step, n, min(t.batch_size, n), t.seed + seed_offset)
+        items = [self.train_data[i] for i in idx]
+        return {k: v.to(self.device) for k, v in self.task.collate(items, self.train_data.pad_id).items()}
+
+    def engine(self, callbacks: list | None = None) -> Engine:
+        """The :class:`~rankwise.engine.Engine` configured by ``cfg.train``."""
+        t = self.cfg.train
+        return Engine(self.model, self.task, self.optimizer, self.train_data, t.batch_size,
+                      seed=t.seed, scheduler=self.scheduler, grad_clip=t.grad_clip,
+                      device=self.device, callbacks=callbacks or [])
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics on the evaluation split."""
+        return self.engine().evaluate(self.eval_data, self.cfg.train.eval_batch_size)
 
 
 def pick_device() -> str:
@@ -57,19 +70,8 @@ def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def linear_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_fraction: float):
-    """Linear warm-up over ``warmup_fraction`` of ``steps``, then linear decay to zero."""
-    warm = max(1, int(steps * warmup_fraction))
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return max(0.0, (steps - step) / max(1, steps - warm))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=None) -> Session:
+def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=None,
+            saved: dict | None = None) -> Session:
     """Load model and data, apply the method, build optimizer and schedule.
 
     Args:
@@ -77,6 +79,9 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         device: ``cpu``/``cuda`` (default: CUDA when available).
         model: An already loaded base model (skips loading; the demo reuses one).
         tokenizer: Its tokenizer.
+        saved: The adapter structure a checkpoint recorded (``{"layers", "modules_to_save"}``):
+            the method's layers are rebuilt from it instead of being initialised again (a
+            resumed GoRA run keeps its ranks; no calibration is repeated).
 
     Returns:
         A ready :class:`Session`.
@@ -85,24 +90,28 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         RankwiseError: On any problem with the model, data, method or optimizer settings.
     """
     device = device or pick_device()
-    task = cfg.model.task
+    task = get_task(cfg.model.task)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path)
     train_data, eval_data = build_data(cfg.data, task, tokenizer)
-    num_labels = cfg.model.num_labels or (len(train_data.label_names) if task == "classification" else None)
-    if task == "classification" and cfg.model.num_labels and cfg.model.num_labels < len(train_data.label_names):
+    labels = len(train_data.label_names)
+    num_labels = cfg.model.num_labels or (labels if task.uses_labels else None)
+    if task.uses_labels and cfg.model.num_labels and cfg.model.num_labels < labels:
         raise RankwiseError(f"model.num_labels is {cfg.model.num_labels} but the data has "
-                            f"{len(train_data.label_names)} labels; remove num_labels to infer it")
+                            f"{labels} labels; remove num_labels to infer it")
     cfg.model.num_labels = num_labels  # resolved: config.yaml records it for export/resume
     if model is None:
         model, tokenizer = load_model(cfg.model.path, task, num_labels, seed=cfg.train.seed)
     model.to(device)
     entry = registry.get("method", cfg.method.name)
     torch.manual_seed(cfg.train.seed)
-    session = Session(cfg, model, tokenizer, train_data, eval_data, None, None, None, device)  # type: ignore[arg-type]
-    if entry.needs_batches:
+    session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device)  # type: ignore[arg-type]
+    if saved is not None:
+        rebuild(model, cfg.method, "default", saved.get("layers") or {}, saved.get("modules_to_save"))
+    elif entry.needs_batches:
         batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
-        session.method_result = entry.builder(model, cfg.method, "default", batches=batches)
+        session.method_result = entry.builder(model, cfg.method, "default", batches=batches,
+                                              loss_fn=task.mean_loss)
     else:
         session.method_result = entry.builder(model, cfg.method, "default")
     model.to(device)
@@ -111,51 +120,6 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     session.optimizer = registry.get("optimizer", cfg.optim.name).builder(model, cfg.optim)
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
     return session
-
-
-def train_step(session: Session, step: int) -> float:
-    """One optimizer step on the batch of ``step``; returns the loss (may be non-finite)."""
-    model, opt = session.model, session.optimizer
-    model.train()
-    out = model(**session.batch(step))
-    loss = out.loss
-    if not torch.isfinite(loss):
-        return float(loss.detach())
-    loss.backward()
-    if session.cfg.train.grad_clip > 0:
-        nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], session.cfg.train.grad_clip)
-    if getattr(opt, "needs_closure_loss", False):  # NGN-style step sizes need the loss value
-        opt.step(loss=loss.detach())
-    else:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    session.scheduler.step()
-    return float(loss.detach())
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: TextData, task: str, batch_size: int, device: str) -> dict[str, float]:
-    """Mean loss over ``data`` (and accuracy for classification, perplexity for causal LM)."""
-    was_training = model.training
-    model.eval()
-    total_loss = correct = count = tokens = 0.0
-    for start in range(0, len(data), batch_size):
-        idx = list(range(start, min(start + batch_size, len(data))))
-        batch = {k: v.to(device) for k, v in data.batch(idx, task).items()}
-        out = model(**batch)
-        if task == "classification":
-            total_loss += float(out.loss) * len(idx)
-            correct += float((out.logits.argmax(-1) == batch["labels"]).sum())
-            count += len(idx)
-        else:
-            n = float((batch["labels"][:, 1:] != -100).sum())
-            total_loss += float(out.loss) * n
-            tokens += n
-    model.train(was_training)
-    if task == "classification":
-        return {"eval_loss": total_loss / count, "eval_accuracy": correct / count}
-    loss = total_loss / max(tokens, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
 def _check_run_folder(out: Path, resume: bool) -> None:
@@ -171,16 +135,12 @@ def _check_same_config(out: Path, cfg: RunConfig) -> None:
         now = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
         for d in (saved, now):
             d.get("train", {}).pop("progress", None)
+        if (now.get("model") or {}).get("num_labels") is None and "model" in now:
+            now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
         if saved != now:
             diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
             raise RankwiseError(f"the config differs from {cfg_file} in section(s) {diff}; resume "
                                 f"with the run's own config: rankwise train {cfg_file} --resume --out {out}")
-
-
-def _read_events(path: Path, upto: int) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("step", 0) <= upto]
 
 
 def save_result(session: Session, out: Path) -> Path:
@@ -193,6 +153,16 @@ def save_result(session: Session, out: Path) -> Path:
     return save_adapter(session.model, out / "adapter", session.cfg.method)
 
 
+def _saver(session: Session, out: Path):
+    """The checkpoint writer: trainable weights, engine state, adapter structure, time."""
+    def save(engine: Engine, state) -> None:
+        meta = {"train_time_s": state.elapsed,
+                "structure": {"layers": structure(session.model), "modules_to_save": modules_to_save(session.model)}}
+        save_checkpoint(out, state.step, session.model, engine.state_dict(),
+                        session.cfg.train.keep_checkpoints, meta)
+    return save
+
+
 def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | None = None,
           console=None, summary: bool = True) -> dict:
     """Run training as configured and write the run folder.
@@ -201,7 +171,8 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
         cfg: The validated run config.
         out: The run folder.
         resume: Continue from the newest checkpoint in ``out``.
-        session: A prepared session (default: built from ``cfg``).
+        session: A prepared session (default: built from ``cfg``, or from the checkpoint's
+            adapter structure when resuming).
         console: A ``rich.console.Console`` for messages (default: stderr).
         summary: Print the per-layer adapter table (else one parameter-count line).
 
@@ -214,14 +185,15 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
         KeyboardInterrupt: After writing a checkpoint, on Ctrl-C.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     console = console or Console(stderr=True)
     out = Path(out)
     _check_run_folder(out, resume)
-    session = session or prepare(cfg)
     if resume:
         _check_same_config(out, cfg)
+    ckpts = list_checkpoints(out) if resume else []
+    meta = read_meta(ckpts[-1]) if ckpts else None
+    session = session or prepare(cfg, saved=(meta or {}).get("structure"))
     if summary and cfg.train.progress:
         from rankwise.core.summary import print_summary
         print_summary(session.model, console, max_rows=12)
@@ -230,72 +202,41 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
         console.print(f"trainable params: {trainable:,} / {total:,} ({100 * trainable / total:.2f}%)")
     t = cfg.train
     out.mkdir(parents=True, exist_ok=True)
+    log = cb.EventLog(out / "events.jsonl", t.log_every)
+    callbacks = [
+        cb.ProgressBar(cfg.method.name, console, tokens=not session.task.uses_labels, disable=not t.progress),
+        log, cb.Evaluate(session.eval_data, t.eval_batch_size, t.eval_every, log),
+    ]
+    if t.early_stopping_patience:
+        callbacks.append(cb.EarlyStopping("eval_loss", t.early_stopping_patience))
+    callbacks += [cb.Checkpoint(_saver(session, out), t.save_every),
+                  cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True),
+                  cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}")]
+    engine = session.engine(callbacks)
     start_step, prior_time = 0, 0.0
-    ckpts = list_checkpoints(out) if resume else []
     if ckpts:
-        meta = load_checkpoint(ckpts[-1], session.model, session.optimizer, session.scheduler)
+        load_checkpoint(ckpts[-1], session.model, engine)
         start_step, prior_time = int(meta["step"]), float(meta.get("train_time_s", 0.0))
         console.print(f"resuming {out} from step {start_step}")
     elif resume:
         console.print(f"no checkpoint in {out}; starting from step 0")
     if not (out / "config.yaml").exists():
         atomic.write_bytes(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
-    if hasattr(session.method_result, "write_artifacts"):
+    if not ckpts and hasattr(session.method_result, "write_artifacts"):
         session.method_result.write_artifacts(out)
-    events_path = out / "events.jsonl"
-    events = _read_events(events_path, start_step)
-    atomic.write_bytes(events_path, "".join(json.dumps(e) + "\n" for e in events).encode())
-    log = events_path.open("a")
-
-    def checkpoint(step: int, elapsed: float) -> None:
-        save_checkpoint(out, step, session.model, session.optimizer, session.scheduler,
-                        t.keep_checkpoints, {"train_time_s": elapsed})
-
-    step, began = start_step, time.perf_counter()
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[speed]:.1f} ex/s"),
-               TimeRemainingColumn()]
     try:
-        with PeakMemory(session.device) as mem, Progress(*columns, console=console, disable=not t.progress,
-                                                          transient=False) as bar:
-            task_id = bar.add_task(cfg.method.name, total=t.steps, completed=start_step, loss=float("nan"), speed=0.0)
-            while step < t.steps:
-                loss = train_step(session, step)
-                if not math.isfinite(loss):
-                    last = list_checkpoints(out)
-                    raise RankwiseError(
-                        f"loss became {loss} at step {step + 1}; lower optim.lr or train.grad_clip "
-                        f"(last good checkpoint: {last[-1] if last else 'none'})")
-                step += 1
-                elapsed = prior_time + time.perf_counter() - began
-                speed = (step - start_step) * t.batch_size / max(time.perf_counter() - began, 1e-9)
-                bar.update(task_id, completed=step, loss=loss, speed=speed)
-                if step % max(t.log_every, 1) == 0 or step == t.steps:
-                    log.write(json.dumps({"step": step, "loss": loss, "lr": session.scheduler.get_last_lr()[0],
-                                          "elapsed_s": round(elapsed, 3)}) + "\n")
-                    log.flush()
-                if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                    ev = evaluate(session.model, session.eval_data, cfg.model.task, t.eval_batch_size, session.device)
-                    log.write(json.dumps({"step": step, **ev}) + "\n")
-                    log.flush()
-                if t.save_every and step % t.save_every == 0 and step < t.steps:
-                    checkpoint(step, elapsed)
+        with PeakMemory(session.device) as mem:
+            state = engine.fit(t.steps, start_step, prior_time)
+    except NonFiniteLoss as err:
+        last = list_checkpoints(out)
+        raise RankwiseError(f"{err} (last good checkpoint: {last[-1] if last else 'none'})") from None
     except KeyboardInterrupt:
-        checkpoint(step, prior_time + time.perf_counter() - began)
-        console.print(f"interrupted at step {step}; checkpoint saved. Continue with --resume --out {out}")
+        console.print(f"interrupted; checkpoint saved. Continue with --resume --out {out}")
         raise
-    finally:
-        log.close()
-    train_time = prior_time + time.perf_counter() - began
-    checkpoint(step, train_time)
-    final = evaluate(session.model, session.eval_data, cfg.model.task, t.eval_batch_size, session.device)
-    with events_path.open("a") as f:
-        f.write(json.dumps({"step": step, **final}) + "\n")
     save_result(session, out)
     trainable, total = count_parameters(session.model)
-    metrics = {**{k: round(v, 6) for k, v in final.items()}, "trainable_params": trainable,
-               "total_params": total, "steps": step, "train_time_s": round(train_time, 3),
+    metrics = {**{k: round(v, 6) for k, v in state.last_eval.items()}, "trainable_params": trainable,
+               "total_params": total, "steps": state.step, "train_time_s": round(state.elapsed, 3),
                "peak_memory_mb": round(mem.peak_mb, 1), "method": cfg.method.name, "optim": cfg.optim.name}
     atomic.write_json(out / "metrics.json", metrics)
-    plot_loss(_read_events(events_path, step), out / "loss.png", title=f"{cfg.method.name} + {cfg.optim.name}")
     return metrics

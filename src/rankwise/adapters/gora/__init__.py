@@ -15,11 +15,14 @@ from rankwise import registry
 from rankwise.adapters.gora.allocate import allocate_ranks, importance, normalise
 from rankwise.adapters.gora.config import GoraConfig
 from rankwise.adapters.gora.gradients import accumulate_gradients
-from rankwise.adapters.gora.layer import GoraResult, apply_gora, gora_report, projected_step_b
+from rankwise.adapters.gora.layer import (GoraResult, apply_gora, gora_report, projected_step_b,
+                                          rebuild_gora)
 from rankwise.adapters.gora.report import plot_ranks, write_ranks
 
 __all__ = ["GoraConfig", "GoraResult", "apply_gora", "gora_report", "plot_ranks", "write_ranks",
-           "allocate_ranks", "importance", "normalise", "accumulate_gradients", "projected_step_b"]
+           "allocate_ranks", "importance", "normalise", "accumulate_gradients", "projected_step_b",
+           "rebuild_gora"]
 
 registry.register("method", "gora", GoraConfig, apply_gora, needs_batches=True,
+                  rebuild=rebuild_gora, factorized=True,
                   summary="GoRA: gradient-driven adaptive ranks + projected-gradient init (NeurIPS 2025)")

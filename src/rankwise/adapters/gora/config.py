@@ -27,7 +27,10 @@ class GoraConfig:
         dropout: Dropout on the adapter input.
         modules_to_save: Whole modules trained and saved with the adapter; ``None`` = task head.
         r_min: Smallest rank a layer may get; 0 lets unimportant layers be skipped entirely.
-        r_max: Largest rank a layer may get (also capped at min(m, n) per layer).
+            ``None`` (default): r / 2 (rounded down), the paper's 4 at r = 8.
+        r_max: Largest rank a layer may get (also capped at min(m, n) per layer). ``None``
+            (default): 4 r, the paper's 32 at r = 8. Clamps that leave no room around r (for
+            example r_max <= r) make the allocation uniform; the builder then warns.
         importance: Per-layer importance from the averaged gradient G and weight W:
             ``union_mean`` = mean|W ⊙ G| (the paper's scripts), ``union_frobenius`` = ||W ⊙ G||_F
             (the code's default), ``grad_nuclear`` = ||G||_*, ``grad_log_sv`` / ``union_log_sv``
@@ -58,8 +61,8 @@ class GoraConfig:
     exclude: list[str] = field(default_factory=list)
     dropout: float = 0.0
     modules_to_save: Union[list[str], None] = None
-    r_min: int = 4
-    r_max: int = 32
+    r_min: Optional[int] = None
+    r_max: Optional[int] = None
     importance: Literal["union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv",
                         "union_log_sv"] = "union_mean"
     sqrt_importance: bool = False
@@ -73,15 +76,26 @@ class GoraConfig:
     scale_init_by_dim: bool = True
     init_sign: Literal["descent", "ascent"] = "descent"
 
+    @property
+    def min_rank(self) -> int:
+        """``r_min``, or r // 2 when it is None."""
+        return self.r // 2 if self.r_min is None else self.r_min
+
+    @property
+    def max_rank(self) -> int:
+        """``r_max``, or 4 r when it is None."""
+        return 4 * self.r if self.r_max is None else self.r_max
+
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
         out = []
         if self.r < 1:
             out.append(f"r: got {self.r}; expected an integer >= 1 (the reference rank r0)")
-        if self.r_min < 0:
-            out.append(f"r_min: got {self.r_min}; expected an integer >= 0")
-        if self.r_max < max(1, self.r_min):
-            out.append(f"r_max: got {self.r_max}; expected an integer >= max(1, r_min={self.r_min})")
+        if self.min_rank < 0:
+            out.append(f"r_min: got {self.r_min}; expected an integer >= 0 or null")
+        if self.max_rank < max(1, self.min_rank):
+            out.append(f"r_max: got {self.r_max}; expected an integer >= max(1, r_min={self.min_rank}) "
+                       "or null (4 r)")
         if self.alpha <= 0:
             out.append(f"alpha: got {self.alpha}; expected a positive number")
         if not 0.0 <= self.dropout < 1.0:

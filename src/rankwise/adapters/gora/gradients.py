@@ -8,7 +8,6 @@ averaged G) at most one transient full-size gradient is alive per backward step,
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from rankwise.errors import RankwiseError
+from rankwise.memory import rss_mb as _rss_mb
 
 
 @dataclass
@@ -53,12 +53,17 @@ class GradStats:
                 "rss_peak_mb": round(self.rss_peak_mb, 2)}
 
 
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        return 0.0
+def model_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The default calibration loss: ``model(**batch).loss``.
+
+    Raises:
+        RankwiseError: If the output has no ``.loss`` (the batch lacks labels).
+    """
+    loss = getattr(model(**batch), "loss", None)
+    if loss is None:
+        raise RankwiseError("GoRA needs batches that give a loss: model(**batch).loss is "
+                            "None; include labels in the calibration batches")
+    return loss
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -72,14 +77,15 @@ def _stable(prev: dict[str, float], cur: dict[str, float], tol: float) -> bool:
 def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter],
                          batches: Iterable[dict], n_batches: int,
                          score: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None,
-                         stop_tolerance: float = 0.1, min_batches: int = 3) -> GradStats:
+                         stop_tolerance: float = 0.1, min_batches: int = 3,
+                         loss_fn: Callable[[nn.Module, dict], torch.Tensor] = model_loss) -> GradStats:
     """Average d loss / d W over up to ``n_batches`` batches for each weight in ``weights``.
 
     The model's ``requires_grad`` flags and train/eval mode are restored afterwards; the
     model's parameters are not changed and no ``.grad`` is left behind.
 
     Args:
-        model: A model whose ``model(**batch).loss`` is a scalar loss.
+        model: The model (its parameters are not changed).
         weights: ``{path: weight parameter}`` of the target layers.
         batches: Iterable of batch dicts (tensors are moved to the model's device).
         n_batches: Maximum number of batches.
@@ -88,6 +94,8 @@ def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter],
             importance changed by at most ``stop_tolerance`` (relative) since the last batch.
         stop_tolerance: See ``score``.
         min_batches: Never stop before this many batches.
+        loss_fn: ``loss_fn(model, batch)`` -> scalar training loss (the engine's task gives
+            its own; default ``model(**batch).loss``).
 
     Returns:
         The averaged gradients and the memory figures.
@@ -136,12 +144,7 @@ def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter],
                 batch = next(it)
             except StopIteration:
                 break
-            out = model(**_to_device(batch, device))
-            loss = getattr(out, "loss", None)
-            if loss is None:
-                raise RankwiseError("GoRA needs batches that give a loss: model(**batch).loss is "
-                                    "None; include labels in the calibration batches")
-            loss.backward()
+            loss_fn(model, _to_device(batch, device)).backward()
             stats.batches += 1
             stats.rss_peak_mb = max(stats.rss_peak_mb, _rss_mb() - rss0)
             if score is not None and stats.batches >= max(1, min_batches - 1):
@@ -159,8 +162,8 @@ def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter],
         for w in targets:
             w.grad = None
     if stats.batches == 0:
-        raise RankwiseError("GoRA got no calibration batch; give the method a data iterator "
-                            "(the train recipe passes the training batches)")
+        raise RankwiseError("GoRA got no calibration batch: set train.calibration_batches to 1 "
+                            "or more (in Python: rankwise.apply(model, 'gora', batches=...))")
     if cuda:
         torch.cuda.synchronize(device)
         stats.cuda_peak_bytes = int(torch.cuda.max_memory_allocated(device) - base)

@@ -7,18 +7,19 @@ per adapted path, with per-layer ranks; saving, loading, merging and the PEFT ex
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from rankwise.adapters.gora.allocate import allocate_ranks, importance, normalise
 from rankwise.adapters.gora.config import GoraConfig
-from rankwise.adapters.gora.gradients import accumulate_gradients
+from rankwise.adapters.gora.gradients import accumulate_gradients, model_loss
 from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
-from rankwise.core.inject import Conv1D, find_targets
-from rankwise.core.protocol import base_weight
+from rankwise.core import weights as W
+from rankwise.core.inject import find_targets
 from rankwise.errors import RankwiseError
 
 REPORT_ATTR = "_rankwise_gora"
@@ -48,17 +49,6 @@ class GoraResult(dict):
         plot_ranks(self.report, Path(run_dir) / "ranks.png")
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    while hasattr(module, "base_layer"):
-        module = module.base_layer
-    return bool(Conv1D) and isinstance(module, Conv1D)
-
-
-def _out_in(module: nn.Module, grad: torch.Tensor) -> torch.Tensor:
-    """Return a tensor in (out, in) layout; Conv1D stores its weight (in, out)."""
-    return grad.T if _is_conv1d(module) else grad
-
-
 def projected_step_b(grad: torch.Tensor, a: torch.Tensor, scale: float, eta: float,
                      sign: float = -1.0) -> torch.Tensor:
     """Return B such that ``scale * B @ A == sign * eta * G @ P_A`` (GoRA, step 3).
@@ -85,8 +75,14 @@ def projected_step_b(grad: torch.Tensor, a: torch.Tensor, scale: float, eta: flo
     return (b * (sign * eta / scale)).to(a.dtype)
 
 
+def _lora_config(config: GoraConfig, paths: list[str]) -> LoraConfig:
+    return LoraConfig(r=config.r, alpha=config.alpha, targets=list(paths), dropout=config.dropout,
+                      use_rslora=config.use_rslora, modules_to_save=config.modules_to_save)
+
+
 def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "default",
-               batches: Iterable[dict] | None = None) -> GoraResult:
+               batches: Iterable[dict] | None = None,
+               loss_fn: Callable[[nn.Module, dict], torch.Tensor] = model_loss) -> GoraResult:
     """Inject GoRA adapter ``adapter_name``: allocate ranks from gradients, then init B.
 
     Implements GoRA (arXiv 2502.12171, NeurIPS 2025) steps 1-3: average each target weight's
@@ -107,6 +103,7 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
         config: GoRA settings.
         adapter_name: Name of the adapter.
         batches: Calibration batches (the train recipe passes its training iterator).
+        loss_fn: ``loss_fn(model, batch)`` -> training loss (default ``model(**batch).loss``).
 
     Returns:
         A :class:`GoraResult`: ``{path: LoraLayer}`` for the layers that received a rank > 0,
@@ -117,29 +114,36 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
             a loss.
     """
     if batches is None:
-        raise RankwiseError("method 'gora' needs calibration batches: call its builder with "
-                            "batches=<iterator of batch dicts> (rankwise train does this)")
-    paths = find_targets(model, config.targets, config.exclude)
+        raise RankwiseError("method 'gora' needs calibration batches: in Python pass "
+                            "rankwise.apply(model, 'gora', batches=<iterable of batch dicts>); "
+                            "rankwise train uses train.calibration_batches of its training data")
+    paths = find_targets(model, config.targets, config.exclude, "method.targets")
     modules = {p: model.get_submodule(p) for p in paths}
-    weights = {p: base_weight(m) for p, m in modules.items()}
+    dims = {p: W.shape(m) for p, m in modules.items()}  # (out, in)
 
-    def score(grads: dict[str, torch.Tensor]) -> dict[str, float]:
-        return {p: importance(config.importance, weights[p], g, config.r) for p, g in grads.items()}
+    def score(grads: dict[str, torch.Tensor]) -> dict[str, float]:  # grads in storage layout
+        return {p: importance(config.importance, W.dense_weight(modules[p]),
+                              W.to_storage_layout(modules[p], g), config.r) for p, g in grads.items()}
 
-    stats = accumulate_gradients(model, weights, batches, config.n_batches,
+    stats = accumulate_gradients(model, {p: W.storage_param(m) for p, m in modules.items()},
+                                 batches, config.n_batches,
                                  score=score if config.early_stop else None,
                                  stop_tolerance=config.stop_tolerance,
-                                 min_batches=config.min_batches)
+                                 min_batches=config.min_batches, loss_fn=loss_fn)
     scores = stats.history[-1] if stats.history else score(stats.grads)
+    # accumulated in storage layout; B's init reads (out, in)
+    grads = {p: W.to_storage_layout(modules[p], g) for p, g in stats.grads.items()}
     shares = normalise(scores, config.sqrt_importance, config.softmax_temperature)
-    dims = {p: tuple(_out_in(modules[p], weights[p]).shape) for p in paths}
-    ranks = allocate_ranks(shares, dims, config.r, config.r_min, config.r_max, config.allocation)
+    r_min, r_max = config.min_rank, config.max_rank
+    ranks = allocate_ranks(shares, dims, config.r, r_min, r_max, config.allocation)
+    if r_min >= config.r or r_max <= config.r:
+        warnings.warn(f"GoRA: r_min={r_min}, r_max={r_max} around r={config.r} leave the allocation "
+                      "(almost) no freedom; ranks stay near uniform. Leave r_min/r_max unset "
+                      "(r/2 and 4r) to let importance decide", stacklevel=2)
 
-    lora_cfg = LoraConfig(r=config.r, alpha=config.alpha, targets=list(paths), dropout=config.dropout,
-                          use_rslora=config.use_rslora, modules_to_save=config.modules_to_save)
     structure = {p: {"r": ranks[p], "alpha": config.alpha, "use_rslora": config.use_rslora}
                  for p in paths}
-    layers = apply_lora(model, lora_cfg, adapter_name, structure=structure)
+    layers = apply_lora(model, _lora_config(config, paths), adapter_name, structure=structure)
 
     sign = -1.0 if config.init_sign == "descent" else 1.0
     etas: dict[str, float] = {}
@@ -148,16 +152,16 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
             a = layer.lora_A[adapter_name].weight                   # (r, in)
             r, n_in = a.shape
             eta = config.init_lr * (math.sqrt(n_in / r) if config.scale_init_by_dim else 1.0)
-            g = _out_in(modules[p], stats.grads[p])                  # (out, in)
+            g = grads[p]                                             # (out, in)
             b = layer.lora_B[adapter_name].weight
             b.copy_(projected_step_b(g, a, layer.scaling[adapter_name], eta, sign).to(b.device))
             etas[p] = eta
-    del stats.grads
+    del stats.grads, grads
 
     budget = sum((m + n) * config.r for m, n in dims.values())
     report: dict[str, Any] = {
         "method": "gora", "adapter": adapter_name, "r0": config.r,
-        "r_min": config.r_min, "r_max": config.r_max,
+        "r_min": r_min, "r_max": r_max,
         "importance": config.importance, "allocation": config.allocation,
         "budget_params": budget,
         "allocated_params": sum((dims[p][0] + dims[p][1]) * ranks[p] for p in paths),
@@ -173,6 +177,28 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
     reports[adapter_name] = report
     object.__setattr__(model, REPORT_ATTR, reports)
     return GoraResult(layers, report)
+
+
+def rebuild_gora(model: nn.Module, config: GoraConfig, adapter_name: str,
+                 layers: dict[str, dict]) -> dict[str, LoraLayer]:
+    """Recreate a saved GoRA adapter from its per-layer ranks, without calibration.
+
+    Args:
+        model: The base model.
+        config: The GoRA config it was trained with.
+        adapter_name: Name of the adapter.
+        layers: ``{path: {"r", "alpha", "use_rslora"}}`` as saved (layers of rank 0 are absent).
+
+    Returns:
+        ``{path: LoraLayer}``.
+
+    Raises:
+        RankwiseError: With no saved structure (GoRA's ranks come from data, not the config).
+    """
+    if not layers:
+        raise RankwiseError("a GoRA adapter can only be rebuilt from its saved per-layer ranks; "
+                            "the file holds none: re-save it from its run folder")
+    return apply_lora(model, _lora_config(config, list(layers)), adapter_name, structure=layers)
 
 
 def gora_report(model: nn.Module, adapter_name: str = "default") -> dict | None:

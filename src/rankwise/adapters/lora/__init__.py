@@ -1,6 +1,7 @@
-"""LoRA (ROADMAP A1): config, layer and the one registration."""
+"""LoRA (ROADMAP A1): config, layer, the PEFT file format, and the registrations."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from torch import nn
@@ -8,13 +9,11 @@ from torch import nn
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LORA_INITS, LoraLayer, lora_scale
-from rankwise.core.inject import find_targets, inject
+from rankwise.core.inject import default_heads, find_targets, inject
 from rankwise.core.ops import mark_trainable, set_modules_to_save
 
-__all__ = ["LoraConfig", "LoraLayer", "LORA_INITS", "apply_lora", "lora_scale", "pattern_value",
-           "default_heads"]
-
-HEAD_CHILDREN = ("classifier", "score", "qa_outputs")
+__all__ = ["LoraConfig", "LoraLayer", "LORA_INITS", "apply_lora", "rebuild_lora", "lora_scale",
+           "pattern_value", "export_peft", "load_peft"]
 
 
 def pattern_value(path: str, pattern: dict, default):
@@ -23,11 +22,6 @@ def pattern_value(path: str, pattern: dict, default):
         if re.match(rf"(.*\.)?({key})$", path):
             return value
     return default
-
-
-def default_heads(model: nn.Module) -> list[str]:
-    """Return the task-head children trained with any adapter (PEFT does the same for SEQ_CLS)."""
-    return [n for n, _ in model.named_children() if n in HEAD_CHILDREN]
 
 
 def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "default",
@@ -48,7 +42,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     Raises:
         RankwiseError: On targets matching nothing or ranks outside [1, min(in, out)].
     """
-    paths = find_targets(model, config.targets, config.exclude)
+    paths = find_targets(model, config.targets, config.exclude, "method.targets")
     structure = structure or {}
     settings = {}
     for p in paths:
@@ -71,5 +65,38 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     return layers
 
 
-registry.register("method", "lora", LoraConfig, apply_lora,
+def rebuild_lora(model: nn.Module, config: LoraConfig, adapter_name: str,
+                 layers: dict[str, dict]) -> dict[str, LoraLayer]:
+    """Recreate LoRA layers exactly as saved: ``layers`` is ``{path: {"r", "alpha", "use_rslora"}}``
+    (what :meth:`LoraLayer.describe` wrote); the targets are those paths.
+
+    Args:
+        model: The base model.
+        config: The saved LoRA config (dropout, init, modules to save).
+        adapter_name: Name of the adapter.
+        layers: The saved per-layer structure; empty means "as the config says".
+
+    Returns:
+        ``{path: LoraLayer}``.
+    """
+    if layers:
+        config = dataclasses.replace(config, targets=list(layers), exclude=[])
+    return apply_lora(model, config, adapter_name, structure=layers or None)
+
+
+def export_peft(*args, **kwargs):
+    """See :func:`rankwise.adapters.lora.peft.export_peft` (imports safetensors when called)."""
+    from rankwise.adapters.lora.peft import export_peft as _export
+    return _export(*args, **kwargs)
+
+
+def load_peft(*args, **kwargs):
+    """See :func:`rankwise.adapters.lora.peft.load_peft` (imports safetensors when called)."""
+    from rankwise.adapters.lora.peft import load_peft as _load
+    return _load(*args, **kwargs)
+
+
+registry.register("method", "lora", LoraConfig, apply_lora, rebuild=rebuild_lora, factorized=True,
                   summary="LoRA / rsLoRA: W x + s B A x (Hu et al. 2021)")
+registry.register("exporter", "peft", dict, export_peft,
+                  summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

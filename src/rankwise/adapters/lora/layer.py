@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.core.inject import Conv1D
+from rankwise.core.inject import is_conv1d
 from rankwise.errors import RankwiseError
 
 
@@ -54,7 +54,7 @@ class LoraLayer(nn.Module):
         if isinstance(base_layer, nn.Linear):
             self.fan_in_fan_out = False
             self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
-        elif Conv1D and isinstance(base_layer, Conv1D):
+        elif is_conv1d(base_layer):
             self.fan_in_fan_out = True
             self.in_features, self.out_features = base_layer.weight.shape
         else:
@@ -111,6 +111,16 @@ class LoraLayer(nn.Module):
     def active_names(self) -> list[str]:
         """Return the active adapter names."""
         return list(self._active)
+
+    def factors(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """Protocol capability: ``(A (r, in), B (out, r))`` of adapter ``name``."""
+        return self.lora_A[name].weight, self.lora_B[name].weight
+
+    def describe(self, name: str) -> dict:
+        """Protocol capability: ``{"r", "alpha", "use_rslora"}`` of adapter ``name`` (plus its
+        derived ``scale``, for summaries)."""
+        return {"r": self.ranks[name], "alpha": self.alphas[name],
+                "use_rslora": self.rslora.get(name, False), "scale": self.scaling[name]}
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """Return s * B A in the base weight's layout ((out, in), or (in, out) for Conv1D)."""

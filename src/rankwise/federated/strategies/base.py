@@ -24,8 +24,8 @@ import torch
 
 from rankwise.federated import keys
 from rankwise.federated.config import FederatedConfig
-from rankwise.federated.payload import (from_record, record_bytes, select_keys, shapes_of,
-                                        to_record, validate_update)
+from rankwise.federated.payload import (from_record, record_bytes, select_keys, to_record,
+                                        validate_update)
 
 LOG = logging.getLogger("rankwise.federated")
 
@@ -281,8 +281,3 @@ def fingerprint(state: dict[str, torch.Tensor]) -> str:
         h.update(k.encode())
         h.update(state[k].detach().to(torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
-    """Re-export of :func:`rankwise.federated.payload.shapes_of` for strategy modules."""
-    return shapes_of(state)

@@ -24,8 +24,9 @@ class GaLoreConfig:
             ``min(m, n)`` mean no projection (plain AdamW for that matrix).
         update_every: ``T``: the subspace is recomputed from the gradient every ``T`` steps.
         scale: ``alpha``: multiplies the back-projected update of projected matrices.
-        targets: ``None``: project the linear weights inside the transformer blocks; or regexes
-            searched in module paths (see :func:`rankwise.optim.common.split_params`).
+        targets: Which linear layers' weights are projected, in the adapters' target language:
+            ``"block-linear"`` (the linear layers inside the transformer blocks), ``"all-linear"``,
+            a regex over module paths, or name suffixes (see :func:`rankwise.optim.common.split_params`).
         svd: ``"svd"`` (exact thin SVD, GaLore's choice) or ``"eigh"`` (eigenvectors of the
             small Gram matrix; same subspace, cheaper on CPU).
         stagger: Spread the refreshes of different matrices over the ``T`` steps instead of
@@ -43,7 +44,7 @@ class GaLoreConfig:
     rank: int = 128
     update_every: int = 200
     scale: float = 0.25
-    targets: Union[list[str], None] = None
+    targets: Union[list[str], str] = "block-linear"
     svd: Literal["svd", "eigh"] = "svd"
     stagger: bool = False
     select: Literal["top", "sampled"] = "top"

@@ -25,7 +25,8 @@ class Q3RConfig:
         update_every: Reweighting period: the SVD of each regularized weight is refreshed every
             this many steps; in between only the quadratic is evaluated.
         lam: ``lambda``, the regularizer's weight.
-        targets: ``None`` (linear weights in the transformer blocks) or regexes on module paths.
+        targets: ``"block-linear"`` (linear weights in the transformer blocks), ``"all-linear"``,
+            a regex over module paths, or name suffixes (the adapters' target language).
     """
 
     name: str = "q3r"
@@ -36,7 +37,7 @@ class Q3RConfig:
     rank: int = 32
     update_every: int = 5
     lam: float = 0.1
-    targets: Union[list[str], None] = None
+    targets: Union[list[str], str] = "block-linear"
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""

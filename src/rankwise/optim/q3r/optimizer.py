@@ -149,16 +149,6 @@ class Q3RAdamW(torch.optim.Optimizer):
                     p.add_(reg, alpha=-group["lr"] * group["lam"] * 2)
         return loss
 
-    def penalty(self) -> float:
-        """Current total ``sum lam <W, R(W)>`` over regularized matrices (for logging)."""
-        total = 0.0
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state.get(p, {})
-                if "q3r_u" in st:
-                    total += group["lam"] * float(q3r_value(p.detach(), st["q3r_u"], st["q3r_v"], st["q3r_weights"]))
-        return total
-
 
 def build_q3r(model: nn.Module, config: Q3RConfig) -> Q3RAdamW:
     """Registry builder for ``q3r``: block matrices regularized, everything on AdamW.

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rankwise.core.inject import Conv1D
+from rankwise.core import weights as W
+from rankwise.core.inject import find_targets, replace_module
 from rankwise.errors import RankwiseError
-from rankwise.optim.common import split_params
+from rankwise.optim.common import DEFAULT_TARGETS
 from rankwise.optim.q3r.optimizer import _svd_dtype
 
 
@@ -40,7 +41,8 @@ def _factor(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def truncate_to_factorized(model: nn.Module, rank: int, targets: list[str] | None = None) -> dict[str, int]:
+def truncate_to_factorized(model: nn.Module, rank: int,
+                           targets: list[str] | str = DEFAULT_TARGETS) -> dict[str, int]:
     """Replace each selected linear layer by a :class:`LowRankLinear` of rank ``rank``.
 
     This is Q3R's final step (train to a prescribed rank, then truncate). Typical use::
@@ -56,7 +58,7 @@ def truncate_to_factorized(model: nn.Module, rank: int, targets: list[str] | Non
     Args:
         model: The trained model (changed in place).
         rank: Rank kept (the top singular directions of each weight).
-        targets: ``None`` or regexes, as in :func:`rankwise.optim.common.split_params`.
+        targets: As the optimizer's ``targets`` (:func:`rankwise.optim.common.split_params`).
 
     Returns:
         ``{"layers": k, "params_before": a, "params_after": b}`` over the replaced layers.
@@ -66,40 +68,22 @@ def truncate_to_factorized(model: nn.Module, rank: int, targets: list[str] | Non
     """
     if rank < 1:
         raise RankwiseError(f"truncate_to_factorized: got rank={rank!r}; expected a positive integer")
-    projected, _ = split_params(model, targets) if any(p.requires_grad for p in model.parameters()) \
-        else _split_all(model, targets)
-    chosen = {id(p) for _, p in projected}
     report = {"layers": 0, "params_before": 0, "params_after": 0}
-    for path, module in list(model.named_modules()):
-        w = getattr(module, "weight", None)
-        if w is None or id(w) not in chosen:
-            continue
-        dense = w.T if isinstance(module, Conv1D) else w  # (m, n) = (out, in)
+    for path in find_targets(model, targets or DEFAULT_TARGETS, what="optim.targets"):
+        module = model.get_submodule(path)
+        dense = W.dense_weight(module)  # (m, n) = (out, in)
         m, n = dense.shape
         if rank * (m + n) >= m * n:
             continue
-        bias = getattr(module, "bias", None)
-        new = LowRankLinear(n, m, rank, bias=bias is not None).to(dtype=w.dtype, device=w.device)
+        bias = getattr(W.base_layer(module), "bias", None)
+        new = LowRankLinear(n, m, rank, bias=bias is not None).to(dtype=dense.dtype, device=dense.device)
         up, down = _factor(dense, rank)
         new.up.weight.copy_(up)
         new.down.weight.copy_(down)
         if bias is not None:
             new.up.bias.copy_(bias)
-        parent_path, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, leaf, new)
+        replace_module(model, path, new)
         report["layers"] += 1
         report["params_before"] += m * n
         report["params_after"] += rank * (m + n)
     return report
-
-
-def _split_all(model: nn.Module, targets: list[str] | None):
-    """``split_params`` for a fully frozen model: select as if every weight were trainable."""
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in flags:
-        p.requires_grad_(True)
-    try:
-        return split_params(model, targets)
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)

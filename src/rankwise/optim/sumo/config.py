@@ -23,7 +23,8 @@ class SumoConfig:
             :class:`rankwise.optim.sumo.SumoOptimizer`); 0.2 makes AdamW learning rates carry over.
         betas: Adam's betas for the matrices that are not projected (embeddings, norms, heads).
         eps: Adam's epsilon for those matrices.
-        targets: ``None`` (linear weights in the transformer blocks) or regexes on module paths.
+        targets: ``"block-linear"`` (linear weights in the transformer blocks), ``"all-linear"``,
+            a regex over module paths, or name suffixes (the adapters' target language).
         svd: How the subspace is found: ``"svd"`` (exact) or ``"eigh"`` (Gram eigenvectors).
     """
 
@@ -36,7 +37,7 @@ class SumoConfig:
     scale: float = 0.2
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    targets: Union[list[str], None] = None
+    targets: Union[list[str], str] = "block-linear"
     svd: Literal["svd", "eigh"] = "svd"
 
     def problems(self) -> list[str]:

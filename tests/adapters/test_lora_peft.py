@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
-from rankwise.core.peft_format import export_peft, load_peft
+from rankwise.adapters.lora.peft import export_peft, load_peft
 from rankwise.errors import RankwiseError
 from rankwise.testing import randomize_trainable, tiny_batch, tiny_logits, tiny_bert_cls, tiny_gpt2_lm, tiny_llama_lm
 

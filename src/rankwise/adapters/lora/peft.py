@@ -25,8 +25,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from rankwise.adapters.lora.config import LoraConfig
+from rankwise.adapters.lora.layer import LoraLayer
 from rankwise.core import atomic
-from rankwise.core.inject import matches
+from rankwise.core.inject import is_linear_like, is_wrapped, matches
 from rankwise.core.ops import load_adapter_state_dict, modules_to_save
 from rankwise.core.protocol import adapter_modules
 from rankwise.errors import RankwiseError
@@ -66,15 +68,14 @@ def _task_type(model: nn.Module) -> str | None:
 
 
 def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
-    from rankwise.adapters.lora.layer import LoraLayer  # core stays import-light
     layers = {p: m for p, m in adapter_modules(model)
               if isinstance(m, LoraLayer) and adapter_name in m.adapter_names()}
     others = [p for p, m in adapter_modules(model)
               if not isinstance(m, LoraLayer) and adapter_name in m.adapter_names()]
     if others:
         raise RankwiseError(f"adapter {adapter_name!r} has non-LoRA layers (e.g. {others[0]!r}, "
-                            f"{type(model.get_submodule(others[0])).__name__}); the PEFT format "
-                            "holds LoRA only: export with --format merged instead")
+                            f"{type(model.get_submodule(others[0])).__name__}); the PEFT LoRA "
+                            "format holds LoRA only: export with --format rankwise (or merged)")
     if not layers:
         names = sorted({n for _, m in adapter_modules(model) for n in m.adapter_names()})
         fix = "pass one of those names" if names else "export with --format merged instead"
@@ -85,11 +86,10 @@ def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
 
 def _target_modules(model: nn.Module, paths: list[str]) -> list[str]:
     """Short suffixes when they select exactly ``paths`` (as PEFT will match them), else paths."""
-    from rankwise.core.inject import is_linear_like
     suffixes = sorted({p.rsplit(".", 1)[-1] for p in paths})
     wrapped = [p for p, _ in adapter_modules(model)]
     hit = [p for p, m in model.named_modules()
-           if p and (is_linear_like(m) or hasattr(m, "base_layer"))
+           if p and (is_linear_like(m) or is_wrapped(m))
            and any(matches(p, s) for s in suffixes)
            and not any(p.startswith(q + ".") for q in wrapped)]
     return suffixes if sorted(hit) == sorted(paths) else sorted(paths)
@@ -261,7 +261,7 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
         RankwiseError: On a missing/corrupt/pickled file, unsupported features, or an
             adapter that does not fit the model.
     """
-    from rankwise.adapters.lora import LoraConfig, apply_lora, pattern_value
+    from rankwise.adapters.lora import apply_lora, pattern_value
 
     peft_dir = Path(peft_dir)
     cfg = read_peft_config(peft_dir)

@@ -1,0 +1,22 @@
+"""The training engine: one loop (:class:`Engine`) with callbacks, and the :class:`Task`
+objects that turn examples into losses and metrics. Importing it registers the tasks."""
+from rankwise import registry
+from rankwise.engine.loop import (Engine, NonFiniteLoss, StepResult, TrainState, batch_indices,
+                                  evaluate, linear_schedule)
+from rankwise.engine.task import CausalLMTask, ClassificationTask, Task
+
+for _cls in (ClassificationTask, CausalLMTask):
+    registry.register("task", _cls.name, dict, _cls, summary=f"{_cls.name} ({_cls.auto_class})")
+
+
+def get_task(name: str) -> Task:
+    """The registered task ``name`` (``classification``, ``causal-lm``), instantiated.
+
+    Raises:
+        RankwiseError: Unknown task (the message lists the registered ones).
+    """
+    return registry.get("task", name).builder()
+
+
+__all__ = ["Engine", "NonFiniteLoss", "StepResult", "TrainState", "Task", "ClassificationTask",
+           "CausalLMTask", "batch_indices", "evaluate", "get_task", "linear_schedule"]

@@ -1,0 +1,342 @@
+"""The one training engine: ``rankwise train``, federated clients, ``compare`` and the
+benchmarks all step a model through :class:`Engine`.
+
+One optimizer step (:meth:`Engine.train_step`):
+
+1. draw the step's examples (a pure function of ``(seed, step)``, so a resumed run sees the
+   batches an uninterrupted one would) and split them into ``grad_accum`` micro-batches;
+2. per micro-batch: forward under autocast (``precision``), loss = task loss summed over its
+   targets / the targets of the *whole step*, plus the adapters' auxiliary losses and any
+   ``loss_hooks`` (a federated strategy's client-side terms), backward;
+3. unscale (fp16), clip, optimizer step (losses go to optimizers that need the value, NGN-M),
+   scheduler step.
+
+Callbacks (:mod:`rankwise.engine.callbacks`) do everything around it: logging, evaluation,
+checkpoints, plots, early stopping, the progress bar.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from rankwise.core.protocol import aux_losses
+from rankwise.engine.task import Task
+from rankwise.errors import RankwiseError
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+LossHook = Callable[[nn.Module, int], torch.Tensor]
+
+
+def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """Example indices of training step ``step`` (0-based), independent of any state.
+
+    Each epoch is a fresh permutation seeded by ``(seed, epoch)``, so a resumed run draws
+    exactly the batches an uninterrupted run would.
+    """
+    out: list[int] = []
+    pos = step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        perm = torch.randperm(n, generator=g)
+        take = min(batch_size - len(out), n - offset)
+        out.extend(perm[offset: offset + take].tolist())
+        pos += take
+    return out
+
+
+def split(items: list, parts: int) -> list[list]:
+    """Split ``items`` into ``parts`` contiguous chunks whose sizes differ by at most one."""
+    k, r = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + k + (1 if i < r else 0)
+        out.append(items[start:end])
+        start = end
+    return [c for c in out if c]
+
+
+class NonFiniteLoss(RankwiseError):
+    """The loss, or the optimizer's arithmetic, left the finite range at ``step`` (1-based).
+
+    Args:
+        step: The step that failed.
+        value: The loss value, or ``None`` when the optimizer's update overflowed.
+    """
+
+    def __init__(self, step: int, value: float | None) -> None:
+        what = (f"loss became {value}" if value is not None else
+                "the optimizer's update overflowed (weights would become inf/nan)")
+        super().__init__(f"{what} at step {step}; lower optim.lr or set train.grad_clip")
+        self.step, self.value = step, value
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step measured.
+
+    Attributes:
+        loss: Task loss per target over the whole step.
+        aux: Auxiliary losses by name (already weighted), averaged over micro-batches.
+        examples: Examples in the step.
+        targets: Loss targets (examples or predicted tokens) in the step.
+        tokens: Input tokens (attention-mask ones) in the step.
+    """
+
+    loss: float
+    aux: dict[str, float] = field(default_factory=dict)
+    examples: int = 0
+    targets: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class TrainState:
+    """Where a :meth:`Engine.fit` is (shared with callbacks).
+
+    Attributes:
+        step: Optimizer steps done.
+        start_step: Step the fit began at (after a resume).
+        total_steps: Step the fit ends at.
+        prior_time: Training seconds of earlier sessions (from a checkpoint).
+        began: ``time.perf_counter()`` at the start of this session.
+        should_stop: Set by a callback to end the fit after this step (early stopping).
+        last_eval: The newest evaluation metrics.
+        stopped_at: ``time.perf_counter()`` when the last step finished.
+    """
+
+    step: int = 0
+    start_step: int = 0
+    total_steps: int = 0
+    prior_time: float = 0.0
+    began: float = field(default_factory=time.perf_counter)
+    should_stop: bool = False
+    last_eval: dict[str, float] = field(default_factory=dict)
+    stopped_at: float | None = None
+
+    @property
+    def elapsed(self) -> float:
+        """Training seconds including earlier sessions (frozen once the last step is done, so
+        the final evaluation does not count as training)."""
+        end = time.perf_counter() if self.stopped_at is None else self.stopped_at
+        return self.prior_time + end - self.began
+
+
+class Engine:
+    """Steps ``model`` on ``dataset`` with ``optimizer`` for ``task``.
+
+    Args:
+        model: The (adapted) model, already on ``device``.
+        task: How examples become a loss.
+        optimizer: Any ``torch.optim.Optimizer`` over the trainable parameters.
+        dataset: Indexable examples (``dataset[i] -> dict``) with ``len`` and ``pad_id``.
+        batch_size: Examples per optimizer step (split into ``grad_accum`` micro-batches).
+        seed: Seeds the batch order.
+        scheduler: Learning-rate scheduler stepped after every optimizer step (optional).
+        grad_accum: Micro-batches per step.
+        grad_clip: Max gradient norm (0 = off).
+        precision: ``fp32``, ``bf16`` or ``fp16`` autocast (fp16 adds a gradient scaler).
+        device: Where batches go.
+        loss_hooks: Extra loss terms by name, ``fn(model, step) -> tensor``, added to every
+            micro-batch (weighted by its share of the step's examples) and logged by name.
+        callbacks: See :mod:`rankwise.engine.callbacks`.
+    """
+
+    def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, dataset: Any,
+                 batch_size: int, seed: int = 0, scheduler: Any = None, grad_accum: int = 1,
+                 grad_clip: float = 0.0, precision: str = "fp32", device: str = "cpu",
+                 loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = ()) -> None:
+        if precision not in PRECISIONS:
+            raise RankwiseError(f"train.precision: got {precision!r}; expected one of {list(PRECISIONS)}")
+        self.model, self.task, self.optimizer, self.dataset = model, task, optimizer, dataset
+        self.batch_size, self.seed, self.scheduler = batch_size, seed, scheduler
+        self.grad_accum, self.grad_clip, self.precision = max(1, grad_accum), grad_clip, precision
+        self.device = str(device)
+        self.loss_hooks = dict(loss_hooks or {})
+        self.callbacks = list(callbacks)
+        self.scaler = torch.amp.GradScaler(self.device.split(":")[0]) if precision == "fp16" else None
+        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+
+    # ----- one step ---------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The autocast context of the configured precision (a no-op for fp32)."""
+        dtype = PRECISIONS[self.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.split(":")[0], dtype=dtype)
+
+    def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The collated micro-batches of optimizer step ``step``, on the engine's device."""
+        n = len(self.dataset)
+        idx = batch_indices(step, n, min(self.batch_size, n), self.seed)
+        micro = split([self.dataset[i] for i in idx], self.grad_accum)
+        return [{k: v.to(self.device) for k, v in self.task.collate(m, self.dataset.pad_id).items()}
+                for m in micro]
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step on the examples of ``step`` (see the module docstring).
+
+        Raises:
+            NonFiniteLoss: If the loss is NaN/Inf or the optimizer overflows; parameters are
+                left as they were before the step's update.
+        """
+        model, opt = self.model, self.optimizer
+        model.train()
+        batches = self.step_batches(step)
+        targets = sum(self.task.count_targets(b) for b in batches)
+        examples = sum(len(b["input_ids"]) for b in batches)
+        norm = max(targets, 1)
+        total = 0.0
+        aux_sum: dict[str, float] = {}
+        for batch in batches:
+            share = len(batch["input_ids"]) / examples  # per-batch means weigh by their examples
+            with self.autocast():
+                loss_sum, _ = self.task.loss_sum(model, batch)
+                loss = loss_sum / norm
+                extra = aux_losses(model)
+                extra.update({name: hook(model, step) for name, hook in self.loss_hooks.items()})
+                objective = loss + sum(v * share for v in extra.values()) if extra else loss
+            if not torch.isfinite(objective.detach()):
+                opt.zero_grad(set_to_none=True)
+                raise NonFiniteLoss(step + 1, float(objective.detach()))
+            (self.scaler.scale(objective) if self.scaler else objective).backward()
+            total += float(loss_sum.detach())
+            for k, v in extra.items():
+                aux_sum[k] = aux_sum.get(k, 0.0) + float(v.detach()) * share
+        mean = total / norm
+        self._update(step, mean)
+        return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=int(sum(int(b["attention_mask"].sum()) for b in batches)))
+
+    def _update(self, step: int, loss: float) -> None:
+        opt = self.optimizer
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        if self.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        try:
+            kwargs = {"loss": torch.tensor(loss)} if getattr(opt, "needs_closure_loss", False) else {}
+            if self.scaler is not None:
+                self.scaler.step(opt, **kwargs)
+                self.scaler.update()
+            else:
+                opt.step(**kwargs)
+        except RuntimeError as err:  # e.g. AdamW: "value cannot be converted ... without overflow"
+            if "overflow" not in str(err) and "cannot be converted" not in str(err):
+                raise
+            raise NonFiniteLoss(step + 1, None) from None
+        finally:
+            opt.zero_grad(set_to_none=True)
+        if any(not torch.isfinite(p).all() for p in self.params):
+            raise NonFiniteLoss(step + 1, None)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    # ----- evaluation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, data: Any, batch_size: int) -> dict[str, float]:
+        """The task's metrics over every example of ``data`` (``eval_loss``, ...)."""
+        return evaluate(self.model, self.task, data, batch_size, self.device, self.autocast)
+
+    # ----- the loop -----------------------------------------------------------------------------
+    def fit(self, steps: int, start_step: int = 0, prior_time: float = 0.0) -> TrainState:
+        """Run steps ``start_step .. steps - 1`` with the callbacks.
+
+        Returns:
+            The final :class:`TrainState`.
+
+        Raises:
+            NonFiniteLoss: As :meth:`train_step` (after ``on_error`` callbacks ran).
+            KeyboardInterrupt: After ``on_interrupt`` callbacks ran (they save a checkpoint).
+        """
+        state = TrainState(step=start_step, start_step=start_step, total_steps=steps,
+                           prior_time=prior_time)
+        self._call("on_fit_start", state)
+        try:
+            while state.step < steps and not state.should_stop:
+                result = self.train_step(state.step)
+                state.step += 1
+                self._call("on_step_end", state, result)
+            state.stopped_at = time.perf_counter()
+        except KeyboardInterrupt:
+            self._call("on_interrupt", state)
+            raise
+        finally:
+            self._call("on_fit_exit", state)
+        self._call("on_fit_end", state)
+        return state
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
+    # ----- resumable state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler, gradient-scaler and RNG state (for checkpoints)."""
+        out = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task: Task, data: Any, batch_size: int, device: str = "cpu",
+             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+             ) -> dict[str, float]:
+    """The task's metrics of ``model`` over every example of ``data`` (in eval mode).
+
+    Args:
+        model: The model.
+        task: The task (collation, loss, metrics).
+        data: Indexable examples with ``len`` and ``pad_id``.
+        batch_size: Examples per forward.
+        device: Where batches go.
+        autocast: Context factory for mixed precision.
+
+    Returns:
+        ``{"eval_loss": ..., "eval_accuracy" | "eval_perplexity": ...}``.
+    """
+    was_training = model.training
+    model.eval()
+    stats: dict[str, float] = {}
+    for start in range(0, len(data), batch_size):
+        items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
+        batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
+        with autocast():
+            loss_sum, out = task.loss_sum(model, batch)
+        task.eval_update(stats, batch, out, loss_sum)
+    model.train(was_training)
+    return task.eval_metrics(stats)
+
+
+def linear_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_fraction: float):
+    """Linear warm-up over ``warmup_fraction`` of ``steps``, then linear decay to zero."""
+    warm = max(1, int(steps * warmup_fraction))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return max(0.0, (steps - step) / max(1, steps - warm))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+__all__ = ["Engine", "StepResult", "TrainState", "NonFiniteLoss", "batch_indices", "split",
+           "evaluate", "linear_schedule"]

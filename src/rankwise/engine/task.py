@@ -1,0 +1,155 @@
+"""What a model is trained to do: a :class:`Task` owns collation, labels, loss and metrics.
+
+Every place that turns examples into a loss (``rankwise train``, federated clients, compare,
+benchmarks, GoRA's calibration) asks the run's task; nothing branches on a task string. A task
+is registered once (kind ``"task"``); instruction formats are data formats of ``causal-lm``.
+
+Losses are returned as *sums* over the batch's targets together with the number of targets,
+so the engine can normalise a step by the targets of the whole step (gradient accumulation
+over variable-length sequences gives the same update as one big batch).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rankwise.core.protocol import transform_inputs
+from rankwise.errors import RankwiseError
+
+IGNORE = -100  # label of positions that carry no loss (padding, prompts, virtual tokens)
+
+
+def pad(seqs: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad integer sequences into ``(ids (B, T), mask (B, T))``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), value, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        mask[row, : len(s)] = 1
+    return ids, mask
+
+
+class Task:
+    """Base class. Subclasses set the class attributes and implement the four methods.
+
+    Attributes:
+        name: The ``model.task`` value.
+        auto_class: The transformers ``AutoModel*`` class that loads a model for the task.
+        uses_labels: Records need a label field (``data.label_field``).
+    """
+
+    name: ClassVar[str] = ""
+    auto_class: ClassVar[str] = ""
+    uses_labels: ClassVar[bool] = False
+
+    def collate(self, items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+        """Turn examples (``{"input_ids": [...], ...}``) into padded model inputs + ``labels``."""
+        raise NotImplementedError
+
+    def count_targets(self, batch: dict[str, torch.Tensor]) -> int:
+        """Number of loss terms in ``batch`` (examples, or predicted tokens)."""
+        raise NotImplementedError
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """Forward ``batch`` (through the model's input adapters) and return
+        ``(sum of per-target losses, model output)``."""
+        raise NotImplementedError
+
+    def eval_update(self, stats: dict[str, float], batch: dict[str, torch.Tensor], output: Any,
+                    loss_sum: torch.Tensor) -> None:
+        """Add one evaluation batch to the running sums in ``stats``."""
+        stats["loss"] = stats.get("loss", 0.0) + float(loss_sum)
+        stats["targets"] = stats.get("targets", 0.0) + self.count_targets(batch)
+
+    def eval_metrics(self, stats: dict[str, float]) -> dict[str, float]:
+        """Final metrics (``eval_loss`` and the task's own) from the running sums."""
+        raise NotImplementedError
+
+    def mean_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean loss per target of one batch (GoRA's calibration, simple loops)."""
+        total, _ = self.loss_sum(model, batch)
+        return total / max(self.count_targets(batch), 1)
+
+    @staticmethod
+    def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, dict]:
+        batch = transform_inputs(model, batch)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return model(**inputs), batch
+
+
+class ClassificationTask(Task):
+    """Sequence classification: one label per example, cross-entropy, accuracy."""
+
+    name = "classification"
+    auto_class = "AutoModelForSequenceClassification"
+    uses_labels = True
+
+    def collate(self, items, pad_id):
+        """Pad ``input_ids``; ``labels`` is one class index per example."""
+        ids, mask = pad([it["input_ids"] for it in items], pad_id)
+        labels = torch.tensor([int(it["label"]) for it in items], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def count_targets(self, batch):
+        """One target per example."""
+        return int(batch["labels"].shape[0])
+
+    def loss_sum(self, model, batch):
+        """Summed cross-entropy of the logits against the labels."""
+        out, batch = self._forward(model, batch)
+        logits = out.logits
+        if logits.shape[-1] < 2:
+            raise RankwiseError("a classification head with one output is a regression head; "
+                                "the data needs at least two labels (check data.label_field)")
+        return F.cross_entropy(logits.float(), batch["labels"], reduction="sum"), out
+
+    def eval_update(self, stats, batch, output, loss_sum):
+        """Loss sum, examples, and correct predictions."""
+        super().eval_update(stats, batch, output, loss_sum)
+        stats["correct"] = stats.get("correct", 0.0) + float(
+            (output.logits.argmax(-1) == batch["labels"]).sum())
+
+    def eval_metrics(self, stats):
+        """``eval_loss`` (mean cross-entropy) and ``eval_accuracy``."""
+        n = max(stats.get("targets", 0.0), 1.0)
+        return {"eval_loss": stats.get("loss", 0.0) / n, "eval_accuracy": stats.get("correct", 0.0) / n}
+
+
+class CausalLMTask(Task):
+    """Next-token prediction. Examples may carry their own ``labels`` (``-100`` where no loss
+    is wanted, e.g. on a prompt); otherwise every real token is a target."""
+
+    name = "causal-lm"
+    auto_class = "AutoModelForCausalLM"
+
+    def collate(self, items, pad_id):
+        """Pad ``input_ids``; labels are the example's own or its ids, ``-100`` on padding."""
+        ids, mask = pad([it["input_ids"] for it in items], pad_id)
+        if all("labels" in it for it in items):
+            labels, _ = pad([it["labels"] for it in items], IGNORE)
+        else:
+            labels = ids.masked_fill(mask == 0, IGNORE)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def count_targets(self, batch):
+        """Tokens that are predicted: labels at positions 1.. that are not ``-100``."""
+        return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+    def loss_sum(self, model, batch):
+        """Summed next-token cross-entropy over the target tokens."""
+        out, batch = self._forward(model, batch)
+        logits = out.logits[:, :-1]                       # (B, T-1, V): predicts tokens 1..T-1
+        labels = batch["labels"][:, 1:]                   # (B, T-1)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                               ignore_index=IGNORE, reduction="sum")
+        return loss, out
+
+    def eval_metrics(self, stats):
+        """``eval_loss`` per target token and ``eval_perplexity``."""
+        loss = stats.get("loss", 0.0) / max(stats.get("targets", 0.0), 1.0)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
