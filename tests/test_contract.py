@@ -4,15 +4,22 @@ A method added to the registry is picked up automatically with :data:`DEFAULT`; 
 differs (it changes the output at init, trains every weight, cannot merge, needs other
 settings on tiny models) adds ONE row to :data:`SPECS` saying so, with the reason.
 
-Checks, per method and tiny model (BERT classifier with ``nn.Linear``, GPT-2 with ``Conv1D``):
+Checks, per method and tiny model (BERT classifier with ``nn.Linear``, GPT-2 with ``Conv1D``,
+Llama with its gated MLP and grouped-query attention):
 1. it applies (methods with ``needs_batches`` receive a few tiny batches);
 2. exactly the expected parameters train: the adapter's (found through the ``AdapterModule``
    protocol) plus the modules to save, or every weight for ``trains="full"``;
 3. at initialisation the output equals the base model's, when the method promises it;
 4. forward + backward give finite loss and gradients on every trainable parameter, and a few
    AdamW steps change the output;
-5. adapter layers merge exactly (1e-5) and unmerge; disabling them gives the base output;
-6. ``save_adapter`` / ``load_adapter`` onto a fresh base model reproduces the outputs.
+5. adapter layers merge exactly (1e-5) and unmerge (or, if a layer declares itself not
+   mergeable, merging raises a one-line error); disabling them gives the base output;
+6. ``save_adapter`` / ``load_adapter`` onto a fresh base model reproduces the outputs (the
+   layers are rebuilt from their own ``describe`` through the registry).
+
+``check_method`` is importable: ``tests/test_extension.py`` runs it on a method defined
+outside the package to show that a new method needs nothing but its own module and one
+registration.
 """
 from __future__ import annotations
 
@@ -26,11 +33,13 @@ from rankwise.configs import from_dict
 from rankwise.core import adapter_modules, disable_adapters, merge_adapters, unmerge_adapters
 from rankwise.core.io import load_adapter, save_adapter
 from rankwise.core.ops import adapter_parameters, modules_to_save
+from rankwise.core.protocol import is_mergeable
+from rankwise.errors import RankwiseError
 from rankwise.testing import TINY_MODELS, tiny_batch
 
 DEFAULT = {
     "config": {},                 # overrides of the method's config defaults
-    "models": ("bert", "gpt2"),   # keys of rankwise.testing.TINY_MODELS
+    "models": ("bert", "gpt2", "llama"),  # keys of rankwise.testing.TINY_MODELS
     "identity_at_init": True,     # output at init == base output
     "roundtrip": True,            # save_adapter/load_adapter reproduces outputs
     "merge": True,                # adapter layers merge exactly
@@ -59,9 +68,9 @@ def _logits(model, kind):
         return model(**batch).logits
 
 
-def _apply(name, model, kind):
+def _apply(name, model, kind, spec=None):
     entry = registry.get("method", name)
-    cfg = from_dict(entry.config_cls, {"name": name, **_spec(name)["config"]}, "method")
+    cfg = from_dict(entry.config_cls, {"name": name, **(spec or _spec(name))["config"]}, "method")
     if entry.needs_batches:
         batches = iter([tiny_batch(kind, seed=20 + i) for i in range(8)])
         entry.builder(model, cfg, "default", batches=batches)
@@ -72,12 +81,17 @@ def _apply(name, model, kind):
 
 @pytest.mark.parametrize("name,kind", CASES, ids=[f"{m}-{k}" for m, k in CASES])
 def test_method_contract(name, kind, tmp_path):
-    spec = _spec(name)
+    check_method(name, kind, tmp_path)
+
+
+def check_method(name, kind, tmp_path, spec=None):
+    """Run every contract check on registered method ``name`` over tiny model ``kind``."""
+    spec = spec or _spec(name)
     build = TINY_MODELS[kind]
     base = build()
     base_out = _logits(base, kind)
     model = build()
-    entry, cfg = _apply(name, model, kind)
+    entry, cfg = _apply(name, model, kind, spec)
 
     # 2. exactly the expected parameters train
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
@@ -108,11 +122,17 @@ def test_method_contract(name, kind, tmp_path):
     assert not torch.allclose(trained, base_out, atol=1e-4)
 
     # 5. merge / unmerge / disable for methods with adapter layers
-    if spec["merge"] and list(adapter_modules(model)):
+    layers = [m for _, m in adapter_modules(model)]
+    if layers and not all(is_mergeable(m) for m in layers):
+        with pytest.raises(RankwiseError, match="cannot be merged"):
+            merge_adapters(model)
+        torch.testing.assert_close(_logits(model, kind), trained, atol=1e-6, rtol=0)
+    elif spec["merge"] and layers:
         merge_adapters(model)
         torch.testing.assert_close(_logits(model, kind), trained, atol=1e-5, rtol=0)
         unmerge_adapters(model)
         torch.testing.assert_close(_logits(model, kind), trained, atol=1e-5, rtol=0)
+    if layers:
         reference = copy.deepcopy(base)  # base weights + the trained whole modules (the head)
         for path in modules_to_save(model):
             reference.get_submodule(path).load_state_dict(model.get_submodule(path).state_dict())

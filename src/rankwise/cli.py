@@ -91,7 +91,7 @@ def demo(out: Path, steps: int | None) -> None:
 
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
-@click.option("--methods", default="lora,gora,altlora", show_default=True, help="Comma-separated method names.")
+@click.option("--methods", default="lora,gora,altlora", show_default=True, help="Comma-separated rows: METHOD or METHOD+OPTIMIZER (lora,gora,gora+altlora,full+galore).")
 @click.option("--seeds", type=int, default=3, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/compare"), show_default=True)

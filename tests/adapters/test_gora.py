@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rankwise import registry
-from rankwise.adapters.gora import (GoraConfig, allocate_ranks, apply_gora, gora_report,
-                                    importance, normalise, plot_ranks, write_ranks)
+from rankwise.adapters.gora import (GoraConfig, accumulate_gradients, allocate_ranks, apply_gora,
+                                    gora_report, importance, normalise, plot_ranks, write_ranks)
 from rankwise.adapters.lora import LoraLayer
 from rankwise.configs import from_dict
 from rankwise.core.io import load_adapter, save_adapter
@@ -131,7 +131,6 @@ def test_rank_zero_layers_are_skipped():
 
 def test_gradient_phase_memory_and_restores_the_model():
     model = tiny_bert_cls()
-    flags = {n: p.requires_grad for n, p in model.named_parameters()}
     apply_gora(model, GoraConfig(r=4, n_batches=3), batches=BATCHES["bert"])
     mem = gora_report(model)["memory"]
     shapes = gora_report(model)["shapes"]
@@ -140,7 +139,39 @@ def test_gradient_phase_memory_and_restores_the_model():
     assert mem["accumulator_bytes"] == sum(m * n for m, n in shapes.values()) * 4
     assert mem["all_grads_bytes"] == sum(p.numel() * 4 for p in tiny_bert_cls().parameters())
     assert all(p.grad is None for p in model.parameters())
-    assert all(flags.values())  # the fresh model was fully trainable; apply_lora then froze it
+
+
+def test_gradient_phase_restores_flags_and_mode_and_weights():
+    model = tiny_bert_cls().train()
+    params = dict(model.named_parameters())
+    frozen = {n for i, n in enumerate(params) if i % 3 == 0}         # a mixed pattern to restore
+    for n, p in params.items():
+        p.requires_grad_(n not in frozen)
+    flags = {n: p.requires_grad for n, p in params.items()}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    weights = {"bert.encoder.layer.0.attention.self.query":
+               model.bert.encoder.layer[0].attention.self.query.weight}
+    stats = accumulate_gradients(model, weights, BATCHES["bert"], n_batches=2)
+    assert stats.batches == 2 and stats.grads[next(iter(weights))].abs().sum() > 0
+    assert {n: p.requires_grad for n, p in params.items()} == flags
+    assert sum(flags.values()) < len(flags)                           # the check can fail
+    assert model.training and all(p.grad is None for p in params.values())
+    for n, p in params.items():
+        assert torch.equal(p, before[n]), n
+
+
+def test_public_apply_takes_batches_and_defaults_are_relative_to_r():
+    import rankwise
+    model = tiny_bert_cls()
+    cfg = rankwise.apply(model, "gora", r=2, n_batches=2, batches=iter(BATCHES["bert"]))
+    rep = gora_report(model)
+    assert (rep["r_min"], rep["r_max"]) == (1, 8) and cfg.min_rank == 1 and cfg.max_rank == 8
+    assert len(set(rep["ranks"].values())) > 1                        # a small r still adapts
+    with pytest.raises(RankwiseError, match="batches="):
+        rankwise.apply(tiny_bert_cls(), "gora")
+    with pytest.warns(UserWarning, match="no freedom"):
+        apply_gora(tiny_bert_cls(), GoraConfig(r=2, r_min=2, r_max=2, n_batches=1),
+                   batches=iter(BATCHES["bert"]))
 
 
 def test_early_stop_on_stable_importance():

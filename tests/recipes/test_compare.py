@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from rankwise.errors import RankwiseError
-from rankwise.recipes.compare import ROWS, markdown, row_config, run_compare
+from rankwise.optim.altlora import AltLoraConfig
+from rankwise.recipes.compare import markdown, parse_row, row_config, run_compare
 
 BASE = {
     "model": {"path": "tiny-bert", "task": "classification"},
@@ -38,7 +39,11 @@ def test_rows_share_the_budget_and_keep_the_head_optimizer():
     alt = row_config(BASE, "altlora")
     assert alt["method"] == BASE["method"]
     assert alt["optim"]["name"] == "altlora" and alt["optim"]["head_lr"] == 0.005
-    assert alt["optim"]["lr"] == ROWS["altlora"]["optim"]["lr"]
+    assert "lr" not in alt["optim"]                                  # AltLoRA's own default
+    assert parse_row("gora+altlora") == ("gora", "altlora") and parse_row("altlora") == ("lora", "altlora")
+    assert row_config(BASE, "full+galore")["optim"] == {"name": "galore"}
+    assert row_config(BASE, "full")["optim"] == BASE["optim"] and row_config(BASE, "full")["method"] == {"name": "full"}
+    assert AltLoraConfig().lr == 1.0
     assert row_config(BASE, "lora", {"optim": {"lr": 0.1}})["optim"] == {"name": "adamw", "lr": 0.1}
     with pytest.raises(RankwiseError, match="did you mean 'gora'"):
         row_config(BASE, "goraa")

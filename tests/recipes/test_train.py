@@ -150,3 +150,26 @@ def test_ctrl_c_writes_checkpoint_and_exits_cleanly(tmp_path):
     steps = [json.loads((p / "meta.json").read_text())["step"]
              for p in (tmp_path / "int" / "checkpoints").iterdir() if p.name.startswith("step-")]
     assert max(steps) >= 5
+
+
+def test_gora_resume_rebuilds_ranks_from_the_checkpoint_without_calibrating(tmp_path, monkeypatch):
+    raw = json.loads(json.dumps(TINY))
+    raw["method"] = {"name": "gora", "r": 2, "targets": ["query", "value"], "n_batches": 2}
+    raw["train"].update(steps=8, save_every=4, eval_every=0)
+    full = train(load_run_config(None, base=json.loads(json.dumps(raw))), tmp_path / "full")
+    part = tmp_path / "part"
+    train(load_run_config(None, base=json.loads(json.dumps(raw))), part)
+    ranks = (part / "ranks.json").read_bytes()
+    import shutil
+    shutil.rmtree(part / "checkpoints" / "step-0000008")
+    (part / "metrics.json").unlink()
+
+    import rankwise.adapters.gora.layer as gora_layer
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibration ran again on resume")
+
+    monkeypatch.setattr(gora_layer, "accumulate_gradients", no_calibration)
+    resumed = train(load_run_config(None, base=json.loads(json.dumps(raw))), part, resume=True)
+    assert (part / "ranks.json").read_bytes() == ranks
+    assert resumed["eval_loss"] == full["eval_loss"] and resumed["trainable_params"] == full["trainable_params"]

@@ -1,8 +1,12 @@
 """``rankwise compare``: several methods on one task, the same budget, several seeds.
 
-A *row* is what a user names on the command line (``lora``, ``gora``, ``altlora``...). Each
-row is a set of run-config overrides in :data:`ROWS`, the one table that maps a row to its
-(method, optimizer) pair; later methods add a line there and nothing else.
+A *row* is what a user names on the command line: a registered method (``lora``, ``gora``,
+``full``), ``METHOD+OPTIMIZER`` (``gora+altlora``, ``full+galore``), or an optimizer alone
+(``altlora``: the base config's method with that optimizer). Rows are parsed from the registry,
+so a new method or optimizer is a row without editing this file; every setting a row does not
+override comes from the method's and optimizer's own config dataclasses. Benchmark-specific
+settings (a full fine-tuning learning rate, GaLore's rank for that model) belong in the
+comparison's YAML under ``compare: {row: {section: {key: value}}}``.
 
 Same budget: the base config's shared method settings (``r``, ``alpha``, ``targets``,
 ``exclude``, ``dropout``, ``modules_to_save``) are carried into every row whose method
@@ -19,75 +23,71 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
+from rankwise import registry
 from rankwise.core import atomic
 from rankwise.errors import RankwiseError, closest
 
-# row -> overrides of the base run config. A row that names another optimizer brings its
-# whole ``optim`` section (the base optimizer's lr means something else there); if that
-# optimizer has ``head_lr``, the base lr becomes the head's, so only the adapter's update differs.
-ROWS: dict[str, dict[str, Any]] = {
-    "frozen": {"method": {"name": "frozen"}},
-    "lora": {"method": {"name": "lora"}},
-    "gora": {"method": {"name": "gora"}},
-    "altlora": {"method": {"name": "lora"}, "optim": {"name": "altlora", "lr": 1.0, "reg": 1e-3}},
-    "altlora-plus": {"method": {"name": "lora"},
-                     "optim": {"name": "altlora-plus", "lr": 5e-4, "reg": 1e-3}},
-    "gora+altlora": {"method": {"name": "gora"},
-                     "optim": {"name": "altlora", "lr": 1.0, "reg": 1e-3}},
-    "full": {"method": {"name": "full"}, "optim": {"name": "adamw", "lr": 5e-5}},
-    # full training with low-rank optimizer state; scale 1 / RMS-matched SUMO keep full's lr
-    "full+galore": {"method": {"name": "full"},
-                    "optim": {"name": "galore", "lr": 5e-5, "scale": 1.0, "rank": 64, "update_every": 50}},
-    "full+sumo": {"method": {"name": "full"},
-                  "optim": {"name": "sumo", "lr": 5e-5, "rank": 64, "update_every": 50}},
-}
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")
 METRICS = ("eval_accuracy", "eval_loss", "eval_perplexity", "trainable_params", "train_time_s",
            "peak_memory_mb")
 
 
+def parse_row(row: str, base_method: str = "lora") -> tuple[str, str | None]:
+    """``(method, optimizer or None)`` of a row name (see the module docstring).
+
+    Raises:
+        RankwiseError: If a part is neither a registered method nor optimizer.
+    """
+    methods, optims = registry.names("method"), registry.names("optimizer")
+    parts = row.split("+")
+    if len(parts) == 1 and row in methods:
+        return row, None
+    if len(parts) == 1 and row in optims:
+        return base_method, row
+    if len(parts) == 2 and parts[0] in methods and parts[1] in optims:
+        return parts[0], parts[1]
+    bad = next((p for p in parts if p not in methods and p not in optims), row)
+    raise RankwiseError(f"unknown comparison row {row!r}{closest(bad, methods + optims)}; expected "
+                        f"METHOD or METHOD+OPTIMIZER with a method of {', '.join(methods)} and an "
+                        f"optimizer of {', '.join(optims)}")
+
+
 def row_config(base: dict, row: str, extra: dict | None = None) -> dict:
-    """Return the raw run config of ``row``: ``base`` with the row's overrides applied.
+    """Return the raw run config of ``row``: ``base`` with the row's method and optimizer.
 
     Args:
         base: The raw base config (YAML dict, ``--set`` already applied).
-        row: A key of :data:`ROWS`.
+        row: A row name (:func:`parse_row`).
         extra: Per-row overrides from the config's ``compare:`` section.
 
     Returns:
         A raw config dict (validate with ``build_run_config``).
 
     Raises:
-        RankwiseError: On an unknown row (listing the known ones).
+        RankwiseError: On an unknown row.
     """
-    from dataclasses import fields
-
-    from rankwise import registry
-
-    if row not in ROWS:
-        raise RankwiseError(f"unknown comparison row {row!r}{closest(row, ROWS)}; expected one of: "
-                            f"{', '.join(ROWS)}")
-    spec = ROWS[row]
-    out = copy.deepcopy(base)
     base_method = dict(base.get("method") or {})
-    method = dict(spec["method"])
-    valid = {f.name for f in fields(registry.get("method", method["name"]).config_cls)}
+    name, optim_name = parse_row(row, base_method.get("name", "lora"))
+    out = copy.deepcopy(base)
+    method = {"name": name}
+    valid = {f.name for f in fields(registry.get("method", name).config_cls)}
     for key in SHARED_METHOD_KEYS:
-        if key in base_method and key in valid and key not in method:
+        if key in base_method and key in valid:
             method[key] = base_method[key]
-    if base_method.get("name", "lora") == method["name"]:
+    if base_method.get("name", "lora") == name:
         method = {**base_method, **method}
     out["method"] = method
-    if "optim" in spec:
-        base_optim = dict(base.get("optim") or {})
-        same = base_optim.get("name", "adamw") == spec["optim"]["name"]
-        optim = {**base_optim, **spec["optim"]} if same else dict(spec["optim"])
-        valid = {f.name for f in fields(registry.get("optimizer", optim["name"]).config_cls)}
-        if not same and "head_lr" in valid and "head_lr" not in optim and "lr" in base_optim:
-            optim["head_lr"] = base_optim["lr"]  # the head trains exactly as in the base row
+    base_optim = dict(base.get("optim") or {})
+    if optim_name is not None and optim_name != base_optim.get("name", "adamw"):
+        # another optimizer brings its own defaults (the base lr means something else there);
+        # if it has a head_lr, the base lr becomes the head's, so only the adapter's update differs
+        optim = {"name": optim_name}
+        valid = {f.name for f in fields(registry.get("optimizer", optim_name).config_cls)}
+        if "head_lr" in valid and "lr" in base_optim:
+            optim["head_lr"] = base_optim["lr"]
         out["optim"] = optim
     for section, values in (extra or {}).items():
         if not isinstance(values, dict):
@@ -222,7 +222,7 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
 
     Args:
         config_path: The base run config (YAML); ``None`` uses ``base``.
-        methods: Row names (keys of :data:`ROWS`), e.g. ``["lora", "gora", "altlora"]``.
+        methods: Row names (:func:`parse_row`), e.g. ``["lora", "gora", "gora+altlora"]``.
         seeds: Number of seeds (``train.seed`` = 0..seeds-1).
         sets: ``--set`` overrides applied to the base config of every row; ``ROW:key=value``
             (``gora:method.init_lr=0.1``) applies to that row only, after its overrides.
@@ -244,22 +244,23 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
     if seeds < 1:
         raise RankwiseError(f"--seeds: got {seeds}; expected an integer >= 1")
     if not methods:
-        raise RankwiseError(f"--methods is empty; expected a comma-separated list of: {', '.join(ROWS)}")
-    bad = [m for m in methods if m not in ROWS]
-    if bad:
-        raise RankwiseError(f"unknown comparison row {bad[0]!r}{closest(bad[0], ROWS)}; expected "
-                            f"one of: {', '.join(ROWS)}")
+        raise RankwiseError("--methods is empty; expected a comma-separated list of rows such as "
+                            "lora,gora,gora+altlora")
     raw = read_yaml(config_path) if config_path is not None else copy.deepcopy(base or {})
+    base_method = str((raw.get("method") or {}).get("name", "lora"))
+    for row in methods:
+        parse_row(row, base_method)
     extras = raw.pop("compare", None) or {}
-    unknown = [k for k in extras if k not in ROWS]
-    if unknown:
-        raise RankwiseError(f"compare.{unknown[0]}: unknown row{closest(unknown[0], ROWS)}; "
-                            f"expected one of: {', '.join(ROWS)}")
+    for row in extras:
+        try:
+            parse_row(row, base_method)
+        except RankwiseError as err:
+            raise RankwiseError(f"compare.{row}: {err}") from None
     row_sets: dict[str, list[str]] = {}
     common = []
     for item in sets:
         prefix, colon, rest = item.partition(":")
-        if colon and "=" not in prefix and prefix in ROWS:
+        if colon and "=" not in prefix and prefix in methods:
             row_sets.setdefault(prefix, []).append(rest)
         else:
             common.append(item)
