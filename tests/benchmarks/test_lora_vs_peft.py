@@ -7,14 +7,14 @@ from rankwise.benchmarks import lora_vs_peft as bench
 
 
 def test_peak_step_bytes_counts_live_tensors():
-    def step(batch, seed):  # two 4 MB tensors alive at once, then freed
+    def step(k):  # two 4 MB tensors alive at once, then freed
         a = torch.ones(1024, 1024)
         b = a * 2
         del a
         c = b + 1
         return float(c[0, 0])
 
-    peak = bench._peak_step_bytes(step, {}, 0)
+    peak = bench._peak_step_bytes(step, 0)
     assert 2 * 4 * 2**20 <= peak < 2 * 4 * 2**20 + 64 * 1024
 
 

