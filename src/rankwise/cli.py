@@ -125,7 +125,7 @@ def bench(name: str, out: Path | None) -> None:
 def list_() -> None:
     """List the registered methods and optimizers."""
     from rankwise import registry
-    for kind in ("method", "optimizer", "strategy"):
+    for kind in ("method", "optimizer", "strategy", "exporter", "task"):
         for name in registry.names(kind):
             click.echo(f"{kind:9s} {name:12s} {registry.get(kind, name).summary}")
 

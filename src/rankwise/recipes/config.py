@@ -25,13 +25,21 @@ class ModelConfig:
     Attributes:
         path: ``demo`` (the packaged MiniLM), a local Hugging Face model folder, or one of the
             tiny in-code models ``tiny-bert``, ``tiny-gpt2``, ``tiny-llama`` (for tests).
-        task: ``classification`` (sequence classification head) or ``causal-lm``.
+        task: A registered task: ``classification`` (sequence classification head) or
+            ``causal-lm`` (``rankwise list`` shows them).
         num_labels: Number of classes; ``None`` infers it from the data.
     """
 
     path: str = "demo"
-    task: Literal["classification", "causal-lm"] = "classification"
+    task: str = "classification"
     num_labels: Union[int, None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        tasks = registry.names("task")
+        if self.task not in tasks:
+            return [f"task: got {self.task!r}; expected one of {tasks}{closest(self.task, tasks)}"]
+        return []
 
 
 @dataclass

@@ -16,24 +16,20 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from rankwise.core import atomic
 from rankwise.data.demo import python_version
 from rankwise.recipes.config import load_run_config
 from rankwise.plots import plot_curves
 
-# The demo's settings, chosen to finish in under 3 minutes on 2 CPU cores (see README).
-DEMO_BASE = {
-    "model": {"path": "demo", "task": "classification"},
-    "data": {"source": "demo", "max_length": 32, "eval_fraction": 0.2},
-    "train": {"steps": 90, "batch_size": 32, "eval_every": 30, "save_every": 30, "log_every": 5,
-              "seed": 0, "warmup_fraction": 0.05},
-}
-DEMO_METHODS = {
-    "frozen": {"method": {"name": "frozen"}, "optim": {"name": "adamw", "lr": 2e-2}},
-    "lora": {"method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
-             "optim": {"name": "adamw", "lr": 3e-3}},
-}
+DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+
+
+def demo_runs() -> dict[str, dict]:
+    """The demo's raw run configs by name (``demo.yaml``: ``base`` merged under each run)."""
+    spec = yaml.safe_load(DEMO_CONFIG.read_text())
+    return {name: _merge(spec["base"], extra) for name, extra in spec["runs"].items()}
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -64,8 +60,7 @@ def run_demo(out: Path, steps: int | None = None, console=None) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     began = time.perf_counter()
     results, curves = {}, {}
-    for name, extra in DEMO_METHODS.items():
-        raw = _merge(DEMO_BASE, extra)
+    for name, raw in demo_runs().items():
         if steps:
             raw["train"]["steps"] = steps
         cfg = load_run_config(None, base=raw)
