@@ -37,7 +37,7 @@ def test_round_trip_reproduces_outputs_and_structure(tmp_path):
     meta, tensors = read_adapter(tmp_path / "ad")
     assert meta["fingerprint"] == fingerprint(tiny_bert_cls()) == fingerprint(model)
     assert meta["structure"]["bert.encoder.layer.0.attention.self.value"] == \
-        {"r": 2, "alpha": 8.0, "use_rslora": False}
+        {"r": 2, "alpha": 8.0, "use_rslora": False, "scale": 4.0}
     assert meta["modules_to_save"] == ["classifier"] and len(tensors) == 8 + 2
     fresh = tiny_bert_cls()
     load_adapter(fresh, tmp_path / "ad")

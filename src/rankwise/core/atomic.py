@@ -1,4 +1,9 @@
-"""Atomic writes: a file or folder appears complete or not at all."""
+"""Atomic writes: a file or folder appears complete or not at all.
+
+Temporary files and folders are created private (``mkstemp``/``mkdtemp`` use 0600/0700) and
+given the permissions the user's umask asks for just before they are renamed into place, as
+the files transformers writes: shared exports stay shareable.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +13,17 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _publish_mode(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a private temporary file/folder the mode a plain ``open``/``mkdir`` would have."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -20,6 +36,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        _publish_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -46,6 +63,12 @@ def folder(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _publish_mode(tmp, directory=True)
+    for sub in tmp.rglob("*"):  # files written by other libraries keep their own modes
+        if sub.is_dir() and (sub.stat().st_mode & 0o777) == 0o700:
+            _publish_mode(sub, directory=True)
+        elif sub.is_file() and (sub.stat().st_mode & 0o777) == 0o600:
+            _publish_mode(sub)
     old = None
     if path.exists():
         old = path.with_name(f".{path.name}.old")
