@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from rankwise.errors import RankwiseError
+from rankwise.errors import RankwiseError, require
 
 # name -> "module:function"; each function is run(out: Path) -> dict and writes
 # out/results.json and out/results.md.
@@ -107,6 +107,7 @@ def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: 
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def federated(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
     """Federated fine-tuning on the Flower simulation engine."""
+    require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
     run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated")
 

@@ -25,3 +25,19 @@ def closest(word: str, choices: Iterable[str]) -> str:
     """
     match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def require(module: str, extra: str, purpose: str) -> None:
+    """Raise a one-line error naming the pip extra when an optional dependency is missing.
+
+    Args:
+        module: The import name (``"flwr"``).
+        extra: The rankwise extra that installs it (``"federated"``).
+        purpose: What needs it (``"rankwise federated"``).
+
+    Raises:
+        RankwiseError: If ``module`` cannot be imported.
+    """
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        raise RankwiseError(f"{purpose} needs the package {module!r}: pip install 'rankwise[{extra}]'")

