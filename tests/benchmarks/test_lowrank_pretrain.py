@@ -1,10 +1,14 @@
 """The lowrank-pretrain benchmark end to end at a toy size: files written, state bytes equal
-the formulas for every optimizer (the peer included when installed)."""
+the registry's formulas for every row (the peer included when installed), rows built from the
+registry entries."""
+import importlib.util
 import json
+import math
 
 import pytest
 
-from rankwise.benchmarks.lowrank_pretrain import METHODS, Sizes, load_corpus, run
+from rankwise import registry
+from rankwise.benchmarks.lowrank_pretrain import METHODS, ROWS, ByteWindows, Sizes, load_corpus, run
 
 
 def test_corpus_split_is_by_module():
@@ -13,18 +17,41 @@ def test_corpus_split_is_by_module():
     assert 0.03 < held.numel() / (train.numel() + held.numel()) < 0.3
 
 
+def test_rows_take_sizes_grids_and_formulas_from_the_registry():
+    s = Sizes(rank=7, update_every=11, eps=1e-5)
+    galore = ROWS["galore-eigh"].config(1e-2, s)
+    assert (galore.name, galore.rank, galore.update_every, galore.eps, galore.svd, galore.stagger) == \
+        ("galore", 7, 11, 1e-5, "eigh", True)
+    q3r = ROWS["q3r"].config(1e-3, s)   # keeps its own reweighting period
+    assert (q3r.rank, q3r.update_every) == (7, registry.get("optimizer", "q3r").config_cls().update_every)
+    assert not hasattr(ROWS["ngn-m"].config(0.3, s), "rank")
+    assert ROWS["adamw"].grid(s) == (1e-3, 3e-3, 1e-2)
+    assert ROWS["adamw-split"].grid(s) == registry.get("optimizer", "galore").lr_grid
+    assert ROWS["sumo"].grid(Sizes(lrs=(5e-3,))) == (5e-3,)
+    assert {r.optimizer for r in ROWS.values()} <= set(registry.names("optimizer"))
+
+
+def test_byte_windows_are_causal_lm_examples():
+    import torch
+    data = torch.arange(100, dtype=torch.uint8)
+    ds = ByteWindows(data, torch.tensor([[3, 50], [10, 0]]), 4)
+    assert len(ds) == 4 and ds[1] == {"input_ids": [50, 51, 52, 53]} and ds.pad_id == 0
+
+
 @pytest.mark.slow
 def test_benchmark_runs_and_state_bytes_match_formulas(tmp_path):
     s = Sizes(hidden=16, layers=1, heads=2, intermediate=32, seq=16, batch=2, steps=3,
-              eval_windows=2, rank=4, update_every=2, lrs={m: [1e-3] for m in METHODS})
-    try:
-        import galore_torch  # noqa: F401
-        methods = METHODS
-    except ImportError:
-        methods = tuple(m for m in METHODS if m != "galore-torch")
+              eval_windows=2, rank=4, update_every=2, lrs=(1e-3,))
+    methods = tuple(m for m in METHODS
+                    if ROWS[m].requires is None or importlib.util.find_spec(ROWS[m].requires))
     result = run(tmp_path, s, methods)
     for name in ("results.json", "results.md", "loss_curves.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert set(json.loads((tmp_path / "results.json").read_text())["best"]) == set(methods)
+    assert len(result["runs"]) == len(methods)
     for r in result["runs"]:
         assert r["state_bytes"] == r["formula_bytes"], r["method"]
+        assert len(r["train_curve"]) == 3 and not r["diverged"], r["method"]
+        # untrained byte model: loss near ln(256) = 5.545 nats per byte
+        assert all(5.0 < x < 6.0 for x in r["train_curve"]), (r["method"], r["train_curve"])
+        assert 5.0 < r["heldout_loss"] < 6.0 and r["opt_step_s"] > 0 and math.isfinite(r["step_s"])

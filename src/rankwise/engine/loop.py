@@ -231,10 +231,19 @@ class Engine:
             raise NonFiniteLoss(step + 1, None) from None
         finally:
             opt.zero_grad(set_to_none=True)
-        if any(not torch.isfinite(p).all() for p in self.params):
-            raise NonFiniteLoss(step + 1, None)
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def check_finite(self, step: int) -> None:
+        """Raise :class:`NonFiniteLoss` if a trainable weight is inf/NaN (before a checkpoint is
+        written, so the last checkpoint on disk is always a good one; a whole pass over the
+        weights, so it is not done every step: the next loss would show it anyway).
+
+        Args:
+            step: Steps done (named in the message).
+        """
+        if any(not bool(torch.isfinite(p).all()) for p in self.params):
+            raise NonFiniteLoss(step, None)
 
     # ----- evaluation -------------------------------------------------------------------------
     @torch.no_grad()

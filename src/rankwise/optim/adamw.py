@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from rankwise import registry
+from rankwise.optim.common import check_common, elementwise_state_floats, trainable_parameters
 
 
 @dataclass
@@ -29,28 +30,22 @@ class AdamWConfig:
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = []
-        if self.lr <= 0:
-            out.append(f"lr: got {self.lr}; expected a positive number")
-        if len(self.betas) != 2:
-            out.append(f"betas: got {self.betas}; expected two numbers")
-        return out
-
-
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Return the parameters that require grad (deduplicated, in model order)."""
-    seen, out = set(), []
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+        return check_common(self.lr, self.weight_decay, self.betas, self.eps)
 
 
 def build_adamw(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:
-    """Return ``torch.optim.AdamW`` over ``model``'s trainable parameters."""
+    """Return ``torch.optim.AdamW`` over ``model``'s trainable parameters.
+
+    Args:
+        model: The model to train.
+        config: The ``optim:`` section.
+
+    Returns:
+        The optimizer.
+    """
     return torch.optim.AdamW(trainable_parameters(model), lr=config.lr, betas=tuple(config.betas),
                              eps=config.eps, weight_decay=config.weight_decay)
 
 
-registry.register("optimizer", "adamw", AdamWConfig, build_adamw, summary="torch.optim.AdamW")
+registry.register("optimizer", "adamw", AdamWConfig, build_adamw, summary="torch.optim.AdamW",
+                  state_floats=elementwise_state_floats(2), lr_grid=(1e-3, 3e-3, 1e-2))

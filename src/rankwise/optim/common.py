@@ -1,5 +1,6 @@
 """Pieces every low-rank optimizer shares: which parameters are projected, Adam's moment
-arithmetic, decoupled weight decay, and counting optimizer-state bytes.
+arithmetic, decoupled weight decay, the one AdamW body the matrix optimizers extend
+(:class:`MatrixAdamW`), and counting optimizer state (measured, and predicted by a formula).
 
 Param groups are decided here, explicitly, in the same target language as adapters
 (:mod:`rankwise.core.inject`): by default (``"block-linear"``) the 2-D weight matrices of the
@@ -9,15 +10,22 @@ norms, biases, poolers and output heads go to a plain AdamW group (GaLore's own 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Union
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Union
 
 import torch
 from torch import nn
 
 from rankwise.core.inject import find_targets
 from rankwise.core.weights import base_layer
+from rankwise.optim import projector
 
 DEFAULT_TARGETS = "block-linear"
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Return the parameters of ``model`` that require grad (deduplicated, in model order)."""
+    return [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
 
 
 def split_params(model: nn.Module, targets: Union[list[str], str, None] = DEFAULT_TARGETS
@@ -85,6 +93,20 @@ def adam_direction(state: dict, grad: torch.Tensor, beta1: float, beta2: float, 
     return (m / bc1).div_(denom)
 
 
+def adamw_update(param: torch.Tensor, state: dict, group: dict, step: int) -> None:
+    """One AdamW step on ``param`` from ``param.grad`` (``torch.optim.AdamW``'s arithmetic).
+
+    Args:
+        param: The parameter (changed in place).
+        state: Its optimizer state (Adam's moments are created on first use).
+        group: Its param group (``lr``, ``betas``, ``eps``, ``weight_decay``).
+        step: 1-based step count (see :func:`next_step`).
+    """
+    decay_(param, group["lr"], group["weight_decay"])
+    beta1, beta2 = group["betas"]
+    param.add_(adam_direction(state, param.grad, beta1, beta2, group["eps"], step), alpha=-group["lr"])
+
+
 def param_groups(model: nn.Module, targets: list[str] | None, **projected_options) -> list[dict]:
     """Two param groups: plain AdamW for non-block parameters, ``projected_options`` for the rest.
 
@@ -117,15 +139,157 @@ def decay_(param: torch.Tensor, lr: float, weight_decay: float) -> None:
 
 
 def next_step(state: dict) -> int:
-    """Increment ``state["step"]`` (a 0-dim float tensor, as torch's optimizers keep it).
+    """Increment ``state["step"]`` (a 0-dim float tensor, as torch's optimizers keep it; a plain
+    int from an older checkpoint is converted).
 
     Returns:
         The new 1-based step count as an int.
     """
-    if "step" not in state:
-        state["step"] = torch.tensor(0.0)
+    if not torch.is_tensor(state.get("step")):
+        state["step"] = torch.tensor(float(state.get("step", 0)))
     state["step"] += 1
     return int(state["step"].item())
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a parameter sits in its optimizer (per-parameter seeds, staggered refreshes).
+
+    Attributes:
+        index: Position among all the optimizer's parameters, over every group.
+        matrix: Position among the 2-D parameters of its group.
+        matrices: Number of 2-D parameters in its group.
+    """
+
+    index: int
+    matrix: int
+    matrices: int
+
+
+class MatrixAdamW(torch.optim.Optimizer):
+    """The body GaLore, SUMO and Q3R share: AdamW for every parameter, except that each 2-D
+    parameter of a group that sets ``rank`` is updated by the subclass's :meth:`matrix_step`.
+
+    Subclasses set :attr:`group_defaults` (their param-group options beyond AdamW's) and
+    implement :meth:`matrix_step`. ``step`` counts every parameter's steps in its state
+    (``next_step``) before calling it, as ``torch.optim.AdamW`` does.
+
+    Args:
+        params: Parameters or param-group dicts (a group with ``rank`` is a matrix group).
+        lr: Default learning rate.
+        betas: Default Adam betas.
+        eps: Default Adam epsilon.
+        weight_decay: Default decoupled weight decay.
+
+    Raises:
+        ValueError: For a group whose ``rank`` or ``update_every`` is below 1 (torch's convention).
+    """
+
+    group_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        **self.group_defaults)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group.get("rank") is not None and (group["rank"] < 1 or group["update_every"] < 1):
+                raise ValueError(f"rank and update_every must be positive: got {group['rank']}, "
+                                 f"{group['update_every']}")
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        """Perform one step.
+
+        Args:
+            closure: Optional closure that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = run_closure(closure)
+        index = -1
+        for group in self.param_groups:
+            matrices = sum(p.ndim == 2 for p in group["params"])
+            matrix = -1
+            for p in group["params"]:
+                index += 1
+                matrix += p.ndim == 2
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                step = next_step(state)
+                if group.get("rank") is None or p.ndim != 2:
+                    adamw_update(p, state, group, step)
+                else:
+                    self.matrix_step(p, state, group, step, Place(index, matrix, matrices))
+        return loss
+
+    def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
+                    place: Place) -> None:
+        """Update one 2-D parameter of a matrix group from ``param.grad`` (weight decay included).
+
+        Args:
+            param: The ``m x n`` parameter (changed in place).
+            state: Its optimizer state (``step`` already counted).
+            group: Its param group.
+            step: 1-based step count.
+            place: Where it sits in the optimizer.
+        """
+        raise NotImplementedError
+
+
+def grouped_state_floats(model: nn.Module, targets: Union[list[str], str, None],
+                         per_matrix: Callable[[tuple[int, int]], int]) -> int:
+    """State floats a :class:`MatrixAdamW` built by :func:`param_groups` holds for ``model``
+    once every trainable parameter has had a gradient.
+
+    Args:
+        model: The model.
+        targets: The config's ``targets`` (see :func:`split_params`).
+        per_matrix: Floats of one projected ``(m, n)`` matrix (e.g. GaLore's ``2nr + mr``).
+
+    Returns:
+        ``2`` per element of the plain AdamW group plus ``per_matrix`` over the projected group.
+    """
+    projected, plain = split_params(model, targets)
+    return (2 * sum(p.numel() for _, p in plain)
+            + sum(per_matrix((p.shape[0], p.shape[1])) for _, p in projected))
+
+
+def elementwise_state_floats(per_element: int) -> Callable[[nn.Module, Any], int]:
+    """A registry ``state_floats`` for optimizers that keep ``per_element`` floats for every
+    trainable element (AdamW: 2 moments; NGN-M: 1 displacement).
+
+    Args:
+        per_element: State floats per trainable parameter element.
+
+    Returns:
+        ``state_floats(model, config) -> int`` (the count does not depend on the config).
+    """
+    def state_floats(model: nn.Module, config: Any) -> int:
+        return per_element * sum(p.numel() for p in trainable_parameters(model))
+    return state_floats
+
+
+def subspace_state_floats(moments: int) -> Callable[[nn.Module, Any], int]:
+    """A registry ``state_floats`` for projected optimizers built with :func:`param_groups`:
+    per projected ``m x n`` matrix, ``moments`` tensors of ``max(m,n) x r`` plus the basis,
+    ``min(m,n) x r`` (GaLore, 2 moments: ``2nr + mr``; SUMO, 1: ``nr + mr``); ``moments * mn``
+    where the rank covers the matrix (no basis); AdamW's 2 per element elsewhere.
+
+    Args:
+        moments: Moment tensors kept per projected matrix.
+
+    Returns:
+        ``state_floats(model, config) -> int``; ``config`` supplies ``rank`` and ``targets``.
+    """
+    def state_floats(model: nn.Module, config: Any) -> int:
+        r = config.rank
+        return grouped_state_floats(
+            model, config.targets,
+            lambda shape: moments * projector.projected_numel(shape, r) + projector.basis_numel(shape, r))
+    return state_floats
 
 
 def state_bytes(optimizer: torch.optim.Optimizer,

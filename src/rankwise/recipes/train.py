@@ -156,6 +156,7 @@ def save_result(session: Session, out: Path) -> Path:
 def _saver(session: Session, out: Path):
     """The checkpoint writer: trainable weights, engine state, adapter structure, time."""
     def save(engine: Engine, state) -> None:
+        engine.check_finite(state.step)
         meta = {"train_time_s": state.elapsed,
                 "structure": {"layers": structure(session.model), "modules_to_save": modules_to_save(session.model)}}
         save_checkpoint(out, state.step, session.model, engine.state_dict(),

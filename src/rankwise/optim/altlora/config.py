@@ -1,8 +1,10 @@
 """AltLoRA / AltLoRA+ configuration: the one place their defaults live."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+from rankwise.optim.common import check_common
 
 
 @dataclass
@@ -34,7 +36,7 @@ class AltLoraConfig:
 
     name: str = "altlora"
     lr: float = 1.0
-    betas: list[float] = (0.9, 0.999)  # type: ignore[assignment]
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-4
     weight_decay: float = 1e-5
     reg: float = 1e-5
@@ -45,15 +47,9 @@ class AltLoraConfig:
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
-        if self.lr <= 0:
-            out.append(f"lr: got {self.lr}; expected a positive number")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            out.append(f"betas: got {list(self.betas)}; expected two numbers in [0, 1)")
-        if self.eps <= 0:
-            out.append(f"eps: got {self.eps}; expected a positive number")
-        if self.weight_decay < 0:
-            out.append(f"weight_decay: got {self.weight_decay}; expected a number >= 0")
+        out = check_common(self.lr, self.weight_decay, self.betas)
+        if not self.eps > 0:
+            out.append(f"eps: got {self.eps}; expected a positive number such as 1e-4")
         if self.reg < 0:
             out.append(f"reg: got {self.reg}; expected a number >= 0 (lambda of (BᵀB + lambda I)⁻¹)")
         if self.alternate_every < 1:

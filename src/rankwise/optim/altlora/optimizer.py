@@ -5,15 +5,16 @@ g_B are autograd's gradients (they carry s). λ is ``reg``.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable
 
 import torch
-
-from rankwise.optim.common import run_closure
 from torch import nn
 
+from rankwise import registry
+from rankwise.core.protocol import adapter_modules, factors
 from rankwise.errors import RankwiseError
+from rankwise.optim.altlora.config import AltLoraConfig, AltLoraPlusConfig
+from rankwise.optim.common import adamw_update, next_step, run_closure
 
 
 def _inverse(gram: torch.Tensor, reg: float) -> torch.Tensor:
@@ -29,8 +30,9 @@ class AltLoRA(torch.optim.Optimizer):
     """AltLoRA (arXiv 2505.12455, Algorithm 1) and AltLoRA+ (Algorithm 2) for LoRA pairs.
 
     A param group with ``"lora_pair": True`` holds exactly ``[A, B]`` of one LoRA layer (the
-    builder pairs them through the adapter protocol); every other group is plain AdamW
-    (decoupled weight decay, as ``torch.optim.AdamW``), for a task head.
+    builder pairs them through the adapter protocol's ``factors``); every other group is plain
+    AdamW (:func:`rankwise.optim.common.adamw_update`, ``torch.optim.AdamW``'s arithmetic), for
+    a task head.
 
     Per pair, one :meth:`step` does (``joint`` mode), with B_old / A_old the factor values at
     this factor's previous update:
@@ -100,7 +102,9 @@ class AltLoRA(torch.optim.Optimizer):
             if group["lora_pair"]:
                 self._pair_step(group)
             else:
-                self._adamw_step(group)
+                for p in group["params"]:
+                    if p.grad is not None:
+                        adamw_update(p, self.state[p], group, next_step(self.state[p]))
         return loss
 
     # ----- LoRA pairs ---------------------------------------------------------------------
@@ -123,8 +127,8 @@ class AltLoRA(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr, reg = group["lr"], group["reg"]
         state = self.state[p]
-        if not state:
-            state["step"] = 0
+        step = next_step(state)
+        if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p)
             state["other_old"] = other.detach().clone()
             if group["plus"]:
@@ -142,8 +146,7 @@ class AltLoRA(torch.optim.Optimizer):
             g_pre = g @ precond                          # (k, r)
             transport = o_old @ o.T @ precond            # (r, r)
             m = beta1 * (m @ transport) + (1 - beta1) * g_pre
-        state["step"] += 1
-        step_size = lr / (1 - beta1 ** state["step"])
+        step_size = lr / (1 - beta1 ** step)
         update = m
         if group["plus"]:
             v = state["exp_avg_sq"].to(dt).mul_(beta2).addcmul_(g_pre, g_pre, value=1 - beta2)
@@ -156,37 +159,17 @@ class AltLoRA(torch.optim.Optimizer):
         state["exp_avg"].copy_(m)
         state["other_old"].copy_(other)
 
-    # ----- plain AdamW group ----------------------------------------------------------------
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            t = state["step"]
-            p.mul_(1 - lr * wd)
-            state["exp_avg"].lerp_(p.grad, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
-
 
 def altlora_param_groups(model: nn.Module, head_lr: float | None = None,
                          head_eps: float | None = None) -> list[dict[str, Any]]:
     """Build AltLoRA param groups: one ``[A, B]`` group per trainable LoRA adapter, one AdamW
     group for every other trainable parameter.
 
-    Pairs come from the adapter protocol (``adapter_modules`` + ``LoraLayer.lora_A/lora_B``),
-    never from parameter order or names.
+    Pairs come from the adapter protocol (``adapter_modules`` + ``factors``), never from
+    parameter order or names, so any factorized method's layers (``lora``, ``gora``) qualify.
 
     Args:
-        model: A model with LoRA adapters (methods ``lora``, ``gora``).
+        model: A model with low-rank adapters.
         head_lr: Learning rate of the AdamW group (``None``: the optimizer's ``lr``).
         head_eps: Epsilon of the AdamW group (``None``: the optimizer's ``eps``).
 
@@ -194,18 +177,16 @@ def altlora_param_groups(model: nn.Module, head_lr: float | None = None,
         The param groups.
 
     Raises:
-        RankwiseError: If there is no trainable LoRA pair, or only one factor of a pair trains.
+        RankwiseError: If there is no trainable pair, or only one factor of a pair trains.
     """
-    from rankwise.adapters.lora.layer import LoraLayer
-    from rankwise.core.protocol import adapter_modules
-
     groups: list[dict[str, Any]] = []
     taken: set[int] = set()
     for path, mod in adapter_modules(model):
-        if not isinstance(mod, LoraLayer):
-            continue
         for name in mod.adapter_names():
-            a, b = mod.lora_A[name].weight, mod.lora_B[name].weight
+            pair = factors(mod, name)
+            if pair is None:
+                continue
+            a, b = pair
             if a.requires_grad != b.requires_grad:
                 raise RankwiseError(f"AltLoRA updates A and B together, but in {path} adapter "
                                     f"{name!r} only one of them trains; unfreeze both or use adamw")
@@ -213,8 +194,10 @@ def altlora_param_groups(model: nn.Module, head_lr: float | None = None,
                 groups.append({"params": [a, b], "lora_pair": True})
                 taken.update((id(a), id(b)))
     if not groups:
-        raise RankwiseError("optimizer altlora needs trainable LoRA adapters: got none; use it "
-                            "with method lora or gora (or pick optimizer adamw)")
+        methods = [n for n in registry.names("method") if registry.get("method", n).factorized]
+        raise RankwiseError("optimizer altlora needs trainable low-rank adapter pairs: got none; "
+                            f"use it with a factorized method ({', '.join(methods)}) or pick "
+                            "optimizer adamw")
     rest = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad and id(p) not in taken]
     if rest:
         plain: dict[str, Any] = {"params": rest, "lora_pair": False}
@@ -224,3 +207,50 @@ def altlora_param_groups(model: nn.Module, head_lr: float | None = None,
             plain["eps"] = head_eps
         groups.append(plain)
     return groups
+
+
+def build_altlora(model: nn.Module, config: AltLoraConfig) -> AltLoRA:
+    """Return :class:`AltLoRA` over ``model``'s low-rank pairs, plus AdamW for other trainables.
+
+    Args:
+        model: A model with trainable low-rank adapters (method ``lora`` or ``gora``).
+        config: :class:`AltLoraConfig` (AltLoRA+ when it is an :class:`AltLoraPlusConfig`).
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        RankwiseError: If the model has no trainable pair.
+    """
+    groups = altlora_param_groups(model, head_lr=config.head_lr, head_eps=config.head_eps)
+    return AltLoRA(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+                   weight_decay=config.weight_decay, reg=config.reg,
+                   plus=isinstance(config, AltLoraPlusConfig), mode=config.mode,
+                   alternate_every=config.alternate_every)
+
+
+def altlora_state_floats(model: nn.Module, config: AltLoraConfig) -> int:
+    """AltLoRA's state for ``model``: ``2 (k + d) r`` per ``(A (r, d), B (k, r))`` pair (the
+    two momenta and the two previous factors), ``3 (k + d) r`` for AltLoRA+ (plus the second
+    moments), and AdamW's 2 per element of the other trainable parameters.
+
+    Args:
+        model: A model with trainable low-rank adapters.
+        config: :class:`AltLoraConfig` or :class:`AltLoraPlusConfig`.
+
+    Returns:
+        The number of state floats.
+
+    Raises:
+        RankwiseError: As :func:`altlora_param_groups`.
+    """
+    per_pair = 3 if isinstance(config, AltLoraPlusConfig) else 2
+    total = 0
+    for group in altlora_param_groups(model):
+        if group["lora_pair"]:
+            a, b = group["params"]
+            (r, d), k = a.shape, b.shape[0]
+            total += per_pair * (k + d) * r
+        else:
+            total += 2 * sum(p.numel() for p in group["params"])
+    return total

@@ -1,13 +1,11 @@
 """GaLore-style AdamW: Adam moments in a low-rank subspace of each weight gradient."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 import torch
 from torch import nn
 
 from rankwise.optim import projector
-from rankwise.optim.common import adam_direction, decay_, next_step, param_groups, run_closure
+from rankwise.optim.common import MatrixAdamW, Place, adam_direction, decay_, param_groups
 from rankwise.optim.galore.config import GaLoreConfig
 
 
@@ -28,7 +26,7 @@ def sample_generator(seed: int, index: int, step: int) -> torch.Generator:
     return g
 
 
-class GaLoreAdamW(torch.optim.Optimizer):
+class GaLoreAdamW(MatrixAdamW):
     """AdamW whose moments for selected matrices live in a rank-``r`` gradient subspace.
 
     GaLore (Zhao et al., ICML 2024, Algorithm 2): every ``T`` steps ``P`` is taken from the SVD
@@ -56,65 +54,30 @@ class GaLoreAdamW(torch.optim.Optimizer):
     State per projected matrix (all tensors): ``exp_avg``, ``exp_avg_sq`` (``max(m,n) x r``),
     ``proj_basis`` (``min(m,n) x r``), ``proj_side`` and ``step`` (0-dim): ``2nr + mr`` floats.
 
-    Args:
-        params: Parameters or param-group dicts.
-        lr: Default learning rate.
-        betas: Default Adam betas.
-        eps: Default epsilon.
-        weight_decay: Default decoupled weight decay.
-
-    Raises:
-        ValueError: For a non-positive rank or period in a group (torch's convention).
+    Constructor arguments and the plain-group AdamW are those of
+    :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        update_every=200, scale=1.0, select="top", svd="svd", stagger=False, seed=0)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            if group.get("rank") is not None and (group["rank"] < 1 or group["update_every"] < 1):
-                raise ValueError(f"rank and update_every must be positive: got {group['rank']}, "
-                                 f"{group['update_every']}")
+    group_defaults = dict(update_every=200, scale=1.0, select="top", svd="svd", stagger=False, seed=0)
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """Perform one step.
+    def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
+                    place: Place) -> None:
+        """Refresh ``P`` when due, then ``W <- W (1 - lr wd) - lr alpha P N`` (Algorithm 2).
 
-        Args:
-            closure: Optional closure that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or ``None``.
+        Arguments as :meth:`rankwise.optim.common.MatrixAdamW.matrix_step`.
         """
-        loss = run_closure(closure)
-        index = -1
-        for group in self.param_groups:
-            n_matrices = sum(p.ndim == 2 for p in group["params"])
-            beta1, beta2 = group["betas"]
-            pos = -1
-            for p in group["params"]:
-                index += 1
-                pos += p.ndim == 2
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                step = next_step(state)
-                decay_(p, group["lr"], group["weight_decay"])
-                if group.get("rank") is None or p.ndim != 2:
-                    p.add_(adam_direction(state, p.grad, beta1, beta2, group["eps"], step),
-                           alpha=-group["lr"])
-                    continue
-                grad = p.grad
-                period = group["update_every"]
-                phase = (pos * period // n_matrices) if group["stagger"] else 0
-                if "proj_side" not in state or (step - 1 + phase) % period == 0:
-                    gen = sample_generator(group["seed"], index, step) if group["select"] == "sampled" else None
-                    projector.refresh(state, grad, group["rank"], group["select"], group["svd"], gen)
-                low = projector.project(state, grad)  # (max(m,n), r) or (r, max(m,n))
-                direction = adam_direction(state, low, beta1, beta2, group["eps"], step)
-                p.add_(projector.project_back(state, direction), alpha=-group["lr"] * group["scale"])
-        return loss
+        grad = param.grad
+        period = group["update_every"]
+        phase = (place.matrix * period // place.matrices) if group["stagger"] else 0
+        if "proj_side" not in state or (step - 1 + phase) % period == 0:
+            gen = (sample_generator(group["seed"], place.index, step)
+                   if group["select"] == "sampled" else None)
+            projector.refresh(state, grad, group["rank"], group["select"], group["svd"], gen)
+        low = projector.project(state, grad)  # (max(m,n), r) or (r, max(m,n))
+        beta1, beta2 = group["betas"]
+        direction = adam_direction(state, low, beta1, beta2, group["eps"], step)
+        decay_(param, group["lr"], group["weight_decay"])
+        param.add_(projector.project_back(state, direction), alpha=-group["lr"] * group["scale"])
 
 
 def galore_param_groups(model: nn.Module, config: GaLoreConfig) -> list[dict]:

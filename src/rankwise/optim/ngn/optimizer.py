@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rankwise.errors import RankwiseError
+from rankwise.optim.common import trainable_parameters
 from rankwise.optim.ngn.config import NGNMConfig
 
 
@@ -127,7 +128,7 @@ def build_ngnm(model: nn.Module, config: NGNMConfig) -> NGNM:
     Returns:
         The optimizer.
     """
-    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    opt = NGNM(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    opt = NGNM(trainable_parameters(model), lr=config.lr, momentum=config.momentum,
+               weight_decay=config.weight_decay)
     opt.loss_hook = model.register_forward_hook(_loss_hook(opt))
     return opt

@@ -1,12 +1,11 @@
 """AdamW with the quadratic reweighted rank regularizer (Q3R) applied decoupled."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 import torch
 from torch import nn
 
-from rankwise.optim.common import adam_direction, decay_, next_step, param_groups, run_closure
+from rankwise.optim.common import (MatrixAdamW, Place, adamw_update, grouped_state_floats,
+                                   param_groups)
 from rankwise.optim.q3r.config import Q3RConfig
 
 
@@ -82,7 +81,7 @@ def q3r_value(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor, s_prime: torch.
     return (x * q3r_operator(x, u, v, s_prime)).sum()
 
 
-class Q3RAdamW(torch.optim.Optimizer):
+class Q3RAdamW(MatrixAdamW):
     """AdamW plus Q3R, the quadratic reweighted rank regularizer (Ghosh, Nguyen, Kuemmerle;
     NeurIPS 2025; the authors' ``AdamQ3R``).
 
@@ -102,52 +101,28 @@ class Q3RAdamW(torch.optim.Optimizer):
     State per regularized ``m x n`` matrix: Adam's ``exp_avg``, ``exp_avg_sq`` (``m x n``) and
     ``q3r_u`` (``m x r``), ``q3r_v`` (``n x r``), ``q3r_weights`` (``r``), ``q3r_eps`` (0-dim).
 
-    Args:
-        params: Parameters or param-group dicts (keys ``rank``, ``update_every``, ``lam`` turn
-            Q3R on for a group).
-        lr: Default learning rate.
-        betas: Adam betas.
-        eps: Adam epsilon.
-        weight_decay: Default decoupled weight decay.
+    Param-group keys beyond AdamW's: ``rank`` (turns Q3R on for the group), ``update_every``,
+    ``lam``. Constructor arguments are those of :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        update_every=5, lam=0.1)
-        super().__init__(params, defaults)
+    group_defaults = dict(update_every=5, lam=0.1)
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """Perform one step.
+    def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
+                    place: Place) -> None:
+        """AdamW, then the regularizer step (reweighting first when due).
 
-        Args:
-            closure: Optional closure that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or ``None``.
+        Arguments as :meth:`rankwise.optim.common.MatrixAdamW.matrix_step`.
         """
-        loss = run_closure(closure)
-        for group in self.param_groups:
-            rank = group.get("rank")
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                step = next_step(state)
-                reg = None
-                if rank is not None and p.ndim == 2 and rank < min(p.shape) and group["lam"] > 0:
-                    if (step - 1) % group["update_every"] == 0:
-                        prev = float(state["q3r_eps"]) if "q3r_eps" in state else float("inf")
-                        u, v, sp, eps = reweight(p, rank, prev)
-                        state.update(q3r_u=u, q3r_v=v, q3r_weights=sp, q3r_eps=torch.tensor(eps))
-                    reg = q3r_operator(p, state["q3r_u"], state["q3r_v"], state["q3r_weights"])
-                decay_(p, group["lr"], group["weight_decay"])
-                beta1, beta2 = group["betas"]
-                p.add_(adam_direction(state, p.grad, beta1, beta2, group["eps"], step), alpha=-group["lr"])
-                if reg is not None:
-                    p.add_(reg, alpha=-group["lr"] * group["lam"] * 2)
-        return loss
+        rank, reg = group["rank"], None
+        if rank < min(param.shape) and group["lam"] > 0:
+            if (step - 1) % group["update_every"] == 0:
+                prev = float(state["q3r_eps"]) if "q3r_eps" in state else float("inf")
+                u, v, sp, eps = reweight(param, rank, prev)
+                state.update(q3r_u=u, q3r_v=v, q3r_weights=sp, q3r_eps=torch.tensor(eps))
+            reg = q3r_operator(param, state["q3r_u"], state["q3r_v"], state["q3r_weights"])
+        adamw_update(param, state, group, step)
+        if reg is not None:
+            param.add_(reg, alpha=-group["lr"] * group["lam"] * 2)
 
 
 def build_q3r(model: nn.Module, config: Q3RConfig) -> Q3RAdamW:
@@ -164,3 +139,25 @@ def build_q3r(model: nn.Module, config: Q3RConfig) -> Q3RAdamW:
                           update_every=config.update_every, lam=config.lam)
     return Q3RAdamW(groups, lr=config.lr, betas=config.betas,
                     eps=config.eps, weight_decay=config.weight_decay)
+
+
+def q3r_state_floats(model: nn.Module, config: Q3RConfig) -> int:
+    """Q3R's state for ``model``: ``2mn + (m+n) r + r`` per regularized matrix (Adam's moments,
+    ``U``, ``V`` and the weights), AdamW's ``2mn`` where ``r >= min(m, n)`` or ``lam = 0`` and
+    2 per element of the other parameters.
+
+    Args:
+        model: The model.
+        config: Supplies ``rank``, ``lam`` and ``targets``.
+
+    Returns:
+        The number of state floats.
+    """
+    r = config.rank
+
+    def per_matrix(shape: tuple[int, int]) -> int:
+        m, n = shape
+        regularized = r < min(m, n) and config.lam > 0
+        return 2 * m * n + ((m + n) * r + r if regularized else 0)
+
+    return grouped_state_floats(model, config.targets, per_matrix)

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
-
 import torch
 from torch import nn
 
 from rankwise.optim import projector
-from rankwise.optim.common import adam_direction, decay_, next_step, param_groups, run_closure
+from rankwise.optim.common import MatrixAdamW, Place, decay_, param_groups
 from rankwise.optim.sumo.config import SumoConfig
 
 
@@ -25,7 +23,7 @@ def orthogonalize(m: torch.Tensor) -> torch.Tensor:
     return (u @ vh).to(m.dtype)
 
 
-class SumoOptimizer(torch.optim.Optimizer):
+class SumoOptimizer(MatrixAdamW):
     """SUMO (Refael, Smorodinsky, Tirer, Lindenbaum; NeurIPS 2025, Algorithm 1).
 
     For each projected ``m x n`` matrix, every step:
@@ -47,57 +45,32 @@ class SumoOptimizer(torch.optim.Optimizer):
     State per projected matrix: ``momentum`` (``max(m,n) x r``) and ``proj_basis``
     (``min(m,n) x r``): ``nr + mr`` floats.
 
-    Args:
-        params: Parameters or param-group dicts (keys ``rank``, ``update_every``, ``momentum``,
-            ``scale``, ``svd`` turn SUMO on for a group).
-        lr: Default learning rate.
-        betas: Adam betas for the plain groups.
-        eps: Adam epsilon for the plain groups.
-        weight_decay: Default decoupled weight decay.
+    Param-group keys beyond AdamW's: ``rank`` (turns SUMO on for the group), ``update_every``,
+    ``momentum``, ``scale``, ``svd``. Constructor arguments are those of
+    :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        momentum=0.9, update_every=200, scale=0.2, svd="svd")
-        super().__init__(params, defaults)
+    group_defaults = dict(momentum=0.9, update_every=200, scale=0.2, svd="svd")
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """Perform one step.
+    def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
+                    place: Place) -> None:
+        """Steps 1-5 above for one projected matrix.
 
-        Args:
-            closure: Optional closure that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or ``None``.
+        Arguments as :meth:`rankwise.optim.common.MatrixAdamW.matrix_step`.
         """
-        loss = run_closure(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                step = next_step(state)
-                decay_(p, group["lr"], group["weight_decay"])
-                if group.get("rank") is None or p.ndim != 2:
-                    beta1, beta2 = group["betas"]
-                    p.add_(adam_direction(state, p.grad, beta1, beta2, group["eps"], step),
-                           alpha=-group["lr"])
-                    continue
-                grad = p.grad
-                if "proj_side" not in state or (step - 1) % group["update_every"] == 0:
-                    old = projector.refresh(state, grad, group["rank"], "top", group["svd"])
-                    if "momentum" in state:
-                        state["momentum"] = projector.transport(state, old, state["momentum"])
-                low = projector.project(state, grad)
-                if "momentum" not in state:
-                    state["momentum"] = torch.zeros_like(low)
-                mom = state["momentum"].mul_(group["momentum"]).add_(low)
-                r = min(low.shape)
-                factor = group["scale"] * math.sqrt(p.shape[0] * p.shape[1] / r)
-                p.add_(projector.project_back(state, orthogonalize(mom)), alpha=-group["lr"] * factor)
-        return loss
+        grad = param.grad
+        if "proj_side" not in state or (step - 1) % group["update_every"] == 0:
+            old = projector.refresh(state, grad, group["rank"], "top", group["svd"])
+            if "momentum" in state:
+                state["momentum"] = projector.transport(state, old, state["momentum"])
+        low = projector.project(state, grad)
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(low)
+        mom = state["momentum"].mul_(group["momentum"]).add_(low)
+        r = min(low.shape)
+        factor = group["scale"] * math.sqrt(param.shape[0] * param.shape[1] / r)
+        decay_(param, group["lr"], group["weight_decay"])
+        param.add_(projector.project_back(state, orthogonalize(mom)), alpha=-group["lr"] * factor)
 
 
 def build_sumo(model: nn.Module, config: SumoConfig) -> SumoOptimizer:

@@ -1,0 +1,64 @@
+"""Settings of the optimizer contract suite, shared by ``test_optimizer_contract.py`` and the DDP worker.
+
+Every registered optimizer runs with :data:`DEFAULT`; one that differs adds ONE row to
+:data:`SPECS` saying how, with the reason. :data:`SMALL` is set on every config that has the
+field, so that subspaces on the 16-wide tiny models are real projections (rank 4) that refresh
+during the checks (steps 1, 4, 7...).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+from torch import nn
+
+import rankwise
+from rankwise import registry
+from rankwise.configs import from_dict
+from rankwise.testing import TINY_MODELS, tiny_batch
+
+SMALL = {"rank": 4, "update_every": 3}
+
+DEFAULT = {
+    "config": {},           # overrides of the optimizer's config defaults (after SMALL)
+    "model": "llama",       # rankwise.testing.TINY_MODELS key (resume, state and DDP checks)
+    "method": {"name": "full"},  # what trains: every weight, or an adapter method's parameters
+    "formula": True,        # the entry registers state_floats (its state has a closed form)
+}
+
+SPECS: dict[str, dict] = {
+    # AltLoRA steps low-rank adapter pairs: a LoRA model; BERT, so that a head trains on the
+    # AdamW group beside the pairs.
+    "altlora": {"model": "bert", "method": {"name": "lora", "r": 2}},
+    "altlora-plus": {"model": "bert", "method": {"name": "lora", "r": 2}},
+}
+
+
+def spec(name: str) -> dict:
+    """The settings of optimizer ``name``: :data:`DEFAULT` updated by its :data:`SPECS` row."""
+    return {**DEFAULT, **SPECS.get(name, {})}
+
+
+def config(name: str, **over):
+    """Optimizer ``name``'s config: defaults, :data:`SMALL` where it applies, the spec, ``over``."""
+    cls = registry.get("optimizer", name).config_cls
+    small = {k: v for k, v in SMALL.items() if k in {f.name for f in fields(cls)}}
+    return from_dict(cls, {**small, **spec(name)["config"], **over, "name": name}, "optim")
+
+
+def model(name: str, seed: int = 0) -> nn.Module:
+    """The tiny model optimizer ``name`` is checked on, adapted by its spec's method, in train mode."""
+    net = TINY_MODELS[spec(name)["model"]](seed=seed)  # seeds torch: the adapter init follows
+    method = dict(spec(name)["method"])
+    rankwise.apply(net, method.pop("name"), **method)
+    return net.train()
+
+
+def build(name: str, net: nn.Module, **over) -> torch.optim.Optimizer:
+    """Optimizer ``name`` over ``net``, built by its registry builder."""
+    return registry.get("optimizer", name).builder(net, config(name, **over))
+
+
+def batch(name: str, seed: int, size: int = 2) -> dict[str, torch.Tensor]:
+    """A tiny batch (with labels) for the model of optimizer ``name``."""
+    return tiny_batch(spec(name)["model"], batch=size, seed=seed)
