@@ -31,14 +31,27 @@ def error_reply(msg, reason="boom"):
     return Message(Error(code=0, reason=reason), reply_to=msg)
 
 
+def lora_names(layers: int = 2) -> list[tuple[str, str]]:
+    """``(A name, B name)`` per layer of :func:`lora_state`."""
+    out = []
+    for i in range(layers):
+        p = f"bert.encoder.layer.{i}.attention.self.query"
+        out.append((f"{p}.lora_A.default.weight", f"{p}.lora_B.default.weight"))
+    return out
+
+
+def lora_roles(layers: int = 2) -> dict[str, str]:
+    """The roles of :func:`lora_state`'s factors, built explicitly (no name matching)."""
+    return {name: role for pair in lora_names(layers) for name, role in zip(pair, "AB")}
+
+
 def lora_state(seed: int = 0, layers: int = 2, d: int = 4, r: int = 2, head: bool = False) -> dict:
     """A LoRA-like state dict named like a BERT model's parameters."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for i in range(layers):
-        p = f"bert.encoder.layer.{i}.attention.self.query"
-        out[f"{p}.lora_A.default.weight"] = torch.randn(r, d, generator=g)
-        out[f"{p}.lora_B.default.weight"] = torch.randn(d, r, generator=g)
+    for a, b in lora_names(layers):
+        out[a] = torch.randn(r, d, generator=g)
+        out[b] = torch.randn(d, r, generator=g)
     if head:
         out["classifier.weight"] = torch.randn(3, d, generator=g)
     return out

@@ -38,9 +38,19 @@ def test_select_keys_and_layer_index():
     names = ["bert.encoder.layer.0.q.lora_A.default.weight", "bert.encoder.layer.0.q.lora_B.default.weight",
              "bert.encoder.layer.1.q.lora_A.default.weight", "transformer.h.3.attn.lora_B.default.weight",
              "classifier.weight"]
+    roles = {names[0]: "A", names[1]: "B", names[2]: "A", names[3]: "B"}
     assert [layer_index(n) for n in names] == [0, 0, 1, 3, None]
-    assert select_keys(names, "B") == [names[1], names[3], names[4]]
-    assert select_keys(names, "AB", [1]) == [names[2], names[4]]
+    assert select_keys(names, roles, "B") == [names[1], names[3], names[4]]
+    assert select_keys(names, roles, "AB", [1]) == [names[2], names[4]]
+
+
+def test_select_keys_reads_roles_not_names():
+    # a factor named without "lora_" and a non-factor whose name contains it
+    names = ["m.layer.0.down", "m.layer.0.up", "m.layer.0.lora_A.default.weight"]
+    roles = {"m.layer.0.down": "A", "m.layer.0.up": "B"}
+    assert select_keys(names, roles, "B") == ["m.layer.0.up", "m.layer.0.lora_A.default.weight"]
+    assert select_keys(names, roles, "A") == ["m.layer.0.down", "m.layer.0.lora_A.default.weight"]
+    assert select_keys(names, {}, "B") == names     # no roles: nothing is a factor
 
 
 def test_average_present_weights_by_examples_per_key():

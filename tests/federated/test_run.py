@@ -16,10 +16,17 @@ def test_config_errors_name_the_fix(tmp_path):
     data = write_toy_data(tmp_path / "toy.jsonl")
     with pytest.raises(RankwiseError, match="unknown strategy 'fedavg'.*expected one of: fedit"):
         resolve(None, [], toy_config(data, strategy="fedavg"))
-    cfg = toy_config(data, strategy="fedlease")
+    for name in ("fedlease", "ffa-lora", "rolora", "yoco"):    # strategies with needs_factors
+        cfg = toy_config(data, strategy=name)
+        cfg["method"] = {"name": "full"}
+        with pytest.raises(RankwiseError, match=f"{name} needs method.name: lora .*: gora, lora\\); got 'full'"):
+            resolve(None, [], cfg)
+    cfg = toy_config(data, strategy="yoco")
+    cfg["method"] = {"name": "gora", "r": 4}
+    assert resolve(None, [], cfg)[0].method.name == "gora"     # factorized: accepted
+    cfg = toy_config(data, strategy="fedit")
     cfg["method"] = {"name": "full"}
-    with pytest.raises(RankwiseError, match="fedlease needs method.name: lora"):
-        resolve(None, [], cfg)
+    assert resolve(None, [], cfg)[1].strategy_name() == "fedit"
     with pytest.raises(RankwiseError, match="faults: partitions \\['7'\\] do not exist"):
         resolve(None, [], toy_config(data, faults={"7": "nan"}))
     with pytest.raises(RankwiseError, match="federated.strategy.pca_components"):

@@ -14,10 +14,11 @@ from rankwise.federated.strategies.leff import LeffConfig, block_probabilities
 from rankwise.federated.strategies.lora_avg import FedItConfig, FfaLoraConfig, RoLoraConfig
 from rankwise.federated.strategies.yoco import YocoConfig, pca_aggregate
 
-from fed_helpers import FakeGrid, config_of, error_reply, lora_state, received, reply
+from fed_helpers import FakeGrid, config_of, error_reply, lora_roles, lora_state, received, reply
 
 A = "m.layer.0.q.lora_A.default.weight"
 B = "m.layer.0.q.lora_B.default.weight"
+ROLES = {A: "A", B: "B"}
 
 
 def run_round(strategy, rnd, grid, make_state, n=None):
@@ -39,13 +40,13 @@ def test_fedit_product_has_cross_terms_rolora_is_exact():
     b_i = {1: torch.tensor([[1.0], [0.0]]), 2: torch.tensor([[0.0], [3.0]])}
     fed = FederatedConfig(clients=2, min_clients=2)
     grid = FakeGrid([1, 2])
-    fedit = FedIt(FedItConfig(), fed, init)
+    fedit = FedIt(FedItConfig(), fed, init, roles=ROLES)
     run_round(fedit, 1, grid, lambda n, m: {A: a_i[n], B: b_i[n]})
     product = fedit.global_state[B] @ fedit.global_state[A]
     wanted = (b_i[1] @ a_i[1] + b_i[2] @ a_i[2]) / 2          # [[0.5, 0], [0, 1.5]]
     assert torch.allclose(product, torch.tensor([[0.25, 0.25], [0.75, 0.75]]))  # cross terms
     assert not torch.allclose(product, wanted)
-    ro = RoLora(RoLoraConfig(), fed, init)
+    ro = RoLora(RoLoraConfig(), fed, init, roles=ROLES)
     msgs = run_round(ro, 1, grid, lambda n, m: {B: b_i[n]})      # round 1 trains B only
     assert {config_of(m)[keys.TRAIN_FACTORS] for m in msgs} == {"B"}
     a0 = init[A]
@@ -61,7 +62,7 @@ def test_fedit_product_has_cross_terms_rolora_is_exact():
 
 def test_ffa_keeps_a_and_averages_b_weighted():
     init = {A: torch.tensor([[2.0, -1.0]]), B: torch.zeros(2, 1)}
-    ffa = FfaLora(FfaLoraConfig(), FederatedConfig(clients=2, min_clients=2), init)
+    ffa = FfaLora(FfaLoraConfig(), FederatedConfig(clients=2, min_clients=2), init, roles=ROLES)
     b_i = {1: torch.tensor([[1.0], [1.0]]), 2: torch.tensor([[4.0], [-2.0]])}
     msgs = run_round(ffa, 1, FakeGrid([1, 2]), lambda n, m: {B: b_i[n]}, n={1: 30, 2: 10})
     assert all(config_of(m)[keys.TRAIN_FACTORS] == "B" for m in msgs)
@@ -75,7 +76,7 @@ def test_rolora_bytes_per_round_are_half_of_fedit():
     grid = FakeGrid([1, 2, 3])
     per_round = {}
     for cls, cfg in ((FedIt, FedItConfig()), (RoLora, RoLoraConfig())):
-        s = cls(cfg, fed, init)
+        s = cls(cfg, fed, init, roles=lora_roles(4))
         for rnd in (1, 2, 3):
             run_round(s, rnd, grid, lambda n, m, s=s: {k: s.global_state[k] + n for k in s._expected[n]})
         per_round[cls.name] = [h["bytes_up"] + h["bytes_down"] for h in s.history]
@@ -87,7 +88,7 @@ def test_rolora_bytes_per_round_are_half_of_fedit():
 
 def test_malformed_failed_and_missing_updates_are_not_averaged(caplog):
     init = {A: torch.zeros(1, 2), B: torch.zeros(2, 1)}
-    s = FedIt(FedItConfig(), FederatedConfig(clients=5, min_clients=2), init)
+    s = FedIt(FedItConfig(), FederatedConfig(clients=5, min_clients=2), init, roles=ROLES)
     good = {A: torch.ones(1, 2), B: torch.ones(2, 1)}
 
     def answer(node, msg):
@@ -112,14 +113,14 @@ def test_malformed_failed_and_missing_updates_are_not_averaged(caplog):
 
 def test_round_with_too_few_valid_updates_keeps_global():
     init = {A: torch.zeros(1, 2), B: torch.zeros(2, 1)}
-    s = FedIt(FedItConfig(), FederatedConfig(clients=3, min_clients=2), init)
+    s = FedIt(FedItConfig(), FederatedConfig(clients=3, min_clients=2), init, roles=ROLES)
     run_round(s, 1, FakeGrid([1, 2]), lambda n, m: {A: torch.ones(1, 2)} if n == 1 else error_reply(m))
     assert s.history[-1]["aggregated"] == 0 and torch.equal(s.global_state[A], init[A])
 
 
 def test_resync_after_lost_state_sends_everything():
     init = {A: torch.zeros(1, 2), B: torch.zeros(2, 1)}
-    s = FedIt(FedItConfig(), FederatedConfig(clients=2, min_clients=1), init)
+    s = FedIt(FedItConfig(), FederatedConfig(clients=2, min_clients=1), init, roles=ROLES)
     grid = FakeGrid([1, 2])
     run_round(s, 1, grid, lambda n, m: {A: torch.ones(1, 2) * n, B: torch.ones(2, 1)})
     run_round(s, 2, grid, lambda n, m: error_reply(m, keys.RESYNC_REASON) if n == 2 else
@@ -133,7 +134,8 @@ def test_resync_after_lost_state_sends_everything():
 def test_leff_averages_each_layer_over_its_trainers():
     l0a, l1a = "m.layer.0.q.lora_A.default.weight", "m.layer.1.q.lora_A.default.weight"
     init = {l0a: torch.zeros(1, 2), l1a: torch.zeros(1, 2), "classifier.weight": torch.zeros(1, 2)}
-    s = Leff(LeffConfig(capacities=[1]), FederatedConfig(clients=3, min_clients=2), init)
+    s = Leff(LeffConfig(capacities=[1]), FederatedConfig(clients=3, min_clients=2), init,
+             roles={l0a: "A", l1a: "A"})
     s.capacity = {1: 1, 2: 1, 3: 2}
     s.importance = {1: [1.0, 0.0], 2: [1.0, 0.0], 3: [1.0, 1.0]}
     s.config.temperature = 1e-3  # nodes 1 and 2 pick layer 0 deterministically
@@ -154,7 +156,8 @@ def test_block_probabilities_softmax_of_block_importance():
 
 def test_yoco_is_one_shot_and_aggregates_a_by_principal_components():
     init = {A: torch.zeros(1, 3), B: torch.zeros(2, 1)}
-    s = Yoco(YocoConfig(pca_components=1), FederatedConfig(clients=3, min_clients=2, rounds=4, local_steps=5), init)
+    s = Yoco(YocoConfig(pca_components=1), FederatedConfig(clients=3, min_clients=2, rounds=4, local_steps=5), init,
+             roles=ROLES)
     assert s.num_rounds(4) == 1
     a_i = {1: torch.tensor([[1.0, 0.0, 0.0]]), 2: torch.tensor([[1.0, 0.0, 0.0]]), 3: torch.tensor([[0.0, 1.0, 0.0]])}
     msgs = run_round(s, 1, FakeGrid([1, 2, 3]), lambda n, m: {A: a_i[n], B: torch.ones(2, 1) * n})
@@ -172,8 +175,22 @@ def test_pca_aggregate_with_all_components_is_weighted_mean():
     assert torch.allclose(pca_aggregate(mats, w, k=3), mean, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fedit", "ffa-lora", "rolora", "fedlease", "yoco", "leff"])
-def test_registered(name):
+def test_ffa_selects_factors_by_roles_not_names():
+    down, up = "m.layer.0.q.down", "m.layer.0.q.up"        # no "lora_" in the names
+    init = {down: torch.ones(1, 2), up: torch.zeros(2, 1), "m.layer.0.q.lora_A.extra": torch.zeros(1)}
+    ffa = FfaLora(FfaLoraConfig(), FederatedConfig(clients=2, min_clients=2), init, roles={down: "A", up: "B"})
+    msgs = run_round(ffa, 1, FakeGrid([1, 2]), lambda n, m: {k: init[k] + n for k in ffa._expected[n]})
+    assert set(ffa._expected[1]) == {up, "m.layer.0.q.lora_A.extra"}
+    assert torch.equal(ffa.global_state[down], init[down]) and len(msgs) == 2
+    assert torch.allclose(ffa.global_state[up], torch.full((2, 1), 1.5))
+    with pytest.raises(ValueError, match="roles"):
+        FfaLora(FfaLoraConfig(), FederatedConfig(clients=2), init)
+
+
+@pytest.mark.parametrize("name,needs", [("fedit", False), ("ffa-lora", True), ("rolora", True),
+                                        ("fedlease", True), ("yoco", True), ("leff", False)])
+def test_registered(name, needs):
     from rankwise import registry
     entry = registry.get("strategy", name)
     assert entry.builder.name == name and entry.config_cls().name == name
+    assert entry.builder.needs_factors is needs

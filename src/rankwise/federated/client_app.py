@@ -17,10 +17,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from rankwise.federated import keys
-from rankwise.federated.moe import is_moe, mark_wire, to_moe, wire_parameters
 from rankwise.federated.payload import from_record, to_record
-from rankwise.federated.task import (Client, build_client, layer_importance, load_run,
-                                     load_tensors, local_train)
+from rankwise.federated.task import Client, build_client, load_run, local_train
+from rankwise.federated.wire import load_tensors
 
 ENV_CONFIG = "RANKWISE_FED_CONFIG"
 RUN_CONFIG_KEY = keys.RUN_CONFIG_FILE
@@ -51,12 +50,6 @@ def _partition_id(ctx: Context) -> int:
     return int(ctx.node_config[keys.PARTITION])
 
 
-def _ensure_structure(client: Client, cfg_rec: dict) -> None:
-    if keys.CLUSTER in cfg_rec and not is_moe(client.model):
-        to_moe(client.model, int(cfg_rec[keys.NUM_EXPERTS]), int(cfg_rec[keys.CLUSTER]),
-               int(cfg_rec[keys.TOP_M]))
-
-
 def get_client(ctx: Context) -> Client:
     """This node's client: from the process cache, else rebuilt and restored from ``Context.state``."""
     path = config_path(ctx)
@@ -67,11 +60,10 @@ def get_client(ctx: Context) -> Client:
         client = None  # a new run with the same config in this process: start fresh
     if client is None:
         client = build_client(path, pid)
-        mark_wire(client.model, client.names)
-        if _STRUCTURE in ctx.state.config_records:
-            _ensure_structure(client, dict(ctx.state.config_records[_STRUCTURE]))
+        if _STRUCTURE in ctx.state.config_records:  # the model structure its strategy gave it
+            client.strategy.prepare_model(client.model, dict(ctx.state.config_records[_STRUCTURE]))
         if keys.STATE in ctx.state.array_records:
-            load_tensors(client.model, from_record(ctx.state.array_records[keys.STATE]))
+            load_tensors(client.params(), from_record(ctx.state.array_records[keys.STATE]))
         _CLIENTS[(key, pid)] = client
     return client
 
@@ -105,7 +97,7 @@ def _check_sync(client: Client, ctx: Context, cfg_rec: dict) -> None:
                            f"the server assumed round {cfg_rec.get(keys.SYNC_ROUND)}")
     expected = cfg_rec.get(keys.INIT_FINGERPRINT)
     if expected and stored == 0:
-        mine = fingerprint({k: p.detach() for k, p in wire_parameters(client.model).items()})
+        mine = fingerprint({k: p.detach() for k, p in client.params().items()})
         if mine != expected:
             raise RuntimeError(f"initial adapter fingerprint {mine} differs from the server's {expected}: "
                                "every node must use the same run config (model, method, train.seed)")
@@ -115,9 +107,12 @@ def _check_sync(client: Client, ctx: Context, cfg_rec: dict) -> None:
 def train(msg: Message, ctx: Context) -> Message:
     """Load the received global tensors, train the planned ones, reply with them.
 
+    The strategy's class-level hooks restructure the model (``prepare_model``), choose what
+    trains and add loss terms (inside :func:`local_train`), and add metrics (``client_metrics``).
+
     Returns:
-        A reply with the trained tensors (``arrays``) and ``metrics`` (examples, loss, partition;
-        LEFF rounds add the per-layer importance).
+        A reply with the trained tensors (``arrays``) and ``metrics`` (examples, loss, partition,
+        and the strategy's own entries).
 
     Raises:
         RuntimeError: On purpose when this partition is configured to ``crash``.
@@ -128,15 +123,16 @@ def train(msg: Message, ctx: Context) -> Message:
         raise RuntimeError(f"fault injection: partition {client.partition_id} crashes")
     cfg_rec = dict(msg.content.config_records[keys.CONFIG])
     _check_sync(client, ctx, cfg_rec)
-    _ensure_structure(client, cfg_rec)
-    load_tensors(client.model, from_record(msg.content.array_records[keys.ARRAYS]))
+    strategy = client.strategy
+    strategy.prepare_model(client.model, cfg_rec)
+    load_tensors(client.params(), from_record(msg.content.array_records[keys.ARRAYS]))
     ctx.state[_SYNC] = ConfigRecord({keys.SYNC_ROUND: int(cfg_rec[keys.ROUND])})
     sent, metrics = local_train(client, cfg_rec)
-    if cfg_rec.get(keys.TRAIN_LAYERS):
-        metrics[keys.IMPORTANCE] = layer_importance(client)
-    ctx.state[keys.STATE] = to_record(wire_parameters(client.model))
-    if keys.CLUSTER in cfg_rec:
-        ctx.state[_STRUCTURE] = ConfigRecord({k: cfg_rec[k] for k in (keys.CLUSTER, keys.NUM_EXPERTS, keys.TOP_M)})
+    metrics.update(strategy.client_metrics(client, cfg_rec))
+    ctx.state[keys.STATE] = to_record(client.params())
+    structure = strategy.model_structure(cfg_rec)
+    if structure:
+        ctx.state[_STRUCTURE] = ConfigRecord(structure)
     if fault:
         sent = _corrupt(sent, fault)
     content = RecordDict({keys.ARRAYS: to_record(sent), keys.METRICS: MetricRecord(metrics)})
@@ -145,15 +141,11 @@ def train(msg: Message, ctx: Context) -> Message:
 
 @app.query()
 def query(msg: Message, ctx: Context) -> Message:
-    """LEFF stage 1: report capacity (layers this node can train) and per-layer importance.
-
-    Capacity comes from ``node_config["capacity"]`` when the SuperNode sets it, else from the
-    strategy's ``capacities`` list indexed by partition id.
-    """
+    """Answer a strategy's query (LEFF stage 1: capacity and per-layer importance) with the
+    strategy's ``answer_query`` hook; the partition id is always included."""
     client = get_client(ctx)
-    caps = list(msg.content.config_records[keys.CONFIG].get(keys.CAPACITIES, [1]))
-    cap = int(ctx.node_config.get(keys.CAPACITY, caps[client.partition_id % len(caps)]))
-    metrics = {keys.CAPACITY: cap, keys.IMPORTANCE: layer_importance(client),
+    cfg = dict(msg.content.config_records[keys.CONFIG]) if keys.CONFIG in msg.content.config_records else {}
+    metrics = {**client.strategy.answer_query(client, cfg, dict(ctx.node_config)),
                keys.PARTITION: client.partition_id}
     return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
 

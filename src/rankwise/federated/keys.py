@@ -49,9 +49,7 @@ BYTES_DOWN = "bytes-down"
 AGGREGATED = "clients-aggregated"
 
 # --- key prefixes inside the ArrayRecord for multi-part payloads (FedLEASE) -----------------
-EXPERT_PREFIX = "expert{m}/"     # expert m's LoRA tensors: "expert0/<parameter name>"
-CLUSTER_PREFIX = "cluster{c}/"   # cluster c's router and head: "cluster0/<parameter name>"
-
-# --- factors -------------------------------------------------------------------------------
-FACTOR_A = ".lora_A."            # substring of a LoRA down-projection parameter name
-FACTOR_B = ".lora_B."            # substring of a LoRA up-projection parameter name
+EXPERT_PREFIX = "expert{m}/"     # expert m's LoRA tensors: "expert0/<plain factor name>"
+CLUSTER_PREFIX = "cluster{c}/"   # cluster c's routers and head: "cluster0/<parameter name>"
+ROUTER_PREFIX = "cluster{c}/router/"  # cluster c's router of the layer whose A factor is
+#                                       <plain A name>: "cluster0/router/<plain A name>"

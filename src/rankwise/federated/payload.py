@@ -2,7 +2,9 @@
 
 The adapter that travels is a flat ``{parameter name: tensor}`` dict (the parameters that
 train under the run's method, named as in ``model.named_parameters()``). Tensors travel as
-float32 (NumPy, hence Flower's ``Array``, has no bfloat16).
+float32 (NumPy, hence Flower's ``Array``, has no bfloat16). Which of them are low-rank factors
+is never read from a name: it is the *roles* mapping computed through the adapter protocol
+(:mod:`rankwise.federated.wire`).
 """
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ from typing import Iterable, Mapping
 
 import numpy as np
 import torch
-
-from rankwise.federated import keys
 
 _LAYER_RE = re.compile(r"\.(?:layer|layers|h|block|blocks)\.(\d+)\.")
 
@@ -111,22 +111,19 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_factor(name: str, factor: str) -> bool:
-    """True if ``name`` is a LoRA ``factor`` (``"A"`` or ``"B"``) parameter."""
-    return (keys.FACTOR_A if factor == "A" else keys.FACTOR_B) in name
-
-
-def select_keys(names: Iterable[str], factors: str = "AB",
+def select_keys(names: Iterable[str], roles: Mapping[str, str], factors: str = "AB",
                 layers: Iterable[int] = ()) -> list[str]:
     """The parameter names a client trains and sends for a round's plan.
 
-    Rules (the same on server and client): a LoRA factor trains only if its letter is in
-    ``factors``; a parameter inside a numbered block trains only if ``layers`` is empty or
-    holds its index; parameters that are neither LoRA factors nor inside a block (task head,
-    modules to save) always train.
+    Rules (the same on server and client): a low-rank factor (``roles[name]`` is ``"A"`` or
+    ``"B"``) trains only if its letter is in ``factors``; a parameter inside a numbered block
+    trains only if ``layers`` is empty or holds its index; parameters that are neither factors
+    nor inside a block (task head, modules to save) always train.
 
     Args:
         names: All exchangeable parameter names.
+        roles: ``{name: "A" | "B"}`` of the factors among them (see
+            :func:`rankwise.federated.wire.factor_roles`); names not in it are no factors.
         factors: ``"AB"``, ``"A"`` or ``"B"``.
         layers: Block indices allowed to train; empty means all.
 
@@ -136,9 +133,8 @@ def select_keys(names: Iterable[str], factors: str = "AB",
     layers = set(layers)
     out = []
     for n in names:
-        if is_factor(n, "A") and "A" not in factors:
-            continue
-        if is_factor(n, "B") and "B" not in factors:
+        role = roles.get(n)
+        if role is not None and role not in factors:
             continue
         idx = layer_index(n)
         if layers and idx is not None and idx not in layers:

@@ -40,11 +40,10 @@ def resolve(config_path: Path | None, sets: list[str], base: dict | None = None)
     fed = from_dict(FederatedConfig, cfg.federated, "federated")
     entry = registry.get("strategy", fed.strategy_name())
     from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
-    if entry.name == "fedlease" and cfg.method.name != "lora":
-        raise RankwiseError(f"federated.strategy fedlease needs method.name: lora; got {cfg.method.name!r}")
-    if entry.name in ("ffa-lora", "rolora", "yoco") and cfg.method.name != "lora":
-        raise RankwiseError(f"federated.strategy {entry.name} works on LoRA factors; "
-                            f"set method.name: lora (got {cfg.method.name!r})")
+    if entry.builder.needs_factors and not registry.get("method", cfg.method.name).factorized:
+        factorized = [n for n in registry.names("method") if registry.get("method", n).factorized]
+        raise RankwiseError(f"federated.strategy {entry.name} needs method.name: lora (or another method "
+                            f"with low-rank factors: {', '.join(factorized)}); got {cfg.method.name!r}")
     bad = [p for p in fed.faults if int(p) >= fed.clients]
     if bad:
         raise RankwiseError(f"federated.faults: partitions {bad} do not exist; expected 0..{fed.clients - 1}")

@@ -7,7 +7,6 @@ variable ``RANKWISE_FED_OUT``.
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -20,11 +19,11 @@ from flwr.serverapp import Grid, ServerApp
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.core import atomic
+from rankwise.engine import evaluate
 from rankwise.federated import keys
-from rankwise.federated.moe import mark_wire, to_moe
 from rankwise.federated.payload import to_record
-from rankwise.federated.task import (build_session, initial_state, load_run, load_tensors,
-                                     partitions, subset)
+from rankwise.federated.task import build_session, initial_state, load_run, partitions
+from rankwise.federated.wire import factor_roles, load_tensors, mark_wire
 
 ENV_OUT = "RANKWISE_FED_OUT"
 OUT_KEY = keys.RUN_OUT
@@ -38,7 +37,8 @@ class Evaluator:
 
     A view ``(tensors, config, partitions)`` is evaluated on all examples (``partitions`` is
     ``None``) or on the examples whose label belongs mostly to those partitions' training data
-    (FedLEASE's per-cluster models); the reported accuracy is over all evaluated examples.
+    (FedLEASE's per-cluster models); the reported accuracy is over all evaluated examples. The
+    model a view needs comes from the strategy (``eval_model``, ``wire_parameters``).
 
     Args:
         cfg: The run config.
@@ -50,6 +50,7 @@ class Evaluator:
         self.session = build_session(cfg)
         self.names = [n for n, p in self.session.model.named_parameters() if p.requires_grad]
         mark_wire(self.session.model, self.names)
+        self.roles = factor_roles(self.session.model)
         data = self.session.train_data
         parts = partitions(cfg, fed, data)
         self.owner: dict[int, int] = {}
@@ -65,32 +66,38 @@ class Evaluator:
         """The initial global adapter."""
         return initial_state(self.session)
 
-    def __call__(self, views) -> dict[str, float]:
-        """Evaluate every view; return example-weighted ``eval_loss`` and ``eval_accuracy``."""
-        from rankwise.recipes.train import evaluate
-        ev = self.session.eval_data
+    def __call__(self, strategy) -> dict[str, float]:
+        """Evaluate every view of ``strategy``; return the example-weighted metrics
+        (``eval_loss`` and the task's own, e.g. ``eval_accuracy``)."""
+        ev, task = self.session.eval_data, self.session.task
         totals: dict[str, float] = {}
         count = 0
-        for state, extra, parts in views:
-            model = self.session.model
-            if keys.CLUSTER in extra:
-                model = copy.deepcopy(model)
-                to_moe(model, int(extra[keys.NUM_EXPERTS]), int(extra[keys.CLUSTER]), int(extra[keys.TOP_M]))
-            load_tensors(model, state)
+        for state, extra, parts in strategy.eval_views():
+            model = strategy.eval_model(self.session.model, extra)
+            load_tensors(strategy.wire_parameters(model), state)
             idx = list(range(len(ev)))
             if parts is not None and ev.labels is not None:
                 idx = [i for i in idx if self.owner.get(ev.labels[i]) in parts]
             if not idx:
                 continue
-            res = evaluate(model, subset(ev, idx), self.cfg.model.task, self.cfg.train.eval_batch_size, "cpu")
+            res = evaluate(model, task, ev.subset(idx), self.cfg.train.eval_batch_size, "cpu")
             for k, v in res.items():
                 totals[k] = totals.get(k, 0.0) + v * len(idx)
             count += len(idx)
         return {k: v / max(count, 1) for k, v in totals.items()}
 
 
-def build_strategy(cfg, fed, initial: dict):
+def build_strategy(cfg, fed, initial: dict, roles: dict[str, str]):
     """Instantiate the configured strategy with the run's local-training settings.
+
+    Args:
+        cfg: The run config.
+        fed: The federated settings.
+        initial: The initial global tensors.
+        roles: ``{name: "A" | "B"}`` of the factors among them (from the server's model).
+
+    Returns:
+        The strategy.
 
     Raises:
         RankwiseError: Unknown strategy or bad strategy options.
@@ -98,7 +105,7 @@ def build_strategy(cfg, fed, initial: dict):
     entry = registry.get("strategy", fed.strategy_name())
     scfg = from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
     train_config = {keys.TRAIN_STEPS: fed.local_steps, keys.LEARNING_RATE: float(fed.lr or cfg.optim.lr)}
-    return entry.builder(scfg, fed, initial, train_config)
+    return entry.builder(scfg, fed, initial, train_config, roles=roles)
 
 
 def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
@@ -116,7 +123,7 @@ def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg, fed, _ = load_run(config_path)
     evaluator = Evaluator(cfg, fed)
-    strategy = build_strategy(cfg, fed, evaluator.initial())
+    strategy = build_strategy(cfg, fed, evaluator.initial(), evaluator.roles)
     num_rounds = strategy.num_rounds(fed.rounds)
     lines: list[dict] = []
     began = time.perf_counter()
@@ -124,7 +131,7 @@ def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
     rounds_path.write_text("")
 
     def evaluate_fn(server_round: int, _arrays) -> MetricRecord:
-        metrics = evaluator(strategy.eval_views())
+        metrics = evaluator(strategy)
         entry = dict(strategy.history[-1]) if server_round > 0 and strategy.history else {
             "round": 0, "bytes_up": 0, "bytes_down": 0}
         entry.update({k: round(v, 6) for k, v in metrics.items()})
@@ -149,9 +156,7 @@ def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
                "rejected": sorted({n for e in lines for n in e.get("rejected", [])}),
                "wall_time_s": round(time.perf_counter() - began, 2)}
     metrics["bytes_total"] = metrics["bytes_up"] + metrics["bytes_down"]
-    if getattr(strategy, "silhouettes", None):
-        metrics["fedlease_experts"] = strategy.num_experts
-        metrics["fedlease_silhouettes"] = {str(k): round(v, 4) for k, v in strategy.silhouettes.items()}
+    metrics.update(strategy.run_metrics())
     atomic.write_json(out / "metrics.json", metrics)
     return metrics
 

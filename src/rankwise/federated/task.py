@@ -1,30 +1,36 @@
-"""The ML side of a federated run: each client's model and data, local training, evaluation.
+"""The ML side of a federated run: each client's model and data, and local training.
 
 Built from the run config with the same blocks as ``rankwise train``
 (:func:`rankwise.recipes.train.prepare`), so any model/data/method the train command accepts
-works here. A client's *exchangeable tensors* are the parameters its method trains, named as
-in ``model.named_parameters()``; they are all that ever leaves a client.
+works here, and trained by the same :class:`rankwise.engine.Engine`. A client's *exchangeable
+tensors* are named by its strategy (``wire_parameters``: the parameters its method trains,
+named as in ``model.named_parameters()``, unless the strategy restructures the model); they
+are all that ever leaves a client. What a strategy changes on a client (loss terms, which
+tensors train, the model's structure) comes from its class-level hooks
+(:class:`rankwise.federated.strategies.client_hooks.ClientHooks`).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import math
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from rankwise import registry
 from rankwise.configs import from_dict
-from rankwise.data.text import TextData, batch_indices
+from rankwise.data.text import TextData
+from rankwise.engine import Engine, NonFiniteLoss, Task
 from rankwise.federated import keys
 from rankwise.federated.config import FederatedConfig
 from rankwise.federated.partition import partition
-from rankwise.federated.payload import layer_index, select_keys
+from rankwise.federated.wire import factor_roles, mark_wire, set_trainable
 
+LOG = logging.getLogger("rankwise.federated")
 _RUNS: dict[str, tuple] = {}
 
 
@@ -50,12 +56,6 @@ def load_run(config_path: str | Path) -> tuple:
     return _RUNS[key]
 
 
-def subset(data: TextData, index: list[int]) -> TextData:
-    """The examples ``index`` of ``data``."""
-    labels = None if data.labels is None else [data.labels[i] for i in index]
-    return TextData([data.ids[i] for i in index], labels, data.label_names, data.pad_id)
-
-
 def partitions(cfg, fed: FederatedConfig, data: TextData) -> list[list[int]]:
     """Client partitions of ``data`` (labels for classification; contiguous shards for LM)."""
     labels = data.labels if data.labels is not None else [0] * len(data)
@@ -74,22 +74,33 @@ class Client:
         fed: The federated settings.
         partition_id: Which data partition this client owns.
         model: The adapted model (kept across rounds).
+        task: The run's task (collation, loss).
         train_data: The client's training examples.
-        names: Names of the exchangeable tensors.
+        names: Names of the plain model's exchangeable tensors (what its method trains).
+        roles: ``{name: "A" | "B"}`` of its low-rank factors, found through the protocol.
+        strategy: The strategy class (its class-level client hooks are used).
+        rounds_trained: Rounds of local training done so far.
     """
 
-    cfg: object
+    cfg: Any
     fed: FederatedConfig
     partition_id: int
     model: nn.Module
+    task: Task
     train_data: TextData
     names: list[str]
+    roles: dict[str, str]
+    strategy: Any
     rounds_trained: int = 0
 
+    @property
+    def batch_size(self) -> int:
+        """Local batch size (``federated.batch_size``, else ``train.batch_size``)."""
+        return self.fed.batch_size or self.cfg.train.batch_size
+
     def params(self) -> dict[str, nn.Parameter]:
-        """Exchangeable parameters by name (wire names for FedLEASE models, see ``moe``)."""
-        from rankwise.federated.moe import wire_parameters
-        return wire_parameters(self.model)
+        """Exchangeable parameters by wire name (the strategy's ``wire_parameters``)."""
+        return self.strategy.wire_parameters(self.model)
 
 
 def build_session(cfg, device: str = "cpu"):
@@ -115,49 +126,21 @@ def build_client(config_path: str | Path, partition_id: int) -> Client:
     session = build_session(cfg)
     parts = partitions(cfg, fed, session.train_data)
     names = [n for n, p in session.model.named_parameters() if p.requires_grad]
-    return Client(cfg, fed, partition_id, session.model, subset(session.train_data, parts[partition_id]), names)
-
-
-def set_trainable(model: nn.Module, names: list[str]) -> None:
-    """Make exactly the wire tensors ``names`` trainable."""
-    from rankwise.federated.moe import wire_parameters
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params = wire_parameters(model)
-    for n in names:
-        params[n].requires_grad_(True)
-
-
-def load_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy received tensors (wire names) into the model; unknown names are ignored."""
-    from rankwise.federated.moe import wire_parameters
-    params = wire_parameters(model)
-    with torch.no_grad():
-        for k, v in state.items():
-            if k in params and params[k].shape == v.shape:
-                params[k].copy_(v.to(params[k].dtype))
-
-
-def yoco_sign_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """YOCO's ``B_s = sign(U_r)`` for every LoRA B, from the SVD of the frozen base weight."""
-    from rankwise.core.protocol import adapter_modules, base_weight
-    out = {}
-    params = dict(model.named_parameters())
-    for path, mod in adapter_modules(model):
-        if not hasattr(mod, "lora_B"):
-            continue
-        for name in mod.adapter_names():
-            b = mod.lora_B[name].weight                      # (out, r)
-            w = base_weight(mod).float()
-            w = w.T if getattr(mod, "fan_in_fan_out", False) else w  # (out, in)
-            u, _, _ = torch.linalg.svd(w, full_matrices=False)
-            key = next(k for k, p in params.items() if p is b)
-            out[key] = torch.sign(u[:, : b.shape[1]])
-    return out
+    mark_wire(session.model, names)
+    strategy = registry.get("strategy", fed.strategy_name()).builder
+    return Client(cfg, fed, partition_id, session.model, session.task,
+                  session.train_data.subset(parts[partition_id]), names,
+                  factor_roles(session.model), strategy)
 
 
 def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Train the tensors the round's plan selects and return them.
+    """Train the tensors the round's plan selects, through the engine, and return them.
+
+    Step ``s`` of the round draws the batch of global step ``rounds_trained * steps + s``
+    under seed ``train.seed + 1000 * partition_id`` (so a client's batches never repeat across
+    rounds and differ between clients). The strategy's hooks choose what trains
+    (``train_names``) and add loss terms (``loss_hooks``). A non-finite loss ends the round
+    early (logged); the server then rejects the update if its tensors are not finite.
 
     Args:
         client: The client (its model already holds the global tensors).
@@ -166,95 +149,29 @@ def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor],
     Returns:
         ``(tensors sent back, metrics)``.
     """
-    cfg, fed = client.cfg, client.fed
-    model = client.model
-    all_names = list(client.params())
-    factors = str(cfg_rec.get(keys.TRAIN_FACTORS, "AB"))
-    layers = [int(v) for v in cfg_rec.get(keys.TRAIN_LAYERS, [])]
-    names = [n for n in select_keys(all_names, factors, layers) if _trains_here(n, cfg_rec)]
-    set_trainable(model, names)
+    cfg, fed, strategy, model = client.cfg, client.fed, client.strategy, client.model
+    params = client.params()
+    names = strategy.train_names(list(params), client.roles, cfg_rec)
+    set_trainable(model, [params[n] for n in names])
     lr = float(cfg_rec.get(keys.LEARNING_RATE, fed.lr or cfg.optim.lr))
     opt = registry.get("optimizer", cfg.optim.name).builder(model, dataclasses.replace(cfg.optim, lr=lr))
     steps = int(cfg_rec.get(keys.TRAIN_STEPS, fed.local_steps))
-    bs = fed.batch_size or cfg.train.batch_size
-    oneshot = cfg_rec.get(keys.PHASE) == "oneshot"
-    signs = yoco_sign_targets(model) if oneshot else {}
-    params = dict(model.named_parameters())
-    task, n = cfg.model.task, len(client.train_data)
-    seed = cfg.train.seed + 1000 * client.partition_id
+    first = client.rounds_trained * steps
+    engine = Engine(model, client.task, opt, client.train_data, client.batch_size,
+                    seed=cfg.train.seed + 1000 * client.partition_id, grad_clip=cfg.train.grad_clip,
+                    loss_hooks=strategy.loss_hooks(model, client.roles, cfg_rec, first, steps))
     losses = []
-    model.train()
-    for step in range(steps):
-        idx = batch_indices(client.rounds_trained * steps + step, n, min(bs, n), seed)
-        out = model(**client.train_data.batch(idx, task))
-        loss = out.loss
-        if oneshot:
-            loss = loss + _yoco_penalty(params, signs, step, steps, cfg_rec)
-        if not torch.isfinite(loss):
+    for step in range(first, first + steps):
+        try:
+            losses.append(engine.train_step(step).loss)
+        except NonFiniteLoss as err:
+            LOG.warning("partition %d: %s; local training stopped", client.partition_id, err)
             break
-        loss.backward()
-        if cfg.train.grad_clip > 0:
-            nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss.detach()))
     client.rounds_trained += 1
-    current = client.params()
-    sent = {k: current[k].detach().float().clone() for k in names}
-    metrics = {keys.NUM_EXAMPLES: n, keys.TRAIN_LOSS: sum(losses) / max(len(losses), 1),
+    sent = {k: params[k].detach().float().clone() for k in names}
+    metrics = {keys.NUM_EXAMPLES: len(client.train_data), keys.TRAIN_LOSS: sum(losses) / max(len(losses), 1),
                keys.PARTITION: client.partition_id}
     return sent, metrics
-
-
-def _trains_here(name: str, cfg_rec: dict) -> bool:
-    """FedLEASE: a client trains only its own expert, router and head (see ``moe``)."""
-    if keys.CLUSTER not in cfg_rec:
-        return True
-    from rankwise.federated.moe import trains_in_cluster
-    return trains_in_cluster(name, int(cfg_rec[keys.CLUSTER]))
-
-
-def _yoco_penalty(params: dict, signs: dict, step: int, steps: int, cfg_rec: dict) -> torch.Tensor:
-    """``w_sign R_sign(B) + lambda R_sparse(A)`` (YOCO Sec. 3.2) with gamma's cosine ramp."""
-    gamma_max = float(cfg_rec.get(keys.YOCO_GAMMA_MAX, 200.0))
-    gamma = 1 + (gamma_max - 1) * 0.5 * (1 - math.cos(math.pi * step / max(steps - 1, 1)))
-    sign_terms = [torch.linalg.norm(torch.tanh(gamma * params[k]) - s) / (torch.linalg.norm(s) + 1e-6)
-                  for k, s in signs.items()]
-    a_terms = [p.abs().mean() for k, p in params.items() if keys.FACTOR_A in k and p.requires_grad]
-    total = torch.zeros(())
-    if sign_terms:
-        total = total + float(cfg_rec.get(keys.YOCO_SIGN_WEIGHT, 0.1)) * torch.stack(sign_terms).mean()
-    if a_terms:
-        total = total + float(cfg_rec.get(keys.YOCO_SPARSE_WEIGHT, 0.01)) * torch.stack(a_terms).mean()
-    return total
-
-
-def layer_importance(client: Client, batches: int = 1) -> list[float]:
-    """First-order Taylor importance ``sum |g * theta|`` per block (Molchanov et al. 2019).
-
-    Computed over *all* parameters of each block (base weights included) on one local batch;
-    the model's ``requires_grad`` flags are restored afterwards.
-
-    Returns:
-        One number per block index ``0 .. max index``.
-    """
-    model = client.model
-    flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.requires_grad_(True)
-    bs = client.fed.batch_size or client.cfg.train.batch_size
-    idx = batch_indices(0, len(client.train_data), min(bs, len(client.train_data)), 7 + client.partition_id)
-    model.zero_grad(set_to_none=True)
-    model(**client.train_data.batch(idx, client.cfg.model.task)).loss.backward()
-    scores: dict[int, float] = {}
-    for n, p in model.named_parameters():
-        i = layer_index(n)
-        if i is not None and p.grad is not None:
-            scores[i] = scores.get(i, 0.0) + float((p.grad * p.detach()).abs().sum())
-    model.zero_grad(set_to_none=True)
-    for n, p in model.named_parameters():
-        p.requires_grad_(flags[n])
-    return [scores.get(i, 0.0) for i in range(max(scores) + 1)] if scores else []
 
 
 def initial_state(session) -> dict[str, torch.Tensor]:

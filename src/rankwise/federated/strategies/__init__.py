@@ -1,6 +1,8 @@
 """Federated strategies (ROADMAP C1-C5), each registered once as kind ``"strategy"``.
 
-The registered builder is the strategy class: ``cls(config, fed, initial_state, train_config)``.
+The registered builder is the strategy class: on the server
+``cls(config, fed, initial_state, train_config, roles=...)``; on a client its class-level hooks
+(:class:`~rankwise.federated.strategies.client_hooks.ClientHooks`).
 """
 from __future__ import annotations
 

@@ -15,17 +15,20 @@ error marked ``rankwise-resync`` and gets every tensor next time it is sampled.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
+from torch import nn
 
 from rankwise.federated import keys
 from rankwise.federated.config import FederatedConfig
 from rankwise.federated.payload import (from_record, record_bytes, select_keys, to_record,
                                         validate_update)
+from rankwise.federated.strategies.client_hooks import ClientHooks
 
 LOG = logging.getLogger("rankwise.federated")
 
@@ -40,7 +43,8 @@ class Plan:
     """What one node does in one round.
 
     Attributes:
-        factors: LoRA factors that train (``"AB"``, ``"A"``, ``"B"``).
+        factors: Low-rank factors that train (``"AB"``, ``"A"``, ``"B"``; which tensor is
+            which comes from the strategy's ``roles``, found through the adapter protocol).
         layers: Block indices that train; empty means all.
         phase: ``"train"``, ``"warmup"`` or ``"oneshot"``.
         extra: More ConfigRecord entries (e.g. a FedLEASE cluster id).
@@ -69,23 +73,37 @@ class Update:
     metrics: dict
 
 
-class AdapterStrategy(_FlowerStrategy):
+class AdapterStrategy(ClientHooks, _FlowerStrategy):
     """Base class: FedAvg's round lifecycle (McMahan et al. 2017, Alg. 1) over adapter tensors.
 
-    Subclasses override :meth:`plan` and :meth:`aggregate_updates` (and for multi-model
-    methods :meth:`payload_keys`, :meth:`expected` and :meth:`eval_views`).
+    Server-side hooks (instance methods): :meth:`plan` and :meth:`aggregate_updates`; for
+    multi-model methods :meth:`payload_keys`, :meth:`expected`, :meth:`eval_views` and
+    :meth:`eval_model`; :meth:`num_rounds`; :meth:`run_metrics`. Client-side hooks are class
+    methods inherited from :class:`~rankwise.federated.strategies.client_hooks.ClientHooks`
+    (``needs_factors``, ``model_structure``, ``prepare_model``, ``wire_parameters``,
+    ``train_names``, ``loss_hooks``, ``client_metrics``, ``answer_query``).
 
     Args:
         config: The strategy's own config dataclass.
         fed: The run's federated settings.
         initial: The initial global tensors ``{name: tensor}`` (same on every client).
         train_config: Extra ConfigRecord entries sent every round (steps, learning rate).
+        roles: ``{name: "A" | "B"}`` of the low-rank factors among ``initial``, found through
+            the adapter protocol (:func:`rankwise.federated.wire.factor_roles` of the server's
+            model); other names are no factors.
+
+    Raises:
+        ValueError: If the strategy ``needs_factors`` and ``roles`` names none of ``initial``.
     """
 
     name = "base"
 
     def __init__(self, config, fed: FederatedConfig, initial: dict[str, torch.Tensor],
-                 train_config: dict | None = None) -> None:
+                 train_config: dict | None = None, roles: Mapping[str, str] | None = None) -> None:
+        self.roles = {k: v for k, v in (roles or {}).items() if k in initial}
+        if self.needs_factors and not self.roles:
+            raise ValueError(f"strategy {self.name!r} acts on low-rank factors but roles names none "
+                             "of the initial tensors; pass roles=factor_roles(model)")
         self.config, self.fed = config, fed
         self.global_state = {k: v.detach().float().clone() for k, v in initial.items()}
         self.train_config = dict(train_config or {})
@@ -111,7 +129,7 @@ class AdapterStrategy(_FlowerStrategy):
 
     def expected(self, node_id: int, plan: Plan) -> dict[str, tuple]:
         """``{name: shape}`` the node must send back (default: :func:`select_keys` of the plan)."""
-        names = select_keys(self.global_state, plan.factors, plan.layers)
+        names = select_keys(self.global_state, self.roles, plan.factors, plan.layers)
         return {n: tuple(self.global_state[n].shape) for n in names}
 
     def aggregate_updates(self, server_round: int, updates: list[Update]) -> list[str]:
@@ -122,9 +140,23 @@ class AdapterStrategy(_FlowerStrategy):
         """Models to evaluate: ``(tensors, config entries, partitions or None = all data)``."""
         return [(self.global_state, {}, None)]
 
+    def eval_model(self, model: nn.Module, extra: Mapping[str, Any]) -> nn.Module:
+        """The model a view with config entries ``extra`` is evaluated on: ``model`` itself, or
+        a copy restructured by :meth:`prepare_model` when :meth:`model_structure` of ``extra``
+        is not empty (the server's model stays plain)."""
+        if not self.model_structure(extra):
+            return model
+        model = copy.deepcopy(model)
+        self.prepare_model(model, extra)
+        return model
+
     def num_rounds(self, requested: int) -> int:
         """Rounds this strategy runs when the user asks for ``requested``."""
         return requested
+
+    def run_metrics(self) -> dict[str, Any]:
+        """Strategy-specific entries of the run's ``metrics.json`` (default none)."""
+        return {}
 
     # ----- Flower Strategy API -----------------------------------------------------------------
     def summary(self) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
+from torch import nn
 
 from rankwise.federated import keys
-from rankwise.federated.moe import cluster_key, expert_key, is_expert_key
-from rankwise.federated.payload import is_factor
+from rankwise.federated.moe import (cluster_key, expert_key, is_expert_key, is_moe,
+                                    moe_wire_parameters, router_key, to_moe, trains_in_cluster)
 from rankwise.federated.strategies.base import AdapterStrategy, Plan, Update
 from rankwise.federated.strategies.lora_avg import average_present
 
@@ -36,16 +38,17 @@ class FedLeaseConfig:
             f"max_experts: got {self.max_experts}; expected an integer >= 1"]
 
 
-def b_distance(states: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """``d(i, j) = mean_l (1 - cos(vec B_i^l, vec B_j^l))`` over the LoRA B matrices.
+def b_distance(states: list[dict[str, torch.Tensor]], roles: Mapping[str, str]) -> torch.Tensor:
+    """``d(i, j) = mean_l (1 - cos(vec B_i^l, vec B_j^l))`` over the factors B.
 
     Args:
         states: One adapter per client.
+        roles: ``{name: "A" | "B"}`` of the factors (the B matrices are those with role B).
 
     Returns:
         A symmetric (N, N) distance matrix with zero diagonal.
     """
-    names = [k for k in states[0] if is_factor(k, "B")]
+    names = [k for k in states[0] if roles.get(k) == "B"]
     n = len(states)
     d = torch.zeros(n, n, dtype=torch.float64)
     for k in names:
@@ -123,7 +126,35 @@ class FedLease(AdapterStrategy):
     """
 
     name = "fedlease"
+    needs_factors = True
+    STRUCTURE = (keys.CLUSTER, keys.NUM_EXPERTS, keys.TOP_M)
 
+    # ----- client side ------------------------------------------------------------------------
+    @classmethod
+    def model_structure(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """After clustering: the client's cluster, M and top-M (they define its mixture)."""
+        return {k: config[k] for k in cls.STRUCTURE} if keys.CLUSTER in config else {}
+
+    @classmethod
+    def prepare_model(cls, model: nn.Module, config: Mapping[str, Any]) -> None:
+        """Turn the plain LoRA model into the cluster's mixture (once)."""
+        if keys.CLUSTER in config and not is_moe(model):
+            to_moe(model, int(config[keys.NUM_EXPERTS]), int(config[keys.CLUSTER]), int(config[keys.TOP_M]))
+
+    @classmethod
+    def wire_parameters(cls, model: nn.Module) -> dict[str, nn.Parameter]:
+        """Expert/cluster wire names once the model is a mixture (:mod:`rankwise.federated.moe`)."""
+        return moe_wire_parameters(model) if is_moe(model) else super().wire_parameters(model)
+
+    @classmethod
+    def train_names(cls, names: list[str], roles: Mapping[str, str],
+                    config: Mapping[str, Any]) -> list[str]:
+        """After clustering a client trains only its own expert, its cluster's routers and head."""
+        if keys.CLUSTER not in config:
+            return super().train_names(names, roles, config)
+        return [n for n in names if trains_in_cluster(n, int(config[keys.CLUSTER]))]
+
+    # ----- server side ------------------------------------------------------------------------
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cluster: dict[int, int] = {}
@@ -161,9 +192,8 @@ class FedLease(AdapterStrategy):
         """Warm-up: the plain adapter; later: own expert, router and head."""
         if keys.CLUSTER not in plan.extra:
             return super().expected(node_id, plan)
-        c = plan.extra[keys.CLUSTER]
-        prefixes = (keys.EXPERT_PREFIX.format(m=c), keys.CLUSTER_PREFIX.format(c=c))
-        return {k: tuple(v.shape) for k, v in self.global_state.items() if k.startswith(prefixes)}
+        c = int(plan.extra[keys.CLUSTER])
+        return {k: tuple(v.shape) for k, v in self.global_state.items() if trains_in_cluster(k, c)}
 
     def aggregate_updates(self, server_round: int, updates: list[Update]) -> list[str]:
         """Cluster after the warm-up; afterwards average within clusters (keys are disjoint)."""
@@ -171,32 +201,40 @@ class FedLease(AdapterStrategy):
             new = average_present(updates)
             self.global_state.update(new)
             return list(new)
-        d = b_distance([u.state for u in updates])
-        labels, self.silhouettes = cluster_clients(d, self.config.max_experts)
-        self.num_experts = max(labels) + 1
-        self.cluster = {u.node_id: c for u, c in zip(updates, labels)}
-        LOG.info("FedLEASE: %d experts; clusters %s; silhouettes %s", self.num_experts,
-                 self.cluster, self.silhouettes)
+        self.cluster = self.cluster_updates(updates)
+        self.num_experts = max(self.cluster.values()) + 1
         routers = self._router_shapes()
         new: dict[str, torch.Tensor] = {}
         for c in range(self.num_experts):
             members = [u for u in updates if self.cluster[u.node_id] == c]
-            mean = average_present(members)
-            for k, v in mean.items():
-                new[expert_key(c, k) if is_factor(k, "A") or is_factor(k, "B") else cluster_key(c, k)] = v
-            for path, shape in routers.items():
-                new[cluster_key(c, f"{path}.router.weight")] = torch.zeros(shape)
+            for k, v in average_present(members).items():
+                new[expert_key(c, k) if k in self.roles else cluster_key(c, k)] = v
+            for a_name, shape in routers.items():
+                new[router_key(c, a_name)] = torch.zeros(shape)
         self.global_state = new
         return list(new)
 
+    def cluster_updates(self, updates: list[Update]) -> dict[int, int]:
+        """Clustering hook (Sec. 3.2): ``{node id: cluster}`` from the warm-up adapters, by the
+        cosine distance of their B factors; M by silhouette (kept in ``self.silhouettes``)."""
+        d = b_distance([u.state for u in updates], self.roles)
+        labels, self.silhouettes = cluster_clients(d, self.config.max_experts)
+        cluster = {u.node_id: c for u, c in zip(updates, labels)}
+        LOG.info("FedLEASE: %d experts; clusters %s; silhouettes %s", max(labels) + 1, cluster,
+                 self.silhouettes)
+        return cluster
+
     def _router_shapes(self) -> dict[str, tuple[int, int]]:
-        """Router shape (2M-1, d_in) per LoRA layer path, read off the A matrices."""
-        out = {}
-        for k, v in self.global_state.items():
-            if is_factor(k, "A"):
-                path = k.split(".lora_A.")[0]
-                out[path] = (2 * self.num_experts - 1, v.shape[1])
-        return out
+        """Router shape (2M-1, d_in) per layer, keyed by the layer's A factor (r, d_in)."""
+        return {k: (2 * self.num_experts - 1, v.shape[1]) for k, v in self.global_state.items()
+                if self.roles.get(k) == "A"}
+
+    def run_metrics(self) -> dict[str, Any]:
+        """The number of experts and the silhouette of every k tried."""
+        if not self.silhouettes:
+            return {}
+        return {"fedlease_experts": self.num_experts,
+                "fedlease_silhouettes": {str(k): round(v, 4) for k, v in self.silhouettes.items()}}
 
     def eval_views(self):
         """Before clustering: the plain adapter on all data; after: one MoE model per cluster,

@@ -5,7 +5,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+from torch import nn
+
+from rankwise.engine import Task, batch_indices
 from rankwise.federated import keys
 from rankwise.federated.payload import layer_index
 from rankwise.federated.strategies.base import AdapterStrategy, Plan, Update
@@ -64,6 +68,48 @@ def block_probabilities(importance: list[float], capacity: int, temperature: flo
     return [e / z for e in ex]
 
 
+def layer_importance(model: nn.Module, task: Task, data: Any, batch_size: int, seed: int) -> list[float]:
+    """First-order Taylor importance ``sum |g * theta|`` per block (Molchanov et al. 2019).
+
+    Computed over *all* parameters of each block (base weights included) on one batch (step 0
+    of ``batch_indices`` under ``seed``), with the task's mean loss; the model's
+    ``requires_grad`` flags are restored afterwards.
+
+    Args:
+        model: The client's model.
+        task: The run's task (collation and loss).
+        data: The client's examples (indexable, with ``pad_id``).
+        batch_size: Examples in the batch (capped at ``len(data)``).
+        seed: Seed of the batch draw.
+
+    Returns:
+        One number per block index ``0 .. max index`` (empty for a model without blocks).
+    """
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.requires_grad_(True)
+    device = next(model.parameters()).device
+    idx = batch_indices(0, len(data), min(batch_size, len(data)), seed)
+    batch = {k: v.to(device) for k, v in task.collate([data[i] for i in idx], data.pad_id).items()}
+    model.zero_grad(set_to_none=True)
+    task.mean_loss(model, batch).backward()
+    scores: dict[int, float] = {}
+    for n, p in model.named_parameters():
+        i = layer_index(n)
+        if i is not None and p.grad is not None:
+            scores[i] = scores.get(i, 0.0) + float((p.grad * p.detach()).abs().sum())
+    model.zero_grad(set_to_none=True)
+    for n, p in model.named_parameters():
+        p.requires_grad_(flags[n])
+    return [scores.get(i, 0.0) for i in range(max(scores) + 1)] if scores else []
+
+
+def client_importance(client: Any) -> list[float]:
+    """:func:`layer_importance` of a ClientApp's client on its own data (seed ``7 + partition``)."""
+    return layer_importance(client.model, client.task, client.train_data, client.batch_size,
+                            7 + client.partition_id)
+
+
 class Leff(AdapterStrategy):
     """LEFF (Shen et al. 2025), per round: (1) each client declares its capacity L_i (a query
     message on first contact); (2) the server samples one block of L_i consecutive layers with
@@ -80,6 +126,20 @@ class Leff(AdapterStrategy):
     """
 
     name = "leff"
+
+    @classmethod
+    def client_metrics(cls, client: Any, config: Mapping[str, Any]) -> dict[str, Any]:
+        """A block round's reply refreshes the client's per-layer importance."""
+        return {keys.IMPORTANCE: client_importance(client)} if config.get(keys.TRAIN_LAYERS) else {}
+
+    @classmethod
+    def answer_query(cls, client: Any, config: Mapping[str, Any],
+                     node_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Stage 1: capacity (``node_config["capacity"]`` when the SuperNode sets it, else the
+        ``capacities`` list sent with the query, indexed by partition id) and importance."""
+        caps = list(config.get(keys.CAPACITIES, [1]))
+        cap = int(node_config.get(keys.CAPACITY, caps[client.partition_id % len(caps)]))
+        return {keys.CAPACITY: cap, keys.IMPORTANCE: client_importance(client)}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -81,6 +81,7 @@ class FfaLora(FedIt):
     """
 
     name = "ffa-lora"
+    needs_factors = True
 
     def plan(self, server_round: int, node_id: int) -> Plan:
         """Train B (never A)."""
@@ -112,6 +113,7 @@ class RoLora(FedIt):
     """
 
     name = "rolora"
+    needs_factors = True
 
     def plan(self, server_round: int, node_id: int) -> Plan:
         """``first_factor`` in odd rounds, the other one in even rounds."""

@@ -1,13 +1,18 @@
 """YOCO: one-shot federated LoRA (Xu et al., NeurIPS 2025, OpenReview FoVF3iL6o3)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
+from torch import nn
 
+from rankwise.core.protocol import adapter_modules, factors
+from rankwise.core.weights import dense_weight
 from rankwise.federated import keys
-from rankwise.federated.payload import is_factor
 from rankwise.federated.strategies.base import AdapterStrategy, Plan, Update
+from rankwise.federated.strategies.client_hooks import LossHook
 from rankwise.federated.strategies.lora_avg import average_present
 
 
@@ -68,6 +73,33 @@ def pca_aggregate(mats: list[torch.Tensor], weights: list[float], k: int) -> tor
     return (z_g @ p).reshape(mats[0].shape).float()
 
 
+def sign_targets(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """YOCO's ``B_s = sign(U_r)`` for every factor B, from the SVD ``W = U S V^T`` of the frozen
+    base weight of its layer (identical on every client).
+
+    Args:
+        model: A model of a factorized method (factors found through the adapter protocol).
+
+    Returns:
+        ``[(B (out, r), B_s (out, r))]`` in layer order.
+    """
+    out = []
+    for _, mod in adapter_modules(model):
+        for name in mod.adapter_names():
+            pair = factors(mod, name)
+            if pair is None:
+                continue
+            b = pair[1]                                               # (out, r)
+            u, _, _ = torch.linalg.svd(dense_weight(mod).detach().float(), full_matrices=False)
+            out.append((b, torch.sign(u[:, : b.shape[1]]).to(b.device)))
+    return out
+
+
+def gamma_at(local_step: int, steps: int, gamma_max: float) -> float:
+    """gamma's cosine ramp from 1 (first local step) to ``gamma_max`` (last local step)."""
+    return 1 + (gamma_max - 1) * 0.5 * (1 - math.cos(math.pi * local_step / max(steps - 1, 1)))
+
+
 class Yoco(AdapterStrategy):
     """YOCO (Xu et al. 2025): a single round. Clients train with ``L_task + R_sign(B) +
     R_sparse(A)`` (eq. for the local objective, Sec. 3.2; the sign target ``B_s = sign(U_r)``
@@ -79,6 +111,43 @@ class Yoco(AdapterStrategy):
     """
 
     name = "yoco"
+    needs_factors = True
+
+    @classmethod
+    def loss_hooks(cls, model: nn.Module, roles: Mapping[str, str], config: Mapping[str, Any],
+                   first_step: int, steps: int) -> dict[str, LossHook]:
+        """The one-shot phase's regularisers (Sec. 3.2), as engine loss hooks:
+
+        * ``yoco_sign``: ``w_sign * mean_B ||tanh(gamma B) - B_s||_F / (||B_s||_F + 1e-6)``
+          over every factor B, gamma following :func:`gamma_at` over the local steps;
+        * ``yoco_sparse``: ``lambda * mean_A mean|A|`` over the factors A that train.
+
+        Returns:
+            The hooks (empty outside the ``oneshot`` phase; a term without factors is left out).
+        """
+        if config.get(keys.PHASE) != "oneshot":
+            return {}
+        signs = sign_targets(model)
+        a_params = [p for n, p in model.named_parameters() if roles.get(n) == "A" and p.requires_grad]
+        w_sign = float(config.get(keys.YOCO_SIGN_WEIGHT, YocoConfig.sign_weight))
+        w_sparse = float(config.get(keys.YOCO_SPARSE_WEIGHT, YocoConfig.sparse_weight))
+        gamma_max = float(config.get(keys.YOCO_GAMMA_MAX, YocoConfig.gamma_max))
+
+        def sign(_model: nn.Module, step: int) -> torch.Tensor:
+            gamma = gamma_at(step - first_step, steps, gamma_max)
+            terms = [torch.linalg.norm(torch.tanh(gamma * b) - s) / (torch.linalg.norm(s) + 1e-6)
+                     for b, s in signs]
+            return w_sign * torch.stack(terms).mean()
+
+        def sparse(_model: nn.Module, step: int) -> torch.Tensor:
+            return w_sparse * torch.stack([a.abs().mean() for a in a_params]).mean()
+
+        hooks: dict[str, LossHook] = {}
+        if signs:
+            hooks["yoco_sign"] = sign
+        if a_params:
+            hooks["yoco_sparse"] = sparse
+        return hooks
 
     def num_rounds(self, requested: int) -> int:
         """Always one round."""
@@ -96,7 +165,7 @@ class Yoco(AdapterStrategy):
         new = average_present(updates)
         w = [u.weight for u in updates]
         for k in new:
-            if is_factor(k, "A"):
+            if self.roles.get(k) == "A":
                 new[k] = pca_aggregate([u.state[k] for u in updates], w, self.config.pca_components)
         self.global_state.update(new)
         return list(new)
