@@ -77,3 +77,32 @@ def folder(path: str | os.PathLike) -> Iterator[Path]:
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def check_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check, before any work, that ``path`` can become a folder this process writes into.
+
+    Args:
+        path: The intended output folder (it may not exist yet).
+        flag: The option that named it, for the message.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        RankwiseError: If ``path`` is an existing file, lies under a file, or its nearest
+            existing folder is not writable (one line naming the fix).
+    """
+    from rankwise.errors import RankwiseError
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RankwiseError(f"{flag} {path} is an existing file; choose a folder path")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise RankwiseError(f"{flag} {path} lies under {probe}, which is a file; choose another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RankwiseError(f"{flag} {path}: cannot write into {probe} (permission denied); "
+                            "choose a folder you can write to")
+    return path

@@ -147,8 +147,11 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
     Raises:
         RankwiseError: On config problems or an occupied run folder.
     """
+    out = atomic.check_folder(out)
     cfg, fed = resolve(config_path, sets, base)
-    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not (out / "rounds.jsonl").exists():
+        raise RankwiseError(f"{out} is not empty and holds no federated run (e.g. a train run); "
+                            "choose another --out")
     if (out / "metrics.json").exists():
         raise RankwiseError(f"run folder {out} already holds a finished run; choose another --out")
     out.mkdir(parents=True, exist_ok=True)

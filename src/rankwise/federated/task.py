@@ -136,9 +136,11 @@ def build_client(config_path: str | Path, partition_id: int) -> Client:
 def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Train the tensors the round's plan selects, through the engine, and return them.
 
-    Step ``s`` of the round draws the batch of global step ``rounds_trained * steps + s``
-    under seed ``train.seed + 1000 * partition_id`` (so a client's batches never repeat across
-    rounds and differ between clients). The strategy's hooks choose what trains
+    Step ``s`` of round ``t`` draws the batch of global step ``(t - 1) * steps + s`` under seed
+    ``train.seed + 1000 * partition_id`` (so a client's batches never repeat across rounds and
+    differ between clients), and torch's RNG (dropout) is seeded from ``(train.seed, partition,
+    t)``: a round's update depends only on the round and the client, not on which simulation
+    process happens to serve the client or what it ran before, so reruns reproduce exactly. The strategy's hooks choose what trains
     (``train_names``) and add loss terms (``loss_hooks``). A non-finite loss ends the round
     early (logged); the server then rejects the update if its tensors are not finite.
 
@@ -156,7 +158,9 @@ def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor],
     lr = float(cfg_rec.get(keys.LEARNING_RATE, fed.lr or cfg.optim.lr))
     opt = registry.get("optimizer", cfg.optim.name).builder(model, dataclasses.replace(cfg.optim, lr=lr))
     steps = int(cfg_rec.get(keys.TRAIN_STEPS, fed.local_steps))
-    first = client.rounds_trained * steps
+    server_round = int(cfg_rec.get(keys.ROUND, client.rounds_trained + 1))
+    first = (server_round - 1) * steps
+    torch.manual_seed(cfg.train.seed * 1_000_003 + client.partition_id * 10_007 + server_round)
     engine = Engine(model, client.task, opt, client.train_data, client.batch_size,
                     seed=cfg.train.seed + 1000 * client.partition_id, grad_clip=cfg.train.grad_clip,
                     loss_hooks=strategy.loss_hooks(model, client.roles, cfg_rec, first, steps))

@@ -198,18 +198,21 @@ def _run_one(raw: dict, run_dir: Path, console) -> dict:
 
     cfg = build_run_config(copy.deepcopy(raw))
     plan = json.loads(json.dumps(raw))
-    if (run_dir / "metrics.json").is_file():
-        saved = json.loads((run_dir / PLAN).read_text()) if (run_dir / PLAN).is_file() else None
-        if saved == plan:
+    if run_dir.exists() and any(run_dir.iterdir()):
+        try:
+            saved = json.loads((run_dir / PLAN).read_text())
+        except (OSError, ValueError):
+            saved = None
+        if saved != plan:
+            raise RankwiseError(f"{run_dir} holds a run that is not this comparison's (no matching "
+                                f"{PLAN}); choose another --out or move that folder away")
+        if (run_dir / "metrics.json").is_file():
             console.print(f"{run_dir}: finished earlier with the same settings, reusing metrics.json")
             return json.loads((run_dir / "metrics.json").read_text())
-        raise RankwiseError(f"{run_dir} holds a finished run with other settings; choose another "
-                            "--out or delete that folder")
-    if run_dir.exists():  # an interrupted run of this comparison: start it again
-        shutil.rmtree(run_dir)
-    metrics = train(cfg, run_dir, console=console)
-    atomic.write_json(run_dir / PLAN, plan)
-    return metrics
+        shutil.rmtree(run_dir)  # an interrupted run of this very comparison: start it again
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(run_dir / PLAN, plan)  # marks the folder as this comparison's
+    return train(cfg, run_dir, console=console)
 
 
 def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: list[str],
@@ -241,6 +244,7 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
     from rankwise.recipes.config import apply_sets, build_run_config, read_yaml
 
     console = console or Console()
+    atomic.check_folder(out)
     if seeds < 1:
         raise RankwiseError(f"--seeds: got {seeds}; expected an integer >= 1")
     if not methods:

@@ -5,11 +5,12 @@ import shutil
 from pathlib import Path
 
 from rankwise import registry
+from rankwise.core import atomic
 from rankwise.core.io import load_adapter
 from rankwise.engine import get_task
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.model import demo_model_path, load_model
+from rankwise.recipes.model import demo_model_path, load_model, torch_dtype
 
 BUILTIN_FORMATS = ("merged", "rankwise")
 
@@ -41,8 +42,9 @@ def load_run(run_dir: Path):
         return cfg, model, tok
     if not (run_dir / "adapter").is_dir():
         raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
-    model, tok = load_model(cfg.model.path, get_task(cfg.model.task), cfg.model.num_labels,
-                            seed=cfg.train.seed)
+    m = cfg.model
+    model, tok = load_model(m.path, get_task(m.task), m.num_labels, seed=cfg.train.seed,
+                            dtype=m.dtype, quantize=m.quantize, double_quant=m.double_quant)
     load_adapter(model, run_dir / "adapter")
     model.eval()
     return cfg, model, tok
@@ -65,14 +67,16 @@ def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
     """
     if fmt not in formats():
         raise RankwiseError(f"unknown export format {fmt!r}; expected one of: {', '.join(formats())}")
-    out = Path(out)
+    out = atomic.check_folder(out)
     if out.exists() and any(out.iterdir()):
         raise RankwiseError(f"export target {out} is not empty; choose a new --out or delete it first")
     cfg, model, tok = load_run(run_dir)
     full = registry.get("method", cfg.method.name).trains == "full"
     if fmt == "merged":
         from rankwise.core.merged import export_merged
-        return export_merged(model, out, tokenizer=tok)
+        # a quantized base merges into its dequantized weights, saved in bf16 (export_merged)
+        dtype = None if cfg.model.quantize else torch_dtype(cfg.model.dtype)
+        return export_merged(model, out, tokenizer=tok, dtype=dtype)
     if full:
         raise RankwiseError(f"run {run_dir} trained every weight ({cfg.method.name}); it has no "
                             "adapter to export: use --format merged")
@@ -80,4 +84,6 @@ def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
         shutil.copytree(Path(run_dir) / "adapter", out, dirs_exist_ok=True)
         return out
     base = str(demo_model_path()) if cfg.model.path == "demo" else cfg.model.path
-    return registry.get("exporter", fmt).builder(model, out, base_model_name_or_path=base)
+    # a method whose files have their own layout in this format brings its own writer
+    writer = registry.get("method", cfg.method.name).exporters.get(fmt) or registry.get("exporter", fmt).builder
+    return writer(model, out, base_model_name_or_path=base)
