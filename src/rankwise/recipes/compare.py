@@ -189,6 +189,18 @@ def plot(summary: dict[str, dict], path: Path, title: str) -> Path:
 PLAN = "compare_plan.json"
 
 
+def _check_owned(run_dir: Path, raw: dict) -> None:
+    """Raise unless ``run_dir`` is absent, empty, or marked with this very plan."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        try:
+            saved = json.loads((run_dir / PLAN).read_text())
+        except (OSError, ValueError):
+            saved = None
+        if saved != json.loads(json.dumps(raw)):
+            raise RankwiseError(f"{run_dir} holds a run that is not this comparison's (no matching "
+                                f"{PLAN}); choose another --out or move that folder away")
+
+
 def _run_one(raw: dict, run_dir: Path, console) -> dict:
     """Train one (row, seed) run, or reuse it if it finished earlier with the same plan."""
     import shutil
@@ -198,14 +210,8 @@ def _run_one(raw: dict, run_dir: Path, console) -> dict:
 
     cfg = build_run_config(copy.deepcopy(raw))
     plan = json.loads(json.dumps(raw))
+    _check_owned(run_dir, raw)
     if run_dir.exists() and any(run_dir.iterdir()):
-        try:
-            saved = json.loads((run_dir / PLAN).read_text())
-        except (OSError, ValueError):
-            saved = None
-        if saved != plan:
-            raise RankwiseError(f"{run_dir} holds a run that is not this comparison's (no matching "
-                                f"{PLAN}); choose another --out or move that folder away")
         if (run_dir / "metrics.json").is_file():
             console.print(f"{run_dir}: finished earlier with the same settings, reusing metrics.json")
             return json.loads((run_dir / "metrics.json").read_text())
@@ -278,13 +284,18 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
             raise RankwiseError(f"row {row!r}: {err}") from None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {}
+    jobs = []
     for row, plan in plans.items():
         for seed in range(seeds):
             raw_seed = copy.deepcopy(plan)
             raw_seed.setdefault("train", {})["seed"] = seed
-            console.print(f"[bold]{row}[/] seed {seed}")
-            runs.setdefault(row, []).append(_run_one(raw_seed, out / row / f"seed{seed}", console))
+            jobs.append((row, seed, raw_seed, out / row / f"seed{seed}"))
+    for _, _, raw_seed, run_dir in jobs:  # refuse foreign folders before training anything
+        _check_owned(run_dir, raw_seed)
+    runs: dict[str, list[dict]] = {}
+    for row, seed, raw_seed, run_dir in jobs:
+        console.print(f"[bold]{row}[/] seed {seed}")
+        runs.setdefault(row, []).append(_run_one(raw_seed, run_dir, console))
     summary = summarise(runs)
     model = raw.get("model", {}).get("path", "demo")
     title = f"{model} on {raw.get('data', {}).get('source', 'demo')}, {seeds} seed(s)"
