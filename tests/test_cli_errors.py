@@ -127,7 +127,7 @@ def test_model_folder_without_config_json(tmp_path):
     ("broken.jsonl", '{"text": "a b", "label": "x"}\n{"text": "c d", "label": \n',
      ("line 2 is not valid JSON", "one JSON object per line")),
     ("list.jsonl", '["text", "label"]\n', ("line 1 is not a JSON object",)),
-    ("data.txt", "hello\n", ("extension '.txt'", ".csv or .jsonl")),
+    ("data.txt", "hello\n", ("extension '.txt'", ".jsonl, .csv or .parquet")),
 ], ids=["missing", "empty", "header-only", "no-text-field", "no-label-field", "broken-jsonl",
         "jsonl-not-object", "extension"])
 def test_bad_data_file(tmp_path, name, content, needles):

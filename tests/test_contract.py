@@ -10,12 +10,20 @@ Llama with its gated MLP and grouped-query attention):
 2. exactly the expected parameters train: the adapter's (found through the ``AdapterModule``
    protocol) plus the modules to save, or every weight for ``trains="full"``;
 3. at initialisation the output equals the base model's, when the method promises it;
-4. forward + backward give finite loss and gradients on every trainable parameter, and a few
-   AdamW steps change the output;
+4. forward + backward of the task loss plus the adapters' auxiliary losses (the protocol's
+   ``aux_losses``, as the engine adds them) give finite values and gradients on every trainable
+   parameter, and a few AdamW steps change the output;
 5. adapter layers merge exactly (1e-5) and unmerge (or, if a layer declares itself not
-   mergeable, merging raises a one-line error); disabling them gives the base output;
+   mergeable, merging raises a one-line error); disabling them gives the base output (for a
+   method that replaces the base layers itself, ``own_base``, the output of that base);
 6. ``save_adapter`` / ``load_adapter`` onto a fresh base model reproduces the outputs (the
-   layers are rebuilt from their own ``describe`` through the registry).
+   layers are rebuilt from their own ``describe`` through the registry);
+7. input adapters (virtual tokens): every forward goes through ``core.protocol.transform_inputs``
+   as the engine's tasks do; the transformed batch is ``virtual_tokens()`` positions longer in
+   its embeddings, attention mask and (causal LM) labels, the added and first real label
+   positions carry no loss, and the logits line up with it;
+8. on a bfloat16 base model (``test_method_on_bf16_base``) the method applies, its trainable
+   weights are float32, and forward + backward are finite.
 
 ``check_method`` is importable: ``tests/test_extension.py`` runs it on a method defined
 outside the package to show that a new method needs nothing but its own module and one
@@ -33,7 +41,8 @@ from rankwise.configs import from_dict
 from rankwise.core import adapter_modules, disable_adapters, merge_adapters, unmerge_adapters
 from rankwise.core.io import load_adapter, save_adapter
 from rankwise.core.ops import adapter_parameters, modules_to_save
-from rankwise.core.protocol import is_mergeable
+from rankwise.core.protocol import aux_losses, input_adapters, is_mergeable, transform_inputs
+from rankwise.engine.task import IGNORE
 from rankwise.errors import RankwiseError
 from rankwise.testing import TINY_MODELS, tiny_batch
 
@@ -44,6 +53,9 @@ DEFAULT = {
     "roundtrip": True,            # save_adapter/load_adapter reproduces outputs
     "merge": True,                # adapter layers merge exactly
     "lr": 1e-2,                   # AdamW lr of the few training steps
+    "bf16": True,                 # applies and trains on a bfloat16 base
+    "own_base": False,            # the method replaces the base layers (quantizes them): disabling
+                                  # its adapters gives that base, the reference is built the same way
 }
 
 SPECS: dict[str, dict] = {
@@ -52,6 +64,23 @@ SPECS: dict[str, dict] = {
     "full": {"roundtrip": False},     # no adapter to save: a full run saves the whole model
     # GoRA's init takes one projected gradient step, so the output moves at init (by design).
     "gora": {"identity_at_init": False, "config": {"r": 2, "r_min": 1, "r_max": 4, "n_batches": 2}},
+    # Mixtures start at the base output (B = 0, W_final = 0, zero encoder heads in eval mode);
+    # small settings keep the tiny models quick.
+    "moe-lora": {"config": {"num_experts": 3, "top_k": 2, "r": 2}},
+    "smore": {"config": {"experts": [3, 2], "ranks": [2, 2], "fanout": [2, 1], "gate_dims": [4, 4],
+                         "down_dim": 4}},
+    "lope": {"config": {"r": 2, "num_experts": 2}},
+    "fvae-lora": {"config": {"r": 2, "enc_hidden": 8, "dec_hidden": 8}},
+    # Virtual tokens change the output from the start (extra positions the model attends to).
+    "prompt-tuning": {"identity_at_init": False, "config": {"num_virtual_tokens": 3}},
+    "pt-moe": {"identity_at_init": False, "config": {"num_virtual_tokens": 3, "num_experts": 2, "rank": 2}},
+    "capt": {"identity_at_init": False},
+    # LoTA-QAF quantizes the base to its own 4-bit grid, so the output differs from the dense base
+    # from the start; merging moves the integer codes (exact, offsets folded into zero points).
+    # nn.Linear models only (it refuses GPT-2's Conv1D).
+    "lota-qaf": {"identity_at_init": False, "own_base": True, "config": {"r": 2},
+                 "models": ("bert", "llama")},
+    "lowrank": {"config": {"rank": 2}},   # adapter mode: W0 + U S V^T, S = 0 at the start
 }
 
 
@@ -63,9 +92,21 @@ CASES = [(m, k) for m in registry.names("method") for k in _spec(m)["models"]]
 
 
 def _logits(model, kind):
+    """Logits on a fixed batch through the input adapters; per-token logits of the real
+    positions only (virtual tokens dropped), so they compare with the base model's."""
     batch = {k: v for k, v in tiny_batch(kind, seed=11).items() if k != "labels"}
+    virtual = sum(a.virtual_tokens() for a in input_adapters(model))
     with torch.no_grad():
-        return model(**batch).logits
+        logits = model(**transform_inputs(model, batch)).logits
+    return logits[:, virtual:] if logits.dim() == 3 else logits
+
+
+def _train_loss(model, kind, seed):
+    """The engine's objective on one tiny batch: task loss + the adapters' auxiliary losses."""
+    loss = model(**transform_inputs(model, tiny_batch(kind, seed=seed))).loss
+    extra = aux_losses(model)
+    assert all(torch.isfinite(v) for v in extra.values()), extra
+    return loss + sum(extra.values()) if extra else loss
 
 
 def _apply(name, model, kind, spec=None):
@@ -111,7 +152,7 @@ def check_method(name, kind, tmp_path, spec=None):
     model.train()
     for step in range(3):
         opt.zero_grad(set_to_none=True)
-        loss = model(**tiny_batch(kind, seed=step)).loss
+        loss = _train_loss(model, kind, step)
         assert torch.isfinite(loss)
         loss.backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
@@ -134,9 +175,11 @@ def check_method(name, kind, tmp_path, spec=None):
         torch.testing.assert_close(_logits(model, kind), trained, atol=1e-5, rtol=0)
     if layers:
         reference = copy.deepcopy(base)  # base weights + the trained whole modules (the head)
+        if spec["own_base"]:
+            _apply(name, reference, kind, spec)
         for path in modules_to_save(model):
             reference.get_submodule(path).load_state_dict(model.get_submodule(path).state_dict())
-        with disable_adapters(model):
+        with disable_adapters(model), disable_adapters(reference):
             torch.testing.assert_close(_logits(model, kind), _logits(reference, kind), atol=1e-5, rtol=0)
         torch.testing.assert_close(_logits(model, kind), trained, atol=1e-5, rtol=0)
 
@@ -146,6 +189,49 @@ def check_method(name, kind, tmp_path, spec=None):
         fresh = build()
         load_adapter(fresh, tmp_path / "adapter")
         torch.testing.assert_close(_logits(fresh.eval(), kind), trained, atol=1e-6, rtol=0)
+
+    # 7. input adapters: lengths, masks and labels of the transformed batch
+    for adapter in input_adapters(model):
+        check_input_adapter(model, adapter, kind)
+
+
+def check_input_adapter(model, adapter, kind):
+    """Contract check 7 for one input adapter of ``model`` (see the module docstring)."""
+    v = adapter.virtual_tokens()
+    assert v >= 1
+    batch = tiny_batch(kind, seed=3)
+    batch["attention_mask"][0, -2:] = 0                      # right padding in row 0
+    t = batch["input_ids"].shape[1]
+    out = transform_inputs(model, batch)
+    assert out["inputs_embeds"].shape[:2] == (2, v + t) and "input_ids" not in out
+    assert out["attention_mask"].shape == (2, v + t)
+    assert out["attention_mask"][:, :v].eq(1).all()
+    assert torch.equal(out["attention_mask"][:, v:], batch["attention_mask"])
+    if kind == "bert":
+        assert torch.equal(out["labels"], batch["labels"])  # one label per example
+        return
+    labels = out["labels"]
+    assert labels.shape == (2, v + t) and labels[:, : v + 1].eq(IGNORE).all()
+    assert torch.equal(labels[:, v + 1:], batch["labels"][:, 1:])
+    with torch.no_grad():
+        logits = model(**{k: x for k, x in out.items() if k != "labels"}).logits
+    assert logits.shape[1] == v + t                          # position v + i - 1 predicts token i
+
+
+@pytest.mark.parametrize("name", [m for m in registry.names("method") if _spec(m)["bf16"]])
+def test_method_on_bf16_base(name):
+    kind = "llama" if "llama" in _spec(name)["models"] else _spec(name)["models"][0]
+    model = TINY_MODELS[kind]().to(torch.bfloat16)
+    entry, _ = _apply(name, model, kind)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # adapter weights are float32 master weights (a head to save is cast by the train recipe)
+    assert all(p.dtype == torch.float32 for _, m in adapter_modules(model)
+               for p in m.adapter_params("default").values())
+    model.train()
+    loss = _train_loss(model, kind, 0)
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in params)
 
 
 def test_every_spec_row_names_a_registered_method():

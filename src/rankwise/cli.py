@@ -20,6 +20,11 @@ BENCHMARKS = {
     "lora-vs-peft": "rankwise.benchmarks.lora_vs_peft:run",
     "lowrank-pretrain": "rankwise.benchmarks.lowrank_pretrain:run",
     "federated-demo": "rankwise.federated.bench:run",
+    "data-pipeline": "rankwise.benchmarks.data_pipeline:run",
+    "llm-finetune": "rankwise.benchmarks.llm_finetune:run",
+    "compress": "rankwise.benchmarks.compress:run",
+    "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
+    "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
 }
 
 
@@ -61,11 +66,19 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Run folder (default runs/<name>).")
 @click.option("--resume", is_flag=True, help="Continue from the run folder's last checkpoint.")
 def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -> None:
-    """Train an adapter (or all weights) as described by CONFIG.yaml."""
+    """Train an adapter (or all weights) as described by CONFIG.yaml.
+
+    Under ``torchrun --nproc-per-node N -m rankwise train ...`` the N processes share the
+    global ``train.batch_size``; only rank 0 writes the run folder.
+    """
+    from rankwise.engine.distributed import teardown
     from rankwise.recipes.config import load_run_config
     from rankwise.recipes.train import train as run_train
     cfg = load_run_config(config, list(sets))
-    run_train(cfg, out or Path("runs") / config.stem, resume=resume)
+    try:
+        run_train(cfg, out or Path("runs") / config.stem, resume=resume)  # under torchrun: one process each
+    finally:
+        teardown()
 
 
 @main.command()
@@ -78,6 +91,25 @@ def export(run_dir: Path, fmt: str, out: Path) -> None:
     from rankwise.recipes.export import export_run
     path = export_run(run_dir, fmt, out)
     click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="One prompt (for chat runs: the user message).")
+@click.option("--file", "file", type=click.Path(path_type=Path), default=None,
+              help="A JSONL file: one {\"prompt\": ...} (chat: {\"messages\": [...]}) per line.")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None,
+              help="A PEFT adapter folder to use instead of the run's adapter.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
+             max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+    """Complete prompts with a run's model (base + adapter); streams a single prompt."""
+    from rankwise.recipes.generate import run_generate
+    run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
+                 echo=click.echo, stream=lambda text: click.echo(text, nl=False))
 
 
 @main.command()
@@ -95,10 +127,13 @@ def demo(out: Path, steps: int | None) -> None:
 @click.option("--seeds", type=int, default=3, show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/compare"), show_default=True)
-def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path) -> None:
+@click.option("--lr-grid", type=int, default=0, show_default=True,
+              help="Sweep every row over this many learning rates on a validation split; 0 = off.")
+def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path, lr_grid: int) -> None:
     """Run several methods on one task at the same budget and tabulate the results."""
     from rankwise.recipes.compare import run_compare
-    run_compare(config, [m.strip() for m in methods.split(",") if m.strip()], seeds, list(sets), out)
+    run_compare(config, [m.strip() for m in methods.split(",") if m.strip()], seeds, list(sets), out,
+                lr_grid=lr_grid)
 
 
 @main.command()
@@ -110,6 +145,21 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
     require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
     run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated")
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Output folder (default runs/<name>-compressed).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: bool) -> None:
+    """Compress a model (prune, factor, quantize) as CONFIG's compress: section says."""
+    from rich.console import Console
+
+    from rankwise.recipes.compress import run_compress
+    out = out or Path("runs") / f"{config.stem}-compressed"
+    run_compress(config, list(sets), out, overwrite=overwrite, console=Console(stderr=True))
+    click.echo(f"wrote {out}")
 
 
 @main.command()

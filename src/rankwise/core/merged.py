@@ -5,16 +5,18 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from rankwise.core import atomic
 from rankwise.core.ops import check_mergeable, merge_and_unload
 from rankwise.core.protocol import adapter_modules
+from rankwise.core.quant import dequantize_model, quantized_paths
 from rankwise.errors import RankwiseError
 
 
 def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
-                  adapter_name: str | None = None) -> Path:
+                  adapter_name: str | None = None, dtype: torch.dtype | None = None) -> Path:
     """Save a copy of ``model`` with its adapters merged, as a plain transformers model folder.
 
     The caller's model is not changed: a deep copy is merged (``W + s B A`` per layer, see
@@ -22,11 +24,18 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
     ``save_pretrained`` (safetensors), so ``transformers.AutoModel*.from_pretrained(out_dir)``
     loads it without rankwise. Trained whole modules (the head) are part of the model already.
 
+    A quantized base (bitsandbytes 4-bit/8-bit) is first dequantized - layer by layer, into the
+    very weights the adapter was trained against, not the original 16-bit checkpoint - and the
+    merged model is saved in bf16 unless ``dtype`` says otherwise (see
+    :func:`rankwise.core.quant.dequantize_model`). Each merged weight is summed in float32 and
+    rounded once.
+
     Args:
         model: An adapted transformers model (a ``PreTrainedModel``).
         out_dir: Target folder (replaced only when writing succeeded).
         tokenizer: Optional tokenizer saved beside the weights.
         adapter_name: Merge only this adapter; ``None`` merges the active adapters.
+        dtype: Dtype of the saved weights (default: bf16 for a quantized base, else as they are).
 
     Returns:
         The folder written.
@@ -43,7 +52,15 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
         names = {n for _, m in adapter_modules(model) for n in m.adapter_names()}
         if adapter_name not in names:
             raise RankwiseError(f"no adapter named {adapter_name!r}; adapters here: {sorted(names)}")
-    merged = merge_and_unload(copy.deepcopy(model), adapter_name)
+    merged = copy.deepcopy(model)
+    if quantized_paths(merged):
+        dtype = dtype or torch.bfloat16
+        dequantize_model(merged, dtype)
+    merged = merge_and_unload(merged, adapter_name)
+    if dtype is not None:
+        merged.to(dtype)
+        if getattr(merged, "config", None) is not None:
+            merged.config.dtype = dtype
     out_dir = Path(out_dir)
     with atomic.folder(out_dir) as tmp:
         merged.save_pretrained(str(tmp))

@@ -129,14 +129,17 @@ def mark_trainable(model: nn.Module, name: str = "default") -> None:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """Return ``(trainable, total)`` parameter counts (shared tensors counted once)."""
+    """Return ``(trainable, total)`` parameter counts (shared tensors counted once; a
+    quantized weight counts its logical ``out * in`` entries, not its packed bytes)."""
+    from rankwise.core.weights import quantized_numel
+    logical = quantized_numel(model)
     seen: set[int] = set()
     trainable = total = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
+        total += logical.get(id(p), p.numel())
         if p.requires_grad:
             trainable += p.numel()
     return trainable, total
@@ -188,10 +191,11 @@ def check_mergeable(model: nn.Module) -> None:
     """
     for path, mod in adapter_modules(model):
         if not is_mergeable(mod):
-            raise RankwiseError(
-                f"adapter layer {path!r} ({type(mod).__name__}) cannot be merged into the base "
-                "weights (its output depends on the input, e.g. a router); keep it as an adapter: "
+            reason = getattr(mod, "unmergeable_reason", None) or (
+                "its output depends on the input, e.g. a router; keep it as an adapter: "
                 "export with --format rankwise")
+            raise RankwiseError(f"adapter layer {path!r} ({type(mod).__name__}) cannot be merged "
+                                f"into the base weights ({reason})")
 
 
 def merge_adapters(model: nn.Module, name: str | None = None) -> None:

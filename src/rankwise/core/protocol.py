@@ -16,6 +16,11 @@ capability          meaning                                                     
                     ``name`` (LoRA-shaped layers; used by AltLoRA, RoLoRA, ...)
 ``describe(name)``  JSON structure that, with the method config, rebuilds the         ``{}``
                     adapter on this layer (per-layer ranks, expert counts)
+``statistics()``    JSON counters of the layer's routers (expert load per mode);      none
+                    ``reset_statistics(modes)`` clears them. Written to the run
+                    folder by :class:`rankwise.engine.adapter_stats.AdapterStatistics`
+``unmergeable_``    class attribute: one clause saying why ``merge`` is refused and   generic
+``reason``          what to export instead (used by ``check_mergeable``)
 ==================  =============================================================  ==========
 
 Whole-model input adapters (prompt tuning: virtual tokens in front of the sequence) implement
@@ -138,6 +143,32 @@ def aux_losses(model: nn.Module) -> dict[str, torch.Tensor]:
         for key, value in (fn() or {}).items():
             out[key] = out[key] + value if key in out else value
     return out
+
+
+def statistics(model: nn.Module) -> dict[str, Any]:
+    """The ``statistics`` capability of every adapter layer that reports any.
+
+    Args:
+        model: The adapted model.
+
+    Returns:
+        ``{layer path: layer.statistics()}`` for layers whose statistics are non-empty.
+    """
+    out = {}
+    for path, module in adapter_modules(model):
+        fn = getattr(module, "statistics", None)
+        stats = fn() if callable(fn) else None
+        if stats:
+            out[path] = stats
+    return out
+
+
+def reset_statistics(model: nn.Module, modes: tuple[str, ...] = ("train", "eval")) -> None:
+    """Clear the ``modes`` counters of every adapter layer with ``reset_statistics``."""
+    for _, module in adapter_modules(model):
+        fn = getattr(module, "reset_statistics", None)
+        if callable(fn):
+            fn(modes)
 
 
 def input_adapters(model: nn.Module) -> list[InputAdapter]:

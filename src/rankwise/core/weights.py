@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rankwise.core import quant as _quant
 from rankwise.core.inject import is_conv1d
 
 # Quantized layer types register a dequantizer here: ``type -> fn(module) -> (out, in) tensor``.
+# bitsandbytes' layers are registered by ``core/quant.py`` as soon as bitsandbytes is imported.
 DEQUANTIZERS: dict[type, callable] = {}
 
 
@@ -25,6 +27,7 @@ def base_layer(module: nn.Module) -> nn.Module:
 
 
 def _dequantizer(layer: nn.Module):
+    _quant.register()  # no-op until bitsandbytes is imported (only then can its layers exist)
     for cls in type(layer).__mro__:
         if cls in DEQUANTIZERS:
             return DEQUANTIZERS[cls]
@@ -97,4 +100,14 @@ def logical_shapes(model: nn.Module) -> dict[str, list[int]]:
         if id(p) in adapter_ids:
             continue
         out[name.replace(".base_layer", "")] = quantized.get(id(p), list(p.shape))
+    return out
+
+
+def quantized_numel(model: nn.Module) -> dict[int, int]:
+    """``{id(storage parameter): out * in}`` for every quantized base layer of ``model``."""
+    out = {}
+    for _, m in model.named_modules():
+        if _dequantizer(m) is not None:
+            n_out, n_in = shape(m)
+            out[id(m.weight)] = n_out * n_in
     return out

@@ -1,47 +1,150 @@
-"""Read user data: CSV or JSONL files of records."""
+"""Read user data through Hugging Face ``datasets``: Arrow tables, memory-mapped from disk.
+
+A ``.jsonl`` / ``.csv`` / ``.parquet`` file is converted once into Arrow files in the
+``datasets`` cache (``data.cache_dir``, else ``~/.cache/huggingface/datasets``); a folder written
+by ``datasets.Dataset.save_to_disk`` is opened in place. Either way the records stay on disk
+and are paged in on access, so a million-record file costs no Python object per record.
+Field checks run on the Arrow columns (null counts), not on Python dicts.
+"""
 from __future__ import annotations
 
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 from rankwise.errors import RankwiseError
 
+SUFFIXES = {".jsonl": "json", ".ndjson": "json", ".csv": "csv", ".parquet": "parquet"}
+WHAT = ".jsonl, .csv or .parquet file, a datasets save_to_disk folder, or 'demo'"
 
-def read_records(path: str | Path) -> list[dict]:
-    """Read a ``.csv`` (header row) or ``.jsonl`` (one object per line) file.
 
-    Raises:
-        RankwiseError: Missing, unreadable, malformed or empty file, or unknown extension.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise RankwiseError(f"data file {path} not found; set data.source to a .csv/.jsonl file or 'demo'")
-    suffix = path.suffix.lower()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise RankwiseError(f"cannot read data file {path}: {err}; save it as UTF-8 text") from None
-    if suffix == ".csv":
-        try:
-            records = list(csv.DictReader(text.splitlines()))
-        except csv.Error as err:
-            raise RankwiseError(f"data file {path} is not valid CSV: {err}") from None
-    elif suffix in (".jsonl", ".ndjson"):
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
+def quiet_datasets(progress: bool = False) -> None:
+    """Silence ``datasets``' logging (and its progress bars unless ``progress``)."""
+    import datasets
+    datasets.logging.set_verbosity_error()
+    if progress:
+        datasets.enable_progress_bars()
+    else:
+        datasets.disable_progress_bars()
+
+
+def _first_bad_json_line(path: Path) -> str:
+    """Locate the first line of ``path`` that is not a JSON object (read line by line)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise RankwiseError(f"{path} line {n} is not valid JSON ({err.msg}); "
-                                    "JSONL needs one JSON object per line") from None
+                return f"line {n} is not valid JSON ({err.msg})"
             if not isinstance(obj, dict):
-                raise RankwiseError(f"{path} line {n} is not a JSON object")
-            records.append(obj)
+                return f"line {n} is not a JSON object"
+    return "its records do not share one schema (a field changes type between lines)"
+
+
+def _read_file(path: Path, builder: str, cache_dir: str | None):
+    import datasets
+    kwargs: dict[str, Any] = {}
+    if builder == "csv":  # every cell is text, as the csv module reads it (no type guessing)
+        with path.open(encoding="utf-8", errors="replace", newline="") as f:
+            header = next(csv.reader(f), [])
+        kwargs = {"features": datasets.Features({c: datasets.Value("string") for c in header})}
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir,
+                                     **kwargs)
+    except (datasets.exceptions.DatasetGenerationError, ValueError, TypeError) as err:
+        cause = err.__cause__ or err
+        if "corresponds to no data" in str(err):  # a CSV with only its header row
+            raise RankwiseError(f"data file {path} holds no records; it needs at least one row") from None
+        if builder == "json":
+            raise RankwiseError(f"data file {path}: {_first_bad_json_line(path)}; JSONL needs one "
+                                "JSON object per line") from None
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise RankwiseError(f"data file {path} is not valid {builder.upper()}: {first}") from None
+
+
+def read_dataset(source: str | Path, cache_dir: str | None = None):
+    """Open ``source`` as a ``datasets.Dataset`` (memory-mapped Arrow).
+
+    Args:
+        source: A ``.jsonl``/``.ndjson``, ``.csv`` (header row) or ``.parquet`` file, or a folder
+            written by ``datasets.Dataset.save_to_disk``.
+        cache_dir: Where ``datasets`` keeps its Arrow conversion (``None``: its default).
+
+    Returns:
+        The dataset (one row per record, in file order).
+
+    Raises:
+        RankwiseError: Missing, empty, malformed or unreadable source, an unknown extension,
+            or a folder that holds several splits.
+    """
+    import datasets
+    quiet_datasets()
+    path = Path(source)
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as err:
+            raise RankwiseError(f"data folder {path} is not a datasets save_to_disk folder "
+                                f"({str(err).splitlines()[0]}); set data.source to a {WHAT}") from None
+        if isinstance(ds, datasets.DatasetDict):
+            raise RankwiseError(f"data folder {path} holds several splits ({', '.join(ds)}); point "
+                                f"data.source at one of them, e.g. {path / next(iter(ds))}")
+    elif not path.is_file():
+        raise RankwiseError(f"data file {path} not found; set data.source to a {WHAT}")
     else:
-        raise RankwiseError(f"data file {path} has extension {suffix!r}; expected .csv or .jsonl")
-    if not records:
-        raise RankwiseError(f"data file {path} holds no records; it needs at least one row")
-    return records
+        builder = SUFFIXES.get(path.suffix.lower())
+        if builder is None:
+            raise RankwiseError(f"data file {path} has extension {path.suffix!r}; expected a {WHAT}")
+        if builder != "parquet":
+            try:
+                with path.open("rb") as f:
+                    head = f.read(1 << 16).strip()
+            except OSError as err:
+                raise RankwiseError(f"cannot read data file {path}: {err.strerror}") from None
+            if not head:
+                raise RankwiseError(f"data file {path} holds no records; it needs at least one row")
+            if builder == "json" and not head.startswith(b"{"):  # datasets would read a JSON array
+                raise RankwiseError(f"data file {path}: {_first_bad_json_line(path)}; JSONL needs one "
+                                    "JSON object per line")
+        ds = _read_file(path, builder, cache_dir)
+    if len(ds) == 0:
+        raise RankwiseError(f"data {path} holds no records; it needs at least one row")
+    return ds
+
+
+def check_fields(ds, source: str, fields: list[str], hint: str) -> None:
+    """Check that every record of ``ds`` has each of ``fields`` (not null, not empty text).
+
+    Runs on the Arrow columns: no record becomes a Python object.
+
+    Args:
+        ds: A ``datasets.Dataset``.
+        source: Its name, for messages.
+        fields: Required columns.
+        hint: The config keys that name these fields (``data.prompt_field``), for the fix.
+
+    Raises:
+        RankwiseError: Naming the first record (1-based) that lacks a field, or the missing
+            column and the columns there are.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    have = list(ds.column_names)
+    for field in fields:
+        if field not in have:
+            raise RankwiseError(f"{source}: no {field!r} field in any record (fields: {', '.join(have)}); "
+                                f"set {hint} to the right column")
+        col = ds.data.column(field)  # a ChunkedArray over the memory-mapped file
+        bad = pc.is_null(col)
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            bad = pc.or_kleene(bad, pc.equal(pc.utf8_length(col), 0))
+        if pc.any(bad).as_py():
+            first = pc.index(bad, True).as_py()
+            raise RankwiseError(f"{source}: record {first + 1} has no {field!r} field; "
+                                f"add it or set {hint} to the right column")
+
+
+__all__ = ["read_dataset", "check_fields", "quiet_datasets", "SUFFIXES"]

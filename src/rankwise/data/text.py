@@ -1,28 +1,42 @@
-"""Turn records into tokenized training and evaluation examples (collation is the task's)."""
+"""Turn a data source into tokenized training and evaluation examples (collation is the task's).
+
+:func:`build_data` reads ``data.source`` through ``datasets`` (:mod:`rankwise.data.files`),
+encodes every record in one cached ``Dataset.map`` pass (:class:`~rankwise.data.formats.Encoder`:
+token ids, loss labels, length, split membership) and selects the training and evaluation
+rows with integer arrays. The result, :class:`ArrowData`, reads one example at a time from the
+memory-mapped Arrow file. :class:`TextData` is the same interface over Python lists, for small
+in-memory sets (tests, benchmarks).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from rankwise.data.demo import load_demo_records, split_of
-from rankwise.data.files import read_records
+import numpy as np
+
+from rankwise.data.demo import load_demo_records
+from rankwise.data.files import check_fields, quiet_datasets, read_dataset
+from rankwise.data.formats import Encoder, resolve_chat_template
 from rankwise.errors import RankwiseError
 
 
 @dataclass
 class TextData:
-    """Tokenized examples.
+    """Tokenized examples held as Python lists.
 
     Attributes:
         ids: One list of token ids per example.
         labels: Class index per example (classification) or ``None`` (causal LM).
         label_names: Class names, index-aligned.
         pad_id: The tokenizer's pad token id.
+        dropped: Examples left out because they did not fit ``max_length``.
     """
 
     ids: list[list[int]]
     labels: list[int] | None
     label_names: list[str]
     pad_id: int
+    dropped: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -40,35 +54,170 @@ class TextData:
         return TextData([self.ids[i] for i in index], labels, self.label_names, self.pad_id)
 
 
-def _check_fields(records: list[dict], source: str, fields: list[str]) -> None:
-    for field in fields:
-        bad = [i for i, r in enumerate(records) if r.get(field) in (None, "")]
-        if bad:
-            have = ", ".join(sorted(records[bad[0]].keys()))
-            raise RankwiseError(f"{source}: record {bad[0] + 1} has no {field!r} field (fields: {have}); "
-                                f"set data.text_field/data.label_field to the right column")
+@dataclass
+class ArrowData:
+    """Tokenized examples: the rows ``positions`` of a memory-mapped ``datasets.Dataset``.
+
+    The rows are kept as an integer array instead of a ``datasets`` indices mapping: reading one
+    column of an index-mapped dataset gathers whole rows first, which at a million records
+    costs hundreds of MiB; here a column is read from the file and indexed with NumPy.
+
+    Attributes:
+        ds: The encoded dataset (``input_ids``, ``_len`` and, per format, ``labels`` (token
+            labels) and ``_label`` (the class as text)), without an indices mapping.
+        positions: Which of its rows are the examples, in order.
+        label_names: Class names, index-aligned.
+        label_index: Class text -> index.
+        pad_id: The tokenizer's pad token id.
+        fmt: The ``data.format`` that produced the rows.
+        dropped: Records left out because their completion alone exceeds ``max_length``.
+    """
+
+    ds: Any
+    positions: np.ndarray
+    label_names: list[str]
+    label_index: dict[str, int]
+    pad_id: int
+    fmt: str = "text"
+    dropped: int = 0
+    _columns: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.positions = np.asarray(self.positions, dtype=np.int64)
+        self._columns = [c for c in ("input_ids", "labels", "_label") if c in self.ds.column_names]
+        self._view = self.ds.select_columns(self._columns)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def _item(self, row: dict) -> dict:
+        item = {"input_ids": row["input_ids"]}
+        if "labels" in row:
+            item["labels"] = row["labels"]
+        if self.label_index:
+            item["label"] = self.label_index[row["_label"]]
+        return item
+
+    def __getitem__(self, i: int) -> dict:
+        """Example ``i``: ``input_ids``, and ``labels`` (token labels) / ``label`` (class)."""
+        return self._item(self._view[int(self.positions[int(i)])])
+
+    def rows(self, indices: list[int]) -> list[dict]:
+        """Examples ``indices`` read in one batch."""
+        cols = self._view[self.positions[np.asarray(indices, dtype=np.int64)].tolist()]
+        return [self._item({c: cols[c][k] for c in self._columns}) for k in range(len(indices))]
+
+    def column(self, name: str) -> np.ndarray:
+        """Column ``name`` (a scalar column) of the examples, as a NumPy array."""
+        return _column(self.ds, name)[self.positions]
+
+    def lengths(self) -> np.ndarray:
+        """Tokens per example."""
+        return self.column("_len")
+
+    @property
+    def labels(self) -> list[int] | None:
+        """Class index per example (classification), else ``None``."""
+        if not self.label_index:
+            return None
+        import pyarrow as pa
+        values = self.ds.data.column("_label").take(pa.array(self.positions)).to_pylist()
+        return [self.label_index[v] for v in values]
+
+    def subset(self, index: list[int]) -> "ArrowData":
+        """The examples ``index`` (nothing is copied)."""
+        return ArrowData(self.ds, self.positions[np.asarray(index, dtype=np.int64)], self.label_names,
+                         self.label_index, self.pad_id, self.fmt)
 
 
-def load_records(source: str, text_field: str, label_field: str, uses_labels: bool) -> list[dict]:
-    """Return ``[{"text", "label"?, "id"}]`` from ``demo`` or a file, with fields checked."""
-    if source == "demo":
-        records, _ = load_demo_records()
-        return [{"text": r["text"], "label": r["label"], "id": r["id"]} for r in records]
-    raw = read_records(source)
-    fields = [text_field] + ([label_field] if uses_labels else [])
-    _check_fields(raw, source, fields)
-    return [{"text": str(r[text_field]), "label": r.get(label_field), "id": f"{i}:{r[text_field]}"}
-            for i, r in enumerate(raw)]
+def builtin_dataset(name: str):
+    """A built-in source as an in-memory ``datasets.Dataset`` with an ``id`` column.
+
+    ``demo``: ``text``, ``label`` (the demo task); ``stdlib-functions``: ``prompt``,
+    ``completion`` (:mod:`rankwise.data.instruct`).
+    """
+    import datasets
+    if name == "demo":
+        records, keys = load_demo_records()[0], ("text", "label", "id")
+    else:
+        from rankwise.data.instruct import load_function_records
+        records, keys = load_function_records(), ("prompt", "completion", "id")
+    return datasets.Dataset.from_dict({k: [r[k] for r in records] for k in keys})
 
 
-def label_names_of(source: str, records: list[dict]) -> list[str]:
-    """Class names: the demo's package names, else the sorted distinct label values."""
-    if source == "demo":
-        return list(load_demo_records()[1])
-    return sorted({str(r["label"]) for r in records})
+BUILTIN = ("demo", "stdlib-functions")
 
 
-def build_data(data_cfg, task, tokenizer) -> tuple[TextData, TextData]:
+def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -> Encoder:
+    """The :class:`Encoder` of ``data_cfg`` (``data.format``, fields, ``max_length``).
+
+    Raises:
+        RankwiseError: A format or packing the task cannot use, or chat without a template.
+    """
+    problems = []
+    if task.uses_labels and data_cfg.format != "text":
+        problems.append(f"data.format {data_cfg.format!r} needs model.task: causal-lm (got "
+                        f"{task.name}); use data.format: text")
+    if task.uses_labels and data_cfg.packing:
+        problems.append(f"data.packing needs model.task: causal-lm (got {task.name}); set "
+                        "data.packing: false")
+    if problems:
+        raise RankwiseError("; ".join(problems))
+    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.format == "chat" else None
+    return Encoder(tokenizer, data_cfg.format, data_cfg.max_length, data_cfg.text_field,
+                   data_cfg.prompt_field, data_cfg.completion_field, data_cfg.messages_field,
+                   data_cfg.label_field, data_cfg.train_on_prompt, template, task.uses_labels,
+                   eval_fraction, use_id=data_cfg.source in BUILTIN)
+
+
+def _required(data_cfg, uses_labels: bool) -> tuple[list[str], str]:
+    fmt = data_cfg.format
+    if fmt == "prompt-completion":
+        return [data_cfg.prompt_field, data_cfg.completion_field], "data.prompt_field/data.completion_field"
+    if fmt == "chat":
+        return [data_cfg.messages_field], "data.messages_field"
+    return ([data_cfg.text_field] + ([data_cfg.label_field] if uses_labels else []),
+            "data.text_field/data.label_field")
+
+
+def _encode(source: str, data_cfg, enc: Encoder, uses_labels: bool):
+    """Read ``source``, check its fields, and encode it (cached by ``datasets``)."""
+    import datasets
+    raw = builtin_dataset(source) if source in BUILTIN else read_dataset(source, data_cfg.cache_dir)
+    fields, hint = _required(data_cfg, uses_labels)
+    check_fields(raw, source, fields, hint)
+    feats = {"input_ids": datasets.Sequence(datasets.Value("int32")), "_len": datasets.Value("int32")}
+    if enc.masked:
+        feats["labels"] = datasets.Sequence(datasets.Value("int32"))
+    if uses_labels:
+        feats["_label"] = datasets.Value("string")
+    if enc.eval_fraction is not None:
+        feats["_eval"] = datasets.Value("bool")
+    return raw.map(enc, batched=True, batch_size=1000, with_indices=True,
+                   remove_columns=raw.column_names, features=datasets.Features(feats),
+                   new_fingerprint=enc.fingerprint(raw._fingerprint), desc=f"tokenizing {source}")
+
+
+def _column(ds, name: str) -> np.ndarray:
+    return ds.select_columns([name]).with_format("numpy")[:][name]
+
+
+def validation_split(rows: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Split training rows into ``(train, validation)``: a fixed-seed draw of ``fraction`` of
+    them (deterministic for a given training set; the evaluation split is not involved).
+
+    Args:
+        rows: Row numbers of the training records.
+        fraction: Share held out for validation.
+
+    Returns:
+        The remaining training rows and the validation rows, each in their original order.
+    """
+    held = np.random.default_rng(20_251_130).random(len(rows)) < fraction
+    return rows[~held], rows[held]
+
+
+def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[ArrowData, ArrowData]:
     """Build ``(train, eval)`` from a :class:`~rankwise.recipes.config.DataConfig`.
 
     Args:
@@ -76,32 +225,59 @@ def build_data(data_cfg, task, tokenizer) -> tuple[TextData, TextData]:
         task: The run's :class:`~rankwise.engine.task.Task` (``uses_labels`` decides whether
             records need a label).
         tokenizer: A transformers tokenizer.
+        progress: Show ``datasets``' progress bars while tokenizing.
+
+    Returns:
+        The training and evaluation examples; each has ``dropped``, the records left out
+        because their completion alone exceeds ``data.max_length``.
 
     Raises:
-        RankwiseError: Missing/empty data, missing fields, or an empty split.
+        RankwiseError: Missing/empty/malformed data, missing fields, bad messages, a format the
+            task cannot use, or an empty split.
     """
+    quiet_datasets(progress)
     uses_labels = task.uses_labels
-    records = load_records(data_cfg.source, data_cfg.text_field, data_cfg.label_field, uses_labels)
     if data_cfg.eval_source:
-        train_recs = records
-        eval_recs = load_records(data_cfg.eval_source, data_cfg.text_field, data_cfg.label_field,
-                                 uses_labels)
+        enc = encoder_for(data_cfg, task, tokenizer)
+        train_ds = _encode(data_cfg.source, data_cfg, enc, uses_labels)
+        eval_ds = _encode(data_cfg.eval_source, data_cfg, enc, uses_labels)
+        train_rows, eval_rows = np.arange(len(train_ds)), np.arange(len(eval_ds))
     else:
-        train_recs = [r for r in records if split_of(r["id"], data_cfg.eval_fraction) == "train"]
-        eval_recs = [r for r in records if split_of(r["id"], data_cfg.eval_fraction) == "eval"]
+        enc = encoder_for(data_cfg, task, tokenizer, data_cfg.eval_fraction)
+        train_ds = eval_ds = _encode(data_cfg.source, data_cfg, enc, uses_labels)
+        held_out = _column(train_ds, "_eval")
+        train_rows, eval_rows = np.flatnonzero(~held_out), np.flatnonzero(held_out)
+    if getattr(data_cfg, "holdout", "eval") == "validation":  # carve from training, never eval
+        eval_ds, (train_rows, eval_rows) = train_ds, validation_split(train_rows, data_cfg.validation_fraction)
     if data_cfg.limit:
-        train_recs = train_recs[: data_cfg.limit]
-    if not train_recs or not eval_recs:
-        raise RankwiseError(f"data {data_cfg.source}: the {'training' if not train_recs else 'evaluation'} "
-                            "split is empty; add records or change data.eval_fraction")
-    names = label_names_of(data_cfg.source, train_recs + eval_recs) if uses_labels else []
-    index = {n: i for i, n in enumerate(names)}
+        train_rows = train_rows[: data_cfg.limit]
+    train_len, eval_len = _column(train_ds, "_len")[train_rows], _column(eval_ds, "_len")[eval_rows]
+    dropped = (int((train_len == 0).sum()), int((eval_len == 0).sum()))
+    train_rows, eval_rows = train_rows[train_len > 0], eval_rows[eval_len > 0]
+    if not len(train_rows) or not len(eval_rows):
+        which = "training" if not len(train_rows) else "evaluation"
+        why = (f" ({sum(dropped)} records have a completion longer than data.max_length="
+               f"{data_cfg.max_length}; raise it)" if sum(dropped) else "")
+        raise RankwiseError(f"data {data_cfg.source}: the {which} split is empty{why}; add records "
+                            "or change data.eval_fraction")
+    names: list[str] = []
+    index: dict[str, int] = {}
+    if uses_labels and data_cfg.source == "demo":
+        names = list(load_demo_records()[1])
+        index = {str(i): i for i in range(len(names))}
+    elif uses_labels:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        seen = {v for ds, rows in ((train_ds, train_rows), (eval_ds, eval_rows))
+                for v in pc.unique(ds.data.column("_label").take(pa.array(rows))).to_pylist()}
+        names = sorted(seen)
+        index = {n: i for i, n in enumerate(names)}
+    pad = tokenizer.pad_token_id
+    train_data = ArrowData(train_ds, train_rows, names, index, pad, data_cfg.format, dropped[0])
+    if getattr(data_cfg, "label_noise", 0.0):  # flip a fixed fraction of training labels
+        from rankwise.data.noise import flip_labels
+        train_data = flip_labels(train_data, data_cfg.label_noise, data_cfg.label_noise_seed)
+    return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, data_cfg.format, dropped[1])
 
-    def tokenize(recs: list[dict]) -> TextData:
-        enc = tokenizer([r["text"] for r in recs], truncation=True, max_length=data_cfg.max_length)
-        labels = None
-        if uses_labels:
-            labels = [r["label"] if data_cfg.source == "demo" else index[str(r["label"])] for r in recs]
-        return TextData(enc["input_ids"], labels, names, tokenizer.pad_token_id)
 
-    return tokenize(train_recs), tokenize(eval_recs)
+__all__ = ["TextData", "ArrowData", "build_data", "encoder_for", "builtin_dataset", "BUILTIN"]

@@ -206,3 +206,18 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class MeasureMemory:
+    """Fold the memory meter's events after every step (:meth:`rankwise.memory.PeakMemory.flush`),
+    so on CPU the profiler holds one step's events, not a whole run's.
+
+    Args:
+        meter: The :class:`~rankwise.memory.PeakMemory` the fit runs inside.
+    """
+
+    def __init__(self, meter: Any) -> None:
+        self.meter = meter
+
+    def on_step_end(self, engine, state, result) -> None:
+        self.meter.flush()

@@ -32,6 +32,56 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LossHook = Callable[[nn.Module, int], torch.Tensor]
 
 
+def precision_problem(precision: str, device: str) -> str | None:
+    """Why ``device`` cannot train in ``precision`` (``None`` when it can).
+
+    The check runs what a step runs: a linear layer's forward and backward under autocast in
+    the precision's dtype (and, for fp16, a gradient-scaler step) on the device; bf16 on a
+    CUDA device also needs ``torch.cuda.is_bf16_supported()``.
+
+    Args:
+        precision: ``fp32``, ``bf16`` or ``fp16``.
+        device: ``cpu``, ``cuda``, ``cuda:1`` ...
+
+    Returns:
+        A one-line reason naming the fix, or ``None``.
+    """
+    dtype = PRECISIONS.get(precision)
+    if dtype is None:
+        return None
+    kind = str(device).split(":")[0]
+    fix = "set train.precision to " + ("bf16 or fp32" if precision == "fp16" else "fp16 or fp32")
+    if kind == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        return f"train.precision bf16: this GPU has no bfloat16 support; {fix}"
+    try:
+        _probe(precision, dtype, str(device))
+    except (RuntimeError, NotImplementedError, AssertionError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return f"train.precision {precision}: {kind} cannot run {dtype} autocast ({reason}); {fix}"
+    return None
+
+
+def _probe(precision: str, dtype: torch.dtype, device: str) -> None:
+    """One tiny autocast forward/backward (and scaler step for fp16) on ``device``."""
+    kind = device.split(":")[0]
+    if not torch.amp.is_autocast_available(kind):
+        raise RuntimeError(f"no autocast for device type {kind!r}")
+    layer = nn.Linear(8, 8).to(device)
+    with torch.autocast(kind, dtype=dtype):
+        out = layer(torch.randn(2, 8, device=device))
+    if out.dtype != dtype:
+        raise RuntimeError(f"autocast produced {out.dtype}")
+    loss = out.float().sum()
+    if precision == "fp16":
+        scaler = torch.amp.GradScaler(kind)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+
+
 def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     """Example indices of training step ``step`` (0-based), independent of any state.
 
@@ -145,12 +195,16 @@ class Engine:
         loss_hooks: Extra loss terms by name, ``fn(model, step) -> tensor``, added to every
             micro-batch (weighted by its share of the step's examples) and logged by name.
         callbacks: See :mod:`rankwise.engine.callbacks`.
+        dist: A :class:`rankwise.engine.distributed.Distributed` under torchrun: ``batch_size``
+            becomes the global batch, this process takes its share, counts and gradients are
+            summed over processes (``None`` or one process: nothing changes).
     """
 
     def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, dataset: Any,
                  batch_size: int, seed: int = 0, scheduler: Any = None, grad_accum: int = 1,
                  grad_clip: float = 0.0, precision: str = "fp32", device: str = "cpu",
-                 loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = ()) -> None:
+                 loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = (),
+                 dist: Any = None) -> None:
         if precision not in PRECISIONS:
             raise RankwiseError(f"train.precision: got {precision!r}; expected one of {list(PRECISIONS)}")
         self.model, self.task, self.optimizer, self.dataset = model, task, optimizer, dataset
@@ -161,6 +215,7 @@ class Engine:
         self.callbacks = list(callbacks)
         self.scaler = torch.amp.GradScaler(self.device.split(":")[0]) if precision == "fp16" else None
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.dist = dist if dist is not None and dist.active else None
 
     # ----- one step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -174,6 +229,8 @@ class Engine:
         """The collated micro-batches of optimizer step ``step``, on the engine's device."""
         n = len(self.dataset)
         idx = batch_indices(step, n, min(self.batch_size, n), self.seed)
+        if self.dist is not None:
+            idx = self.dist.shard(idx)  # this process's share of the global batch
         micro = split([self.dataset[i] for i in idx], self.grad_accum)
         return [{k: v.to(self.device) for k, v in self.task.collate(m, self.dataset.pad_id).items()}
                 for m in micro]
@@ -190,9 +247,12 @@ class Engine:
         batches = self.step_batches(step)
         targets = sum(self.task.count_targets(b) for b in batches)
         examples = sum(len(b["input_ids"]) for b in batches)
+        if self.dist is not None:  # normalise by the targets of the whole global step
+            targets, examples = (int(x) for x in self.dist.all_sum([targets, examples]))
         norm = max(targets, 1)
         total = 0.0
         aux_sum: dict[str, float] = {}
+        bad = None
         for batch in batches:
             share = len(batch["input_ids"]) / examples  # per-batch means weigh by their examples
             with self.autocast():
@@ -202,15 +262,24 @@ class Engine:
                 extra.update({name: hook(model, step) for name, hook in self.loss_hooks.items()})
                 objective = loss + sum(v * share for v in extra.values()) if extra else loss
             if not torch.isfinite(objective.detach()):
-                opt.zero_grad(set_to_none=True)
-                raise NonFiniteLoss(step + 1, float(objective.detach()))
+                if self.dist is None:
+                    opt.zero_grad(set_to_none=True)
+                    raise NonFiniteLoss(step + 1, float(objective.detach()))
+                bad = float(objective.detach())  # every process raises together, below
             (self.scaler.scale(objective) if self.scaler else objective).backward()
             total += float(loss_sum.detach())
             for k, v in extra.items():
                 aux_sum[k] = aux_sum.get(k, 0.0) + float(v.detach()) * share
+        tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+        if self.dist is not None:
+            total, aux_sum, bad, tokens = self.dist.reduce_step(total, aux_sum, bad, tokens)
+            if bad is not None:
+                opt.zero_grad(set_to_none=True)
+                raise NonFiniteLoss(step + 1, bad)
+            self.dist.sync_grads(self.params)
         mean = total / norm
         self._update(step, mean)
-        return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=int(sum(int(b["attention_mask"].sum()) for b in batches)))
+        return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=tokens)
 
     def _update(self, step: int, loss: float) -> None:
         opt = self.optimizer
@@ -348,4 +417,4 @@ def linear_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_fractio
 
 
 __all__ = ["Engine", "StepResult", "TrainState", "NonFiniteLoss", "batch_indices", "split",
-           "evaluate", "linear_schedule"]
+           "evaluate", "linear_schedule", "precision_problem", "PRECISIONS"]

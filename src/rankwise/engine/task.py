@@ -79,6 +79,9 @@ class Task:
     def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, dict]:
         batch = transform_inputs(model, batch)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if "position_ids" in inputs:  # packed: restarting positions give the block mask
+            inputs.pop("attention_mask", None)
+            inputs["use_cache"] = False
         return model(**inputs), batch
 
 
@@ -128,13 +131,23 @@ class CausalLMTask(Task):
     auto_class = "AutoModelForCausalLM"
 
     def collate(self, items, pad_id):
-        """Pad ``input_ids``; labels are the example's own or its ids, ``-100`` on padding."""
+        """Pad ``input_ids``; labels are the example's own or its ids, ``-100`` on padding.
+
+        Packed blocks (items with ``position_ids``) keep them; the padding tail gets positions
+        restarting at 0, so it forms its own segment that no real token attends to.
+        """
         ids, mask = pad([it["input_ids"] for it in items], pad_id)
         if all("labels" in it for it in items):
             labels, _ = pad([it["labels"] for it in items], IGNORE)
         else:
             labels = ids.masked_fill(mask == 0, IGNORE)
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if all("position_ids" in it for it in items):
+            width = ids.shape[1]
+            batch["position_ids"] = torch.tensor(
+                [list(it["position_ids"]) + list(range(width - len(it["position_ids"]))) for it in items],
+                dtype=torch.long)
+        return batch
 
     def count_targets(self, batch):
         """Tokens that are predicted: labels at positions 1.. that are not ``-100``."""

@@ -28,11 +28,19 @@ class ModelConfig:
         task: A registered task: ``classification`` (sequence classification head) or
             ``causal-lm`` (``rankwise list`` shows them).
         num_labels: Number of classes; ``None`` infers it from the data.
+        dtype: Storage dtype of the frozen base: ``float32``, ``bfloat16`` or ``float16``
+            (trainable weights are float32 whatever this says).
+        quantize: Load the base quantized by bitsandbytes through transformers'
+            ``BitsAndBytesConfig``: ``nf4`` / ``fp4`` (4-bit, QLoRA) or ``int8``; ``null`` = no.
+        double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
     """
 
     path: str = "demo"
     task: str = "classification"
     num_labels: Union[int, None] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantize: Union[Literal["nf4", "fp4", "int8"], None] = None
+    double_quant: bool = True
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -44,31 +52,70 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where the text comes from.
+    """Where the text comes from and how it becomes examples (:mod:`rankwise.data`).
 
     Attributes:
-        source: ``demo`` (stdlib docstring topics) or a ``.csv`` / ``.jsonl`` file.
+        source: ``demo`` (stdlib docstring topics), ``stdlib-functions`` (prompt = a stdlib
+            function's docstring, completion = its ``def`` line), a ``.jsonl``/``.csv``/``.parquet``
+            file, or a folder written by ``datasets.Dataset.save_to_disk`` (all read through
+            ``datasets``: memory-mapped Arrow, tokenization cached).
+        format: ``text`` (every token trains; classification uses it), ``prompt-completion``
+            (loss on the completion + EOS only) or ``chat`` (a list of ``{role, content}``
+            messages through the chat template; loss on assistant turns only). Causal LM.
         text_field: Column/key holding the text.
         label_field: Column/key holding the label (classification).
-        max_length: Tokens per example (longer texts are truncated).
+        prompt_field: Column/key of the prompt (``prompt-completion``).
+        completion_field: Column/key of the completion (``prompt-completion``).
+        messages_field: Column/key of the messages (``chat``).
+        train_on_prompt: Prompt tokens are loss targets too (``prompt-completion``).
+        chat_template: A Jinja chat template (text, or a file path) used instead of the
+            tokenizer's own; needed when the tokenizer has none.
+        packing: Pack several examples into each ``max_length`` block for training (causal
+            LM); they never attend to each other and their positions restart.
+        max_length: Tokens per example. Text is cut from the right; a prompt is cut from the
+            left, and an example whose completion alone is longer is dropped and counted.
         eval_source: A separate evaluation file; else a held-out fraction of ``source``.
         eval_fraction: Held-out fraction, chosen by a hash of each record (deterministic).
         limit: Use at most this many training records (``None`` = all).
+        cache_dir: Where ``datasets`` keeps Arrow conversions (``None``: its default cache).
+        label_noise: Share of *training* class labels flipped to another class, in [0, 1)
+            (robustness experiments; evaluation labels stay clean; :mod:`rankwise.data.noise`).
+        label_noise_seed: Seeds which labels flip (independent of ``train.seed``).
+        holdout: What the run evaluates on: ``eval`` (the evaluation split) or ``validation``
+            (a deterministic ``validation_fraction`` of the *training* records, held out of
+            training; learning-rate sweeps choose on it so the evaluation split stays unseen).
+        validation_fraction: Share of the training records held out with ``holdout: validation``.
     """
 
     source: str = "demo"
+    format: Literal["text", "prompt-completion", "chat"] = "text"
     text_field: str = "text"
     label_field: str = "label"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    train_on_prompt: bool = False
+    chat_template: Union[str, None] = None
+    packing: bool = False
     max_length: int = 64
     eval_source: Union[str, None] = None
     eval_fraction: float = 0.2
     limit: Union[int, None] = None
+    cache_dir: Union[str, None] = None
+    label_noise: float = 0.0
+    label_noise_seed: int = 0
+    holdout: Literal["eval", "validation"] = "eval"
+    validation_fraction: float = 0.1
 
     def problems(self) -> list[str]:
         """Return value errors."""
         out = []
+        if not 0.0 < self.validation_fraction < 1.0:
+            out.append(f"validation_fraction: got {self.validation_fraction}; expected a value in (0, 1)")
         if not 0.0 < self.eval_fraction < 1.0:
             out.append(f"eval_fraction: got {self.eval_fraction}; expected a value in (0, 1)")
+        if not 0.0 <= self.label_noise < 1.0:
+            out.append(f"label_noise: got {self.label_noise}; expected a fraction in [0, 1)")
         if self.max_length < 2:
             out.append(f"max_length: got {self.max_length}; expected at least 2")
         return out
@@ -93,6 +140,19 @@ class TrainConfig:
         early_stopping_patience: Stop after this many evaluations (``eval_every``) without a
             lower ``eval_loss`` (0 = never).
         progress: Show a progress bar.
+        precision: Autocast compute: ``fp32`` (none), ``bf16`` or ``fp16`` (with a gradient
+            scaler, saved in checkpoints). Trainable weights stay float32 in every mode.
+        gradient_checkpointing: Recompute each transformer block's activations in the backward
+            pass (non-reentrant; transformers models).
+        grad_accum: Micro-batches per optimizer step; ``batch_size`` stays the examples per
+            step, and the loss is normalised by the targets of the whole step.
+        log_to: Extra loggers besides ``events.jsonl``: ``tensorboard`` (needs the
+            ``tensorboard`` package) writes to ``RUN_DIR/tensorboard``.
+        distributed: Under ``torchrun`` with several processes: ``ddp`` (every process holds
+            the model; gradients are summed) or ``fsdp`` (FSDP2 ``fully_shard``: parameters
+            sharded across processes). ``batch_size`` is then the global batch.
+        distributed_timeout_s: Seconds a process waits for the others in a collective before
+            it gives up (a dead or stuck process ends the run instead of hanging it).
     """
 
     steps: int = 200
@@ -108,6 +168,12 @@ class TrainConfig:
     keep_checkpoints: int = 2
     early_stopping_patience: int = 0
     progress: bool = True
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_checkpointing: bool = False
+    grad_accum: int = 1
+    log_to: list[Literal["tensorboard"]] = field(default_factory=list)
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    distributed_timeout_s: float = 600.0
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -119,6 +185,37 @@ class TrainConfig:
                      "early_stopping_patience"):
             if getattr(self, name) < 0:
                 out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 0")
+        if self.grad_accum < 1:
+            out.append(f"grad_accum: got {self.grad_accum}; expected an integer >= 1")
+        elif self.batch_size >= 1 and self.batch_size % self.grad_accum:
+            out.append(f"grad_accum: got {self.grad_accum}, which does not divide batch_size "
+                       f"{self.batch_size} (examples per optimizer step); choose a divisor such as "
+                       f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
+        if self.distributed_timeout_s <= 0:
+            out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
+        return out
+
+
+@dataclass
+class EvalConfig:
+    """What each evaluation writes besides the metrics.
+
+    Attributes:
+        samples: Greedy completions of the first N evaluation prompts, written to
+            ``samples.jsonl`` at every evaluation (causal LM; 0 = none).
+        max_new_tokens: Tokens generated per sample.
+    """
+
+    samples: int = 0
+    max_new_tokens: int = 32
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        out = []
+        if self.samples < 0:
+            out.append(f"samples: got {self.samples}; expected an integer >= 0")
+        if self.max_new_tokens < 1:
+            out.append(f"max_new_tokens: got {self.max_new_tokens}; expected an integer >= 1")
         return out
 
 
@@ -132,6 +229,7 @@ class RunConfig:
     optim: Any = None
     train: TrainConfig = field(default_factory=TrainConfig)
     federated: Union[dict, None] = None
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -140,7 +238,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated")
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -235,10 +333,32 @@ def build_run_config(data: dict) -> RunConfig:
         optim=part(lambda: from_dict(registry.get("optimizer", str(optim["name"])).config_cls, optim, "optim")),
         train=part(lambda: from_dict(TrainConfig, data.get("train"), "train")),
         federated=data.get("federated"),
+        eval=part(lambda: from_dict(EvalConfig, data.get("eval"), "eval")),
     )
+    if not problems:
+        problems.extend(cross_problems(cfg))
     if problems:
         raise RankwiseError("; ".join(problems))
     return cfg
+
+
+def cross_problems(cfg: RunConfig) -> list[str]:
+    """Problems that involve two sections (each section's own checks have passed)."""
+    out = []
+    m, t = cfg.model, cfg.train
+    if registry.get("task", m.task).builder().uses_labels and (cfg.data.format != "text" or cfg.data.packing or cfg.eval.samples):
+        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
+                else f"data.format {cfg.data.format}")
+        out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
+    if m.quantize and registry.get("method", cfg.method.name).trains == "full":
+        out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
+                   f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "
+                   "an adapter method (lora, gora) or set model.quantize: null")
+    if m.dtype != "float32" and t.precision == "fp32":
+        out.append(f"model.dtype {m.dtype} with train.precision fp32 would mix dtypes between "
+                   f"the base and the float32 trainable weights; set train.precision: "
+                   f"{'bf16' if m.dtype == 'bfloat16' else 'fp16'}")
+    return out
 
 
 def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:

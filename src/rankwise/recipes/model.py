@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rankwise.errors import RankwiseError
+from rankwise.errors import RankwiseError, require
 
 TINY = ("tiny-bert", "tiny-gpt2", "tiny-llama")
 
@@ -75,7 +75,59 @@ def _tiny_config(name: str, vocab_size: int, num_labels: int):
                        pad_token_id=0, bos_token_id=0, eos_token_id=0, **common)
 
 
-def load_model(path: str, task, num_labels: int | None = None, seed: int = 0) -> tuple[nn.Module, object]:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``model.dtype`` name.
+
+    Raises:
+        RankwiseError: For an unknown name.
+    """
+    if name not in DTYPES:
+        raise RankwiseError(f"model.dtype: got {name!r}; expected one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
+def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True):
+    """The transformers ``BitsAndBytesConfig`` of ``model.quantize`` (also what a PEFT user
+    passes to load the same 4-bit base).
+
+    4-bit weights compute in ``dtype`` and are stored in a tensor of ``dtype``
+    (``bnb_4bit_quant_storage``): the packed bytes are the same, but every parameter of the
+    model is then a float tensor, which FSDP can flatten and shard.
+
+    Args:
+        quantize: ``nf4``, ``fp4`` or ``int8``.
+        dtype: ``model.dtype`` (compute and storage dtype of 4-bit weights).
+        double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
+
+    Returns:
+        A ``transformers.BitsAndBytesConfig``.
+
+    Raises:
+        RankwiseError: If bitsandbytes is not installed (names the pip extra).
+    """
+    require("bitsandbytes", "quant", f"model.quantize: {quantize}")
+    from transformers import BitsAndBytesConfig
+    if quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    t = torch_dtype(dtype)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize,
+                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=t,
+                              bnb_4bit_quant_storage=t)
+
+
+def dtype_kwargs(dtype: torch.dtype) -> dict:
+    """``{"dtype": dtype}`` for ``from_pretrained`` (``torch_dtype`` before transformers 4.56)."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
+def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
+               dtype: str = "float32", quantize: str | None = None, double_quant: bool = True,
+               device: str = "cpu") -> tuple[nn.Module, object]:
     """Load ``(model, tokenizer)``.
 
     Args:
@@ -84,12 +136,18 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0) ->
             model), or a task name.
         num_labels: Classes (tasks with labels).
         seed: Seeds the initialisation of new weights (the head, tiny models).
+        dtype: ``model.dtype``: storage dtype of the base weights.
+        quantize: ``model.quantize``: ``None``, ``nf4``, ``fp4`` or ``int8`` (bitsandbytes,
+            through transformers' ``BitsAndBytesConfig``).
+        double_quant: ``model.double_quant`` (4-bit only).
+        device: Where a quantized model is loaded (quantization happens on load).
 
     Returns:
         The model in train mode and its tokenizer.
 
     Raises:
-        RankwiseError: If the folder is missing or holds no loadable model.
+        RankwiseError: If the folder is missing or holds no loadable model, or bitsandbytes
+            is needed and missing.
     """
     import transformers
     from transformers import logging as hf_logging
@@ -97,6 +155,8 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0) ->
     from rankwise.engine import get_task
     if isinstance(task, str):
         task = get_task(task)
+    t = torch_dtype(dtype)
+    quant = bnb_config(quantize, dtype, double_quant) if quantize else None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -107,13 +167,17 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0) ->
     torch.manual_seed(seed)
     if path in TINY:
         tok = load_tokenizer(path)
-        model = auto.from_config(_tiny_config(path, len(tok), num_labels or 2))
+        model = auto.from_config(_tiny_config(path, len(tok), num_labels or 2)).to(t)
         model.config._name_or_path = path
+        if quant is not None:
+            model = _quantize_in_memory(model, auto, quant, t, device)
     else:
         folder = model_folder(path)
         tok = load_tokenizer(str(folder) if path != "demo" else "demo")
+        if quant is not None:
+            kwargs.update(quantization_config=quant, device_map={"": device})
         try:
-            model = auto.from_pretrained(str(folder), local_files_only=True, **kwargs)
+            model = auto.from_pretrained(str(folder), local_files_only=True, **dtype_kwargs(t), **kwargs)
         except (OSError, ValueError, KeyError) as err:
             raise RankwiseError(f"cannot load a {task.name} model from {folder}: "
                                 f"{str(err).splitlines()[0]}") from None
@@ -123,3 +187,44 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0) ->
         model.config.pad_token_id = tok.pad_token_id
     model.train()
     return model, tok
+
+
+def _quantize_in_memory(model: nn.Module, auto, quant, dtype: torch.dtype, device: str) -> nn.Module:
+    """Quantize a model built in code: transformers quantizes only while loading, so write it
+    to a temporary folder and load it back with ``quant``."""
+    import tempfile
+    name = model.config._name_or_path
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        out = auto.from_pretrained(tmp, quantization_config=quant, device_map={"": device},
+                                   **dtype_kwargs(dtype))
+    out.config._name_or_path = name
+    return out
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Turn on non-reentrant activation checkpointing of a transformers model.
+
+    Non-reentrant ``torch.utils.checkpoint`` needs no input that requires grad, so the
+    embeddings are left alone (the ``enable_input_require_grads`` hook that transformers 5
+    installs here is removed again): a frozen base with LoRA layers inside the checkpointed
+    blocks gets exact gradients, and no activation-sized gradient flows into the embeddings.
+
+    Args:
+        model: A transformers model.
+
+    Raises:
+        RankwiseError: If the model does not support activation checkpointing.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise RankwiseError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
+                            "activation checkpointing; set train.gradient_checkpointing: false")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()  # transformers 5 installs the input-grad hook anyway
+    if getattr(model.config, "use_cache", None):
+        model.config.use_cache = False  # a KV cache is useless in training and clashes with it

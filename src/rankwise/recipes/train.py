@@ -8,7 +8,7 @@ optimizer); the loop itself is :class:`rankwise.engine.Engine`, and everything a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,20 @@ from rankwise import registry
 from rankwise.core import atomic
 from rankwise.core.io import rebuild, save_adapter, structure
 from rankwise.core.ops import count_parameters, modules_to_save
+from rankwise.core.quant import keep_training_layout
+from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
 from rankwise.engine import Engine, NonFiniteLoss, Task, batch_indices, get_task, linear_schedule
 from rankwise.engine import callbacks as cb
+from rankwise.engine.distributed import Distributed
+from rankwise.engine.distributed import setup as setup_distributed
+from rankwise.engine.loop import precision_problem
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
 from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
-from rankwise.recipes.config import RunConfig
-from rankwise.recipes.model import load_model, load_tokenizer
+from rankwise.recipes.config import RunConfig, build_run_config
+from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer
+from rankwise.recipes.reports import data_info, report_callbacks
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Session:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     device: str
+    dist: Distributed = field(default_factory=Distributed)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device."""
@@ -57,12 +64,20 @@ class Session:
         """The :class:`~rankwise.engine.Engine` configured by ``cfg.train``."""
         t = self.cfg.train
         return Engine(self.model, self.task, self.optimizer, self.train_data, t.batch_size,
-                      seed=t.seed, scheduler=self.scheduler, grad_clip=t.grad_clip,
-                      device=self.device, callbacks=callbacks or [])
+                      seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
+                      grad_clip=t.grad_clip, precision=t.precision, device=self.device,
+                      callbacks=callbacks or [], dist=self.dist)
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
         return self.engine().evaluate(self.eval_data, self.cfg.train.eval_batch_size)
+
+
+def check_distributed(cfg: RunConfig, dist: Distributed) -> None:
+    """Raise if the run cannot be split over torchrun's processes (see ``Distributed.problem``)."""
+    problem = dist.problem(cfg.train.batch_size, cfg.train.grad_accum, cfg.optim.name)
+    if problem:
+        raise RankwiseError(problem)
 
 
 def pick_device() -> str:
@@ -71,7 +86,7 @@ def pick_device() -> str:
 
 
 def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=None,
-            saved: dict | None = None) -> Session:
+            saved: dict | None = None, dist: Distributed | None = None) -> Session:
     """Load model and data, apply the method, build optimizer and schedule.
 
     Args:
@@ -82,6 +97,9 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         saved: The adapter structure a checkpoint recorded (``{"layers", "modules_to_save"}``):
             the method's layers are rebuilt from it instead of being initialised again (a
             resumed GoRA run keeps its ranks; no calibration is repeated).
+        dist: This process's place under torchrun (default: a single process). Rank 0
+            tokenizes first (the others reuse the cache); the model is then made identical on
+            every process (``ddp``) or sharded (``fsdp``) before the optimizer is built.
 
     Returns:
         A ready :class:`Session`.
@@ -89,23 +107,33 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     Raises:
         RankwiseError: On any problem with the model, data, method or optimizer settings.
     """
-    device = device or pick_device()
+    dist = dist or Distributed()
+    check_distributed(cfg, dist)
+    device = device or (dist.device() if dist.active else pick_device())
+    problem = precision_problem(cfg.train.precision, device)
+    if problem:
+        raise RankwiseError(problem)
     task = get_task(cfg.model.task)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path)
-    train_data, eval_data = build_data(cfg.data, task, tokenizer)
+    with dist.main_first():
+        train_data, eval_data = build_data(cfg.data, task, tokenizer,
+                                           progress=cfg.train.progress and dist.is_main)
     labels = len(train_data.label_names)
     num_labels = cfg.model.num_labels or (labels if task.uses_labels else None)
     if task.uses_labels and cfg.model.num_labels and cfg.model.num_labels < labels:
         raise RankwiseError(f"model.num_labels is {cfg.model.num_labels} but the data has "
                             f"{labels} labels; remove num_labels to infer it")
     cfg.model.num_labels = num_labels  # resolved: config.yaml records it for export/resume
+    m = cfg.model
     if model is None:
-        model, tokenizer = load_model(cfg.model.path, task, num_labels, seed=cfg.train.seed)
-    model.to(device)
+        model, tokenizer = load_model(m.path, task, num_labels, seed=cfg.train.seed, dtype=m.dtype,
+                                      quantize=m.quantize, double_quant=m.double_quant, device=device)
+    if not m.quantize:  # a quantized model was loaded onto the device (bitsandbytes moves it)
+        model.to(device)
     entry = registry.get("method", cfg.method.name)
     torch.manual_seed(cfg.train.seed)
-    session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device)  # type: ignore[arg-type]
+    session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device, dist)  # type: ignore[arg-type]
     if saved is not None:
         rebuild(model, cfg.method, "default", saved.get("layers") or {}, saved.get("modules_to_save"))
     elif entry.needs_batches:
@@ -114,9 +142,19 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
                                               loss_fn=task.mean_loss)
     else:
         session.method_result = entry.builder(model, cfg.method, "default")
-    model.to(device)
+    if not m.quantize:
+        model.to(device)
     if not any(p.requires_grad for p in model.parameters()):
         raise RankwiseError(f"method {cfg.method.name!r} left nothing trainable; check method.targets")
+    for p in model.parameters():  # master weights: a head copied from a bf16 base trains in fp32
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking during the run
+    if cfg.train.gradient_checkpointing:
+        enable_checkpointing(model)
+    if cfg.data.packing:
+        session.train_data = packed_training_data(model, train_data, cfg.data.max_length, device)
+    session.model = model = dist.prepare_model(model)
     session.optimizer = registry.get("optimizer", cfg.optim.name).builder(model, cfg.optim)
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
     return session
@@ -132,6 +170,10 @@ def _check_same_config(out: Path, cfg: RunConfig) -> None:
     cfg_file = out / "config.yaml"
     if cfg_file.exists():
         saved = yaml.safe_load(cfg_file.read_text()) or {}
+        try:  # fill keys added since the run was written with their defaults
+            saved = yaml.safe_load(yaml.safe_dump(build_run_config(saved).to_dict()))
+        except RankwiseError:
+            pass  # compared as written
         now = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
         for d in (saved, now):
             d.get("train", {}).pop("progress", None)
@@ -149,19 +191,44 @@ def save_result(session: Session, out: Path) -> Path:
     if entry.trains == "full":
         with atomic.folder(out / "model") as tmp:
             session.model.save_pretrained(tmp, safe_serialization=True)
+            session.tokenizer.save_pretrained(tmp)  # a complete folder: generate / transformers load it
         return out / "model"
     return save_adapter(session.model, out / "adapter", session.cfg.method)
 
 
 def _saver(session: Session, out: Path):
-    """The checkpoint writer: trainable weights, engine state, adapter structure, time."""
+    """The checkpoint writer: trainable weights, engine state, adapter structure, time (under
+    torchrun: every process's RNG and the world size; rank 0 writes, sharded tensors gathered)."""
+    dist = session.dist
+
     def save(engine: Engine, state) -> None:
         engine.check_finite(state.step)
-        meta = {"train_time_s": state.elapsed,
-                "structure": {"layers": structure(session.model), "modules_to_save": modules_to_save(session.model)}}
-        save_checkpoint(out, state.step, session.model, engine.state_dict(),
-                        session.cfg.train.keep_checkpoints, meta)
+        engine_state = engine.state_dict()
+        if dist.active:
+            engine_state["torch_rng_ranks"] = dist.rng_states()
+        engine_state = dist.full_state(engine_state)
+        with dist.full_params(session.model):
+            if dist.is_main:
+                meta = {"train_time_s": state.elapsed, "world_size": dist.world,
+                        "structure": {"layers": structure(session.model),
+                                      "modules_to_save": modules_to_save(session.model)}}
+                save_checkpoint(out, state.step, session.model, engine_state,
+                                session.cfg.train.keep_checkpoints, meta)
     return save
+
+
+def _resume(ckpt: Path, meta: dict, session: Session, engine: Engine) -> None:
+    """Load checkpoint ``ckpt`` into every process (its own RNG stream under torchrun)."""
+    dist = session.dist
+    world = int(meta.get("world_size", 1))
+    if world != dist.world:
+        raise RankwiseError(f"{ckpt} was written by a run of {world} process(es); resume it with "
+                            f"{world} (torchrun --nproc-per-node), not {dist.world}")
+    with dist.full_params(session.model):
+        load_checkpoint(ckpt, session.model, engine)
+    dist.reshard_optimizer(engine.optimizer)
+    if dist.active:
+        torch.set_rng_state(torch.load(ckpt / "state.pt", weights_only=True)["torch_rng_ranks"][dist.rank])
 
 
 def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | None = None,
@@ -187,46 +254,58 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     """
     from rich.console import Console
 
-    console = console or Console(stderr=True)
+    dist = session.dist if session is not None else setup_distributed(
+        cfg.train.distributed, cfg.train.distributed_timeout_s)
+    main = dist.is_main  # under torchrun only rank 0 writes the run folder and talks
+    console = console or Console(stderr=True, quiet=not main)
     out = Path(out)
     _check_run_folder(out, resume)
     if resume:
         _check_same_config(out, cfg)
     ckpts = list_checkpoints(out) if resume else []
     meta = read_meta(ckpts[-1]) if ckpts else None
-    session = session or prepare(cfg, saved=(meta or {}).get("structure"))
+    dist.barrier()  # every process has checked the folder before rank 0 writes to it
+    session = session or prepare(cfg, saved=(meta or {}).get("structure"), dist=dist)
     if summary and cfg.train.progress:
         from rankwise.core.summary import print_summary
         print_summary(session.model, console, max_rows=12)
     else:
         trainable, total = count_parameters(session.model)
         console.print(f"trainable params: {trainable:,} / {total:,} ({100 * trainable / total:.2f}%)")
+    dropped = data_info(session)["dropped_too_long"]
+    if dropped:
+        console.print(f"dropped {dropped} records whose completion alone exceeds data.max_length="
+                      f"{cfg.data.max_length} (counted in events.jsonl and metrics.json)")
     t = cfg.train
     out.mkdir(parents=True, exist_ok=True)
-    log = cb.EventLog(out / "events.jsonl", t.log_every)
+    log = cb.EventLog(out / "events.jsonl", t.log_every) if main else None
     callbacks = [
-        cb.ProgressBar(cfg.method.name, console, tokens=not session.task.uses_labels, disable=not t.progress),
+        cb.ProgressBar(cfg.method.name, console, tokens=not session.task.uses_labels,
+                       disable=not (t.progress and main)),
         log, cb.Evaluate(session.eval_data, t.eval_batch_size, t.eval_every, log),
     ]
     if t.early_stopping_patience:
         callbacks.append(cb.EarlyStopping("eval_loss", t.early_stopping_patience))
     callbacks += [cb.Checkpoint(_saver(session, out), t.save_every),
                   cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True),
-                  cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}")]
-    engine = session.engine(callbacks)
+                  cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}") if main else None]
+    callbacks += report_callbacks(session, out, log, write=main)  # data line, samples, TensorBoard
+    engine = session.engine([c for c in callbacks if c is not None])
     start_step, prior_time = 0, 0.0
     if ckpts:
-        load_checkpoint(ckpts[-1], session.model, engine)
+        _resume(ckpts[-1], meta, session, engine)
         start_step, prior_time = int(meta["step"]), float(meta.get("train_time_s", 0.0))
         console.print(f"resuming {out} from step {start_step}")
     elif resume:
         console.print(f"no checkpoint in {out}; starting from step 0")
-    if not (out / "config.yaml").exists():
+    if main and not (out / "config.yaml").exists():
         atomic.write_bytes(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
-    if not ckpts and hasattr(session.method_result, "write_artifacts"):
+    if main and not ckpts and hasattr(session.method_result, "write_artifacts"):
         session.method_result.write_artifacts(out)
+    mem = PeakMemory(session.device)
+    engine.callbacks.append(cb.MeasureMemory(mem))
     try:
-        with PeakMemory(session.device) as mem:
+        with mem, dist.guard():
             state = engine.fit(t.steps, start_step, prior_time)
     except NonFiniteLoss as err:
         last = list_checkpoints(out)
@@ -234,10 +313,14 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     except KeyboardInterrupt:
         console.print(f"interrupted; checkpoint saved. Continue with --resume --out {out}")
         raise
-    save_result(session, out)
-    trainable, total = count_parameters(session.model)
+    with dist.guard(), dist.full_params(session.model):
+        if main:
+            save_result(session, out)
+        trainable, total = count_parameters(session.model)
     metrics = {**{k: round(v, 6) for k, v in state.last_eval.items()}, "trainable_params": trainable,
                "total_params": total, "steps": state.step, "train_time_s": round(state.elapsed, 3),
-               "peak_memory_mb": round(mem.peak_mb, 1), "method": cfg.method.name, "optim": cfg.optim.name}
-    atomic.write_json(out / "metrics.json", metrics)
+               "peak_memory_mb": round(mem.peak_mb, 1), "memory_meter": mem.meter,
+               "method": cfg.method.name, "optim": cfg.optim.name, **data_info(session)}
+    if main:
+        atomic.write_json(out / "metrics.json", metrics)
     return metrics

@@ -20,6 +20,7 @@ from rankwise.adapters.gora.gradients import accumulate_gradients, model_loss
 from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
 from rankwise.core import weights as W
 from rankwise.core.inject import find_targets
+from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError
 
 REPORT_ATTR = "_rankwise_gora"
@@ -86,7 +87,8 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
     """Inject GoRA adapter ``adapter_name``: allocate ranks from gradients, then init B.
 
     Implements GoRA (arXiv 2502.12171, NeurIPS 2025) steps 1-3: average each target weight's
-    gradient G over ``config.n_batches`` batches, score every layer (``config.importance``,
+    gradient G over ``config.n_batches`` batches (from activations and output gradients for a
+    quantized base layer, see :mod:`rankwise.adapters.gora.gradients`), score every layer (``config.importance``,
     the paper's mean|W ⊙ G| by default), allocate ranks under the budget
     ``sum_W (m_W + n_W) * r0`` clamped to [r_min, r_max] (rank 0 skips a layer), inject plain
     LoRA layers with those ranks (A Kaiming-uniform as in the code), and set
@@ -125,7 +127,10 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
         return {p: importance(config.importance, W.dense_weight(modules[p]),
                               W.to_storage_layout(modules[p], g), config.r) for p, g in grads.items()}
 
-    stats = accumulate_gradients(model, {p: W.storage_param(m) for p, m in modules.items()},
+    keep_training_layout(model)  # 4-bit layers must keep their training layout (core/quant.py)
+    # a packed (quantized) weight cannot hold a gradient: its layer's G comes from activations
+    targets = {p: m if W.is_quantized(m) else W.storage_param(m) for p, m in modules.items()}
+    stats = accumulate_gradients(model, targets,
                                  batches, config.n_batches,
                                  score=score if config.early_stop else None,
                                  stop_tolerance=config.stop_tolerance,

@@ -11,6 +11,7 @@ from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LORA_INITS, LoraLayer, lora_scale
 from rankwise.core.inject import default_heads, find_targets, inject
 from rankwise.core.ops import mark_trainable, set_modules_to_save
+from rankwise.core.quant import keep_training_layout
 
 __all__ = ["LoraConfig", "LoraLayer", "LORA_INITS", "apply_lora", "rebuild_lora", "lora_scale",
            "pattern_value", "export_peft", "load_peft"]
@@ -29,7 +30,8 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     """Inject LoRA adapter ``adapter_name`` into ``model`` and make only it trainable.
 
     Args:
-        model: Any module with linear layers.
+        model: Any module with linear layers (bitsandbytes 4-bit/8-bit linears included: the
+            factors are float32 beside the quantized base).
         config: The LoRA settings.
         adapter_name: Name of this adapter (several can coexist; see ``core.set_adapter``).
         structure: Optional exact per-path settings ``{path: {"r": .., "alpha": ..,
@@ -43,6 +45,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         RankwiseError: On targets matching nothing or ranks outside [1, min(in, out)].
     """
     paths = find_targets(model, config.targets, config.exclude, "method.targets")
+    keep_training_layout(model)  # 4-bit layers: no CPU inference repacking while adapted
     structure = structure or {}
     settings = {}
     for p in paths:

@@ -1,7 +1,9 @@
 """The LoRA layer: ``y = W x + s * B A x`` (Hu et al. 2021, eq. 3), with rsLoRA's scale.
 
-Wraps ``nn.Linear`` or transformers' ``Conv1D`` (weight stored (in, out), i.e. fan-in/fan-out
-transposed) and holds any number of named adapters.
+Wraps ``nn.Linear`` (including bitsandbytes' 4-bit and 8-bit linears, which subclass it) or
+transformers' ``Conv1D`` (weight stored (in, out), i.e. fan-in/fan-out transposed) and holds any
+number of named adapters. The factors are float32 whatever the base's dtype (bf16, fp16,
+4-bit): they are the master weights the optimizer updates; autocast picks the compute dtype.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.core.inject import is_conv1d
+from rankwise.core.weights import is_quantized
 from rankwise.errors import RankwiseError
 
 
@@ -84,9 +87,9 @@ class LoraLayer(nn.Module):
                                 f"layer; choose r in [1, {limit}]")
         if init not in LORA_INITS:
             raise RankwiseError(f"unknown LoRA init {init!r}; expected one of {sorted(LORA_INITS)}")
-        w = self.base_layer.weight
-        a = nn.Linear(self.in_features, r, bias=False, device=w.device, dtype=w.dtype)
-        b = nn.Linear(r, self.out_features, bias=False, device=w.device, dtype=w.dtype)
+        device = self.base_layer.weight.device
+        a = nn.Linear(self.in_features, r, bias=False, device=device, dtype=torch.float32)
+        b = nn.Linear(r, self.out_features, bias=False, device=device, dtype=torch.float32)
         LORA_INITS[init](a, b)
         self.lora_A[name], self.lora_B[name] = a, b
         self.lora_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -128,21 +131,35 @@ class LoraLayer(nn.Module):
         delta = (b.float() @ a.float()) * self.scaling[name]  # (out, in)
         return delta.T if self.fan_in_fan_out else delta
 
-    def merge(self, name: str) -> None:
-        """Add s * B A to the base weight (skips an adapter that is already merged)."""
-        if name in self._merged:
-            return
+    def _add_to_base(self, delta: torch.Tensor) -> None:
+        """``W += delta``, summed in float32 and rounded once for a low-precision ``W``."""
         w = self.base_layer.weight
         with torch.no_grad():
-            w.add_(self.delta_weight(name).to(w.dtype))
+            if w.dtype == torch.float32:
+                w.add_(delta)
+            else:
+                w.copy_((w.float() + delta).to(w.dtype))
+
+    def merge(self, name: str) -> None:
+        """Add s * B A to the base weight (skips an adapter that is already merged).
+
+        Raises:
+            RankwiseError: If the base layer is quantized: adding to packed 4/8-bit codes would
+                re-quantize the sum; the merged export dequantizes first.
+        """
+        if name in self._merged:
+            return
+        if is_quantized(self.base_layer):
+            raise RankwiseError(f"cannot merge into a quantized {type(self.base_layer).__name__} "
+                                "in place; export with --format merged (rankwise.export_merged), "
+                                "which merges into the dequantized base")
+        self._add_to_base(self.delta_weight(name))
         self._merged.append(name)
 
     def unmerge(self) -> None:
         """Subtract every merged adapter's delta, newest first."""
-        w = self.base_layer.weight
-        with torch.no_grad():
-            while self._merged:
-                w.sub_(self.delta_weight(self._merged.pop()).to(w.dtype))
+        while self._merged:
+            self._add_to_base(-self.delta_weight(self._merged.pop()))
 
     def delete(self, name: str) -> None:
         """Remove adapter ``name`` (unmerging first if needed)."""
@@ -165,8 +182,9 @@ class LoraLayer(nn.Module):
 
         The low-rank term is added into the base output in place with one fused
         ``add_(delta, alpha=s)`` (no separate scale and sum tensors); that is safe for autograd
-        because a linear layer's backward never reads its own output. Casts and the dropout call
-        happen only when needed.
+        because a linear layer's backward never reads its own output. An output that is a view
+        (an autograd Function returned it reshaped) gets an out-of-place sum instead. Casts and
+        the dropout call happen only when needed.
         """
         out = self.base_layer(x)
         for name in self._active:
@@ -178,8 +196,11 @@ class LoraLayer(nn.Module):
             if not isinstance(drop, nn.Identity):
                 h = drop(h)
             delta = F.linear(F.linear(h, a), b)  # (..., r) then (..., out)
-            out = out.add_(delta if delta.dtype == out.dtype else delta.to(out.dtype),
-                           alpha=self.scaling[name])
+            delta = delta if delta.dtype == out.dtype else delta.to(out.dtype)
+            if out._is_view():  # e.g. bitsandbytes' 8-bit matmul returns a view of its result
+                out = out + delta * self.scaling[name]
+            else:
+                out = out.add_(delta, alpha=self.scaling[name])
         return out
 
     def extra_repr(self) -> str:

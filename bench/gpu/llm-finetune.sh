@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# llm-finetune at ~1B parameters on one CUDA GPU: a Llama 16 layers x 2048 wide (intermediate
+# 8192, full multi-head attention, byte vocabulary: 1.07 B parameters), sequence 1024 x batch 8,
+# LoRA r=16 on every linear layer; rows bf16, bf16+ckpt, nf4, nf4+ckpt, each rankwise vs
+# transformers + PEFT, 2 warm-up + 10 timed steps per model. Aimed at < 8 minutes on an
+# A100/H100-class GPU; writes the same results.json / results.md as `rankwise bench llm-finetune`.
+#
+#   bench/gpu/llm-finetune.sh [OUT] [extra arguments of python -m rankwise.benchmarks.llm_finetune]
+#
+# Environment: PYTHON (default: python). Extra arguments override the preset, e.g.
+# --set steps=20 or --set "rows=[nf4,nf4+ckpt]"; the tests run this script on CPU at a tiny
+# size with --preset tiny --set device=cpu.
+set -euo pipefail
+OUT="${1:-bench/results/llm-finetune/gpu}"
+shift || true
+PYTHON="${PYTHON:-python}"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+exec "$PYTHON" -W ignore -m rankwise.benchmarks.llm_finetune --preset gpu-1b --out "$OUT" "$@"

@@ -1,0 +1,231 @@
+"""Quantized base layers (bitsandbytes): reading their weights, and keeping them trainable.
+
+rankwise never quantizes a layer itself: transformers does, from a ``BitsAndBytesConfig``
+(``model.quantize``). This module teaches :mod:`rankwise.core.weights` to read the two
+bitsandbytes layer types - ``Linear4bit`` (NF4/FP4, QLoRA) and ``Linear8bitLt`` (LLM.int8) -
+as dense ``(out, in)`` matrices, and turns a quantized model back into a plain one for the
+merged export. It is registered lazily: only a process that has imported bitsandbytes can hold
+such a layer, so nothing here imports it unless it is already loaded (as with GPT-2's Conv1D).
+
+The CPU repacking caveat. On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight into a
+kernel-specific layout (and rounds the block scales to bf16) the first time the layer runs an
+inference forward. Three consequences are handled here:
+
+* :func:`dequantize_4bit` reads both layouts (the packed one through bitsandbytes' own inverse,
+  on copies); decoding the packed bytes as if they were the training layout gives garbage.
+* :func:`keep_training_layout` (called when an adapter is applied) switches the repacking off
+  for the model's 4-bit layers and unpacks any already repacked: once repacked, bitsandbytes
+  also runs *training* forwards through the inference kernel, which has no backward, and the
+  evaluations of a run would use rounded scales the training never saw.
+* the merged export dequantizes what the adapter was trained against (:func:`dequantize_model`).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from torch import nn
+
+_REGISTERED = False
+
+
+def bnb_loaded() -> bool:
+    """True once bitsandbytes has been imported in this process."""
+    return "bitsandbytes" in sys.modules
+
+
+def _bnb_classes() -> tuple[type, type]:
+    import bitsandbytes as bnb
+    return bnb.nn.Linear4bit, bnb.nn.Linear8bitLt
+
+
+def is_packed_for_cpu(layer: nn.Module) -> bool:
+    """True if a ``Linear4bit`` weight is in bitsandbytes' CPU inference layout."""
+    state = getattr(getattr(layer, "weight", None), "quant_state", None)
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def dequantize_4bit(layer: nn.Module) -> torch.Tensor:
+    """The dense ``(out, in)`` weight of a bitsandbytes ``Linear4bit``, in its compute dtype.
+
+    Reads the CPU inference layout too (through bitsandbytes' inverse of the repacking,
+    applied to copies, so the layer is not changed).
+
+    Args:
+        layer: A ``bnb.nn.Linear4bit``.
+
+    Returns:
+        A new tensor of shape ``(out_features, in_features)``.
+    """
+    import bitsandbytes.functional as F
+    data, state = layer.weight.data, layer.weight.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        data, state = F._convert_weight_packed_for_cpu_inverse(data.clone(), copy.deepcopy(state))
+        if getattr(state, "original_storage_type", None) is not None:
+            data = data.view(state.original_storage_type)
+    return F.dequantize_4bit(data, state)
+
+
+def dequantize_8bit(layer: nn.Module) -> torch.Tensor:
+    """The dense ``(out, in)`` float32 weight of a bitsandbytes ``Linear8bitLt``
+    (``int8 row * row scale / 127``).
+
+    Args:
+        layer: A ``bnb.nn.Linear8bitLt`` holding int8 weights.
+
+    Returns:
+        A new float32 tensor of shape ``(out_features, in_features)``.
+    """
+    import bitsandbytes.functional as F
+    scb = getattr(layer.weight, "SCB", None)
+    if scb is None:
+        scb = layer.state.SCB
+    return F.int8_vectorwise_dequant(layer.weight.data, scb)
+
+
+def register() -> None:
+    """Register the bitsandbytes dequantizers in :data:`rankwise.core.weights.DEQUANTIZERS`
+    (idempotent; a no-op until bitsandbytes is imported)."""
+    global _REGISTERED
+    if _REGISTERED or not bnb_loaded():
+        return
+    from rankwise.core.weights import DEQUANTIZERS
+    four, eight = _bnb_classes()
+    DEQUANTIZERS[four] = dequantize_4bit
+    DEQUANTIZERS[eight] = dequantize_8bit
+    _REGISTERED = True
+
+
+def quantized_paths(model: nn.Module) -> list[str]:
+    """Paths of the model's quantized base layers (wrapped ones included)."""
+    from rankwise.core.weights import is_quantized
+    from rankwise.core.inject import is_wrapped
+    return [p for p, m in model.named_modules() if p and not is_wrapped(m) and is_quantized(m)]
+
+
+def keep_training_layout(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking the model's 4-bit weights for CPU inference, and
+    unpack any it already repacked (see the module docstring).
+
+    Args:
+        model: Any model (a no-op without 4-bit layers).
+
+    Returns:
+        How many layers were unpacked.
+    """
+    if not bnb_loaded():
+        return 0
+    import bitsandbytes.functional as F
+    four, _ = _bnb_classes()
+    unpacked = 0
+    for m in model.modules():
+        if not isinstance(m, four):
+            continue
+        m.support_avx512bf16_for_cpu = False
+        if is_packed_for_cpu(m):
+            m.weight.data, m.weight.quant_state = F._convert_weight_packed_for_cpu_inverse(
+                m.weight.data, m.weight.quant_state)
+            storage = getattr(m.weight.quant_state, "original_storage_type", None)
+            if storage is not None:
+                m.weight.data = m.weight.data.view(storage)
+            unpacked += 1
+    return unpacked
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Replace every quantized base layer by an ``nn.Linear`` holding its dequantized weight,
+    cast the rest of the model to ``dtype``, and drop the quantization settings from its
+    config, so ``save_pretrained`` writes a plain model (in place).
+
+    Adapter layers stay; their base layer is replaced under them, so a following merge adds
+    the adapter to exactly the weights it was trained against.
+
+    Args:
+        model: A model loaded with a ``BitsAndBytesConfig`` (possibly adapted).
+        dtype: The dtype of the plain model (bf16 for the merged export of a 4-bit base).
+
+    Returns:
+        ``model``.
+    """
+    from rankwise.core.inject import replace_module
+    from rankwise.core.protocol import adapter_modules
+    from rankwise.core.weights import dense_weight, shape
+    for path in quantized_paths(model):
+        layer = model.get_submodule(path)
+        out_f, in_f = shape(layer)
+        dense = nn.Linear(in_f, out_f, bias=layer.bias is not None, dtype=dtype,
+                          device=layer.weight.device)
+        with torch.no_grad():
+            dense.weight.copy_(dense_weight(layer).to(dtype))
+            if layer.bias is not None:
+                dense.bias.copy_(layer.bias.to(dtype))
+        dense.weight.requires_grad_(False)
+        if dense.bias is not None:
+            dense.bias.requires_grad_(False)
+        replace_module(model, path, dense)
+    adapters = {id(p) for _, m in adapter_modules(model) for n in m.adapter_names()
+                for p in m.adapter_params(n).values()}  # merged in float32 later, then cast
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype and id(p) not in adapters:
+            p.data = p.data.to(dtype)
+    _forget_quantization(model)
+    if getattr(model, "config", None) is not None:
+        model.config.dtype = dtype
+    return model
+
+
+def _forget_quantization(model: nn.Module) -> None:
+    """Drop what transformers records about a quantized load (its quantizer, the config's
+    ``quantization_config``, the flags that forbid ``.to(dtype)``), as its own
+    ``remove_quantization_config`` does."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    for attr in ("hf_quantizer", "quantization_method", "_weight_conversions"):
+        if attr in vars(model):
+            delattr(model, attr)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
+        if getattr(model, attr, False):
+            setattr(model, attr, False)
+
+
+def _state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors a quantized layer keeps outside its parameters: 4-bit block scales (and their
+    own scales and code tables under double quantization), 8-bit row scales."""
+    out: list[torch.Tensor] = []
+    weight = getattr(module, "weight", None)
+    qs = getattr(weight, "quant_state", None)
+    for obj in (qs, getattr(qs, "state2", None)):
+        for name in ("absmax", "code", "offset"):
+            t = getattr(obj, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    for holder in (weight, getattr(module, "state", None)):
+        for name in ("SCB", "CB"):
+            t = getattr(holder, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds: parameters, buffers and the quantization state of
+    bitsandbytes layers (each storage counted once).
+
+    Args:
+        model: Any model.
+
+    Returns:
+        The total in bytes.
+    """
+    from rankwise.memory import tensor_bytes
+    extra = [t for m in model.modules() for t in _state_tensors(m)] if bnb_loaded() else []
+    return tensor_bytes(model, extra)
+
+
+__all__ = ["bnb_loaded", "register", "dequantize_4bit", "dequantize_8bit", "is_packed_for_cpu",
+           "quantized_paths", "keep_training_layout", "dequantize_model", "model_bytes"]

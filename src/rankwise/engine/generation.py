@@ -1,0 +1,96 @@
+"""Text generation from an adapted causal LM (samples at evaluation, ``rankwise generate``).
+
+The prompt goes through the model's input adapters (:func:`rankwise.core.protocol.transform_inputs`)
+exactly as a training batch does, so virtual-token methods generate with their prefix; the
+decoding loop is transformers' ``generate`` (KV cache, temperature / top-p sampling,
+streaming). Adapters that cannot be merged need nothing special: generation runs their forward.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from rankwise.core.protocol import transform_inputs
+
+
+class _Streamer:
+    """A transformers streamer that hands each new chunk of decoded text to ``on_text``."""
+
+    def __init__(self, decode: Callable[[list[int]], str], on_text: Callable[[str], None],
+                 stop: int) -> None:
+        self.decode, self.on_text, self.stop = decode, on_text, stop
+        self.ids: list[int] = []
+        self.shown = ""
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt
+            self.prompt_seen = True
+            return
+        self.ids += [t for t in value.reshape(-1).tolist() if t != self.stop]
+        text = self.decode(self.ids)
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.on_text(text[len(self.shown):])
+            self.shown = text
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
+             pad_id: int, temperature: float = 0.0, top_p: float = 1.0, device: str = "cpu",
+             decode: Callable[[list[int]], str] | None = None,
+             on_text: Callable[[str], None] | None = None) -> list[int]:
+    """Continue ``prompt_ids`` and return the new token ids (without the final EOS).
+
+    Args:
+        model: A causal LM (``transformers`` ``GenerationMixin``), adapters in place.
+        prompt_ids: The prompt, already formatted as in training.
+        max_new_tokens: Upper bound on new tokens.
+        eos_id: Generation stops after this token (the token training appended).
+        pad_id: The pad token id.
+        temperature: 0 = greedy; otherwise sampling at this temperature.
+        top_p: Nucleus sampling mass (with ``temperature > 0``).
+        device: Where the prompt goes.
+        decode: Token ids -> text, for ``on_text``.
+        on_text: Called with each new piece of text as it is generated (streaming).
+
+    Returns:
+        The generated token ids.
+    """
+    was = model.training
+    model.eval()
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    batch = transform_inputs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_id,
+                              "pad_token_id": pad_id, "use_cache": True}
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if on_text is not None and decode is not None:
+        kwargs["streamer"] = _Streamer(decode, on_text, eos_id)
+    try:
+        if "inputs_embeds" in batch:  # an input adapter replaced the ids by embeddings
+            out = model.generate(inputs_embeds=batch["inputs_embeds"],
+                                 attention_mask=batch["attention_mask"], **kwargs)
+            new = out[0]
+            new = new[-max_new_tokens:] if new.shape[0] > max_new_tokens else new
+        else:
+            out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 **kwargs)
+            new = out[0, batch["input_ids"].shape[1]:]
+    finally:
+        model.train(was)
+    tokens = new.tolist()
+    if eos_id in tokens:
+        tokens = tokens[: tokens.index(eos_id)]
+    while tokens and tokens[-1] == pad_id and pad_id != eos_id:
+        tokens.pop()
+    return tokens
+
+
+__all__ = ["generate"]

@@ -1,0 +1,171 @@
+"""``rankwise generate RUN_DIR --prompt TEXT | --file PROMPTS.jsonl``: completions from a run.
+
+The base model named by the run's ``config.yaml`` (in its dtype / quantization) gets the run's
+adapter (``adapter/``, or ``model/`` for full fine-tuning) or, with ``--adapter``, a PEFT adapter
+folder. Prompts are formatted as the run's ``data.format`` formatted them in training: the chat
+template for ``chat`` runs, ``prefix + prompt`` for ``prompt-completion``. Also builds the
+``samples.jsonl`` callback that training runs at every evaluation.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from rankwise import registry
+from rankwise.data.formats import Encoder, end_id, split_example
+from rankwise.data.text import encoder_for
+from rankwise.engine import get_task
+from rankwise.engine.generation import generate
+from rankwise.engine.reporting import Samples
+from rankwise.errors import RankwiseError
+from rankwise.recipes.config import RunConfig, load_run_config
+from rankwise.recipes.model import load_model
+
+
+def samples_callback(session: Any, out: Path, write: bool = True) -> Samples:
+    """The :class:`~rankwise.engine.reporting.Samples` callback of a training session.
+
+    Args:
+        session: A :class:`~rankwise.recipes.train.Session` (its ``eval_data`` is unpacked).
+        out: The run folder (``samples.jsonl`` goes there).
+        write: Whether this process writes the file.
+    """
+    cfg, tok, data = session.cfg, session.tokenizer, session.eval_data
+    fmt = getattr(data, "fmt", "text")
+    prompts = [split_example(data[i], fmt) for i in range(min(cfg.eval.samples, len(data)))]
+    return Samples(out / "samples.jsonl", prompts, _decoder(tok), cfg.eval.max_new_tokens,
+                   end_id(tok), tok.pad_token_id, write=write)
+
+
+def _decoder(tokenizer) -> Callable[[list[int]], str]:
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str = "cpu"
+                        ) -> tuple[RunConfig, Any, Any, Encoder]:
+    """Rebuild a run's model for generation.
+
+    Args:
+        run_dir: A finished causal-LM run folder.
+        adapter: A PEFT adapter folder to use instead of the run's own adapter.
+        device: Where the model goes.
+
+    Returns:
+        ``(cfg, model, tokenizer, encoder)``; the encoder formats prompts as in training.
+
+    Raises:
+        RankwiseError: Not a run folder, not a causal-LM run, no trained result yet, or a bad
+            adapter / chat template.
+    """
+    from rankwise.core.io import load_adapter
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
+                            "of a finished 'rankwise train'")
+    cfg = load_run_config(run_dir / "config.yaml")
+    task = get_task(cfg.model.task)
+    if task.uses_labels:
+        raise RankwiseError(f"run {run_dir} trained a {task.name} model; generate needs a "
+                            "causal-lm run (model.task: causal-lm)")
+    m = cfg.model
+    full = registry.get("method", cfg.method.name).trains == "full" and adapter is None
+    path = str(run_dir / "model") if full else m.path
+    if full and not (run_dir / "model" / "config.json").is_file():
+        raise RankwiseError(f"{run_dir} has no trained model/ yet; let the run finish (or --resume it)")
+    if not full and adapter is None and not (run_dir / "adapter").is_dir():
+        raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
+    model, tok = load_model(path, task, seed=cfg.train.seed, dtype=m.dtype, quantize=m.quantize,
+                            double_quant=m.double_quant, device=device)
+    if adapter is not None:
+        from rankwise.adapters.lora.peft import load_peft
+        load_peft(model, adapter)
+    elif not full:
+        load_adapter(model, run_dir / "adapter")
+    if not m.quantize:
+        model.to(device)
+    model.eval()
+    return cfg, model, tok, encoder_for(cfg.data, task, tok)
+
+
+def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
+    """Yield the prompts of a JSONL file: the ``data.prompt_field`` text of each line, or its
+    ``data.messages_field`` list for chat runs (a plain JSON string is taken as the prompt).
+
+    Raises:
+        RankwiseError: A missing file, a line that is not JSON, or a line without the field.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RankwiseError(f"prompts file {path} not found; pass a .jsonl file with one "
+                            "{\"prompt\": ...} object per line")
+    field = enc.messages_field if enc.fmt == "chat" else enc.prompt_field
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise RankwiseError(f"{path} line {n} is not valid JSON ({err.msg})") from None
+            if isinstance(obj, str) and enc.fmt != "chat":
+                yield obj
+            elif isinstance(obj, dict) and obj.get(field) is not None:
+                yield obj[field]
+            else:
+                raise RankwiseError(f"{path} line {n} has no {field!r} field; each line needs one")
+
+
+def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = None,
+                 adapter: Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, echo: Callable[[str], None] = print,
+                 stream: Callable[[str], None] | None = None) -> list[dict]:
+    """Generate completions for one prompt or a file of prompts.
+
+    Args:
+        run_dir: A finished causal-LM run.
+        prompt: One prompt (text; for chat runs, the user message).
+        file: A JSONL file of prompts (:func:`read_prompts`).
+        adapter: A PEFT adapter folder instead of the run's adapter.
+        max_new_tokens: Tokens per completion.
+        temperature: 0 = greedy; else sampling.
+        top_p: Nucleus mass when sampling.
+        seed: Seeds sampling.
+        echo: Receives one JSON line per completion (``--file``) or the final newline.
+        stream: Receives text pieces as they are generated (single prompt).
+
+    Returns:
+        ``[{"prompt", "completion"}]``.
+
+    Raises:
+        RankwiseError: Neither or both of ``prompt`` / ``file``, bad values, or a bad run,
+            adapter or prompts file.
+    """
+    if (prompt is None) == (file is None):
+        raise RankwiseError("pass exactly one of --prompt TEXT or --file PROMPTS.jsonl")
+    if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise RankwiseError(f"got --max-new-tokens {max_new_tokens}, --temperature {temperature}, "
+                            f"--top-p {top_p}; expected >= 1, >= 0 and a value in (0, 1]")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, model, tok, enc = load_for_generation(run_dir, adapter, device)
+    if prompt is not None:
+        items: list[Any] = [[{"role": "user", "content": prompt}] if enc.fmt == "chat" else prompt]
+    else:
+        items = list(read_prompts(file, enc))
+    ids = [enc.prompt_ids(v) for v in items]  # every prompt is checked before generating
+    decode = _decoder(tok)
+    torch.manual_seed(seed)
+    out = []
+    for value, prompt_ids in zip(items, ids):
+        single = prompt is not None and stream is not None
+        new = generate(model, prompt_ids, max_new_tokens, end_id(tok), tok.pad_token_id, temperature,
+                       top_p, device, decode=decode, on_text=stream if single else None)
+        row = {"prompt": value, "completion": decode(new)}
+        out.append(row)
+        echo("" if single else json.dumps(row, ensure_ascii=False))
+    return out
+
+
+__all__ = ["run_generate", "load_for_generation", "read_prompts", "samples_callback"]

@@ -1,0 +1,141 @@
+"""``rankwise generate``: greedy output equals a hand-written argmax loop, for a mergeable
+adapter, a non-mergeable mixture, a PEFT folder, a chat run, and a model with virtual tokens."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from rankwise.cli import main
+from rankwise.data.formats import end_id
+from rankwise.engine.generation import generate
+from rankwise.recipes.config import load_run_config
+from rankwise.recipes.generate import load_for_generation, run_generate
+from rankwise.recipes.train import train
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} [SEP] {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+BASE = {"model": {"path": "tiny-llama", "task": "causal-lm"},
+        "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 48, "limit": 48},
+        "optim": {"name": "adamw", "lr": 0.02},
+        "train": {"steps": 3, "batch_size": 8, "progress": False, "save_every": 0}}
+
+
+def greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
+    """Argmax decoding without a KV cache: the reference."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            if t == eos:
+                break
+            out.append(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    lora = dict(BASE, method={"name": "lora", "r": 4})
+    chat_file = root / "chat.jsonl"
+    chat_file.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"name function {i}"},
+        {"role": "assistant", "content": f"def f{i}():"}]}) + "\n" for i in range(40)))
+    moe = dict(BASE, method={"name": "moe-lora"},
+               data={"source": str(chat_file), "format": "chat", "chat_template": TEMPLATE, "max_length": 48})
+    train(load_run_config(None, base=lora), root / "lora")
+    train(load_run_config(None, base=moe), root / "moe")
+    return root
+
+
+def test_greedy_cli_equals_argmax_loop_and_streams(runs):
+    cfg, model, tok, enc = load_for_generation(runs / "lora")
+    prompt = "Return the number of items in a container."
+    want = tok.decode(greedy(model, enc.prompt_ids(prompt), 6, end_id(tok)), skip_special_tokens=True)
+    result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--prompt", prompt,
+                                       "--max-new-tokens", "6"])
+    assert result.exit_code == 0, result.output
+    assert result.output == want + "\n"
+
+
+def test_file_of_prompts_and_a_peft_adapter_agree_with_the_run(runs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Open a file."}\n"Close the loop."\n')
+    own = run_generate(runs / "lora", file=prompts, max_new_tokens=5, echo=lambda s: None)
+    assert [r["prompt"] for r in own] == ["Open a file.", "Close the loop."]
+    result = CliRunner().invoke(main, ["export", str(runs / "lora"), "--format", "peft", "--out",
+                                       str(tmp_path / "peft")])
+    assert result.exit_code == 0, result.output
+    via_peft = run_generate(runs / "lora", file=prompts, adapter=tmp_path / "peft", max_new_tokens=5,
+                            echo=lambda s: None)
+    assert via_peft == own
+    result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--file", str(prompts),
+                                       "--max-new-tokens", "5"])
+    assert [json.loads(x) for x in result.output.splitlines()] == own
+
+
+def test_chat_run_with_a_non_mergeable_adapter_uses_the_template(runs):
+    cfg, model, tok, enc = load_for_generation(runs / "moe")
+    ids = enc.prompt_ids([{"role": "user", "content": "name function 3"}])
+    assert ids == tok("<|user|> name function 3 [SEP] <|assistant|>", add_special_tokens=False)["input_ids"]
+    want = tok.decode(greedy(model, ids, 5, end_id(tok)), skip_special_tokens=True)
+    got = run_generate(runs / "moe", prompt="name function 3", max_new_tokens=5, echo=lambda s: None)
+    assert got[0]["completion"] == want
+
+
+def test_sampling_is_seeded(runs):
+    kw = dict(prompt="Parse a header.", max_new_tokens=6, temperature=1.0, top_p=0.9, echo=lambda s: None)
+    assert run_generate(runs / "lora", seed=3, **kw) == run_generate(runs / "lora", seed=3, **kw)
+
+
+class VirtualTokens(nn.Module):
+    """A minimal InputAdapter: ``n`` learned embeddings in front of every sequence."""
+
+    def __init__(self, model, n: int = 3):
+        super().__init__()
+        self.prefix = nn.Parameter(torch.randn(n, model.config.hidden_size))
+
+    def transform_inputs(self, model, batch):
+        emb = model.get_input_embeddings()(batch["input_ids"])                  # (B, T, H)
+        pre = self.prefix.unsqueeze(0).expand(emb.shape[0], -1, -1)             # (B, n, H)
+        mask = torch.ones(emb.shape[0], pre.shape[1], dtype=batch["attention_mask"].dtype)
+        return {"inputs_embeds": torch.cat([pre, emb], 1),
+                "attention_mask": torch.cat([mask, batch["attention_mask"]], 1)}
+
+    def virtual_tokens(self):
+        return self.prefix.shape[0]
+
+
+def test_generation_goes_through_input_adapters():
+    from rankwise.engine import get_task
+    from rankwise.recipes.model import load_model
+    model, tok = load_model("tiny-llama", get_task("causal-lm"))
+    model.eval()
+    model.virtual = VirtualTokens(model)
+    ids = tok("hello there", add_special_tokens=False)["input_ids"]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(5):
+            emb = torch.cat([model.virtual.prefix[None], model.get_input_embeddings()(torch.tensor([ids + out]))], 1)
+            out.append(int(model(inputs_embeds=emb).logits[0, -1].argmax()))
+    assert generate(model, ids, 5, eos_id=-1, pad_id=tok.pad_token_id) == out
+    del model.virtual                                   # without it: plain greedy decoding
+    assert generate(model, ids, 5, eos_id=-1, pad_id=tok.pad_token_id) == greedy(model, ids, 5, -1)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["{tmp}", "--prompt", "x"], "is not a run folder"),
+    (["{bert}", "--prompt", "x"], "generate needs a causal-lm run"),
+    (["{lora}"], "exactly one of --prompt"),
+    (["{lora}", "--prompt", "x", "--top-p", "0"], "--top-p"),
+    (["{lora}", "--file", "{tmp}/none.jsonl"], "prompts file"),
+])
+def test_bad_generate_input_is_one_line(runs, tiny_bert_run, tmp_path, args, match):
+    fill = {"tmp": str(tmp_path), "bert": str(tiny_bert_run), "lora": str(runs / "lora")}
+    result = CliRunner().invoke(main, ["generate", *[a.format(**fill) for a in args]])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and match in result.output, result.output
