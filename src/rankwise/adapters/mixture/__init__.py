@@ -1,11 +1,65 @@
-"""Mixtures of LoRA experts behind a router: the layer and the model glue.
+"""Mixtures of LoRA experts behind a router: the layer, gates, model glue, and method ``moe-lora``.
 
-Not a user-facing method yet (no registration): FedLEASE builds its client models from it,
-and a ``moe-lora`` method can register here later.
+FedLEASE builds its client models from the same layer (:func:`factorized_to_mixture` with its
+slot layout); ``moe-lora`` (ROADMAP A7) injects fresh mixtures into the target layers.
 """
-from rankwise.adapters.mixture.layer import (Gate, LoraExpert, LoraMixture, MixtureLoraLayer,
-                                             TopKGate, own_expert_slots)
-from rankwise.adapters.mixture.model import factorized_to_mixture
+from __future__ import annotations
 
-__all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "own_expert_slots",
-           "factorized_to_mixture"]
+from torch import nn
+
+from rankwise import registry
+from rankwise.adapters.mixture.config import MoeLoraConfig
+from rankwise.adapters.mixture.gates import (RouterStats, ThresholdGate, TopKGate, own_expert_slots,
+                                             switch_balance_loss)
+from rankwise.adapters.mixture.layer import Gate, LoraExpert, LoraMixture, MixtureLoraLayer
+from rankwise.adapters.mixture.model import factorized_to_mixture
+from rankwise.core.inject import default_heads, find_targets, inject
+from rankwise.core.ops import mark_trainable, set_modules_to_save
+from rankwise.core.quant import keep_training_layout
+
+__all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "ThresholdGate",
+           "RouterStats", "own_expert_slots", "switch_balance_loss", "factorized_to_mixture",
+           "MoeLoraConfig", "apply_moe_lora"]
+
+
+def make_gate(config: MoeLoraConfig) -> nn.Module:
+    """The gate ``config`` asks for: fixed top-k, or adaptive top-M by cumulative mass."""
+    if config.mass_threshold > 0:
+        return ThresholdGate(config.mass_threshold, config.top_k)
+    return TopKGate(list(range(config.num_experts)), config.top_k)
+
+
+def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = "default"
+                   ) -> dict[str, MixtureLoraLayer]:
+    """Inject mixture ``adapter_name`` into every target layer and make only it train.
+
+    Args:
+        model: Any module with linear layers.
+        config: The settings (expert count, top-k or threshold, rank, balance weight).
+        adapter_name: Name of the mixture.
+
+    Returns:
+        ``{path: MixtureLoraLayer}``.
+
+    Raises:
+        RankwiseError: On targets matching nothing or a rank outside [1, min(in, out)].
+    """
+    paths = find_targets(model, config.targets, config.exclude, "method.targets")
+    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
+
+    def wrap(path: str, module: nn.Module) -> nn.Module:
+        layer = module if isinstance(module, MixtureLoraLayer) else MixtureLoraLayer(module)
+        layer.add(adapter_name, config.num_experts, config.r, config.alpha, make_gate(config),
+                  dropout=config.dropout, use_rslora=config.use_rslora,
+                  router_init=config.router_init, balance_weight=config.balance_weight)
+        return layer
+
+    layers = inject(model, paths, wrap)
+    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
+                        else config.modules_to_save)
+    mark_trainable(model, adapter_name)
+    return layers
+
+
+registry.register("method", "moe-lora", MoeLoraConfig, apply_moe_lora,
+                  summary="mixture of LoRA experts, token router, top-k / adaptive top-M (A7)")

@@ -1,20 +1,21 @@
-"""A mixture of LoRA experts behind a router (an ``AdapterModule``).
+"""A mixture of LoRA experts behind a router (an ``AdapterModule``): ``moe-lora`` and FedLEASE.
 
 For one named adapter with experts ``m = 0..M-1`` (each a LoRA pair ``A_m (r, in)``,
 ``B_m (out, r)``), a router ``G (S, in)`` with ``S`` slots and a *gate* ``g`` that turns the
-router logits into per-expert weights::
+router logits into per-expert weights (the token-level mixture of LoRA experts of MoLA /
+MixLoRA; HAWAII's MoLA routers are this layer with one router per expert group)::
 
     y = W0 x + sum_m g(G x)_m * s * B_m A_m x          # g(G x): (..., M)
 
 The router reads the layer input, so the weights change per token: the adapter cannot be
 folded into ``W0`` (``mergeable = False``; :func:`rankwise.core.merge_adapters` refuses it).
+With ``B_m = 0`` at initialisation the layer starts at the base layer's output.
 
-:class:`TopKGate` is the gate used by FedLEASE (Wang et al., NeurIPS 2025, Sec. 3.3) and by
-plain top-k MoE-LoRA: softmax over the slots, keep the ``k`` largest slot probabilities (no
-renormalisation), sum the kept slots of each expert. A *slot layout* (``slot_experts``, the
-expert each slot feeds) makes FedLEASE's adaptive top-M a layout rather than a subclass:
-:func:`own_expert_slots` gives its ``2M-1`` slots, ``0..M-1`` all feeding the client's own
-expert, so the own expert is always selected and a token uses 1..M experts.
+Gates live in :mod:`rankwise.adapters.mixture.gates`: :class:`TopKGate` (fixed top-k, and
+FedLEASE's adaptive top-M as a slot layout, Wang et al., NeurIPS 2025, Sec. 3.3) and
+``ThresholdGate`` (adaptive top-M by cumulative router mass). A mixture with
+``balance_weight > 0`` reports the switch balance loss through the protocol's ``aux_losses``
+in training forwards; every mixture counts its expert load (``statistics``).
 """
 from __future__ import annotations
 
@@ -25,78 +26,27 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.adapters.lora.layer import LORA_INITS, lora_scale
+from rankwise.adapters.mixture.gates import (RouterStats, TopKGate, expert_probs, own_expert_slots,
+                                             switch_balance_loss)
 from rankwise.core import weights as W
 from rankwise.errors import RankwiseError
+
+__all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "own_expert_slots"]
 
 Gate = Callable[[torch.Tensor], torch.Tensor]  # router logits (..., S) -> expert weights (..., M)
 
 
-def own_expert_slots(num_experts: int, own: int) -> list[int]:
-    """FedLEASE's slot layout: ``2M-1`` slots; slots ``0..M-1`` feed expert ``own``, slots
-    ``M..2M-2`` feed the other experts in increasing order.
-
-    Args:
-        num_experts: M.
-        own: The client's own expert, ``0..M-1``.
-
-    Returns:
-        The expert index of every slot (length ``2M-1``).
-
-    Raises:
-        ValueError: If ``own`` is not an expert index.
-    """
-    if not 0 <= own < num_experts:
-        raise ValueError(f"own expert: got {own!r}; expected 0..{num_experts - 1}")
-    return [own] * num_experts + [m for m in range(num_experts) if m != own]
-
-
-class TopKGate(nn.Module):
-    """Softmax over router slots, keep the top ``k`` slot probabilities, sum them per expert.
-
-    Args:
-        slot_experts: The expert each router slot feeds (``list(range(M))``: one slot per
-            expert, ordinary top-k routing; :func:`own_expert_slots`: FedLEASE).
-        top_k: Slots kept per token (clipped to the number of slots).
-
-    Raises:
-        ValueError: If ``slot_experts`` is empty or ``top_k < 1``.
-    """
-
-    def __init__(self, slot_experts: list[int], top_k: int) -> None:
-        super().__init__()
-        if not slot_experts or min(slot_experts) < 0:
-            raise ValueError(f"slot_experts: got {slot_experts!r}; expected expert indices >= 0")
-        if top_k < 1:
-            raise ValueError(f"top_k: got {top_k!r}; expected an integer >= 1")
-        self.slot_experts, self.top_k = [int(m) for m in slot_experts], int(top_k)
-        slot_map = torch.zeros(len(slot_experts), max(slot_experts) + 1)  # (S, M)
-        slot_map[torch.arange(len(slot_experts)), torch.tensor(self.slot_experts)] = 1.0
-        self.register_buffer("slot_map", slot_map, persistent=False)
-
-    @property
-    def slots(self) -> int:
-        """Router outputs S."""
-        return len(self.slot_experts)
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        """Expert weights ``(..., M)`` from router logits ``(..., S)``."""
-        probs = torch.softmax(logits.float(), dim=-1)                       # (..., S)
-        top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
-        kept = torch.zeros_like(probs).scatter(-1, top.indices, top.values)  # (..., S)
-        return kept @ self.slot_map                                         # (..., M)
-
-    def describe(self) -> dict[str, Any]:
-        """JSON structure that rebuilds this gate."""
-        return {"kind": "top-k", "slot_experts": list(self.slot_experts), "top_k": self.top_k}
-
-
 class LoraExpert(nn.Module):
-    """One expert: a LoRA pair (``lora_A``: in -> r, ``lora_B``: r -> out), bias-free."""
+    """One expert: a LoRA pair (``lora_A``: in -> r, ``lora_B``: r -> out), bias-free, float32
+    (the master weights, whatever the base's dtype)."""
 
-    def __init__(self, n_in: int, n_out: int, r: int, device=None, dtype=None) -> None:
+    def __init__(self, n_in: int, n_out: int, r: int, device=None) -> None:
         super().__init__()
-        self.lora_A = nn.Linear(n_in, r, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.Linear(r, n_out, bias=False, device=device, dtype=dtype)
+        self.lora_A = nn.Linear(n_in, r, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(r, n_out, bias=False, device=device, dtype=torch.float32)
+
+
+ROUTER_INITS = ("zeros", "kaiming")
 
 
 class LoraMixture(nn.Module):
@@ -112,29 +62,45 @@ class LoraMixture(nn.Module):
             as a submodule so its buffers follow ``.to()``.
         slots: Router outputs S.
         dropout: Dropout on the experts' input.
-        device: Device of the expert weights.
-        dtype: Dtype of the expert weights (the router is float32).
+        device: Device of the weights (experts and router are float32).
+        router_init: ``zeros`` (uniform routing at the start; FedLEASE) or ``kaiming``
+            (``nn.Linear``'s default: tokens spread over experts from the first step).
+        balance_weight: Coefficient of the switch balance loss (0 = none).
+
+    Attributes:
+        last_aux: ``{"balance_loss": tensor}`` of the last training forward (else empty).
+        stats: The :class:`RouterStats` of this mixture.
     """
 
     def __init__(self, n_in: int, n_out: int, num_experts: int, r: int, scaling: float, gate: Gate,
-                 slots: int, dropout: float = 0.0, device=None, dtype=None) -> None:
+                 slots: int, dropout: float = 0.0, device=None, router_init: str = "zeros",
+                 balance_weight: float = 0.0) -> None:
         super().__init__()
-        self.experts = nn.ModuleList(LoraExpert(n_in, n_out, r, device, dtype) for _ in range(num_experts))
+        self.experts = nn.ModuleList(LoraExpert(n_in, n_out, r, device) for _ in range(num_experts))
         self.router = nn.Linear(n_in, slots, bias=False, device=device, dtype=torch.float32)
-        nn.init.zeros_(self.router.weight)  # uniform routing at the start
+        if router_init == "zeros":
+            nn.init.zeros_(self.router.weight)
         self.gate = gate
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.scaling, self.r = scaling, r
+        self.scaling, self.r, self.balance_weight = scaling, r, float(balance_weight)
+        self.last_aux: dict[str, torch.Tensor] = {}
+        self.stats = RouterStats(num_experts)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out + sum_m g(G x)_m * s * B_m A_m dropout(x)``."""
-        w = self.gate(self.router(x.float()))                    # (..., M)
-        a0 = self.experts[0].lora_A.weight
-        h = self.dropout(x if x.dtype == a0.dtype else x.to(a0.dtype))
-        for m, e in enumerate(self.experts):
-            delta = F.linear(F.linear(h, e.lora_A.weight), e.lora_B.weight)  # (..., r) then (..., out)
-            out = out + (w[..., m:m + 1] * delta * self.scaling).to(out.dtype)
-        return out
+        logits = self.router(x.float())                           # (..., S)
+        w = self.gate(logits)                                     # (..., M)
+        self.last_aux = {}
+        if self.training and self.balance_weight > 0:
+            self.last_aux["balance_loss"] = switch_balance_loss(
+                expert_probs(self.gate, logits), w > 0, self.balance_weight)
+        self.stats.update(w, self.training)
+        h = self.dropout(x if x.dtype == torch.float32 else x.float())
+        # sum_m w_m B_m A_m h as one product over the stacked experts: [B_0 .. B_M-1] (w_m A_m h)_m
+        a = torch.cat([e.lora_A.weight for e in self.experts], dim=0)          # (M r, in)
+        b = torch.cat([e.lora_B.weight for e in self.experts], dim=1)          # (out, M r)
+        low = F.linear(h, a) * w.repeat_interleave(self.r, dim=-1)             # (..., M r)
+        return out + (F.linear(low, b) * self.scaling).to(out.dtype)           # (..., out)
 
 
 class MixtureLoraLayer(nn.Module):
@@ -158,11 +124,14 @@ class MixtureLoraLayer(nn.Module):
         self.alphas: dict[str, float] = {}
         self.rslora: dict[str, bool] = {}
         self._active: list[str] = []
+        self._aux: dict[str, torch.Tensor] = {}
+        self.train(base_layer.training)  # a new layer follows the model's mode
 
     # ----- construction -------------------------------------------------------------------
     def add(self, name: str, num_experts: int, r: int, alpha: float, gate: Gate | None = None,
             slots: int | None = None, dropout: float = 0.0, use_rslora: bool = False,
-            init: str = "kaiming") -> LoraMixture:
+            init: str = "kaiming", router_init: str = "zeros",
+            balance_weight: float = 0.0) -> LoraMixture:
         """Add mixture ``name`` and make it active.
 
         Args:
@@ -177,12 +146,14 @@ class MixtureLoraLayer(nn.Module):
             use_rslora: rsLoRA scale.
             init: Expert initialisation from ``rankwise.adapters.lora.LORA_INITS`` (B = 0: the
                 mixture starts at the base layer's output).
+            router_init: ``zeros`` or ``kaiming`` (see :class:`LoraMixture`).
+            balance_weight: Switch balance-loss coefficient (0 = none).
 
         Returns:
             The new :class:`LoraMixture`.
 
         Raises:
-            RankwiseError: On a bad rank, expert count or init name.
+            RankwiseError: On a bad rank, expert count, init or router init name.
         """
         limit = min(self.in_features, self.out_features)
         if not 1 <= r <= limit:
@@ -192,11 +163,15 @@ class MixtureLoraLayer(nn.Module):
             raise RankwiseError(f"num_experts: got {num_experts}; expected an integer >= 1")
         if init not in LORA_INITS:
             raise RankwiseError(f"unknown LoRA init {init!r}; expected one of {sorted(LORA_INITS)}")
+        if router_init not in ROUTER_INITS:
+            raise RankwiseError(f"router init: got {router_init!r}; expected one of {list(ROUTER_INITS)}")
         gate = gate if gate is not None else TopKGate(list(range(num_experts)), num_experts)
         slots = slots or getattr(gate, "slots", num_experts)
-        w = W.dense_weight(self.base_layer)
+        device = next(self.base_layer.parameters()).device
         mix = LoraMixture(self.in_features, self.out_features, num_experts, r,
-                          lora_scale(r, alpha, use_rslora), gate, slots, dropout, w.device, w.dtype)
+                          lora_scale(r, alpha, use_rslora), gate, slots, dropout, device,
+                          router_init, balance_weight)
+        mix.train(self.training)
         for e in mix.experts:
             LORA_INITS[init](e.lora_A, e.lora_B)
         self.mixtures[name] = mix
@@ -274,6 +249,19 @@ class MixtureLoraLayer(nn.Module):
                 "use_rslora": self.rslora[name], "slots": mix.router.out_features,
                 "gate": gate() if callable(gate) else {"kind": type(mix.gate).__name__}}
 
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """Protocol capability: the active mixtures' balance losses of the last forward."""
+        return dict(self._aux)
+
+    def statistics(self) -> dict[str, Any]:
+        """Protocol capability: ``{mixture name: RouterStats.as_dict()}`` (expert load)."""
+        return {n: m.stats.as_dict() for n, m in self.mixtures.items()}
+
+    def reset_statistics(self, modes: tuple[str, ...] = RouterStats.MODES) -> None:
+        """Protocol capability: forget the expert-load sums of ``modes``."""
+        for m in self.mixtures.values():
+            m.stats.reset(modes)
+
     # ----- compute ------------------------------------------------------------------------
     @property
     def weight(self) -> torch.Tensor:
@@ -283,8 +271,12 @@ class MixtureLoraLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``W0 x`` plus every active mixture's routed experts."""
         out = self.base_layer(x)
+        self._aux = {}
         for name in self._active:
-            out = self.mixtures[name](x, out)
+            mix = self.mixtures[name]
+            out = mix(x, out)
+            for key, value in mix.last_aux.items():
+                self._aux[key] = self._aux[key] + value if key in self._aux else value
         return out
 
     def extra_repr(self) -> str:

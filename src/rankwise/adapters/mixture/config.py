@@ -1,0 +1,78 @@
+"""``moe-lora`` configuration: the one place its defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+@dataclass
+class MoeLoraConfig:
+    """Mixture of LoRA experts with a token-level router (ROADMAP A7).
+
+    Every target linear layer gets ``num_experts`` LoRA experts of rank ``r`` and a router
+    (``nn.Linear(in, num_experts)``). A token uses its ``top_k`` most probable experts, or,
+    with ``mass_threshold > 0``, the fewest experts whose router probabilities reach the
+    threshold (at most ``top_k``: adaptive top-M). Trainable parameters per layer:
+    ``num_experts * r * (in + out) + num_experts * in``; ``num_experts * r`` equal to LoRA's rank
+    matches LoRA's budget up to the routers.
+
+    A suitable AdamW learning rate is LoRA's range, 1e-3 to 5e-3 on the demo task (the experts
+    are LoRA pairs; the router trains at the same rate).
+
+    Attributes:
+        name: Registry name (``moe-lora``).
+        num_experts: Experts per layer (>= 1).
+        top_k: Experts per token (fixed routing), or the cap of adaptive routing.
+        mass_threshold: 0 = fixed top-k; a value in (0, 1] = adaptive top-M by cumulative mass.
+        r: Rank of every expert.
+        alpha: Scale numerator (s = alpha / r, or alpha / sqrt(r) with ``use_rslora``).
+        targets: ``"all-linear"``, a regex over module paths, or a list of name suffixes.
+        exclude: Name suffixes never adapted.
+        dropout: Dropout on the experts' input.
+        use_rslora: s = alpha / sqrt(r).
+        balance_weight: Coefficient of the switch load-balancing loss (Switch Transformer's
+            0.01); 0 turns it off.
+        router_init: ``kaiming`` (``nn.Linear``'s default: tokens spread from the start) or
+            ``zeros`` (uniform probabilities; top-k ties then pick the first experts).
+        modules_to_save: Whole modules trained and saved with the adapter (``None``: the
+            classification head, as for LoRA).
+    """
+
+    name: str = "moe-lora"
+    num_experts: int = 4
+    top_k: int = 2
+    mass_threshold: float = 0.0
+    r: int = 2
+    alpha: float = 4.0
+    targets: Union[list[str], str] = "all-linear"
+    exclude: list[str] = field(default_factory=list)
+    dropout: float = 0.0
+    use_rslora: bool = False
+    balance_weight: float = 0.01
+    router_init: str = "kaiming"
+    modules_to_save: Union[list[str], None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        out = []
+        if self.num_experts < 1:
+            out.append(f"num_experts: got {self.num_experts}; expected an integer >= 1")
+        if self.top_k < 1:
+            out.append(f"top_k: got {self.top_k}; expected an integer >= 1")
+        elif self.num_experts >= 1 and self.top_k > self.num_experts:
+            out.append(f"top_k: got {self.top_k}, more than num_experts={self.num_experts}; "
+                       f"choose top_k <= {self.num_experts}")
+        if not 0.0 <= self.mass_threshold <= 1.0:
+            out.append(f"mass_threshold: got {self.mass_threshold}; expected 0 (fixed top-k) or "
+                       "a value in (0, 1]")
+        if self.r < 1:
+            out.append(f"r: got {self.r}; expected an integer >= 1")
+        if self.alpha <= 0:
+            out.append(f"alpha: got {self.alpha}; expected a positive number")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
+        if self.balance_weight < 0:
+            out.append(f"balance_weight: got {self.balance_weight}; expected a number >= 0")
+        if self.router_init not in ("kaiming", "zeros"):
+            out.append(f"router_init: got {self.router_init!r}; expected 'kaiming' or 'zeros'")
+        return out
