@@ -1,0 +1,194 @@
+"""The ``compress:`` section: what every compressor shares, and the option groups families reuse.
+
+A compressor's config class is the whole schema of the section when ``compress.method`` names
+it, exactly as a method's config class is the schema of ``method:``. It subclasses
+:class:`CompressConfig` and mixes in the option groups it uses (:class:`Sparsity`,
+:class:`Quantization`), so a key that does not apply to the chosen method (``bits`` for
+``wanda``) is an unknown key with a "did you mean". Defaults live only here and in the family
+configs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+STDLIB = "stdlib"                  # the standard library's source, training modules
+STDLIB_HELDOUT = "stdlib-heldout"  # the standard library's source, held-out modules
+RUN_DATA = "data"                  # the run's own data section (its training split)
+
+
+@dataclass
+class TextConfig:
+    """Where token windows come from.
+
+    Attributes:
+        source: ``stdlib`` (the running Python's standard-library source, training modules),
+            ``stdlib-heldout`` (the held-out modules; the split is
+            ``crc32(module) % 10 == 0``, as in the low-rank pretraining benchmark), ``data``
+            (the texts of the run's ``data:`` section, training split), or a ``.txt``,
+            ``.csv`` or ``.jsonl`` file.
+        text_field: Column/key holding the text in a ``.csv``/``.jsonl`` file.
+        sequences: Number of windows.
+        length: Tokens per window.
+    """
+
+    source: str = STDLIB
+    text_field: str = "text"
+    sequences: int = 64
+    length: int = 128
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        out = []
+        if self.sequences < 1:
+            out.append(f"sequences: got {self.sequences}; expected an integer >= 1")
+        if self.length < 2:
+            out.append(f"length: got {self.length}; expected an integer >= 2")
+        return out
+
+
+@dataclass
+class HeldoutConfig(TextConfig):
+    """Held-out text for a causal LM's perplexity (a classifier uses its data's evaluation
+    split instead). Same keys as :class:`TextConfig`; the source defaults to held-out modules."""
+
+    source: str = STDLIB_HELDOUT
+
+
+@dataclass
+class KVCacheConfig:
+    """Optionally also measure held-out perplexity with a quantized KV cache (causal LMs).
+
+    Attributes:
+        kind: ``none`` (skip), ``fp`` (full-precision cache, the reference), ``nsnquant`` or
+            ``kivi`` (see :mod:`rankwise.compress.kv`).
+        bits: Bits per cached element (NSNQuant: 1 or 2; KIVI: 1-8).
+        chunk: Tokens quantized together; the newest incomplete chunk stays full precision.
+    """
+
+    kind: str = "none"
+    bits: int = 2
+    chunk: int = 16
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        kinds = ("none", "fp", "nsnquant", "kivi")
+        out = []
+        if self.kind not in kinds:
+            out.append(f"kind: got {self.kind!r}; expected one of {list(kinds)}")
+        if self.chunk < 1:
+            out.append(f"chunk: got {self.chunk}; expected an integer >= 1")
+        if self.kind == "nsnquant" and self.bits not in (1, 2):
+            out.append(f"bits: got {self.bits}; nsnquant supports 1 or 2 bits")
+        if self.kind == "kivi" and not 1 <= self.bits <= 8:
+            out.append(f"bits: got {self.bits}; kivi supports 1 to 8 bits")
+        return out
+
+
+@dataclass
+class CompressConfig:
+    """Keys every compressor accepts.
+
+    Attributes:
+        method: The registered compressor (``rankwise list`` shows them).
+        targets: Layers to compress, in rankwise's target language (``all-linear``: every
+            linear layer but output heads; a regex; or a list of name suffixes).
+        calibration: Text whose activations drive the layer objectives.
+        heldout: Held-out text for a causal LM's perplexity.
+        kv_cache: Also measure perplexity with a quantized KV cache.
+        batch_size: Windows per calibration / evaluation forward.
+        seed: Seeds every random choice (randomized SVD starts, codebooks).
+    """
+
+    method: str = ""
+    targets: Union[str, list[str]] = "all-linear"
+    calibration: TextConfig = field(default_factory=TextConfig)
+    heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    batch_size: int = 8
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        """Return value errors (each ``"field: message"``)."""
+        return [] if self.batch_size >= 1 else [f"batch_size: got {self.batch_size}; expected >= 1"]
+
+    def layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:
+        """Problems of this config on one layer of ``shape`` ``(out, in)`` (a rank larger than
+        the layer, a pattern that does not tile it); checked for every target before any work."""
+        return []
+
+
+def parse_pattern(pattern: str) -> tuple[int, int] | None:
+    """``"2:4"`` -> ``(2, 4)``; ``None`` for anything that is not ``N:M`` with integers."""
+    n, sep, m = str(pattern).partition(":")
+    if not sep or not n.strip().isdigit() or not m.strip().isdigit():
+        return None
+    return int(n), int(m)
+
+
+@dataclass
+class Sparsity:
+    """Option group of the pruning methods.
+
+    Attributes:
+        sparsity: Fraction of weights set to zero, in [0, 1) (unstructured).
+        pattern: ``"N:M"`` keeps at most N of every M consecutive input weights of a row; when
+            set it replaces ``sparsity`` (which becomes ``1 - N/M``).
+    """
+
+    sparsity: float = 0.5
+    pattern: Union[str, None] = None
+
+    def sparsity_problems(self) -> list[str]:
+        """Return value errors of the option group."""
+        out = []
+        if not 0.0 <= self.sparsity < 1.0:
+            out.append(f"sparsity: got {self.sparsity}; expected a fraction in [0, 1) such as 0.5")
+        if self.pattern is not None:
+            nm = parse_pattern(self.pattern)
+            if nm is None:
+                out.append(f"pattern: got {self.pattern!r}; expected 'N:M' such as '2:4'")
+            elif not 1 <= nm[0] < nm[1]:
+                out.append(f"pattern: got {self.pattern!r}; N:M needs 1 <= N < M, such as '2:4'")
+        return out
+
+    @property
+    def nm(self) -> tuple[int, int] | None:
+        """``(N, M)`` or ``None`` (unstructured)."""
+        return None if self.pattern is None else parse_pattern(self.pattern)
+
+    @property
+    def target_sparsity(self) -> float:
+        """The fraction of zeros the config asks for."""
+        nm = self.nm
+        return 1.0 - nm[0] / nm[1] if nm else self.sparsity
+
+    def pattern_layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:
+        """An N:M pattern must tile the input dimension."""
+        nm = self.nm
+        if nm and shape[1] % nm[1]:
+            return [f"pattern: {path} has {shape[1]} inputs, not a multiple of M={nm[1]}; "
+                    "use another pattern or leave the layer out of compress.targets"]
+        return []
+
+
+@dataclass
+class Quantization:
+    """Option group of the weight quantizers.
+
+    Attributes:
+        bits: Bits per weight.
+        group_size: Input columns sharing one scale (the last group of a row may be shorter).
+    """
+
+    bits: int = 4
+    group_size: int = 128
+
+    def quant_problems(self, allowed: tuple[int, ...]) -> list[str]:
+        """Return value errors of the option group for a method supporting ``allowed`` bits."""
+        out = []
+        if self.bits not in allowed:
+            out.append(f"bits: got {self.bits}; this method supports {list(allowed)} bits")
+        if self.group_size < 1:
+            out.append(f"group_size: got {self.group_size}; expected an integer >= 1 such as 128")
+        return out

@@ -1,0 +1,62 @@
+"""Config of GLVQ: grouped lattice vector quantization with learned generators."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from rankwise.compress.config import CompressConfig, Quantization
+
+BITS = (1, 2, 3, 4)
+
+
+@dataclass
+class GLVQConfig(Quantization, CompressConfig):
+    """GLVQ.
+
+    Attributes:
+        bits: Bits per weight (1-4): every lattice coordinate is a ``bits``-bit integer.
+        group_size: Input columns per group.
+        group_rows: Output rows per group (``null``: all rows, the paper's large groups).
+        dim: Lattice dimension ``d``: ``d`` consecutive weights of a row form one vector, and
+            each group has its own ``d × d`` generator.
+        rounds: Alternations of Babai rounding and generator updates.
+        steps: Adam steps on the generators and companding parameters per round.
+        lr: Adam learning rate, relative to the generator's initial scale.
+        companding: Learn a per-group μ-law companding before the lattice.
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    group_rows: Union[int, None] = None
+    dim: int = 8
+    rounds: int = 6
+    steps: int = 10
+    lr: float = 0.02
+    companding: bool = True
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        out = CompressConfig.problems(self) + self.quant_problems(BITS)
+        for name in ("dim", "rounds"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
+        if self.steps < 0:
+            out.append(f"steps: got {self.steps}; expected an integer >= 0")
+        if self.group_rows is not None and self.group_rows < 1:
+            out.append(f"group_rows: got {self.group_rows}; expected an integer >= 1 or null")
+        if self.dim >= 1 and self.group_size % self.dim:
+            out.append(f"group_size: got {self.group_size}; expected a multiple of dim={self.dim}")
+        if self.lr <= 0:
+            out.append(f"lr: got {self.lr}; expected a positive number")
+        return out
+
+    def layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:
+        """Groups must tile the layer."""
+        out = []
+        if shape[1] % self.group_size:
+            out.append(f"group_size: {path} has {shape[1]} inputs, not a multiple of "
+                       f"{self.group_size}; choose a group_size that divides it")
+        if self.group_rows is not None and shape[0] % self.group_rows:
+            out.append(f"group_rows: {path} has {shape[0]} outputs, not a multiple of "
+                       f"{self.group_rows}; choose group_rows that divides it (or null)")
+        return out
