@@ -1,14 +1,26 @@
 """The lowrank-pretrain benchmark end to end at a toy size: files written, state bytes equal
 the registry's formulas for every row (the peer included when installed), rows built from the
-registry entries."""
+registry entries, the size presets, and the 1B GPU script run on CPU at a toy size."""
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from rankwise import registry
-from rankwise.benchmarks.lowrank_pretrain import METHODS, ROWS, ByteWindows, Sizes, load_corpus, run
+from rankwise.benchmarks.lowrank_pretrain import (METHODS, ROWS, SIZES, ByteWindows, Sizes, build_model,
+                                                  load_corpus, prepared_model, run)
+from rankwise.benchmarks.lowrank_pretrain.__main__ import parse
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--set", "device=cpu", "--set", "precision=bf16", "--set", "hidden=16", "--set", "layers=1",
+        "--set", "heads=2", "--set", "intermediate=32", "--set", "seq=16", "--set", "batch=2",
+        "--set", "steps=2", "--set", "eval_windows=2", "--set", "rank=4", "--set", "update_every=2",
+        "--set", "lrs=[1e-3]", "--set", "threads=1"]
 
 
 def test_corpus_split_is_by_module():
@@ -55,3 +67,35 @@ def test_benchmark_runs_and_state_bytes_match_formulas(tmp_path):
         # untrained byte model: loss near ln(256) = 5.545 nats per byte
         assert all(5.0 < x < 6.0 for x in r["train_curve"]), (r["method"], r["train_curve"])
         assert 5.0 < r["heldout_loss"] < 6.0 and r["opt_step_s"] > 0 and math.isfinite(r["step_s"])
+
+
+def test_presets_and_the_command_line():
+    assert sum(p.numel() for p in build_model(Sizes(**{**SIZES["1b"].__dict__, "device": "meta"})).parameters()) \
+        == 1_209_059_328
+    out, s, rows = parse(["--out", "x", "--size", "medium", "--set", "steps=7", "--rows", "adamw,sumo"])
+    assert (out, s.hidden, s.steps, rows) == ("x", 256, 7, ("adamw", "sumo"))
+    with pytest.raises(Exception, match="expected FIELD=VALUE with a field of"):
+        parse(["--out", "x", "--set", "stepz=3"])
+
+
+def test_lowrank_rows_factorize_the_blocks_and_train_everything_else():
+    s = Sizes(hidden=16, layers=1, heads=2, intermediate=32, seq=16, rank=4)
+    model = prepared_model("lowrank-hb", s)
+    from rankwise.adapters.lowrank import LowRankLayer
+    layers = [m for m in model.modules() if isinstance(m, LowRankLayer)]
+    assert len(layers) == 7 and all(m.modes["default"] == "factorized" for m in layers)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(n.endswith("base_layer.weight") for n in frozen)   # the released weights
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_on_cpu_at_a_toy_size(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "ROWS": "adamw,galore-oja,lowrank-hb,nanoadam",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(REPO / "bench/gpu/lowrank-pretrain.sh"), str(tmp_path / "out"), *TINY],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert result["sizes"]["precision"] == "bf16" and result["sizes"]["layers"] == 1
+    assert set(result["best"]) == {"adamw", "galore-oja", "lowrank-hb", "nanoadam"}
+    assert all(math.isfinite(r["heldout_loss"]) for r in result["runs"])

@@ -1,5 +1,5 @@
-"""Run by ``torchrun --nproc_per_node=2`` from test_optimizer_contract.py: trains each registered
-optimizer's tiny model under DDP (gloo, CPU), each process on half of each batch, and saves the
+"""Run by ``torchrun --nproc_per_node=2`` from test_optimizer_contract.py: trains each optimizer
+case's tiny model (every registered optimizer and variant) under DDP (gloo, CPU), each process on half of each batch, and saves the
 final parameters from rank 0. ``run_steps`` is also the single-process reference."""
 import sys
 from pathlib import Path
@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import optim_contract as contract  # noqa: E402
-from rankwise import registry  # noqa: E402
 
 STEPS, BATCH = 4, 4  # update_every 3: a refresh at steps 1 and 4
 
@@ -33,7 +32,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = {name: run_steps(name, rank, world) for name in registry.names("optimizer")}
+    out = {name: run_steps(name, rank, world) for name in contract.cases()}
     if rank == 0:
         torch.save(out, sys.argv[1])
     dist.destroy_process_group()

@@ -3,7 +3,8 @@
 Every registered optimizer runs with :data:`DEFAULT`; one that differs adds ONE row to
 :data:`SPECS` saying how, with the reason. :data:`SMALL` is set on every config that has the
 field, so that subspaces on the 16-wide tiny models are real projections (rank 4) that refresh
-during the checks (steps 1, 4, 7...).
+during the checks (steps 1, 4, 7...). An option that changes an optimizer's state or arithmetic
+(the Oja projector) is a *variant*: a case of its own in :data:`VARIANTS`, run through every check.
 """
 from __future__ import annotations
 
@@ -31,19 +32,48 @@ SPECS: dict[str, dict] = {
     # AdamW group beside the pairs.
     "altlora": {"model": "bert", "method": {"name": "lora", "r": 2}},
     "altlora-plus": {"model": "bert", "method": {"name": "lora", "r": 2}},
+    # t-SignSGD steps LoTA-QAF's ternary adapters; BERT, so a head trains on its AdamW group.
+    "t-signsgd": {"model": "bert", "method": {"name": "lota-qaf", "r": 2}},
+    # The geometric optimizers step factorized U S V^T layers.
+    "lowrank-hb": {"method": {"name": "lowrank", "rank": 2}},
+    "lowrank-adam": {"method": {"name": "lowrank", "rank": 2}},
+    # A new mask at steps 1, 4, 7 (across the resume point), moments restarting with it.
+    "nanoadam": {"config": {"mask_interval": 3, "density": 0.25}},
+}
+
+# case -> (registered optimizer, config overrides): options that change state or arithmetic.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "galore+oja": ("galore", {"projector": "oja"}),
+    "galore+oja-int4": ("galore", {"projector": "oja", "oja_bits": 4}),
+    "sumo+oja": ("sumo", {"projector": "oja"}),
 }
 
 
-def spec(name: str) -> dict:
-    """The settings of optimizer ``name``: :data:`DEFAULT` updated by its :data:`SPECS` row."""
-    return {**DEFAULT, **SPECS.get(name, {})}
+def cases() -> list[str]:
+    """Every registered optimizer and every :data:`VARIANTS` case, sorted."""
+    return sorted(registry.names("optimizer") + list(VARIANTS))
 
 
-def config(name: str, **over):
-    """Optimizer ``name``'s config: defaults, :data:`SMALL` where it applies, the spec, ``over``."""
+def entry_name(case: str) -> str:
+    """The registered optimizer a case runs."""
+    return VARIANTS[case][0] if case in VARIANTS else case
+
+
+def spec(case: str) -> dict:
+    """The settings of ``case``: :data:`DEFAULT` updated by its optimizer's :data:`SPECS` row
+    (and, for a variant, its overrides added to the row's config)."""
+    out = {**DEFAULT, **SPECS.get(entry_name(case), {})}
+    if case in VARIANTS:
+        out["config"] = {**out["config"], **VARIANTS[case][1]}
+    return out
+
+
+def config(case: str, **over):
+    """The config of ``case``: defaults, :data:`SMALL` where it applies, the spec, ``over``."""
+    name = entry_name(case)
     cls = registry.get("optimizer", name).config_cls
     small = {k: v for k, v in SMALL.items() if k in {f.name for f in fields(cls)}}
-    return from_dict(cls, {**small, **spec(name)["config"], **over, "name": name}, "optim")
+    return from_dict(cls, {**small, **spec(case)["config"], **over, "name": name}, "optim")
 
 
 def model(name: str, seed: int = 0) -> nn.Module:
@@ -55,8 +85,8 @@ def model(name: str, seed: int = 0) -> nn.Module:
 
 
 def build(name: str, net: nn.Module, **over) -> torch.optim.Optimizer:
-    """Optimizer ``name`` over ``net``, built by its registry builder."""
-    return registry.get("optimizer", name).builder(net, config(name, **over))
+    """Optimizer case ``name`` over ``net``, built by its registry builder."""
+    return registry.get("optimizer", entry_name(name)).builder(net, config(name, **over))
 
 
 def batch(name: str, seed: int, size: int = 2) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ def _layer(k=5, d=6, r=3, seed=0):
     torch.manual_seed(seed)
     layer = LoraLayer(nn.Linear(d, k, bias=False).double())
     layer.add("default", r, alpha=2.0 * r)           # s = 2
+    layer.double()                                   # LoRA factors start float32 whatever the base
     with torch.no_grad():
         layer.lora_A["default"].weight.normal_()
         layer.lora_B["default"].weight.normal_()
@@ -102,6 +103,7 @@ def test_one_by_one_case_matches_hand_computed_updates(plus):
         lin.weight.fill_(0.3)
     layer = LoraLayer(lin)
     layer.add("default", 1, alpha=2.0)                # s = 2
+    layer.double()                                    # factors start float32 whatever the base
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     with torch.no_grad():
         a.fill_(0.7)

@@ -2,7 +2,8 @@
 optimizer registered tomorrow is checked without editing this file (its settings, if they
 differ from the defaults, are ONE row of ``optim_contract.SPECS``).
 
-Checks, per optimizer (tiny models built in code):
+Checks, per optimizer and per variant case of ``optim_contract.VARIANTS`` (tiny models built
+in code):
 1. the entry registers an ``lr_grid`` of three increasing learning rates, and a
    ``state_floats`` formula unless its spec says there is none;
 2. a ``state_dict`` saved mid-training (after a subspace refresh) and read back with
@@ -33,7 +34,7 @@ from rankwise.optim.common import state_bytes
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import train
 
-NAMES = registry.names("optimizer")
+NAMES = contract.cases()
 
 
 def _steps(name, model, opt, seeds):
@@ -45,13 +46,15 @@ def _steps(name, model, opt, seeds):
 
 
 def test_every_spec_row_names_a_registered_optimizer():
-    assert set(contract.SPECS) <= set(NAMES), "remove rows of optimizers no longer registered"
-    assert len(NAMES) >= 8
+    registered = set(registry.names("optimizer"))
+    assert set(contract.SPECS) <= registered, "remove rows of optimizers no longer registered"
+    assert {v[0] for v in contract.VARIANTS.values()} <= registered
+    assert len(registered) >= 8
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_registers_lr_grid_and_state_formula(name):
-    entry = registry.get("optimizer", name)
+    entry = registry.get("optimizer", contract.entry_name(name))
     grid = entry.lr_grid
     assert len(grid) == 3 and 0 < grid[0] < grid[1] < grid[2], grid
     assert (entry.state_floats is not None) == contract.spec(name)["formula"]
@@ -82,7 +85,7 @@ def test_state_dict_round_trip_resumes_bit_identically(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_state_bytes_equal_the_registered_formula(name):
-    entry = registry.get("optimizer", name)
+    entry = registry.get("optimizer", contract.entry_name(name))
     if entry.state_floats is None:
         pytest.skip(f"{name} declares no state formula")
     model = contract.model(name)
@@ -101,7 +104,7 @@ def test_rankwise_train_runs(tmp_path, name):
         "model": {"path": "tiny-bert", "task": "classification"},
         "data": {"source": "demo", "max_length": 24, "limit": 64},
         "method": contract.spec(name)["method"],
-        "optim": {"name": name, **optim, **contract.spec(name)["config"]},
+        "optim": {"name": contract.entry_name(name), **optim, **contract.spec(name)["config"]},
         "train": {"steps": 4, "batch_size": 8, "save_every": 2, "log_every": 1, "eval_every": 4,
                   "progress": False},
     }

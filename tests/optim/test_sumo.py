@@ -13,10 +13,10 @@ def _polar(m):
 
 
 def test_orthogonalize_is_polar_factor():
-    m = torch.randn(7, 3)
+    m = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))
     o = orthogonalize(m)
     assert torch.allclose(o.T @ o, torch.eye(3), atol=1e-5)
-    assert torch.allclose(o, _polar(m))
+    assert torch.allclose(o, _polar(m), atol=1e-6)      # from the Gram matrix: the SVD's U V^T
 
 
 def test_two_steps_with_transport_match_formula():
@@ -56,3 +56,18 @@ def test_state_bytes_equal_nr_plus_mr():
         opt.step()
         n, m = max(shape), min(shape)
         assert state_bytes(opt) == 4 * (n * 3 + m * 3)
+
+
+def test_polar_batch_equals_the_svd_polar_factor():
+    gen = torch.Generator().manual_seed(4)
+    for shape in [(5, 3, 40), (4, 40, 3)]:                 # wide and tall batches
+        ms = torch.randn(*shape, generator=gen)
+        from rankwise.optim.sumo import polar_batch
+        out = polar_batch(ms)
+        for m, o in zip(ms, out):
+            assert torch.allclose(o, _polar(m), atol=2e-6)
+    # A rank-deficient moment: the zero direction is dropped (the SVD would keep an arbitrary one).
+    m = torch.randn(3, 1, generator=gen) @ torch.randn(1, 8, generator=gen)   # rank 1
+    o = orthogonalize(m)
+    u, _, vh = torch.linalg.svd(m)
+    assert torch.allclose(o, u[:, :1] @ vh[:1], atol=1e-6)

@@ -1,6 +1,7 @@
-"""Pieces every low-rank optimizer shares: which parameters are projected, Adam's moment
-arithmetic, decoupled weight decay, the one AdamW body the matrix optimizers extend
-(:class:`MatrixAdamW`), and counting optimizer state (measured, and predicted by a formula).
+"""Pieces every low-rank optimizer shares: which parameters are projected, the one AdamW body the
+matrix optimizers extend (:class:`MatrixAdamW`), and counting optimizer state (measured, and
+predicted by a formula). Adam's arithmetic lives in :mod:`rankwise.optim.adam` and is
+re-exported here.
 
 Param groups are decided here, explicitly, in the same target language as adapters
 (:mod:`rankwise.core.inject`): by default (``"block-linear"``) the 2-D weight matrices of the
@@ -9,7 +10,6 @@ norms, biases, poolers and output heads go to a plain AdamW group (GaLore's own 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Union
 
@@ -19,6 +19,7 @@ from torch import nn
 from rankwise.core.inject import find_targets
 from rankwise.core.weights import base_layer
 from rankwise.optim import projector
+from rankwise.optim.adam import adam_direction, adamw_update, adamw_updates, decay_, next_step  # noqa: F401
 
 DEFAULT_TARGETS = "block-linear"
 
@@ -61,52 +62,6 @@ def split_params(model: nn.Module, targets: Union[list[str], str, None] = DEFAUL
     return projected, plain
 
 
-def adam_direction(state: dict, grad: torch.Tensor, beta1: float, beta2: float, eps: float,
-                   step: int) -> torch.Tensor:
-    """Update Adam's moments in ``state`` with ``grad`` and return the bias-corrected direction.
-
-    Follows ``torch.optim.AdamW`` (Loshchilov & Hutter 2019, Alg. 2 lines 6-12):
-    ``m <- b1 m + (1-b1) g``, ``v <- b2 v + (1-b2) g^2``,
-    direction ``= (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``.
-
-    Args:
-        state: Holds (or receives, zero-initialised) ``exp_avg`` and ``exp_avg_sq`` shaped
-            like ``grad``.
-        grad: The (possibly projected) gradient.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        eps: Added to the denominator.
-        step: 1-based step count for bias correction.
-
-    Returns:
-        The direction (same shape as ``grad``); the caller multiplies by ``-lr``.
-    """
-    if "exp_avg" not in state:
-        state["exp_avg"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.lerp_(grad, 1 - beta1)
-    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bc1 = 1 - beta1 ** step
-    bc2_sqrt = math.sqrt(1 - beta2 ** step)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    return (m / bc1).div_(denom)
-
-
-def adamw_update(param: torch.Tensor, state: dict, group: dict, step: int) -> None:
-    """One AdamW step on ``param`` from ``param.grad`` (``torch.optim.AdamW``'s arithmetic).
-
-    Args:
-        param: The parameter (changed in place).
-        state: Its optimizer state (Adam's moments are created on first use).
-        group: Its param group (``lr``, ``betas``, ``eps``, ``weight_decay``).
-        step: 1-based step count (see :func:`next_step`).
-    """
-    decay_(param, group["lr"], group["weight_decay"])
-    beta1, beta2 = group["betas"]
-    param.add_(adam_direction(state, param.grad, beta1, beta2, group["eps"], step), alpha=-group["lr"])
-
-
 def param_groups(model: nn.Module, targets: list[str] | None, **projected_options) -> list[dict]:
     """Two param groups: plain AdamW for non-block parameters, ``projected_options`` for the rest.
 
@@ -132,23 +87,22 @@ def run_closure(closure) -> torch.Tensor | None:
         return closure()
 
 
-def decay_(param: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """Decoupled weight decay, ``p <- p (1 - lr wd)``, applied before the update as in AdamW."""
-    if weight_decay:
-        param.mul_(1 - lr * weight_decay)
+def step_generator(seed: int, index: int, step: int) -> torch.Generator:
+    """A generator that depends only on (seed, parameter index, step), so random choices
+    (sampled subspaces, stochastic rounding) are identical on every DDP process and after a
+    resume, with no RNG state to save.
 
-
-def next_step(state: dict) -> int:
-    """Increment ``state["step"]`` (a 0-dim float tensor, as torch's optimizers keep it; a plain
-    int from an older checkpoint is converted).
+    Args:
+        seed: The group's ``seed``.
+        index: Position of the parameter in the optimizer (over all groups).
+        step: 1-based step count.
 
     Returns:
-        The new 1-based step count as an int.
+        A freshly seeded CPU generator.
     """
-    if not torch.is_tensor(state.get("step")):
-        state["step"] = torch.tensor(float(state.get("step", 0)))
-    state["step"] += 1
-    return int(state["step"].item())
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + index * 10_007 + step) % (2**63 - 1))
+    return g
 
 
 @dataclass(frozen=True)
@@ -171,7 +125,7 @@ class MatrixAdamW(torch.optim.Optimizer):
     parameter of a group that sets ``rank`` is updated by the subclass's :meth:`matrix_step`.
 
     Subclasses set :attr:`group_defaults` (their param-group options beyond AdamW's) and
-    implement :meth:`matrix_step`. ``step`` counts every parameter's steps in its state
+    implement :meth:`matrix_step` (and :meth:`finish_step` to batch work across matrices). ``step`` counts every parameter's steps in its state
     (``next_step``) before calling it, as ``torch.optim.AdamW`` does.
 
     Args:
@@ -209,6 +163,7 @@ class MatrixAdamW(torch.optim.Optimizer):
         """
         loss = run_closure(closure)
         index = -1
+        self._adamw: list[tuple[torch.Tensor, dict, dict, int]] = []
         for group in self.param_groups:
             matrices = sum(p.ndim == 2 for p in group["params"])
             matrix = -1
@@ -220,10 +175,24 @@ class MatrixAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 step = next_step(state)
                 if group.get("rank") is None or p.ndim != 2:
-                    adamw_update(p, state, group, step)
+                    self.defer_adamw(p, state, group, step)
                 else:
                     self.matrix_step(p, state, group, step, Place(index, matrix, matrices))
+        self.finish_step()
+        for group in self.param_groups:   # one multi-tensor AdamW per group
+            items = [it for it in self._adamw if it[2] is group]
+            adamw_updates([it[0] for it in items], [it[1] for it in items], group, [it[3] for it in items])
+        self._adamw = []
         return loss
+
+    def defer_adamw(self, param: torch.Tensor, state: dict, group: dict, step: int) -> None:
+        """Queue a plain AdamW update of ``param``; the queue runs after :meth:`finish_step`
+        with the multi-tensor kernels (:func:`adamw_updates`)."""
+        self._adamw.append((param, state, group, step))
+
+    def finish_step(self) -> None:
+        """Called once after every parameter's :meth:`matrix_step` of a step: a subclass that
+        batches work across matrices (SUMO's orthogonalization) does it here."""
 
     def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
                     place: Place) -> None:
@@ -276,19 +245,23 @@ def subspace_state_floats(moments: int) -> Callable[[nn.Module, Any], int]:
     """A registry ``state_floats`` for projected optimizers built with :func:`param_groups`:
     per projected ``m x n`` matrix, ``moments`` tensors of ``max(m,n) x r`` plus the basis,
     ``min(m,n) x r`` (GaLore, 2 moments: ``2nr + mr``; SUMO, 1: ``nr + mr``); ``moments * mn``
-    where the rank covers the matrix (no basis); AdamW's 2 per element elsewhere.
+    where the rank covers the matrix (no basis); AdamW's 2 per element elsewhere. A quantized Oja
+    tracker (``projector: oja`` with ``oja_bits``) stores the basis in one byte per entry plus
+    ``r`` float scales (``mr / 4 + r``, counted in 4-byte floats, so the total may be fractional).
 
     Args:
         moments: Moment tensors kept per projected matrix.
 
     Returns:
-        ``state_floats(model, config) -> int``; ``config`` supplies ``rank`` and ``targets``.
+        ``state_floats(model, config) -> float``; ``config`` supplies ``rank``, ``targets`` and,
+        where it has them, ``projector`` and ``oja_bits``.
     """
-    def state_floats(model: nn.Module, config: Any) -> int:
+    def state_floats(model: nn.Module, config: Any) -> float:
         r = config.rank
+        bits = getattr(config, "oja_bits", None) if getattr(config, "projector", "svd") == "oja" else None
         return grouped_state_floats(
             model, config.targets,
-            lambda shape: moments * projector.projected_numel(shape, r) + projector.basis_numel(shape, r))
+            lambda shape: moments * projector.projected_numel(shape, r) + projector.basis_numel(shape, r, bits))
     return state_floats
 
 

@@ -17,6 +17,11 @@ resumed run continues bit for bit:
 Ranks at or above ``min(m, n)`` switch to ``IDENTITY``: a full orthogonal basis would only rotate
 the gradient, cost an SVD and ``d^2`` floats, and make Adam's element-wise second moment
 basis-dependent; the identity makes the optimizer exactly its full-rank parent.
+
+Two ways to keep the basis current: :func:`refresh` (an SVD of the gradient every ``T`` steps,
+GaLore's) and :func:`rankwise.optim.oja.track` (a streaming block-Oja step every step). With
+``oja_bits`` the tracked basis is stored as int8 codes (``proj_basis``) and one float scale
+per column (``proj_scale``); :func:`basis` reads either form.
 """
 from __future__ import annotations
 
@@ -119,9 +124,18 @@ def refresh(state: dict, grad: torch.Tensor, rank: int, how: str = "top", method
     a = grad if side == LEFT else grad.T  # (d, k), d = min(m, n)
     u, s = spectrum(a, method)
     q = _canonical_signs(u[:, select_columns(s, rank, how, generator)]).to(grad.dtype)
-    old = state.get("proj_basis")
+    old = basis(state)
     state["proj_basis"] = q.contiguous()  # (d, r)
     return old
+
+
+def basis(state: dict) -> torch.Tensor | None:
+    """The ``(d, r)`` basis ``Q`` in floating point: ``proj_basis`` itself, or its int8 codes
+    times the per-column ``proj_scale`` when the tracker is quantized (``None`` if absent)."""
+    q = state.get("proj_basis")
+    if q is None or "proj_scale" not in state:
+        return q
+    return q.to(state["proj_scale"].dtype) * state["proj_scale"]
 
 
 def project(state: dict, grad: torch.Tensor) -> torch.Tensor:
@@ -130,7 +144,7 @@ def project(state: dict, grad: torch.Tensor) -> torch.Tensor:
     side = int(state["proj_side"])
     if side == IDENTITY:
         return grad
-    q = state["proj_basis"]
+    q = basis(state)
     return q.T @ grad if side == LEFT else grad @ q
 
 
@@ -140,7 +154,7 @@ def project_back(state: dict, low: torch.Tensor) -> torch.Tensor:
     side = int(state["proj_side"])
     if side == IDENTITY:
         return low
-    q = state["proj_basis"]
+    q = basis(state)
     return q @ low if side == LEFT else low @ q.T
 
 
@@ -162,13 +176,17 @@ def transport(state: dict, old_basis: torch.Tensor | None, moment: torch.Tensor)
     side = int(state["proj_side"])
     if old_basis is None or side == IDENTITY:
         return moment
-    change = state["proj_basis"].T @ old_basis  # (r, r): new coordinates of old basis vectors
+    change = basis(state).T @ old_basis  # (r, r): new coordinates of old basis vectors
     return change @ moment if side == LEFT else moment @ change.T
 
 
-def basis_numel(shape: tuple[int, int], rank: int) -> int:
-    """Number of floats the basis needs for an ``m x n`` matrix (``min(m, n) * r``, or 0)."""
-    return 0 if choose_side(shape, rank) == IDENTITY else min(shape) * rank
+def basis_numel(shape: tuple[int, int], rank: int, bits: int | None = None) -> float:
+    """Floats (4-byte units) the basis needs for an ``m x n`` matrix: ``min(m, n) * r``, or 0
+    in IDENTITY mode; with a quantized tracker (``bits``), one byte per entry plus one float
+    scale per column, ``min(m, n) * r / 4 + r`` (may be fractional)."""
+    if choose_side(shape, rank) == IDENTITY:
+        return 0
+    return min(shape) * rank / 4 + rank if bits else min(shape) * rank
 
 
 def projected_numel(shape: tuple[int, int], rank: int) -> int:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from rankwise.optim.common import check_common
+from rankwise.optim.oja import projector_problems
 
 
 @dataclass
@@ -33,7 +34,15 @@ class GaLoreConfig:
             doing all of them on the same step (same amortised cost, flatter step times).
         select: ``"top"`` (the leading singular directions) or ``"sampled"``
             (importance sampling; the ``galore-is`` entry sets it).
-        seed: Seed of the subspace sampling (``"sampled"`` only).
+        seed: Seed of the subspace sampling (``"sampled"``) and of the tracker's stochastic
+            rounding (``oja_bits``).
+        projector: How the subspace is kept current: ``"svd"`` (recomputed from the gradient
+            every ``update_every`` steps, GaLore's rule) or ``"oja"`` (a streaming block-Oja step
+            every step, QR re-orthonormalised; no SVD after the first step; see
+            :mod:`rankwise.optim.oja`). ``update_every`` and ``stagger`` do not apply to ``oja``.
+        oja_lr: ``eta``, the dimensionless Oja step (``projector: oja``).
+        oja_bits: Store the Oja tracker as int8 codes of this many bits (2..8) with unbiased
+            stochastic rounding of the tracker and of its update; ``null``: float.
     """
 
     name: str = "galore"
@@ -49,6 +58,9 @@ class GaLoreConfig:
     stagger: bool = False
     select: Literal["top", "sampled"] = "top"
     seed: int = 0
+    projector: Literal["svd", "oja"] = "svd"
+    oja_lr: float = 1.0
+    oja_bits: Optional[int] = None
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
@@ -56,6 +68,10 @@ class GaLoreConfig:
                            self.update_every)
         if not self.scale > 0:
             out.append(f"scale: got {self.scale}; expected a positive number such as 0.25")
+        out += projector_problems(self.projector, self.oja_lr, self.oja_bits)
+        if self.projector == "oja" and self.select == "sampled":
+            out.append("projector: oja tracks the top-r subspace, but select: sampled draws "
+                       "directions from an SVD; use projector: svd with sampled selection")
         return out
 
 

@@ -4,26 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rankwise.optim import projector
-from rankwise.optim.common import MatrixAdamW, Place, adam_direction, decay_, param_groups
+from rankwise.optim import oja, projector
+from rankwise.optim.common import (MatrixAdamW, Place, adam_direction, decay_, param_groups,
+                                   step_generator)
 from rankwise.optim.galore.config import GaLoreConfig
 
-
-def sample_generator(seed: int, index: int, step: int) -> torch.Generator:
-    """A generator that depends only on (seed, parameter index, step), so sampled subspaces
-    are identical on every DDP process and after a resume, with no RNG state to save.
-
-    Args:
-        seed: The group's ``seed``.
-        index: Position of the parameter in the optimizer (over all groups).
-        step: 1-based step count of the refresh.
-
-    Returns:
-        A freshly seeded CPU generator.
-    """
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + index * 10_007 + step) % (2**63 - 1))
-    return g
+sample_generator = step_generator  # the name this module used before the helper moved to common
 
 
 class GaLoreAdamW(MatrixAdamW):
@@ -49,7 +35,10 @@ class GaLoreAdamW(MatrixAdamW):
         select: ``"top"`` or ``"sampled"``.
         svd: ``"svd"`` or ``"eigh"`` (see :func:`rankwise.optim.projector.spectrum`).
         stagger: spread refreshes of different matrices over the period.
-        seed: seed of the sampling.
+        seed: seed of the sampling and of the Oja tracker's stochastic rounding.
+        projector: ``"svd"`` (refresh every ``T`` steps) or ``"oja"`` (:func:`rankwise.optim.oja.track`
+            every step: streaming block-Oja with QR, Dasgupta et al. 2025, our block reading).
+        oja_lr, oja_bits: the Oja step and the tracker's bits (``None``: float).
 
     State per projected matrix (all tensors): ``exp_avg``, ``exp_avg_sq`` (``max(m,n) x r``),
     ``proj_basis`` (``min(m,n) x r``), ``proj_side`` and ``step`` (0-dim): ``2nr + mr`` floats.
@@ -58,18 +47,23 @@ class GaLoreAdamW(MatrixAdamW):
     :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
-    group_defaults = dict(update_every=200, scale=1.0, select="top", svd="svd", stagger=False, seed=0)
+    group_defaults = dict(update_every=200, scale=1.0, select="top", svd="svd", stagger=False, seed=0,
+                          projector="svd", oja_lr=1.0, oja_bits=None)
 
     def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
                     place: Place) -> None:
-        """Refresh ``P`` when due, then ``W <- W (1 - lr wd) - lr alpha P N`` (Algorithm 2).
+        """Refresh ``P`` when due (or move it one Oja step), then
+        ``W <- W (1 - lr wd) - lr alpha P N`` (Algorithm 2).
 
         Arguments as :meth:`rankwise.optim.common.MatrixAdamW.matrix_step`.
         """
         grad = param.grad
         period = group["update_every"]
         phase = (place.matrix * period // place.matrices) if group["stagger"] else 0
-        if "proj_side" not in state or (step - 1 + phase) % period == 0:
+        if group["projector"] == "oja":
+            gen = step_generator(group["seed"], place.index, step) if group["oja_bits"] else None
+            oja.track(state, grad, group["rank"], group["oja_lr"], group["oja_bits"], gen, group["svd"])
+        elif "proj_side" not in state or (step - 1 + phase) % period == 0:
             gen = (sample_generator(group["seed"], place.index, step)
                    if group["select"] == "sampled" else None)
             projector.refresh(state, grad, group["rank"], group["select"], group["svd"], gen)
@@ -92,7 +86,8 @@ def galore_param_groups(model: nn.Module, config: GaLoreConfig) -> list[dict]:
     """
     return param_groups(model, config.targets, rank=config.rank, update_every=config.update_every,
                         scale=config.scale, select=config.select, svd=config.svd,
-                        stagger=config.stagger, seed=config.seed)
+                        stagger=config.stagger, seed=config.seed, projector=config.projector,
+                        oja_lr=config.oja_lr, oja_bits=config.oja_bits)
 
 
 def build_galore(model: nn.Module, config: GaLoreConfig) -> GaLoreAdamW:

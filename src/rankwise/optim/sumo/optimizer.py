@@ -1,17 +1,49 @@
-"""SUMO: one momentum per matrix, in a gradient subspace, orthogonalized by an exact SVD."""
+"""SUMO: one momentum per matrix, in a gradient subspace, orthogonalized exactly."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+
 import torch
 from torch import nn
 
-from rankwise.optim import projector
-from rankwise.optim.common import MatrixAdamW, Place, decay_, param_groups
+from rankwise.optim import oja, projector
+from rankwise.optim.common import MatrixAdamW, Place, decay_, param_groups, step_generator
 from rankwise.optim.sumo.config import SumoConfig
+
+_RTOL = 1e-12  # Gram eigenvalues below this fraction of the largest count as zero (sigma ratio 1e-6)
+
+
+def polar_batch(ms: torch.Tensor) -> torch.Tensor:
+    """Exact polar factors ``U V^T`` of a batch of matrices, from the small Gram matrix.
+
+    For a wide ``M`` (``s x l``, ``s <= l``) with SVD ``U S V^T``, ``(M M^T)^{-1/2} M = U V^T``:
+    the same matrix the SVD gives, computed from an ``s x s`` eigendecomposition of the Gram
+    matrix (formed in float64, so singular values down to ~1e-8 of the largest are resolved)
+    instead of a thin SVD of ``M``. Directions whose singular value is below ``1e-6`` of the
+    largest are dropped (an SVD would keep them with arbitrary singular vectors). Tall matrices
+    go through their transpose. One batched ``eigh`` serves every matrix of a shape.
+
+    Args:
+        ms: ``(b, p, q)``.
+
+    Returns:
+        ``(b, p, q)`` with every nonzero singular value equal to 1, in ``ms``'s dtype.
+    """
+    wide = ms.shape[-2] <= ms.shape[-1]
+    x = (ms if wide else ms.transpose(-2, -1)).float()        # (b, s, l), s <= l
+    x64 = x.double()
+    evals, evecs = torch.linalg.eigh(x64 @ x64.transpose(-2, -1))   # (b, s), (b, s, s); ascending
+    keep = evals > evals[..., -1:].clamp_min(0) * _RTOL
+    inv_sqrt = torch.where(keep, evals.clamp_min(torch.finfo(torch.float64).tiny).rsqrt(),
+                           torch.zeros_like(evals))
+    w = (evecs * inv_sqrt.unsqueeze(-2)) @ evecs.transpose(-2, -1)  # (b, s, s): (M M^T)^{-1/2}
+    out = w.float() @ x                                            # (b, s, l)
+    return (out if wide else out.transpose(-2, -1)).to(ms.dtype)
 
 
 def orthogonalize(m: torch.Tensor) -> torch.Tensor:
-    """Return ``U V^T`` from the exact thin SVD ``m = U S V^T`` (the polar factor of ``m``).
+    """Return the polar factor ``U V^T`` of ``m = U S V^T`` (see :func:`polar_batch`).
 
     Args:
         m: A 2-D tensor.
@@ -19,8 +51,7 @@ def orthogonalize(m: torch.Tensor) -> torch.Tensor:
     Returns:
         A tensor shaped like ``m`` whose nonzero singular values are all 1.
     """
-    u, _, vh = torch.linalg.svd(m.float(), full_matrices=False)
-    return (u @ vh).to(m.dtype)
+    return polar_batch(m.unsqueeze(0))[0]
 
 
 class SumoOptimizer(MatrixAdamW):
@@ -28,11 +59,17 @@ class SumoOptimizer(MatrixAdamW):
 
     For each projected ``m x n`` matrix, every step:
 
-    1. every ``K`` steps: new basis ``Q_t`` from the gradient (top-``r`` singular vectors) and
-       moment transport ``M <- (Q_t^T Q_{t-1}) M`` ("moment subspace transformation");
+    1. every ``K`` steps: new basis ``Q_t`` from the gradient (top-``r`` singular vectors, from
+       the Gram matrix's eigendecomposition by default; the paper uses a randomized SVD) and
+       moment transport ``M <- (Q_t^T Q_{t-1}) M`` ("moment subspace transformation"); with
+       ``projector: oja`` the basis moves by one streaming block-Oja step every step instead
+       (:func:`rankwise.optim.oja.track`) and the moment is transported every step;
     2. ``G_hat = Q_t^T G`` (or ``G Q_t``, whichever side is smaller - recorded in state);
     3. ``M <- mu M + G_hat`` (first moment only);
-    4. ``O = U V^T`` from the exact SVD of ``M`` (not Newton-Schulz);
+    4. ``O = U V^T`` of ``M = U S V^T`` - the exact orthogonalization the paper uses (not
+       Newton-Schulz), computed from the ``r x r`` Gram matrix's eigendecomposition
+       (:func:`polar_batch`): the same matrix as the SVD's ``U V^T``, in one batched call for
+       every moment of a shape, about 4x cheaper than a thin SVD per matrix on CPU;
     5. ``W <- W (1 - lr wd) - lr * scale * sqrt(m n / r) * Q_t O``.
 
     Choices where the paper's text was not available to us: the step-5 factor
@@ -46,31 +83,54 @@ class SumoOptimizer(MatrixAdamW):
     (``min(m,n) x r``): ``nr + mr`` floats.
 
     Param-group keys beyond AdamW's: ``rank`` (turns SUMO on for the group), ``update_every``,
-    ``momentum``, ``scale``, ``svd``. Constructor arguments are those of
-    :class:`rankwise.optim.common.MatrixAdamW`.
+    ``momentum``, ``scale``, ``svd``, ``projector``, ``oja_lr``, ``oja_bits``, ``seed``.
+    Constructor arguments are those of :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
-    group_defaults = dict(momentum=0.9, update_every=200, scale=0.2, svd="svd")
+    group_defaults = dict(momentum=0.9, update_every=200, scale=0.2, svd="eigh", projector="svd",
+                          oja_lr=1.0, oja_bits=None, seed=0)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: list[tuple[torch.Tensor, dict, dict]] = []
 
     def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
                     place: Place) -> None:
-        """Steps 1-5 above for one projected matrix.
+        """Steps 1-3 for one projected matrix; steps 4-5 run batched in :meth:`finish_step`.
 
         Arguments as :meth:`rankwise.optim.common.MatrixAdamW.matrix_step`.
         """
         grad = param.grad
-        if "proj_side" not in state or (step - 1) % group["update_every"] == 0:
+        old, moved = None, False
+        if group["projector"] == "oja":
+            gen = step_generator(group["seed"], place.index, step) if group["oja_bits"] else None
+            old = oja.track(state, grad, group["rank"], group["oja_lr"], group["oja_bits"], gen, group["svd"])
+            moved = True
+        elif "proj_side" not in state or (step - 1) % group["update_every"] == 0:
             old = projector.refresh(state, grad, group["rank"], "top", group["svd"])
-            if "momentum" in state:
-                state["momentum"] = projector.transport(state, old, state["momentum"])
+            moved = True
+        if moved and "momentum" in state:
+            state["momentum"] = projector.transport(state, old, state["momentum"])
         low = projector.project(state, grad)
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(low)
-        mom = state["momentum"].mul_(group["momentum"]).add_(low)
-        r = min(low.shape)
-        factor = group["scale"] * math.sqrt(param.shape[0] * param.shape[1] / r)
-        decay_(param, group["lr"], group["weight_decay"])
-        param.add_(projector.project_back(state, orthogonalize(mom)), alpha=-group["lr"] * factor)
+        state["momentum"].mul_(group["momentum"]).add_(low)
+        self._pending.append((param, state, group))
+
+    def finish_step(self) -> None:
+        """Steps 4-5: orthogonalize every pending moment (one batch per shape) and update."""
+        by_shape: dict[tuple, list] = defaultdict(list)
+        for item in self._pending:
+            mom = item[1]["momentum"]
+            by_shape[(tuple(mom.shape), mom.dtype, mom.device)].append(item)
+        self._pending = []
+        for items in by_shape.values():
+            polar = polar_batch(torch.stack([st["momentum"] for _, st, _ in items]))
+            for (param, state, group), o in zip(items, polar):
+                r = min(o.shape)
+                factor = group["scale"] * math.sqrt(param.shape[0] * param.shape[1] / r)
+                decay_(param, group["lr"], group["weight_decay"])
+                param.add_(projector.project_back(state, o), alpha=-group["lr"] * factor)
 
 
 def build_sumo(model: nn.Module, config: SumoConfig) -> SumoOptimizer:
@@ -84,6 +144,8 @@ def build_sumo(model: nn.Module, config: SumoConfig) -> SumoOptimizer:
         The optimizer over the trainable parameters.
     """
     groups = param_groups(model, config.targets, rank=config.rank, update_every=config.update_every,
-                          momentum=config.momentum, scale=config.scale, svd=config.svd)
+                          momentum=config.momentum, scale=config.scale, svd=config.svd,
+                          projector=config.projector, oja_lr=config.oja_lr, oja_bits=config.oja_bits,
+                          seed=config.seed)
     return SumoOptimizer(groups, lr=config.lr, betas=config.betas,
                          eps=config.eps, weight_decay=config.weight_decay)

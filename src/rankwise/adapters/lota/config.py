@@ -1,0 +1,55 @@
+"""Configuration of ``lota-qaf``: the one place its defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+SUPPORTED_BITS = (2, 4, 8)  # codes are packed 8 / bits per byte
+
+
+@dataclass
+class LotaConfig:
+    """LoTA-QAF: lossless ternary adaptation of a quantized base (arXiv 2505.18724).
+
+    Defaults follow the authors' scripts (``r`` 64 for 8B/14B models, ``interval_point`` 48,
+    i.e. ``omega = 0.75 r``) on a 4-bit base with GPTQ's usual group size 128.
+
+    Attributes:
+        name: Registry name (``lota-qaf``).
+        r: Rank of the ternary factors ``A (r, in)``, ``B (out, r)``.
+        bits: Bits of the integer grid the base is quantized to: 2, 4 or 8.
+        group_size: Input columns sharing one scale and zero point; capped at each layer's input
+            size, and it must divide it.
+        threshold_ratio: ``omega = threshold_ratio * r``: an entry of ``Delta = B A`` (an integer
+            in ``[-r, r]``) moves its code by one grid step only beyond ``+-omega``.
+        fold_offsets: On merge, fold the offset factors into the float zero points (the merged
+            model's output equals the adapted one's); ``false`` keeps the integer zero points
+            and drops them (the documented difference ``s * zp`` per group).
+        targets: ``"all-linear"``, ``"block-linear"``, a regex over module paths, or names.
+        modules_to_save: Whole modules trained and saved with the adapter; ``None`` means the
+            task head for classification models.
+    """
+
+    name: str = "lota-qaf"
+    r: int = 64
+    bits: int = 4
+    group_size: int = 128
+    threshold_ratio: float = 0.75
+    fold_offsets: bool = True
+    targets: Union[list[str], str] = "all-linear"
+    modules_to_save: Union[list[str], None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        out = []
+        if self.bits not in SUPPORTED_BITS:
+            out.append(f"bits: got {self.bits}; expected one of {list(SUPPORTED_BITS)} (the integer "
+                       "grid packs 8/bits codes per byte)")
+        if self.r < 1:
+            out.append(f"r: got {self.r}; expected an integer >= 1")
+        if self.group_size < 1:
+            out.append(f"group_size: got {self.group_size}; expected a positive integer such as 128")
+        if not 0 < self.threshold_ratio < 1:
+            out.append(f"threshold_ratio: got {self.threshold_ratio}; expected a number in (0, 1) "
+                       "such as 0.75")
+        return out

@@ -1,0 +1,35 @@
+"""Configuration of the ``lowrank`` method: the one place its defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+
+@dataclass
+class LowRankConfig:
+    """Factorized low-rank layers ``U S V^T`` (ROADMAP B5; trained by ``lowrank-hb`` /
+    ``lowrank-adam``, or any optimizer on the factors).
+
+    Attributes:
+        name: Registry name (``lowrank``).
+        rank: ``r`` of every factorization; at most ``min(in, out)`` of each layer.
+        mode: ``adapter``: ``W = W0 + U S V^T`` with ``W0`` frozen, ``S = 0`` at the start
+            (fine-tuning; the full adapter protocol holds). ``factorized``: ``W = U S V^T``
+            replaces the dense weight, initialised from its truncated SVD (low-rank training
+            from scratch, or compressing a trained layer); the dense weight is released.
+        targets: ``"all-linear"``, ``"block-linear"``, a regex over module paths, or names.
+        modules_to_save: Whole modules trained and saved with the factors; ``None`` means the
+            task head for classification models.
+    """
+
+    name: str = "lowrank"
+    rank: int = 8
+    mode: Literal["adapter", "factorized"] = "adapter"
+    targets: Union[list[str], str] = "all-linear"
+    modules_to_save: Union[list[str], None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        if self.rank < 1:
+            return [f"rank: got {self.rank}; expected an integer >= 1"]
+        return []

@@ -1,0 +1,57 @@
+"""The corpus of ``lowrank-pretrain``: the Python standard library's own source, as bytes."""
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from pathlib import Path
+
+import torch
+
+
+class ByteWindows:
+    """Causal-LM examples: windows of ``seq`` bytes of ``data`` starting at ``starts``.
+
+    Args:
+        data: The corpus as a uint8 tensor.
+        starts: Start offset of each window, shape ``(N,)``.
+        seq: Window length.
+    """
+
+    pad_id = 0  # every window is full, so nothing is padded
+
+    def __init__(self, data: torch.Tensor, starts: torch.Tensor, seq: int) -> None:
+        self.data, self.starts, self.seq = data, starts.flatten(), seq
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        """Window ``i`` as ``{"input_ids": [byte, ...]}``."""
+        start = int(self.starts[i])
+        return {"input_ids": self.data[start: start + self.seq].tolist()}
+
+
+def load_corpus() -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Read the standard library's source as bytes, split by module name.
+
+    Every ``.py`` file of ``sysconfig.get_paths()["stdlib"]`` (tests, ``idlelib`` and
+    ``site-packages`` left out); a module is held out when ``crc32(module name) % 10 == 0``.
+
+    Returns:
+        ``(train, heldout, info)``: uint8 tensors of concatenated files (separated by a blank
+        line) and a dict with file and byte counts.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
+    parts: dict[str, list[bytes]] = {"train": [], "heldout": []}
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root)
+        if skip & set(rel.parts):
+            continue
+        module = ".".join(rel.with_suffix("").parts)
+        split = "heldout" if zlib.crc32(module.encode()) % 10 == 0 else "train"
+        parts[split].append(f.read_bytes() + b"\n\n")
+    info = {"stdlib": str(root), "files": {k: len(v) for k, v in parts.items()}}
+    data = {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in parts.items()}
+    info["bytes"] = {k: int(v.numel()) for k, v in data.items()}
+    return data["train"], data["heldout"], info

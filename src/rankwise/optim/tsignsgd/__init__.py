@@ -1,0 +1,12 @@
+"""t-SignSGD, LoTA-QAF's optimizer (ROADMAP A9); importing registers ``t-signsgd``."""
+from rankwise import registry
+from rankwise.optim.tsignsgd.config import TSignSGDConfig
+from rankwise.optim.tsignsgd.optimizer import (TSignSGD, build_tsignsgd, quantile_at,
+                                               ternary_parameters, tsignsgd_state_floats)
+
+registry.register("optimizer", "t-signsgd", TSignSGDConfig, build_tsignsgd,
+                  summary="t-SignSGD: +-1 grid steps for LoTA-QAF's ternary adapters (no lr)",
+                  state_floats=tsignsgd_state_floats, lr_grid=(1e-3, 3e-3, 1e-2))
+
+__all__ = ["TSignSGD", "TSignSGDConfig", "build_tsignsgd", "quantile_at", "ternary_parameters",
+           "tsignsgd_state_floats"]

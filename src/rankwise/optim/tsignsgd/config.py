@@ -1,0 +1,57 @@
+"""Settings of ``t-signsgd``; the only defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rankwise.optim.common import check_common
+
+
+@dataclass
+class TSignSGDConfig:
+    """Ternary signed gradient descent for LoTA-QAF's ternary adapters (arXiv 2505.18724).
+
+    Defaults follow the authors' README recipe (``filter_ratio 0.95``, ``min_grad 0.999``,
+    ``filter_upper 0.9999``, ``max_steps 300``) and ``t_signSGD.py`` (the 80/20 phase split,
+    the gradient-norm guard of 10 and its 0.99995 quantile).
+
+    Attributes:
+        name: Registry name.
+        lr: Learning rate of the AdamW group for the trainable parameters that are not ternary
+            (a task head); ternary tensors move by exactly one grid step and have no rate.
+        weight_decay: Decoupled weight decay of that AdamW group.
+        betas: Its Adam betas.
+        eps: Its Adam epsilon.
+        total_steps: Length of the threshold schedule (set it to ``train.steps``).
+        start_quantile: The update threshold's quantile of ``|g|`` at the first step.
+        mid_quantile: ...at ``phase_split`` of the steps (linear in between).
+        end_quantile: ...at the last step (linear from ``mid_quantile``).
+        phase_split: Fraction of the steps in the first (coarse) phase.
+        spike_norm: In the second phase, when the ternary gradients' global norm exceeds this,
+            entries above ``spike_quantile`` of ``|g|`` are also skipped.
+        spike_quantile: See ``spike_norm``.
+    """
+
+    name: str = "t-signsgd"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    total_steps: int = 300
+    start_quantile: float = 0.95
+    mid_quantile: float = 0.999
+    end_quantile: float = 0.9999
+    phase_split: float = 0.8
+    spike_norm: float = 10.0
+    spike_quantile: float = 0.99995
+
+    def problems(self) -> list[str]:
+        """Return value errors (empty when valid)."""
+        out = check_common(self.lr, self.weight_decay, self.betas, self.eps)
+        for key in ("start_quantile", "mid_quantile", "end_quantile", "spike_quantile"):
+            if not 0 <= getattr(self, key) < 1:
+                out.append(f"{key}: got {getattr(self, key)}; expected a quantile in [0, 1) such as 0.999")
+        if not 0 < self.phase_split <= 1:
+            out.append(f"phase_split: got {self.phase_split}; expected a fraction in (0, 1] such as 0.8")
+        if self.total_steps < 1:
+            out.append(f"total_steps: got {self.total_steps}; expected a positive integer (train.steps)")
+        return out
