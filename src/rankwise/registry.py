@@ -12,13 +12,16 @@ Kinds used by rankwise:
   registers ``peft``).
 * ``"task"`` - what a model is trained to do (``classification``, ``causal-lm``): the builder
   returns a :class:`rankwise.engine.task.Task`.
+* ``"compressor"`` - post-training compression of linear layers (pruning, low-rank,
+  quantization): the builder is a :class:`rankwise.compress.base.Compressor` subclass, called
+  with its config (``builder(config) -> Compressor``); :mod:`rankwise.compress` registers them.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rankwise.errors import RankwiseError, closest
@@ -48,6 +51,10 @@ class Entry:
             state its formula predicts for ``model`` (``2nr + mr`` per matrix for GaLore...).
         lr_grid: For optimizers: three learning rates that bracket the optimum of from-scratch
             training of a small transformer (the benchmarks' sweep when none is given).
+        exporters: For methods: ``{format: writer}`` for export formats whose file layout is
+            the method's own (``prompt-tuning``'s PEFT ``PROMPT_TUNING`` files under
+            ``--format peft``); they take precedence over the ``exporter`` entry of that
+            name and have its signature.
     """
 
     kind: str
@@ -61,12 +68,13 @@ class Entry:
     factorized: bool = False
     state_floats: Callable[..., int] | None = None
     lr_grid: tuple[float, ...] = ()
+    exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import
 # (e.g. federated without flwr); they are then simply absent.
-_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.engine")
+_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.engine", "rankwise.compress")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 _loaded = False
 
@@ -82,7 +90,7 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
         builder: See the module docstring for the signature per kind.
         summary: One-line description.
         **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
-            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``).
+            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``).
 
     Returns:
         The entry.

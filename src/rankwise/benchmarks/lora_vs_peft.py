@@ -111,17 +111,12 @@ def _step_fn(model: nn.Module, data) -> Callable[[int], float]:
 
 
 def _peak_step_bytes(step: Callable[[int], float], k: int) -> int:
-    """Peak live-tensor bytes during one step above the level at its start (profiler events)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    """Peak memory one step adds above its start, by the shared meter (:mod:`rankwise.memory`:
+    live-tensor bytes from the profiler's allocation events on CPU)."""
+    from rankwise.memory import PeakMemory
+    with PeakMemory("cpu") as mem:
         step(k)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return mem.peak_bytes
 
 
 def _timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -276,6 +271,7 @@ def _run(out: Path) -> dict:
         "timer": "process CPU time, 1 torch thread (wall-clock figures beside it)",
         "memory_measure": "peak live-tensor bytes during one train step above the start level "
                           "(torch profiler allocation events)",
+        "memory_meter": "cpu_live_tensors",
         "versions": _versions(),
     }
     res["wall_s"] = time.perf_counter() - t_start

@@ -1,0 +1,67 @@
+"""What ``rankwise train`` reports besides the step lines: the data summary (examples, packing,
+records dropped for length) in ``events.jsonl`` / ``metrics.json``, ``samples.jsonl`` and
+TensorBoard (``train.log_to``)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rankwise.data.packing import PackedData
+from rankwise.engine.reporting import DataReport, TensorBoard, tensorboard_available
+from rankwise.errors import RankwiseError
+
+
+def data_info(session: Any) -> dict[str, Any]:
+    """The run's data summary.
+
+    Returns:
+        ``{"data_format", "train_examples", "eval_examples", "dropped_too_long"}`` and, when
+        packed, ``packed_blocks`` and ``packing_efficiency`` (real tokens / block tokens).
+    """
+    train, evals, d = session.train_data, session.eval_data, session.cfg.data
+    packed = isinstance(train, PackedData)
+    base = train.data if packed else train
+    info = {"data_format": d.format, "train_examples": len(base), "eval_examples": len(evals),
+            "dropped_too_long": int(getattr(base, "dropped", 0)) + int(getattr(evals, "dropped", 0))}
+    if packed:
+        info["packed_blocks"] = len(train)
+        info["packing_efficiency"] = round(train.tokens() / max(1, len(train) * train.capacity), 4)
+    return info
+
+
+def check_reporting(cfg: Any) -> None:
+    """Check that the configured loggers can run, before anything is written.
+
+    Raises:
+        RankwiseError: ``train.log_to: [tensorboard]`` without the ``tensorboard`` package.
+    """
+    if "tensorboard" in cfg.train.log_to and not tensorboard_available():
+        raise RankwiseError("train.log_to: tensorboard needs the tensorboard package: pip install "
+                            "'rankwise[tensorboard]' (or remove it from train.log_to)")
+
+
+def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> list:
+    """Callbacks to append after the evaluation ones (see :mod:`rankwise.engine.reporting`).
+
+    Args:
+        session: The training session.
+        out: The run folder.
+        log: The run's :class:`~rankwise.engine.callbacks.EventLog`.
+        write: Whether this process writes files (only the first process under torchrun).
+    """
+    cfg = session.cfg
+    check_reporting(cfg)
+    out = Path(out)
+    cbs: list = [DataReport(log, data_info(session))] if write else []
+    if write:  # routed adapters' expert load -> router_stats.json + router_load.png (any method)
+        from rankwise.engine.adapter_stats import AdapterStatistics
+        cbs.append(AdapterStatistics(out))
+    if "tensorboard" in cfg.train.log_to and write:
+        cbs.append(TensorBoard(out / "tensorboard", cfg.train.log_every))
+    if cfg.eval.samples:
+        from rankwise.recipes.generate import samples_callback
+        cbs.append(samples_callback(session, out, write))
+    return cbs
+
+
+__all__ = ["data_info", "check_reporting", "report_callbacks"]
