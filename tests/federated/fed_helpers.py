@@ -5,13 +5,26 @@ import torch
 
 
 class FakeGrid:
-    """Just enough of ``flwr.serverapp.Grid`` for ``configure_train``."""
+    """Just enough of ``flwr.serverapp.Grid`` for ``configure_train``: nodes (a list, partition =
+    position, or ``{node: partition}``) that answer the server's ``identify`` query."""
 
     def __init__(self, nodes):
-        self.nodes = list(nodes)
+        self.partition = dict(nodes) if isinstance(nodes, dict) else {n: k for k, n in enumerate(nodes)}
+        self.nodes = list(self.partition)
 
     def get_node_ids(self):
         return list(self.nodes)
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import Message, MetricRecord, RecordDict
+
+        from rankwise.federated import keys
+        out = []
+        for m in messages:
+            assert dict(m.content.config_records[keys.CONFIG])[keys.PHASE] == keys.IDENTIFY
+            metrics = MetricRecord({keys.PARTITION: self.partition[m.metadata.dst_node_id]})
+            out.append(Message(content=RecordDict({keys.METRICS: metrics}), reply_to=m))
+        return out
 
 
 def reply(msg, state: dict, n: int = 10, **metrics):

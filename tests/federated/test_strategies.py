@@ -108,7 +108,8 @@ def test_malformed_failed_and_missing_updates_are_not_averaged(caplog):
     assert h["rejected"] == [3, 4] and h["failed"] == [5] and h["missing"] == [6]
     assert h["aggregated"] == 2
     assert torch.allclose(s.global_state[A], torch.full((1, 2), 1.5))
-    assert "node 3" in caplog.text and "NaN" in caplog.text and "node 6 sent no reply" in caplog.text
+    assert "node 3 (partition 2)" in caplog.text and "NaN" in caplog.text
+    assert "node 6 (partition 5) sent no reply" in caplog.text  # partitions known from identify
 
 
 def test_round_with_too_few_valid_updates_keeps_global():

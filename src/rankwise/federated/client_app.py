@@ -51,20 +51,29 @@ def _partition_id(ctx: Context) -> int:
 
 
 def get_client(ctx: Context) -> Client:
-    """This node's client: from the process cache, else rebuilt and restored from ``Context.state``."""
+    """This node's client: the process cache's model (else a new one) set to the node's own
+    adapter from ``Context.state``.
+
+    The state is loaded every time, not only when the model is rebuilt: the simulation may
+    have served this node from another process since this one last did, and this process's
+    copy then holds tensors the server will not send again (what the node received or trained
+    elsewhere). A cached client of another run is replaced.
+    """
     path = config_path(ctx)
     _, _, key = load_run(path)
     pid = _partition_id(ctx)
     client = _CLIENTS.get((key, pid))
-    if client is not None and client.rounds_trained and keys.STATE not in ctx.state.array_records:
+    if client is not None and (client.run_id != ctx.run_id or (
+            client.rounds_trained and keys.STATE not in ctx.state.array_records)):
         client = None  # a new run with the same config in this process: start fresh
     if client is None:
         client = build_client(path, pid)
-        if _STRUCTURE in ctx.state.config_records:  # the model structure its strategy gave it
-            client.strategy.prepare_model(client.model, dict(ctx.state.config_records[_STRUCTURE]))
-        if keys.STATE in ctx.state.array_records:
-            load_tensors(client.params(), from_record(ctx.state.array_records[keys.STATE]))
+        client.run_id = ctx.run_id
         _CLIENTS[(key, pid)] = client
+    if _STRUCTURE in ctx.state.config_records:  # the model structure its strategy gave it
+        client.strategy.prepare_model(client.model, dict(ctx.state.config_records[_STRUCTURE]))
+    if keys.STATE in ctx.state.array_records:
+        load_tensors(client.params(), from_record(ctx.state.array_records[keys.STATE]))
     return client
 
 
@@ -142,9 +151,13 @@ def train(msg: Message, ctx: Context) -> Message:
 @app.query()
 def query(msg: Message, ctx: Context) -> Message:
     """Answer a strategy's query (LEFF stage 1: capacity and per-layer importance) with the
-    strategy's ``answer_query`` hook; the partition id is always included."""
-    client = get_client(ctx)
+    strategy's ``answer_query`` hook; the partition id is always included. An ``identify``
+    query (the server ordering nodes by partition) is answered without building the model."""
     cfg = dict(msg.content.config_records[keys.CONFIG]) if keys.CONFIG in msg.content.config_records else {}
+    if cfg.get(keys.PHASE) == keys.IDENTIFY:
+        metrics = {keys.PARTITION: _partition_id(ctx)}
+        return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
+    client = get_client(ctx)
     metrics = {**client.strategy.answer_query(client, cfg, dict(ctx.node_config)),
                keys.PARTITION: client.partition_id}
     return Message(content=RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)

@@ -29,7 +29,13 @@ class FederatedConfig:
         batch_size: Client batch size; ``None`` uses the run's ``train.batch_size``.
         round_timeout: Seconds the server waits for replies; late clients count as missing.
         client_cpus: CPUs Flower's simulation engine reserves per ClientApp (sets parallelism).
-        seed: Seed of partitioning, sampling and the initial adapter.
+        seed: Seed of partitioning and sampling (the initial adapter comes from ``train.seed``).
+        head: ``train`` (the task head trains and travels with the adapter) or ``frozen`` (it
+            stays at its seeded initialisation on every client and never travels: FedBABU,
+            Oh et al., ICLR 2022, for label-skewed clients).
+        proximal_mu: FedProx's proximal term (Li et al., MLSys 2020, eq. 2): each client adds
+            ``(mu / 2) * ||w - w_global||^2`` over the tensors it trains in the round, ``w_global``
+            being the values it received; 0 turns it off.
         faults: Fault injection for tests and drills: ``{partition id: kind}`` with kind in
             ``nan``, ``shape``, ``keys`` (malformed updates) or ``crash`` (the ClientApp raises).
     """
@@ -47,6 +53,8 @@ class FederatedConfig:
     round_timeout: float = 600.0
     client_cpus: float = 1.0
     seed: int = 0
+    head: Literal["train", "frozen"] = "train"
+    proximal_mu: float = 0.0
     faults: dict[str, str] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
@@ -62,6 +70,8 @@ class FederatedConfig:
             out.append(f"min_clients: got {self.min_clients}; expected 1..clients ({self.clients})")
         if self.alpha <= 0:
             out.append(f"alpha: got {self.alpha}; expected a positive number")
+        if self.proximal_mu < 0:
+            out.append(f"proximal_mu: got {self.proximal_mu}; expected a number >= 0 (0 = off)")
         if self.local_steps < 1:
             out.append(f"local_steps: got {self.local_steps}; expected an integer >= 1")
         for pid, kind in self.faults.items():

@@ -27,7 +27,9 @@ SYNC_ROUND = "sync-round"        # int: round of the last payload this node was 
 FULL_SYNC = "full-sync"          # bool: the payload holds every global tensor
 INIT_FINGERPRINT = "init-fingerprint"  # str: hash of the initial adapter (first contact)
 RESYNC_REASON = "rankwise-resync"      # marker in a client's error: its adapter copy is lost
-PHASE = "phase"                  # str: "train", "warmup" (FedLEASE), "oneshot" (YOCO)
+PHASE = "phase"                  # str: "train", "warmup" (FedLEASE), "oneshot" (YOCO); in a
+#                                  query: IDENTIFY (answer only the partition id)
+IDENTIFY = "identify"
 CLUSTER = "cluster"              # int: FedLEASE expert/cluster index of the receiving client
 NUM_EXPERTS = "num-experts"      # int: FedLEASE number of experts M
 TOP_M = "top-m"                  # int: FedLEASE router selects at most M of 2M-1 slots

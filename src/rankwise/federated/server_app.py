@@ -22,7 +22,8 @@ from rankwise.core import atomic
 from rankwise.engine import evaluate
 from rankwise.federated import keys
 from rankwise.federated.payload import to_record
-from rankwise.federated.task import build_session, initial_state, load_run, partitions
+from rankwise.federated.task import (build_session, initial_state, load_run, majority_share,
+                                     partitions)
 from rankwise.federated.wire import factor_roles, load_tensors, mark_wire
 
 ENV_OUT = "RANKWISE_FED_OUT"
@@ -43,11 +44,15 @@ class Evaluator:
     Args:
         cfg: The run config.
         fed: The federated settings.
+
+    Attributes:
+        majority: The share of the evaluation split's most frequent label (``None`` without
+            labels): the accuracy a model that always predicts it gets.
     """
 
     def __init__(self, cfg, fed) -> None:
         self.cfg, self.fed = cfg, fed
-        self.session = build_session(cfg)
+        self.session = build_session(cfg, fed)
         self.names = [n for n, p in self.session.model.named_parameters() if p.requires_grad]
         mark_wire(self.session.model, self.names)
         self.roles = factor_roles(self.session.model)
@@ -61,6 +66,7 @@ class Evaluator:
                     counts.setdefault(data.labels[i], {}).setdefault(k, 0)
                     counts[data.labels[i]][k] += 1
             self.owner = {lab: max(c, key=c.get) for lab, c in counts.items()}
+        self.majority = majority_share(self.session.eval_data.labels)
 
     def initial(self) -> dict:
         """The initial global adapter."""
@@ -151,6 +157,7 @@ def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
                "partition": fed.partition, "method": cfg.method.name,
                "bytes_up": sum(e["bytes_up"] for e in lines), "bytes_down": sum(e["bytes_down"] for e in lines),
                "initial_eval_accuracy": lines[0].get("eval_accuracy"),
+               "majority_accuracy": evaluator.majority,
                "failed": sorted({n for e in lines for n in e.get("failed", [])}),
                "missing": sorted({n for e in lines for n in e.get("missing", [])}),
                "rejected": sorted({n for e in lines for n in e.get("rejected", [])}),

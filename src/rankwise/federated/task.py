@@ -25,6 +25,7 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.data.text import TextData
 from rankwise.engine import Engine, NonFiniteLoss, Task
+from rankwise.engine.loop import LossHook
 from rankwise.federated import keys
 from rankwise.federated.config import FederatedConfig
 from rankwise.federated.partition import partition
@@ -80,6 +81,7 @@ class Client:
         roles: ``{name: "A" | "B"}`` of its low-rank factors, found through the protocol.
         strategy: The strategy class (its class-level client hooks are used).
         rounds_trained: Rounds of local training done so far.
+        run_id: The Flower run the client was built for (a process may serve several runs).
     """
 
     cfg: Any
@@ -92,6 +94,7 @@ class Client:
     roles: dict[str, str]
     strategy: Any
     rounds_trained: int = 0
+    run_id: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -103,11 +106,96 @@ class Client:
         return self.strategy.wire_parameters(self.model)
 
 
-def build_session(cfg, device: str = "cpu"):
-    """``prepare`` the run config (model + method + data) on ``device`` with a fixed seed."""
+def build_session(cfg, fed: FederatedConfig | None = None, device: str = "cpu"):
+    """``prepare`` the run config (model + method + data) on ``device`` with a fixed seed.
+
+    Args:
+        cfg: The run config.
+        fed: The federated settings; with ``head: frozen`` the task head is frozen here, before
+            anyone records what trains (so it never travels).
+        device: Where the model goes.
+
+    Returns:
+        The prepared :class:`rankwise.recipes.train.Session`.
+
+    Raises:
+        RankwiseError: On any problem preparing the run, or ``head: frozen`` without a head.
+    """
     from rankwise.recipes.train import prepare
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, progress=False))
-    return prepare(cfg, device=device)
+    session = prepare(cfg, device=device)
+    if fed is not None and fed.head == "frozen":
+        freeze_head(session.model)
+    return session
+
+
+def freeze_head(model: nn.Module) -> list[str]:
+    """Freeze the task head: the whole modules the method trains beside its adapters (its
+    ``modules_to_save``, e.g. ``classifier``); FedBABU's frozen random head.
+
+    Args:
+        model: A prepared model.
+
+    Returns:
+        The frozen parameters' names.
+
+    Raises:
+        RankwiseError: If the method trains no head, or nothing would be left to train.
+    """
+    from rankwise.core.ops import modules_to_save
+    from rankwise.errors import RankwiseError
+    paths = modules_to_save(model)
+    if not paths:
+        raise RankwiseError("federated.head: frozen, but the method trains no task head (nothing in "
+                            "modules_to_save); set federated.head: train")
+    frozen = [f"{path}.{n}" for path in paths for n, p in model.get_submodule(path).named_parameters()
+              if p.requires_grad]
+    for path in paths:
+        model.get_submodule(path).requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise RankwiseError("federated.head: frozen leaves nothing to train (the method trains only "
+                            "the head); set federated.head: train or use an adapter method")
+    return frozen
+
+
+def majority_share(labels: list[int] | None) -> float | None:
+    """The share of the most frequent label: the accuracy of always predicting it.
+
+    Args:
+        labels: One label per example (``None`` for a task without labels).
+
+    Returns:
+        ``max_c count(c) / len(labels)``; ``None`` without labels.
+    """
+    if not labels:
+        return None
+    counts: dict[int, int] = {}
+    for y in labels:
+        counts[y] = counts.get(y, 0) + 1
+    return max(counts.values()) / len(labels)
+
+
+def proximal_term(params: dict[str, nn.Parameter], mu: float) -> LossHook:
+    """FedProx's proximal term (Li et al., MLSys 2020, eq. 2) as an engine loss hook.
+
+    The reference ``w_global`` is the parameters' values now (call it right after the global
+    tensors were loaded); the hook returns ``(mu / 2) * sum_k ||w_k - w_global_k||^2``, whose
+    gradient is ``mu * (w - w_global)``.
+
+    Args:
+        params: The tensors that train this round, by name.
+        mu: The proximal weight.
+
+    Returns:
+        ``fn(model, step) -> scalar tensor``.
+    """
+    anchor = {n: p.detach().clone() for n, p in params.items()}
+
+    def hook(_model: nn.Module, _step: int) -> torch.Tensor:
+        total = sum(((p - anchor[n]) ** 2).sum() for n, p in params.items())
+        return 0.5 * mu * total if params else torch.zeros(())
+
+    return hook
 
 
 def build_client(config_path: str | Path, partition_id: int) -> Client:
@@ -123,7 +211,7 @@ def build_client(config_path: str | Path, partition_id: int) -> Client:
     if not 0 <= partition_id < fed.clients:
         raise RankwiseError(f"partition-id {partition_id} is outside 0..{fed.clients - 1}; start "
                             "the SuperNode with --node-config 'partition-id=K num-partitions=N'")
-    session = build_session(cfg)
+    session = build_session(cfg, fed)
     parts = partitions(cfg, fed, session.train_data)
     names = [n for n, p in session.model.named_parameters() if p.requires_grad]
     mark_wire(session.model, names)
@@ -140,8 +228,10 @@ def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor],
     ``train.seed + 1000 * partition_id`` (so a client's batches never repeat across rounds and
     differ between clients), and torch's RNG (dropout) is seeded from ``(train.seed, partition,
     t)``: a round's update depends only on the round and the client, not on which simulation
-    process happens to serve the client or what it ran before, so reruns reproduce exactly. The strategy's hooks choose what trains
-    (``train_names``) and add loss terms (``loss_hooks``). A non-finite loss ends the round
+    process happens to serve the client or what it ran before, so reruns reproduce exactly.
+    The strategy's hooks choose what trains (``train_names``) and add loss terms
+    (``loss_hooks``); ``federated.proximal_mu`` adds FedProx's :func:`proximal_term` over the
+    tensors that train. A non-finite loss ends the round
     early (logged); the server then rejects the update if its tensors are not finite.
 
     Args:
@@ -161,9 +251,12 @@ def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor],
     server_round = int(cfg_rec.get(keys.ROUND, client.rounds_trained + 1))
     first = (server_round - 1) * steps
     torch.manual_seed(cfg.train.seed * 1_000_003 + client.partition_id * 10_007 + server_round)
+    hooks = dict(strategy.loss_hooks(model, client.roles, cfg_rec, first, steps))
+    if fed.proximal_mu > 0:
+        hooks["proximal"] = proximal_term({n: params[n] for n in names}, fed.proximal_mu)
     engine = Engine(model, client.task, opt, client.train_data, client.batch_size,
                     seed=cfg.train.seed + 1000 * client.partition_id, grad_clip=cfg.train.grad_clip,
-                    loss_hooks=strategy.loss_hooks(model, client.roles, cfg_rec, first, steps))
+                    loss_hooks=hooks)
     losses = []
     for step in range(first, first + steps):
         try:

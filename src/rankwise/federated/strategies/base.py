@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -116,6 +117,7 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
         self.fingerprint = fingerprint(self.global_state)
         self._expected: dict[int, dict[str, tuple]] = {}
         self._bytes_down = 0
+        self._control = [0, 0]  # bytes down/up of query messages since the last round's entry
         self._rng = random.Random(fed.seed)
 
     # ----- hooks ---------------------------------------------------------------------------
@@ -164,12 +166,50 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
         LOG.info("rankwise strategy %s: %s; %s", self.name, self.config, self.fed)
 
     def _sample(self, grid) -> list[int]:
-        """Wait for ``min_clients`` nodes, then draw ``max(fraction * n, min_clients)`` (seeded)."""
+        """Draw ``max(fraction * n, min_clients)`` of the connected nodes (seeded), in partition
+        order (see :meth:`connected`)."""
+        everyone = self.connected(grid)
+        size = min(max(int(len(everyone) * self.fed.fraction), self.fed.min_clients), len(everyone))
+        return sorted(self._rng.sample(everyone, size), key=self._order)
+
+    def connected(self, grid) -> list[int]:
+        """Wait for ``min_clients`` nodes; return the connected ones ordered by data partition.
+
+        Simulation node ids are random per run, so sampling, the order of plans (LEFF draws a
+        block per node) and the order of sums follow the partition each node reports (an
+        ``identify`` query on first contact), never the node id: reruns reproduce exactly.
+        """
         from flwr.serverapp.strategy.strategy_utils import sample_nodes
         _, everyone = sample_nodes(grid, self.fed.min_clients, self.fed.min_clients)
-        everyone = sorted(everyone)
-        size = min(max(int(len(everyone) * self.fed.fraction), self.fed.min_clients), len(everyone))
-        return sorted(self._rng.sample(everyone, size))
+        new = [n for n in everyone if n not in self.partition_of]
+        if new:
+            for r in self.query(grid, new, {keys.PHASE: keys.IDENTIFY}):
+                if not r.has_error() and keys.METRICS in r.content.metric_records:
+                    self.partition_of[r.metadata.src_node_id] = int(
+                        r.content.metric_records[keys.METRICS][keys.PARTITION])
+        return sorted(everyone, key=self._order)
+
+    def _order(self, node: int) -> tuple[float, int]:
+        """Sort key of a node: its partition id (unknown: last), then its node id."""
+        return (self.partition_of.get(node, math.inf), node)
+
+    def query(self, grid, nodes: list[int], config: dict) -> list:
+        """Send a Flower ``query`` message with ``config`` to ``nodes``; return the replies.
+
+        Their bytes (both ways) are added to the next round's entry of ``history``.
+        """
+        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+        msgs = [Message(RecordDict({keys.CONFIG: ConfigRecord(dict(config))}),
+                        message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
+        self._control[0] += sum(record_bytes(m.content) for m in msgs)
+        replies = list(grid.send_and_receive(msgs, timeout=self.fed.round_timeout))
+        for r in replies:
+            if r.has_error():
+                LOG.warning("query: %s failed: %s", self.who(r.metadata.src_node_id),
+                            _last_line(r.error.reason))
+            else:
+                self._control[1] += record_bytes(r.content)
+        return replies
 
     def who(self, node: int) -> str:
         """``"node 123 (partition 2)"`` for logs (partition once the node has reported it)."""
@@ -225,8 +265,10 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
         """
         from flwr.app import MetricRecord
         replies = list(replies)
-        entry = {"round": server_round, "sampled": len(self._expected), "bytes_down": self._bytes_down,
-                 "bytes_up": 0, "failed": [], "missing": [], "rejected": []}
+        entry = {"round": server_round, "sampled": len(self._expected),
+                 "bytes_down": self._bytes_down + self._control[0], "bytes_up": self._control[1],
+                 "failed": [], "missing": [], "rejected": []}
+        self._control = [0, 0]
         updates: list[Update] = []
         seen = set()
         for msg in replies:
@@ -255,6 +297,7 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
             for k in exp:
                 if k in self._version:
                     self._held[node][k] = -1
+        updates.sort(key=lambda u: self._order(u.node_id))  # sums in partition order, not arrival
         if len(updates) >= self.fed.min_clients:
             for k in self.aggregate_updates(server_round, updates):
                 self._version[k] = server_round

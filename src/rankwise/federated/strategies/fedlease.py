@@ -163,9 +163,7 @@ class FedLease(AdapterStrategy):
 
     def _sample(self, grid) -> list[int]:
         if not self.cluster:  # warm-up: everyone (after at least min_clients connected)
-            from flwr.serverapp.strategy.strategy_utils import sample_nodes
-            sample_nodes(grid, self.fed.min_clients, self.fed.min_clients)
-            return sorted(grid.get_node_ids())
+            return self.connected(grid)
         return super()._sample(grid)
 
     def _extra(self, c: int) -> dict:

@@ -2,7 +2,6 @@
 Edge"; OpenReview DqRbfiTdKK). No official code exists; choices are in the class docstring."""
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -14,8 +13,6 @@ from rankwise.federated import keys
 from rankwise.federated.payload import layer_index
 from rankwise.federated.strategies.base import AdapterStrategy, Plan, Update
 from rankwise.federated.strategies.lora_avg import average_present
-
-LOG = logging.getLogger("rankwise.federated")
 
 
 @dataclass
@@ -154,22 +151,12 @@ class Leff(AdapterStrategy):
         return super().configure_train(server_round, arrays, config, grid)
 
     def _query_new_nodes(self, grid) -> None:
-        from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-        from rankwise.federated.payload import record_bytes
         new = [n for n in grid.get_node_ids() if n not in self.capacity]
         if not new:
             return
-        cfg = ConfigRecord({keys.CAPACITIES: list(self.config.capacities)})
-        msgs = [Message(RecordDict({keys.CONFIG: cfg}), message_type=MessageType.QUERY, dst_node_id=n)
-                for n in new]
-        self._query_down = sum(record_bytes(m.content) for m in msgs)
-        for reply in grid.send_and_receive(msgs, timeout=self.fed.round_timeout):
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                LOG.warning("LEFF query: node %d failed: %s", node, reply.error.reason)
-                continue
-            self._query_up = getattr(self, "_query_up", 0) + record_bytes(reply.content)
-            self._read_report(node, dict(reply.content.metric_records[keys.METRICS]))
+        for reply in self.query(grid, new, {keys.CAPACITIES: list(self.config.capacities)}):
+            if not reply.has_error():
+                self._read_report(reply.metadata.src_node_id, dict(reply.content.metric_records[keys.METRICS]))
 
     def _read_report(self, node: int, metrics: dict) -> None:
         if keys.CAPACITY in metrics:
@@ -199,10 +186,9 @@ class Leff(AdapterStrategy):
                 self._read_report(r.metadata.src_node_id, dict(r.content.metric_records[keys.METRICS]))
         out = super().aggregate_train(server_round, replies)
         entry = self.history[-1]
-        entry["blocks"] = {str(n): b for n, b in self.blocks.items() if n in self._expected}
-        entry["bytes_down"] += getattr(self, "_query_down", 0)
-        entry["bytes_up"] += getattr(self, "_query_up", 0)
-        self._query_down = self._query_up = 0
+        entry["blocks"] = {f"partition {self.partition_of.get(n, '?')}": b  # node ids vary per run
+                           for n, b in sorted(self.blocks.items(), key=lambda nb: self._order(nb[0]))
+                           if n in self._expected}
         return out
 
     def aggregate_updates(self, server_round: int, updates: list[Update]) -> list[str]:
