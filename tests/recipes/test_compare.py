@@ -74,7 +74,7 @@ def test_two_methods_two_seeds_table(config, tmp_path):
     md = (out / "results.md").read_text()
     s = rows["lora"]
     acc = f"{100 * s['mean']['eval_accuracy']:.1f} ± {100 * s['std']['eval_accuracy']:.1f}"
-    assert f"| lora | lora | adamw | {acc} | {s['mean']['eval_loss']:.4f} ± {s['std']['eval_loss']:.4f} |" in md
+    assert f"| lora | lora | adamw | 0.005 | {acc} | {s['mean']['eval_loss']:.4f} ± {s['std']['eval_loss']:.4f} |" in md
     assert (out / "results.png").stat().st_size > 1000
     again = run_compare(config, ["lora"], 2, ["train.steps=2"], out)   # finished runs are reused
     assert again["rows"]["lora"]["runs"] == rows["lora"]["runs"]
@@ -94,4 +94,51 @@ def test_markdown_perplexity_rows():
     summary = {"lora": {"method": "lora", "optim": "adamw", "seeds": 1, "runs": [],
                         "mean": {"eval_perplexity": 12.5, "eval_loss": 2.5, "trainable_params": 10},
                         "std": {"eval_perplexity": 0.0, "eval_loss": 0.0, "trainable_params": 0}}}
-    assert "| lora | lora | adamw | 12.500 ± 0.000 | 2.5000 ± 0.0000 | 10 |" in markdown(summary, "t")
+    assert "| lora | lora | adamw | - | 12.500 ± 0.000 | 2.5000 ± 0.0000 | 10 |" in markdown(summary, "t")
+
+
+def test_lr_sweep_chooses_on_validation_and_trains_seeds_at_the_best(config, tmp_path, monkeypatch):
+    import rankwise.recipes.compare as cmp
+    from rankwise.recipes import sweep
+
+    seen = []
+    real = cmp._run_one
+
+    def spy(raw, run_dir, console):
+        seen.append((raw["data"].get("holdout", "eval"), raw["optim"]["lr"], raw["train"]["seed"], run_dir.name))
+        return real(raw, run_dir, console)
+
+    monkeypatch.setattr(cmp, "_run_one", spy)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["compare"]["lora"] = {"lr_grid": [0.001, 0.01, 0.1]}
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "sw"
+    res = run_compare(config, ["lora"], 2, ["train.steps=2"], out, lr_grid=3)
+    row = res["rows"]["lora"]
+    sweeps = [s for s in seen if s[0] == "validation"]
+    assert [s[1] for s in sweeps] == [0.001, 0.01, 0.1] and {s[2] for s in sweeps} == {0}
+    finals = [s for s in seen if s[0] == "eval"]
+    assert [s[2] for s in finals] == [0, 1] and {s[1] for s in finals} == {row["lr"]}
+    by_lr = {p["lr"]: p for p in row["sweep"]}
+    assert row["lr"] == sweep.best_point({lr: p for lr, p in by_lr.items()})
+    assert "lr *" in (out / "results.md").read_text()
+    # the validation rows come from the training split: sweep runs evaluated other examples
+    val = json.loads((out / "lora" / "lr0.01" / "metrics.json").read_text())
+    ev = json.loads((out / "lora" / "seed0" / "metrics.json").read_text())
+    assert val["eval_loss"] != ev["eval_loss"]
+    with pytest.raises(RankwiseError, match="expected 3 positive"):
+        cfg["compare"]["lora"] = {"lr_grid": [0.001, 0.01]}
+        config.write_text(yaml.safe_dump(cfg))
+        run_compare(config, ["lora"], 1, [], tmp_path / "bad", lr_grid=3)
+
+
+def test_validation_split_is_carved_from_training_data(tmp_path):
+    import numpy as np
+
+    from rankwise.data.text import validation_split
+    rows = np.arange(1000)
+    train, val = validation_split(rows, 0.1)
+    assert 70 < len(val) < 130 and len(train) + len(val) == 1000
+    assert not set(train) & set(val)
+    again = validation_split(rows, 0.1)
+    assert (again[1] == val).all()

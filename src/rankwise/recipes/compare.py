@@ -28,11 +28,12 @@ from pathlib import Path
 
 from rankwise import registry
 from rankwise.core import atomic
+from rankwise.recipes import sweep
 from rankwise.errors import RankwiseError, closest
 
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")
 METRICS = ("eval_accuracy", "eval_loss", "eval_perplexity", "trainable_params", "train_time_s",
-           "peak_memory_mb")
+           "step_time_s", "peak_memory_mb")
 
 
 def parse_row(row: str, base_method: str = "lora") -> tuple[str, str | None]:
@@ -113,8 +114,10 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     out = {}
     for row, metrics in runs.items():
         mean, std = {}, {}
+        derived = [{**m, "step_time_s": m["train_time_s"] / m["steps"]}
+                   if "train_time_s" in m and m.get("steps") else m for m in metrics]
         for key in METRICS:
-            vals = [float(m[key]) for m in metrics if key in m]
+            vals = [float(m[key]) for m in derived if key in m]
             if vals:
                 mean[key], std[key] = _stats(vals)
         out[row] = {"method": metrics[0].get("method"), "optim": metrics[0].get("optim"),
@@ -133,9 +136,9 @@ def markdown(summary: dict[str, dict], title: str) -> str:
     lm = any("eval_perplexity" in s["mean"] for s in summary.values())
     score = ("eval perplexity", "eval_perplexity", ".3f") if lm else ("eval accuracy (%)", "eval_accuracy", "")
     lines = [f"## {title}", "",
-             f"| row | method | optimizer | {score[0]} | eval loss | trainable params | "
-             "train time (s) | peak memory (MiB) |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             f"| row | method | optimizer | lr | {score[0]} | eval loss | trainable params | "
+             "step time (s) | peak memory (MiB) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row, s in summary.items():
         if lm:
             sc = _pm(s, score[1], score[2])
@@ -143,11 +146,15 @@ def markdown(summary: dict[str, dict], title: str) -> str:
             sc = (f"{100 * s['mean']['eval_accuracy']:.1f} ± {100 * s['std']['eval_accuracy']:.1f}"
                   if "eval_accuracy" in s["mean"] else "-")
         params = s["mean"].get("trainable_params", float("nan"))
-        lines.append(f"| {row} | {s['method']} | {s['optim']} | {sc} | {_pm(s, 'eval_loss', '.4f')} | "
-                     f"{params:,.0f} | {_pm(s, 'train_time_s', '.1f')} | {_pm(s, 'peak_memory_mb', '.0f')} |")
+        lr = "-" if s.get("lr") is None else f"{s['lr']:.3g}" + (" *" if "sweep" in s else "")
+        lines.append(f"| {row} | {s['method']} | {s['optim']} | {lr} | {sc} | {_pm(s, 'eval_loss', '.4f')} | "
+                     f"{params:,.0f} | {_pm(s, 'step_time_s', '.3f')} | {_pm(s, 'peak_memory_mb', '.0f')} |")
     n = {s["seeds"] for s in summary.values()}
     lines += ["", f"Mean ± sample standard deviation over {', '.join(map(str, sorted(n)))} seed(s) "
               "(seed k sets train.seed = k: head/adapter init, data order, GoRA's calibration batches)."]
+    if any("sweep" in s for s in summary.values()):
+        lines += ["", "lr *: chosen by a sweep on seed 0 over a validation split carved from the training "
+                  "data (the evaluation split was not used); the other seeds then trained at it."]
     return "\n".join(lines) + "\n"
 
 
@@ -186,6 +193,37 @@ def plot(summary: dict[str, dict], path: Path, title: str) -> Path:
     return Path(path)
 
 
+def curves(out: Path, runs: dict[str, list[Path]], path: Path, title: str) -> Path | None:
+    """Evaluation curves (every ``eval_every`` step), mean over seeds, one line per row.
+
+    Args:
+        out: The comparison folder.
+        runs: ``{row: [run folders]}``.
+        path: The PNG to write.
+        title: Figure title.
+
+    Returns:
+        ``path``, or None when no run logged intermediate evaluations.
+    """
+    from rankwise.plots import plot_curves
+    key = None
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for row, folders in runs.items():
+        per_step: dict[int, list[float]] = {}
+        for folder in folders:
+            events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines() if x.strip()]
+            for e in events:
+                key = key or next((k for k in ("eval_accuracy", "eval_perplexity", "eval_loss") if k in e), None)
+                if key and key in e:
+                    per_step.setdefault(int(e["step"]), []).append(float(e[key]))
+        if per_step:
+            lines[row] = [(k, statistics.fmean(v)) for k, v in sorted(per_step.items())]
+    if not lines or all(len(v) < 2 for v in lines.values()):
+        return None
+    return plot_curves(lines, path, "step", f"{key.replace('_', ' ')} (mean over seeds)", title,
+                       styles={r: "o-" for r in lines})
+
+
 PLAN = "compare_plan.json"
 
 
@@ -222,12 +260,13 @@ def _run_one(raw: dict, run_dir: Path, console) -> dict:
 
 
 def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: list[str],
-                out: Path, console=None, base: dict | None = None) -> dict:
+                out: Path, console=None, base: dict | None = None, lr_grid: int = 0) -> dict:
     """Run each row for seeds 0..seeds-1 and write ``results.json``, ``results.md``, ``results.png``.
 
     The YAML may hold a ``compare:`` section, ``{row: {section: {key: value}}}``, with per-row
-    overrides (e.g. ``compare: {altlora: {optim: {lr: 0.1}}}``); it is removed before the rest
-    is validated as a run config.
+    overrides (e.g. ``compare: {altlora: {optim: {lr: 0.1}}}``) and per-row learning-rate grids
+    (``compare: {lora: {lr_grid: [1e-3, 3e-3, 1e-2]}}``); it is removed before the rest is
+    validated as a run config.
 
     Args:
         config_path: The base run config (YAML); ``None`` uses ``base``.
@@ -238,6 +277,9 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
         out: Output folder.
         console: A ``rich`` console (default: stdout).
         base: A raw config dict used when ``config_path`` is None.
+        lr_grid: If > 0, sweep every row over this many learning rates on a validation split
+            carved from the training data and train the seeds at the best one
+            (:mod:`rankwise.recipes.sweep`); 0 trains each row at its configured rate.
 
     Returns:
         The dict written to ``results.json``.
@@ -261,6 +303,7 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
     for row in methods:
         parse_row(row, base_method)
     extras = raw.pop("compare", None) or {}
+    grids = {row: (extras.get(row) or {}).pop(sweep.GRID_KEY, None) for row in methods}
     for row in extras:
         try:
             parse_row(row, base_method)
@@ -284,6 +327,24 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
             raise RankwiseError(f"row {row!r}: {err}") from None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if lr_grid < 0:
+        raise RankwiseError(f"--lr-grid: got {lr_grid}; expected 0 (off) or the number of points")
+    points = {row: [sweep.sweep_plan(plan, lr) for lr in sweep.row_grid(row, plan, grids[row], lr_grid)]
+              for row, plan in plans.items()} if lr_grid else {}
+    for row, pts in points.items():
+        for raw_pt in pts:
+            _check_owned(out / row / f"lr{raw_pt['optim']['lr']:.3g}", raw_pt)
+    chosen: dict[str, dict] = {}
+    for row, pts in points.items():
+        found = {}
+        for raw_pt in pts:
+            lr = raw_pt["optim"]["lr"]
+            console.print(f"[bold]{row}[/] sweep lr {lr:.3g} (validation split)")
+            found[lr] = _run_one(raw_pt, out / row / f"lr{lr:.3g}", console)
+        best = sweep.best_point(found)
+        plans[row].setdefault("optim", {})["lr"] = best
+        chosen[row] = {"lr": best, "sweep": [{"lr": lr, **{k: m[k] for k in ("eval_loss", "eval_accuracy")
+                                                          if k in m}} for lr, m in found.items()]}
     jobs = []
     for row, plan in plans.items():
         for seed in range(seeds):
@@ -299,11 +360,17 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
     summary = summarise(runs)
     model = raw.get("model", {}).get("path", "demo")
     title = f"{model} on {raw.get('data', {}).get('source', 'demo')}, {seeds} seed(s)"
+    for row in summary:
+        summary[row]["lr"] = build_run_config(copy.deepcopy(plans[row])).optim.lr
+        summary[row].update(chosen.get(row, {}))
     result = {"config": str(config_path) if config_path else None, "sets": list(sets), "seeds": seeds,
+              "lr_grid": lr_grid,
               "rows": {row: {**summary[row], "overrides": plans[row]} for row in summary}}
     atomic.write_json(out / "results.json", result)
     atomic.write_bytes(out / "results.md", markdown(summary, f"rankwise compare: {title}").encode())
     plot(summary, out / "results.png", title)
+    curves(out, {row: [out / row / f"seed{k}" for k in range(seeds)] for row in summary},
+           out / "curves.png", title)
     console.print(markdown(summary, title))
     console.print(f"wrote {out}/results.json, results.md and results.png")
     return result
