@@ -94,6 +94,57 @@ class InputAdapter(Protocol):
         ...
 
 
+class NamedAdapters:
+    """The protocol's bookkeeping for a layer that keeps its adapters in one container keyed by
+    adapter name (a ``ModuleDict`` or ``ParameterDict``, named by ``adapters_attr``) and the
+    active names in ``self._active``: ``adapter_names``, ``set_active``, ``active_names``.
+    Mix it in before ``nn.Module``; the layer implements the rest of :class:`AdapterModule`.
+    """
+
+    adapters_attr: str = ""
+    _active: list[str]
+
+    def adapter_names(self) -> list[str]:
+        """The adapter names held by this layer."""
+        return list(getattr(self, self.adapters_attr).keys())
+
+    def set_active(self, names: list[str]) -> None:
+        """Use ``names`` in forward (unknown names are ignored; ``[]`` gives the base layer)."""
+        held = getattr(self, self.adapters_attr)
+        self._active = [n for n in names if n in held]
+
+    def active_names(self) -> list[str]:
+        """The active adapter names."""
+        return list(self._active)
+
+    def _forget(self, name: str) -> None:
+        """Drop ``name`` from the active names (after deleting its tensors)."""
+        self._active = [n for n in self._active if n != name]
+
+
+class Unmergeable(NamedAdapters):
+    """:class:`NamedAdapters` for a layer whose adapter is not a weight delta (routed or
+    input-dependent): ``mergeable = False``, ``merge`` refuses with ``unmergeable_reason``, and
+    ``unmerge`` is a no-op so disabling adapters still works."""
+
+    mergeable = False
+    adapter_kind = "this"
+    unmergeable_reason = "it is not a fixed weight change; keep it as an adapter: export with --format rankwise"
+
+    def merge(self, name: str) -> None:
+        """Refuse.
+
+        Raises:
+            RankwiseError: Always (``rankwise.core.merge_adapters`` checks ``mergeable`` first).
+        """
+        from rankwise.errors import RankwiseError
+        raise RankwiseError(f"{self.adapter_kind} adapter {name!r} cannot be merged into the base "
+                            f"weight ({self.unmergeable_reason})")
+
+    def unmerge(self) -> None:
+        """Nothing is ever merged."""
+
+
 def adapter_modules(model: nn.Module) -> Iterator[tuple[str, AdapterModule]]:
     """Yield ``(path, module)`` for every adapter module in ``model`` (outermost first).
 

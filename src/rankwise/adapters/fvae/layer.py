@@ -29,6 +29,7 @@ from torch import nn
 
 from rankwise.adapters.lora.layer import lora_scale
 from rankwise.core import weights as W
+from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError
 
 AUX_NAMES = ("fvae_reconstruction", "fvae_kl_z1", "fvae_z2_prior", "fvae_z1_repulsion")
@@ -115,14 +116,15 @@ class FactorizedVae(nn.Module):
         return (z1 @ self.lora_B.T) * self.scaling
 
 
-class FvaeLoraLayer(nn.Module):
+class FvaeLoraLayer(Unmergeable, nn.Module):
     """A linear-like layer with named FVAE-LoRA adapters (``AdapterModule``, not mergeable).
 
     Args:
         base_layer: ``nn.Linear``, ``Conv1D`` or a quantized linear; never modified.
     """
 
-    mergeable = False
+    adapters_attr = "vaes"
+    adapter_kind = "FVAE-LoRA"
     unmergeable_reason = ("its latent z1 comes from a non-linear encoder of the input; keep it as "
                           "an adapter: export with --format rankwise")
 
@@ -156,39 +158,15 @@ class FvaeLoraLayer(nn.Module):
         return self.vaes[name]
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """The adapter names held by this layer."""
-        return list(self.vaes.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Every parameter of VAE ``name`` by its path (``enc_z1.mean.weight``, ``lora_B``...)."""
         return dict(self.vaes[name].named_parameters())
-
-    def set_active(self, names: list[str]) -> None:
-        """Use ``names`` in forward (``[]`` gives the base layer)."""
-        self._active = [n for n in names if n in self.vaes]
-
-    def active_names(self) -> list[str]:
-        """The active adapter names."""
-        return list(self._active)
-
-    def merge(self, name: str) -> None:
-        """Refuse (see :attr:`unmergeable_reason`).
-
-        Raises:
-            RankwiseError: Always.
-        """
-        raise RankwiseError(f"FVAE-LoRA adapter {name!r} cannot be merged into the base weight "
-                            f"({self.unmergeable_reason})")
-
-    def unmerge(self) -> None:
-        """Nothing is ever merged."""
 
     def delete(self, name: str) -> None:
         """Remove adapter ``name``."""
         del self.vaes[name]
         self.settings.pop(name, None)
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     def describe(self, name: str) -> dict[str, Any]:
         """Protocol capability: ``{"r", "alpha"}`` of adapter ``name``."""

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from rankwise.adapters.lora.layer import lora_scale
 from rankwise.adapters.mixture.gates import RouterStats
 from rankwise.core import weights as W
+from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError
 
 
@@ -89,14 +90,15 @@ class PoisonedExperts(nn.Module):
         return y * self.scaling
 
 
-class LopeLayer(nn.Module):
+class LopeLayer(Unmergeable, nn.Module):
     """A linear-like layer with named LoPE adapters (``AdapterModule``, not mergeable).
 
     Args:
         base_layer: ``nn.Linear``, ``Conv1D`` or a quantized linear; never modified.
     """
 
-    mergeable = False
+    adapters_attr = "experts"
+    adapter_kind = "LoPE"
     unmergeable_reason = ("its router weighs the experts per token, and its poisoning expert is "
                           "masked only at inference; keep it as an adapter: export with --format rankwise")
 
@@ -131,40 +133,16 @@ class LopeLayer(nn.Module):
         return self.experts[name]
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """The adapter names held by this layer."""
-        return list(self.experts.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """``{"lora_A", "lora_B" (E+1, out, r; last = poisoning), "router.weight"}``."""
         e = self.experts[name]
         return {"lora_A": e.lora_A, "lora_B": e.lora_B, "router.weight": e.router.weight}
 
-    def set_active(self, names: list[str]) -> None:
-        """Use ``names`` in forward (``[]`` gives the base layer)."""
-        self._active = [n for n in names if n in self.experts]
-
-    def active_names(self) -> list[str]:
-        """The active adapter names."""
-        return list(self._active)
-
-    def merge(self, name: str) -> None:
-        """Refuse (see :attr:`unmergeable_reason`).
-
-        Raises:
-            RankwiseError: Always.
-        """
-        raise RankwiseError(f"LoPE adapter {name!r} cannot be merged into the base weight "
-                            f"({self.unmergeable_reason})")
-
-    def unmerge(self) -> None:
-        """Nothing is ever merged."""
-
     def delete(self, name: str) -> None:
         """Remove adapter ``name``."""
         del self.experts[name]
         self.settings.pop(name, None)
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     def describe(self, name: str) -> dict[str, Any]:
         """Protocol capability: ``{"r", "num_experts", "alpha", "use_rslora"}``."""

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.core.inject import is_conv1d
+from rankwise.core.protocol import NamedAdapters
 from rankwise.core.weights import is_quantized
 from rankwise.errors import RankwiseError
 
@@ -41,7 +42,7 @@ def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-class LoraLayer(nn.Module):
+class LoraLayer(NamedAdapters, nn.Module):
     """A linear layer with named low-rank adapters (``AdapterModule``).
 
     Args:
@@ -51,6 +52,8 @@ class LoraLayer(nn.Module):
     Raises:
         RankwiseError: If ``base_layer`` is not a supported layer type.
     """
+
+    adapters_attr = "lora_A"
 
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
@@ -99,21 +102,9 @@ class LoraLayer(nn.Module):
             self._active.append(name)
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """Return the adapter names held by this layer."""
-        return list(self.lora_A.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Return ``{"lora_A.weight": A, "lora_B.weight": B}`` for adapter ``name``."""
         return {"lora_A.weight": self.lora_A[name].weight, "lora_B.weight": self.lora_B[name].weight}
-
-    def set_active(self, names: list[str]) -> None:
-        """Use ``names`` in forward (unknown names are ignored by design of multi-adapter models)."""
-        self._active = [n for n in names if n in self.lora_A]
-
-    def active_names(self) -> list[str]:
-        """Return the active adapter names."""
-        return list(self._active)
 
     def factors(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
         """Protocol capability: ``(A (r, in), B (out, r))`` of adapter ``name``."""
@@ -169,7 +160,7 @@ class LoraLayer(nn.Module):
             del d[name]
         for d in (self.scaling, self.ranks, self.alphas, self.rslora):
             d.pop(name, None)
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     # ----- compute ------------------------------------------------------------------------
     @property

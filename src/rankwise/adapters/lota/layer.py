@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.adapters.lota.quant import QuantLinear
+from rankwise.core.protocol import NamedAdapters
 from rankwise.errors import RankwiseError
 
 
@@ -44,7 +45,7 @@ def ternarize(w: torch.Tensor) -> torch.Tensor:
     return torch.where(w > delta, 1.0, torch.where(w < -delta, -1.0, 0.0)).to(w.dtype)
 
 
-class LotaLayer(nn.Module):
+class LotaLayer(NamedAdapters, nn.Module):
     """A quantized linear layer with named ternary adapters (``AdapterModule``).
 
     Attributes:
@@ -58,6 +59,8 @@ class LotaLayer(nn.Module):
     Raises:
         RankwiseError: If ``base_layer`` is not a :class:`QuantLinear`.
     """
+
+    adapters_attr = "lota_A"
 
     ternary = True
     mergeable = True
@@ -93,21 +96,9 @@ class LotaLayer(nn.Module):
             self._active.append(name)
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """Return the adapter names held by this layer."""
-        return list(self.lota_A.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """``{"lota_A": A (r, in), "lota_B": B (out, r)}`` of adapter ``name``."""
         return {"lota_A": self.lota_A[name], "lota_B": self.lota_B[name]}
-
-    def set_active(self, names: list[str]) -> None:
-        """Use ``names`` in forward (unknown names are ignored)."""
-        self._active = [n for n in names if n in self.lota_A]
-
-    def active_names(self) -> list[str]:
-        """Return the active adapter names."""
-        return list(self._active)
 
     def describe(self, name: str) -> dict:
         """Protocol capability: ``{"r", "threshold_ratio"}`` of adapter ``name``."""
@@ -173,7 +164,7 @@ class LotaLayer(nn.Module):
             self.unmerge()
         del self.lota_A[name], self.lota_B[name]
         self.omegas.pop(name, None)
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     # ----- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

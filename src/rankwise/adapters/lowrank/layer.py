@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.core import weights as W
+from rankwise.core.protocol import NamedAdapters
 from rankwise.errors import RankwiseError
 
 MODES = ("adapter", "factorized")
@@ -37,7 +38,7 @@ def released_weight(out_features: int, in_features: int, like: torch.Tensor) -> 
     return nn.Parameter(zero, requires_grad=False)
 
 
-class LowRankLayer(nn.Module):
+class LowRankLayer(NamedAdapters, nn.Module):
     """Named low-rank factorizations ``U S V^T`` on a linear layer (see the module docstring).
 
     Args:
@@ -46,6 +47,8 @@ class LowRankLayer(nn.Module):
     Raises:
         RankwiseError: If ``base_layer`` is not linear-like or is quantized.
     """
+
+    adapters_attr = "lowrank_U"
 
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
@@ -102,10 +105,6 @@ class LowRankLayer(nn.Module):
             self._active.append(name)
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """Return the factorization names held by this layer."""
-        return list(self.lowrank_U.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """``{"lowrank_U", "lowrank_S", "lowrank_V"}`` of factorization ``name``."""
         return {"lowrank_U": self.lowrank_U[name], "lowrank_S": self.lowrank_S[name],
@@ -114,14 +113,6 @@ class LowRankLayer(nn.Module):
     def lowrank_factors(self, name: str) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
         """Capability read by the geometric optimizers: ``(U (out, r), S (r, r), V (in, r))``."""
         return self.lowrank_U[name], self.lowrank_S[name], self.lowrank_V[name]
-
-    def set_active(self, names: list[str]) -> None:
-        """Use ``names`` in forward (unknown names are ignored)."""
-        self._active = [n for n in names if n in self.lowrank_U]
-
-    def active_names(self) -> list[str]:
-        """Return the active factorization names."""
-        return list(self._active)
 
     def describe(self, name: str) -> dict:
         """Protocol capability: ``{"rank", "mode"}`` of factorization ``name``."""
@@ -166,7 +157,7 @@ class LowRankLayer(nn.Module):
         for d in (self.lowrank_U, self.lowrank_S, self.lowrank_V):
             del d[name]
         self.modes.pop(name, None)
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     # ----- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

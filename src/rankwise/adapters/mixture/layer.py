@@ -29,6 +29,7 @@ from rankwise.adapters.lora.layer import LORA_INITS, lora_scale
 from rankwise.adapters.mixture.gates import (RouterStats, TopKGate, expert_probs, own_expert_slots,
                                              switch_balance_loss)
 from rankwise.core import weights as W
+from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError
 
 __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "own_expert_slots"]
@@ -103,7 +104,7 @@ class LoraMixture(nn.Module):
         return out + (F.linear(low, b) * self.scaling).to(out.dtype)           # (..., out)
 
 
-class MixtureLoraLayer(nn.Module):
+class MixtureLoraLayer(Unmergeable, nn.Module):
     """A linear-like layer with named mixtures of LoRA experts (``AdapterModule``).
 
     Args:
@@ -114,7 +115,10 @@ class MixtureLoraLayer(nn.Module):
         mergeable: False: the routed sum depends on the input (see module docstring).
     """
 
-    mergeable = False
+    adapters_attr = "mixtures"
+    adapter_kind = "mixture"
+    unmergeable_reason = ("its experts are weighted per token by a router; keep it as an adapter: "
+                          "export with --format rankwise")
 
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
@@ -181,10 +185,6 @@ class MixtureLoraLayer(nn.Module):
         return mix
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """Return the mixture names held by this layer."""
-        return list(self.mixtures.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """``{"experts.{m}.lora_A.weight", "experts.{m}.lora_B.weight", ..., "router.weight"}``."""
         mix = self.mixtures[name]
@@ -195,32 +195,12 @@ class MixtureLoraLayer(nn.Module):
         out["router.weight"] = mix.router.weight
         return out
 
-    def set_active(self, names: list[str]) -> None:
-        """Use ``names`` in forward (unknown names are ignored; ``[]`` gives the base layer)."""
-        self._active = [n for n in names if n in self.mixtures]
-
-    def active_names(self) -> list[str]:
-        """Return the active mixture names."""
-        return list(self._active)
-
-    def merge(self, name: str) -> None:
-        """Refuse: a routed mixture has no input-independent weight delta.
-
-        Raises:
-            RankwiseError: Always (``rankwise.core.merge_adapters`` checks ``mergeable`` first).
-        """
-        raise RankwiseError(f"mixture adapter {name!r} cannot be merged into the base weight (its "
-                            "experts are weighted per token by a router); keep it as an adapter")
-
-    def unmerge(self) -> None:
-        """Nothing is ever merged (a no-op, so ``disable_adapters`` works)."""
-
     def delete(self, name: str) -> None:
         """Remove mixture ``name``."""
         del self.mixtures[name]
         self.alphas.pop(name, None)
         self.rslora.pop(name, None)
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     def factors(self, name: str) -> None:
         """Protocol capability: a mixture has no single ``(A, B)`` pair, so ``None``; the

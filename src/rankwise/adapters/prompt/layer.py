@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError
 
 IGNORE_INDEX = -100  # transformers' "no loss here" label (rankwise.engine.task.IGNORE)
@@ -61,14 +62,15 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-class PromptLayer(nn.Module):
+class PromptLayer(Unmergeable, nn.Module):
     """Wraps ``nn.Embedding``; holds one named prompt generator (see the module docstring).
 
     Args:
         base_layer: The model's input embeddings (never modified).
     """
 
-    mergeable = False
+    adapters_attr = "prompts"
+    adapter_kind = "prompt"
     unmergeable_reason = ("virtual tokens are extra input positions, not a weight change; export "
                           "with --format rankwise (or --format peft for prompt-tuning)")
 
@@ -93,10 +95,6 @@ class PromptLayer(nn.Module):
         return generator
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """The adapter names held here."""
-        return list(self.prompts.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """The generator's parameters by name (``prompt_embeddings`` for prompt tuning)."""
         return dict(self.prompts[name].named_parameters())
@@ -108,29 +106,13 @@ class PromptLayer(nn.Module):
             if hasattr(g, "active"):  # generators with block hooks (CaPT) switch them too
                 g.active = n in self._active
 
-    def active_names(self) -> list[str]:
-        """The active adapter names."""
-        return list(self._active)
-
-    def merge(self, name: str) -> None:
-        """Refuse (see :attr:`unmergeable_reason`).
-
-        Raises:
-            RankwiseError: Always.
-        """
-        raise RankwiseError(f"prompt adapter {name!r} cannot be merged into the base weights "
-                            f"({self.unmergeable_reason})")
-
-    def unmerge(self) -> None:
-        """Nothing is ever merged."""
-
     def delete(self, name: str) -> None:
         """Remove adapter ``name`` (and any hooks its generator placed)."""
         detach = getattr(self.prompts[name], "detach", None)
         if callable(detach):
             detach()
         del self.prompts[name]
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     def describe(self, name: str) -> dict[str, Any]:
         """Protocol capability: the generator's structure (``num_virtual_tokens``, widths)."""

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from rankwise.adapters.mixture.gates import RouterStats, switch_balance_loss
 from rankwise.core import weights as W
-from rankwise.errors import RankwiseError
+from rankwise.core.protocol import Unmergeable
 
 _ACTS = {"tanh": torch.tanh, "relu": F.relu, "identity": lambda t: t}
 
@@ -143,14 +143,17 @@ class SmoreTree(nn.Module):
         return x_prev[:, 0] @ self.W_final.T + self.b_final                # (N, out)
 
 
-class SmoreLayer(nn.Module):
+class SmoreLayer(Unmergeable, nn.Module):
     """A linear-like layer with named S'MoRE adapters (``AdapterModule``, not mergeable).
 
     Args:
         base_layer: ``nn.Linear``, ``Conv1D`` or a quantized linear; never modified.
     """
 
-    mergeable = False
+    adapters_attr = "trees"
+    adapter_kind = "S'MoRE"
+    unmergeable_reason = ("routed, non-linear residual experts; keep it as an adapter: export with "
+                          "--format rankwise")
 
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
@@ -178,40 +181,15 @@ class SmoreLayer(nn.Module):
         return self.trees[name]
 
     # ----- AdapterModule protocol -----------------------------------------------------------
-    def adapter_names(self) -> list[str]:
-        """The adapter names held by this layer."""
-        return list(self.trees.keys())
-
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Every parameter of tree ``name`` by its path in the tree (``levels.0.A``, ``W_final``...)."""
         return dict(self.trees[name].named_parameters())
-
-    def set_active(self, names: list[str]) -> None:
-        """Use ``names`` in forward (``[]`` gives the base layer)."""
-        self._active = [n for n in names if n in self.trees]
-
-    def active_names(self) -> list[str]:
-        """The active adapter names."""
-        return list(self._active)
-
-    def merge(self, name: str) -> None:
-        """Refuse: routed, non-linear residuals have no weight delta.
-
-        Raises:
-            RankwiseError: Always.
-        """
-        raise RankwiseError(f"S'MoRE adapter {name!r} cannot be merged into the base weight (routed, "
-                            "non-linear residual experts); keep it as an adapter: export with "
-                            "--format rankwise")
-
-    def unmerge(self) -> None:
-        """Nothing is ever merged."""
 
     def delete(self, name: str) -> None:
         """Remove adapter ``name``."""
         del self.trees[name]
         self.settings.pop(name, None)
-        self._active = [n for n in self._active if n != name]
+        self._forget(name)
 
     def describe(self, name: str) -> dict[str, Any]:
         """Protocol capability: the level settings that rebuild tree ``name`` and its widths ``d``."""
