@@ -205,9 +205,14 @@ def test_export_of_a_corrupt_adapter(tmp_path, tiny_bert_run):
     weights = run / "adapter" / "adapter.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     before = snapshot(run)
-    assert_user_error(invoke("export", run, "--format", "peft", "--out", tmp_path / "p"),
-                      "adapter.safetensors is missing or corrupt", "re-export")
+    line = assert_user_error(invoke("export", run, "--format", "peft", "--out", tmp_path / "p"),
+                             "adapter.safetensors is missing or corrupt", "--resume")
     assert snapshot(run) == before and not (tmp_path / "p").exists()
+    # the fix the message names works: the run's last checkpoint writes the adapter again
+    fix = line.split("checkpoint: ")[1].split()
+    assert fix[:2] == ["rankwise", "train"]
+    assert invoke(*fix[1:]).exit_code == 0
+    assert invoke("export", run, "--format", "peft", "--out", tmp_path / "p").exit_code == 0
 
 
 def test_export_onto_a_mismatched_base(tmp_path, tiny_bert_run):
@@ -230,3 +235,107 @@ def test_debug_shows_the_traceback(tmp_path):
     assert "error: " not in result.output  # the one-line handler stepped aside
     tb = "".join(traceback.format_exception(*result.exc_info))
     assert "Traceback" in tb and "read_yaml" in tb
+
+
+# --- found by trying every subcommand as a new user would ----------------------------------
+
+@pytest.mark.parametrize("sets, needles", [
+    (["data.limit=-5"], ["limit: got -5", ">= 1"]),
+    (["data.max_length=1000000000000000000000000000000"], ["max_length", "64 bits"]),
+    (["data.max_length=100000000"], ["max_length: got 100000000", "expected 2..16777216"]),
+    (["train.seed=10000000000000000000000"], ["train.seed", "64 bits"]),
+    (["train.seed=-1"], ["seed: got -1", "0..2**32-1"]),
+])
+def test_numbers_out_of_range(tmp_path, sets, needles):
+    assert_user_error(train_with(tmp_path, *sets), *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_second_train_into_a_folder_in_use_stops_before_loading(tmp_path):
+    from rankwise.core.atomic import locked_folder
+    out = tmp_path / "out"
+    with locked_folder(out):
+        assert_user_error(train_with(tmp_path), "in use by another rankwise process",
+                          "choose another --out")
+        assert sorted(p.name for p in out.iterdir()) == [".rankwise.lock"]
+    assert not out.exists()  # the holder created the folder and left nothing in it
+    assert train_with(tmp_path).exit_code == 0
+    assert not (out / ".rankwise.lock").exists()
+
+
+def test_out_that_holds_the_base_model_is_refused(tmp_path, tiny_bert_run):
+    base = tmp_path / "base"
+    assert invoke("export", tiny_bert_run, "--format", "merged", "--out", base).exit_code == 0
+    before = snapshot(base)
+    raw = {**GOOD, "model": {"path": str(base), "task": "classification"}, "method": {"name": "full"}}
+    for out in (base, tmp_path):
+        cfg = write_yaml(tmp_path / "full.yaml", raw)
+        assert_user_error(invoke("train", cfg, "--out", out), "contains the base model folder",
+                          "choose another --out")
+    assert snapshot(base) == before
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_its_folder(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()  # what a run that died at step 1 leaves: its config and log, no checkpoint
+    write_yaml(out / "config.yaml", {**GOOD, "optim": {"name": "adamw", "lr": 1.0e6}})
+    (out / "events.jsonl").write_text('{"step": 1, "loss": NaN}\n')
+    result = train_with(tmp_path, "optim.lr=0.005")
+    assert result.exit_code == 0, result.output
+    assert "stopped before its first checkpoint" in result.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["lr"] == 0.005
+
+
+def test_resume_survives_a_torn_events_log(tmp_path):
+    assert train_with(tmp_path, "train.steps=4", "train.save_every=2", "train.log_every=1").exit_code == 0
+    out = tmp_path / "out"
+    (out / "metrics.json").unlink()
+    shutil.rmtree(sorted(out.glob("checkpoints/*"))[-1])  # back to the step-2 checkpoint
+    with open(out / "events.jsonl", "a") as f:
+        f.write('{"step": 3, "lo\n\n')  # a write cut short by a crash, then a blank line
+    with pytest.warns(UserWarning, match="not a JSON object"):
+        result = invoke("train", out / "config.yaml", "--resume", "--out", out)
+    assert result.exit_code == 0, result.output
+    steps = [e["step"] for e in map(__import__("json").loads, (out / "events.jsonl").read_text().splitlines())
+             if "loss" in e]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_frozen_on_a_causal_lm_names_the_real_problem(tmp_path):
+    raw = {**GOOD, "model": {"path": "tiny-gpt2", "task": "causal-lm"}, "method": {"name": "frozen"}}
+    assert_user_error(train_with(tmp_path, raw=raw), "trains only the task head",
+                      "causal-lm model has none", "lora")
+
+
+def test_a_sequence_classifier_folder_is_not_trained_as_a_causal_lm(tmp_path, tiny_bert_run):
+    folder = tmp_path / "classifier"
+    assert invoke("export", tiny_bert_run, "--format", "merged", "--out", folder).exit_code == 0
+    raw = {**GOOD, "model": {"path": str(folder), "task": "causal-lm"}}
+    assert_user_error(train_with(tmp_path, raw=raw), "holds a sequence classifier",
+                      "model.task: classification")
+
+
+def test_a_classifier_folder_with_another_label_count(tmp_path, tiny_bert_run):
+    folder = tmp_path / "classifier"
+    assert invoke("export", tiny_bert_run, "--format", "merged", "--out", folder).exit_code == 0
+    raw = {**GOOD, "model": {"path": str(folder), "task": "classification"}}  # demo: other labels
+    assert_user_error(train_with(tmp_path, raw=raw), "another number of labels",
+                      "base model's folder")
+
+
+def test_paths_are_stored_absolute_and_export_takes_a_moved_base(tmp_path, tiny_bert_run, monkeypatch):
+    base = tmp_path / "base"
+    assert invoke("export", tiny_bert_run, "--format", "merged", "--out", base).exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    data = yaml.safe_load((tiny_bert_run / "config.yaml").read_text())["data"]["source"]
+    raw = {**GOOD, "model": {"path": "base", "task": "classification"},
+           "data": {"source": data, "max_length": 16}}
+    assert train_with(tmp_path, raw=raw).exit_code == 0
+    saved = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
+    assert saved["model"]["path"] == str(base.resolve())
+    base.rename(tmp_path / "moved")
+    assert_user_error(invoke("export", tmp_path / "out", "--format", "peft", "--out", tmp_path / "p"),
+                      "not found", "--model PATH")
+    result = invoke("export", tmp_path / "out", "--format", "peft", "--out", tmp_path / "p",
+                    "--model", tmp_path / "moved")
+    assert result.exit_code == 0, result.output

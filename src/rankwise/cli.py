@@ -86,10 +86,12 @@ def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -
 @click.option("--format", "fmt", required=True, metavar="peft|merged|rankwise",
               help="peft (HF PEFT adapter), merged (transformers model) or rankwise.")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-def export(run_dir: Path, fmt: str, out: Path) -> None:
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="The base model's folder, if it is no longer at the run's model.path.")
+def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
     """Export a run's adapter to the PEFT format or a merged transformers model."""
     from rankwise.recipes.export import export_run
-    path = export_run(run_dir, fmt, out)
+    path = export_run(run_dir, fmt, out, model_path)
     click.echo(f"wrote {path}")
 
 

@@ -61,6 +61,8 @@ def _coerce(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             problems.append(f"{where}: got {value!r}; expected an integer")
+        elif not -2**63 <= value < 2**63:  # nothing downstream (torch, numpy, tokenizers) holds more
+            problems.append(f"{where}: got {value}; expected an integer that fits in 64 bits")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

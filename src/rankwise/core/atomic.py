@@ -106,3 +106,53 @@ def check_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
         raise RankwiseError(f"{flag} {path}: cannot write into {probe} (permission denied); "
                             "choose a folder you can write to")
     return path
+
+
+LOCK_FILE = ".rankwise.lock"
+
+
+@contextlib.contextmanager
+def locked_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """Hold an exclusive lock on a run folder for the duration of the block.
+
+    The lock is an ``flock`` on ``path/.rankwise.lock`` (holding the owner's pid): the
+    operating system drops it when the process ends, however it ends, so a crashed run never
+    leaves a stale lock behind. On the way out the file is removed, and so is the folder if this
+    call created it and nothing else was written there (a run that failed on bad input leaves
+    no trace).
+
+    Args:
+        path: The folder (created if missing).
+
+    Yields:
+        ``path`` as a ``Path``.
+
+    Raises:
+        RankwiseError: If another process holds the lock (one line naming its pid).
+    """
+    import fcntl
+
+    from rankwise.errors import RankwiseError
+    path = Path(path)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+    held = False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise RankwiseError(f"run folder {path} is in use by another rankwise process (pid "
+                                f"{owner}); wait for it to finish or choose another --out") from None
+        held = True
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        if held:  # remove while still holding it, then release by closing the descriptor
+            (path / LOCK_FILE).unlink(missing_ok=True)
+        os.close(fd)
+        if held and created:
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only if empty

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,10 +44,24 @@ class EventLog:
         self.path, self.every, self._file = Path(path), max(1, every), None
 
     def read(self, upto: int | None = None) -> list[dict]:
-        """The lines written so far (up to step ``upto``)."""
+        """The lines written so far (up to step ``upto``). A line that is not a JSON object
+        (a write cut short by a crash, an edit) is skipped with a warning: the log is a record
+        of the run, never a reason to refuse resuming it."""
         if not self.path.is_file():
             return []
-        lines = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+        lines = []
+        for i, text in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            if not text.strip():
+                continue
+            try:
+                entry = json.loads(text)
+            except ValueError:
+                entry = None
+            if not isinstance(entry, dict):
+                warnings.warn(f"{self.path} line {i} is not a JSON object; dropped from the log",
+                              stacklevel=2)
+                continue
+            lines.append(entry)
         return [e for e in lines if upto is None or e.get("step", 0) <= upto]
 
     def write(self, entry: dict) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from rankwise import registry
 from rankwise.core import atomic
+from rankwise.engine.callbacks import EventLog
 from rankwise.recipes import sweep
 from rankwise.errors import RankwiseError, closest
 
@@ -211,7 +212,7 @@ def curves(out: Path, runs: dict[str, list[Path]], path: Path, title: str) -> Pa
     for row, folders in runs.items():
         per_step: dict[int, list[float]] = {}
         for folder in folders:
-            events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines() if x.strip()]
+            events = EventLog(folder / "events.jsonl").read()
             for e in events:
                 key = key or next((k for k in ("eval_accuracy", "eval_perplexity", "eval_loss") if k in e), None)
                 if key and key in e:

@@ -17,6 +17,8 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.errors import RankwiseError, closest
 
+MAX_TOKENS = 2**24  # data.max_length's ceiling: beyond any model's positions, within tokenizers' range
+
 
 @dataclass
 class ModelConfig:
@@ -116,8 +118,12 @@ class DataConfig:
             out.append(f"eval_fraction: got {self.eval_fraction}; expected a value in (0, 1)")
         if not 0.0 <= self.label_noise < 1.0:
             out.append(f"label_noise: got {self.label_noise}; expected a fraction in [0, 1)")
-        if self.max_length < 2:
-            out.append(f"max_length: got {self.max_length}; expected at least 2")
+        if not 2 <= self.max_length <= MAX_TOKENS:
+            out.append(f"max_length: got {self.max_length}; expected 2..{MAX_TOKENS} tokens")
+        if self.limit is not None and self.limit < 1:
+            out.append(f"limit: got {self.limit}; expected a number of records >= 1, or null for all")
+        if not 0 <= self.label_noise_seed < 2**32:
+            out.append(f"label_noise_seed: got {self.label_noise_seed}; expected 0..2**32-1")
         return out
 
 
@@ -191,6 +197,8 @@ class TrainConfig:
             out.append(f"grad_accum: got {self.grad_accum}, which does not divide batch_size "
                        f"{self.batch_size} (examples per optimizer step); choose a divisor such as "
                        f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
+        if not 0 <= self.seed < 2**32:
+            out.append(f"seed: got {self.seed}; expected 0..2**32-1")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
         return out
@@ -339,7 +347,17 @@ def build_run_config(data: dict) -> RunConfig:
         problems.extend(cross_problems(cfg))
     if problems:
         raise RankwiseError("; ".join(problems))
+    _absolute_paths(cfg)
     return cfg
+
+
+def _absolute_paths(cfg: RunConfig) -> None:
+    """Store local paths (``model.path``, ``data.source``, ``data.eval_source``) absolute, so a
+    run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
+    for section, key in ((cfg.model, "path"), (cfg.data, "source"), (cfg.data, "eval_source")):
+        value = getattr(section, key)
+        if value and Path(value).expanduser().exists():
+            setattr(section, key, str(Path(value).expanduser().resolve()))
 
 
 def cross_problems(cfg: RunConfig) -> list[str]:

@@ -9,7 +9,6 @@ linear layer (plus the head). It prints a table, writes ``summary.json`` and
 from __future__ import annotations
 
 import copy
-import json
 import platform
 import shutil
 import time
@@ -19,6 +18,7 @@ import torch
 import yaml
 
 from rankwise.core import atomic
+from rankwise.engine.callbacks import EventLog
 from rankwise.data.demo import python_version
 from rankwise.recipes.config import load_run_config
 from rankwise.plots import plot_curves
@@ -71,7 +71,7 @@ def run_demo(out: Path, steps: int | None = None, console=None) -> dict:
                       f"{cfg.train.steps} steps x {cfg.train.batch_size}")
         metrics = train(cfg, run_dir, console=console, summary=False)
         results[name] = metrics
-        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        events = EventLog(run_dir / "events.jsonl").read()
         curves[name] = [(e["step"], e["eval_accuracy"]) for e in events if "eval_accuracy" in e]
     summary = {
         "python": python_version(), "torch": torch.__version__, "machine": platform.machine(),

@@ -20,8 +20,13 @@ def formats() -> list[str]:
     return sorted(set(BUILTIN_FORMATS) | set(registry.names("exporter")))
 
 
-def load_run(run_dir: Path):
+def load_run(run_dir: Path, model_path: str | Path | None = None):
     """Rebuild a finished run's trained model from its folder.
+
+    Args:
+        run_dir: The run folder.
+        model_path: The base model's folder, when it is no longer where the run's
+            ``config.yaml`` says (moved, another machine); default: ``model.path``.
 
     Returns:
         ``(cfg, model, tokenizer)`` with the adapter loaded (or the fully trained model).
@@ -34,6 +39,8 @@ def load_run(run_dir: Path):
         raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
                             "of a finished 'rankwise train'")
     cfg = load_run_config(run_dir / "config.yaml")
+    if model_path is not None:
+        cfg.model.path = str(model_path)
     entry = registry.get("method", cfg.method.name)
     if entry.trains == "full":
         if not (run_dir / "model" / "config.json").is_file():
@@ -43,14 +50,27 @@ def load_run(run_dir: Path):
     if not (run_dir / "adapter").is_dir():
         raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
     m = cfg.model
-    model, tok = load_model(m.path, get_task(m.task), m.num_labels, seed=cfg.train.seed,
-                            dtype=m.dtype, quantize=m.quantize, double_quant=m.double_quant)
-    load_adapter(model, run_dir / "adapter")
+    try:
+        model, tok = load_model(m.path, get_task(m.task), m.num_labels, seed=cfg.train.seed,
+                                dtype=m.dtype, quantize=m.quantize, double_quant=m.double_quant)
+    except RankwiseError as err:
+        if "not found" not in str(err):
+            raise
+        raise RankwiseError(f"{err.args[0].split(';')[0]}; the run's base model has moved: pass "
+                            "--model PATH (the folder it was trained on)") from None
+    try:
+        load_adapter(model, run_dir / "adapter")
+    except RankwiseError as err:
+        if "corrupt" not in str(err):
+            raise
+        raise RankwiseError(f"{err.args[0].split(';')[0]}; write it again from the run's last "
+                            f"checkpoint: rankwise train {run_dir / 'config.yaml'} --resume "
+                            f"--out {run_dir}") from None
     model.eval()
     return cfg, model, tok
 
 
-def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
+def export_run(run_dir: Path, fmt: str, out: Path, model_path: str | Path | None = None) -> Path:
     """Export a run's result.
 
     Args:
@@ -58,6 +78,7 @@ def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
         fmt: ``peft`` (adapter_config.json + adapter_model.safetensors), ``merged`` (a plain
             transformers model folder with the adapter folded in), or ``rankwise``.
         out: Target folder; must not exist or be empty.
+        model_path: Where the base model is now, if it moved (see :func:`load_run`).
 
     Returns:
         The folder written.
@@ -70,7 +91,7 @@ def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
     out = atomic.check_folder(out)
     if out.exists() and any(out.iterdir()):
         raise RankwiseError(f"export target {out} is not empty; choose a new --out or delete it first")
-    cfg, model, tok = load_run(run_dir)
+    cfg, model, tok = load_run(run_dir, model_path)
     full = registry.get("method", cfg.method.name).trains == "full"
     if fmt == "merged":
         from rankwise.core.merged import export_merged

@@ -173,6 +173,7 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             model = _quantize_in_memory(model, auto, quant, t, device)
     else:
         folder = model_folder(path)
+        _check_head(folder, task)
         tok = load_tokenizer(str(folder) if path != "demo" else "demo")
         if quant is not None:
             kwargs.update(quantization_config=quant, device_map={"": device})
@@ -181,12 +182,32 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
         except (OSError, ValueError, KeyError) as err:
             raise RankwiseError(f"cannot load a {task.name} model from {folder}: "
                                 f"{str(err).splitlines()[0]}") from None
+        except RuntimeError as err:
+            if "mismatched" not in str(err):
+                raise
+            raise RankwiseError(f"model folder {folder} holds a classifier whose head has another "
+                                f"number of labels than the data's {num_labels}; point model.path "
+                                "at the base model's folder (a new head is trained)") from None
         if path == "demo":
             model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
     if task.uses_labels and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
     model.train()
     return model, tok
+
+
+def _check_head(folder: Path, task) -> None:
+    """Refuse to train a causal LM from a folder saved as a sequence classifier: its language
+    model head was dropped when it was saved, so ``lm_head`` would start from random values."""
+    import json
+    try:
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return
+    if not task.uses_labels and archs and all(a.endswith("ForSequenceClassification") for a in archs):
+        raise RankwiseError(f"model folder {folder} holds a sequence classifier ({archs[0]}), "
+                            "whose language-model head is gone; use model.task: classification, or "
+                            "point model.path at the base model's folder")
 
 
 def _quantize_in_memory(model: nn.Module, auto, quant, dtype: torch.dtype, device: str) -> nn.Module:

@@ -8,6 +8,7 @@ optimizer); the loop itself is :class:`rankwise.engine.Engine`, and everything a
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,10 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     if not m.quantize:
         model.to(device)
     if not any(p.requires_grad for p in model.parameters()):
+        if not hasattr(cfg.method, "targets"):  # frozen: only a task head trains
+            raise RankwiseError(f"method {cfg.method.name!r} trains only the task head, and a "
+                                f"{cfg.model.task} model has none; choose an adapter method such "
+                                "as lora")
         raise RankwiseError(f"method {cfg.method.name!r} left nothing trainable; check method.targets")
     for p in model.parameters():  # master weights: a head copied from a bf16 base trains in fp32
         if p.requires_grad and p.dtype != torch.float32:
@@ -160,10 +165,38 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     return session
 
 
-def _check_run_folder(out: Path, resume: bool) -> None:
-    if not resume and ((out / "config.yaml").exists() or list_checkpoints(out)):
-        raise RankwiseError(f"run folder {out} already holds a run; pass --resume to continue it "
-                            "or choose another --out")
+def _check_not_the_base(out: Path, cfg: RunConfig) -> None:
+    """Refuse an ``--out`` that is, or contains, the base model's folder (a full fine-tuning run
+    would write over the base weights)."""
+    base = Path(cfg.model.path).expanduser()
+    if not base.is_dir():
+        return  # a built-in name (demo, tiny-*)
+    base, target = base.resolve(), out.expanduser().resolve()
+    if base == target or target in base.parents:
+        raise RankwiseError(f"--out {out} contains the base model folder {cfg.model.path} "
+                            "(model.path); choose another --out so the base is never overwritten")
+
+
+def _check_run_folder(out: Path, resume: bool, console, write: bool = True) -> bool:
+    """Check ``out`` can take this run; return whether to resume.
+
+    A folder that holds a finished run (``metrics.json``) or a checkpoint needs ``--resume``. A
+    run that failed before its first checkpoint (only ``config.yaml`` and ``events.jsonl``) has
+    nothing to continue from: a new run replaces it (said on the console), whatever its config;
+    only the writing process (``write``, rank 0 under torchrun) removes its files.
+    """
+    if not (out / "config.yaml").exists() and not list_checkpoints(out):
+        return resume
+    if list_checkpoints(out) or (out / "metrics.json").exists():
+        if not resume:
+            raise RankwiseError(f"run folder {out} already holds a run; pass --resume to continue "
+                                "it or choose another --out")
+        return True
+    if write:
+        console.print(f"{out} holds a run that stopped before its first checkpoint; starting over")
+        for name in ("config.yaml", "events.jsonl", "loss.png"):
+            (out / name).unlink(missing_ok=True)
+    return False
 
 
 def _check_same_config(out: Path, cfg: RunConfig) -> None:
@@ -259,7 +292,18 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     main = dist.is_main  # under torchrun only rank 0 writes the run folder and talks
     console = console or Console(stderr=True, quiet=not main)
     out = Path(out)
-    _check_run_folder(out, resume)
+    _check_not_the_base(out, cfg)
+    # one process per run folder: a second `rankwise train --out` the same folder stops here,
+    # before loading anything, instead of interleaving two runs' files
+    with atomic.locked_folder(out) if main else contextlib.nullcontext():
+        return _train(cfg, out, resume, session, console, summary, dist)
+
+
+def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, console,
+           summary: bool, dist) -> dict:
+    """:func:`train` once the run folder is this process's."""
+    main = dist.is_main
+    resume = _check_run_folder(out, resume, console, write=main)
     if resume:
         _check_same_config(out, cfg)
     ckpts = list_checkpoints(out) if resume else []
