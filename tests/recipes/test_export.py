@@ -120,3 +120,18 @@ def test_classification_merged_export_loads_in_transformers(classifier):
     merged = AutoModelForSequenceClassification.from_pretrained(merged_dir, local_files_only=True)
     assert merged.config.num_labels == cfg.model.num_labels
     torch.testing.assert_close(_logits(merged, batch), _logits(ours, batch), atol=1e-4, rtol=0)
+
+
+def test_merged_export_of_a_bf16_run_keeps_the_base_dtype(tmp_path, causal_lm):
+    """An unquantized run merges into its base and is saved in ``model.dtype``."""
+    from transformers import AutoModelForCausalLM
+    cfg = tmp_path / "bf16.yaml"
+    raw = causal_lm[1][0].to_dict()  # the fp32 run's resolved config
+    raw["model"]["dtype"] = "bfloat16"
+    raw["train"].update(precision="bf16", steps=2)
+    cfg.write_text(yaml.safe_dump(raw))
+    _cli("train", cfg, "--out", tmp_path / "run")
+    _cli("export", tmp_path / "run", "--format", "merged", "--out", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True,
+                                                  dtype="auto")
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}

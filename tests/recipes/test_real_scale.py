@@ -62,10 +62,13 @@ def test_half_and_quantized_bases_train_with_float32_master_weights(tmp_path, do
     assert got[-1] < got[0]
 
 
-@pytest.mark.parametrize("quantize, via_activations", [(None, 0), ("nf4", 14)], ids=["bf16", "nf4"])
-def test_gora_trains_on_bf16_and_nf4_bases(tmp_path, docstrings_jsonl, quantize, via_activations):
-    raw = lm_config(docstrings_jsonl, precision="bf16", calibration_batches=2)
-    raw["model"].update(dtype="bfloat16", quantize=quantize)
+@pytest.mark.parametrize("quantize, via_activations, dtype", [
+    (None, 0, "bfloat16"), ("nf4", 14, "bfloat16"), ("int8", 14, "float32")], ids=["bf16", "nf4", "int8"])
+def test_gora_trains_on_bf16_nf4_and_int8_bases(tmp_path, docstrings_jsonl, quantize, via_activations,
+                                                dtype):
+    raw = lm_config(docstrings_jsonl, precision="bf16" if dtype == "bfloat16" else "fp32",
+                    calibration_batches=2)
+    raw["model"].update(dtype=dtype, quantize=quantize)
     raw["method"] = {"name": "gora", "r": 4, "n_batches": 2}
     m = run(tmp_path, "gora", raw)
     mem = json.loads((tmp_path / "gora" / "ranks.json").read_text())["memory"]
@@ -122,7 +125,13 @@ def test_activation_checkpointing_same_loss_non_reentrant_no_input_grad_hack(tmp
     {"precision": "bf16", "grad_accum": 2},
     {"precision": "fp16"},
 ], ids=["bf16-accum", "fp16-scaler"])
-def test_resume_is_exact_under_mixed_precision_and_accumulation(tmp_path, docstrings_jsonl, train_over):
+def test_resume_is_exact_under_mixed_precision_and_accumulation(tmp_path, docstrings_jsonl, train_over,
+                                                                monkeypatch):
+    import functools
+    # the scale grows after every finite step, so a resume that lost the scaler state would
+    # continue from the default scale and diverge
+    monkeypatch.setattr(torch.amp, "GradScaler",
+                        functools.partial(torch.amp.GradScaler, growth_interval=1))
     dtype = "bfloat16" if train_over["precision"] == "bf16" else "float16"
     raw = lm_config(docstrings_jsonl, steps=6, save_every=2, **train_over)
     raw["model"]["dtype"] = dtype
@@ -131,6 +140,9 @@ def test_resume_is_exact_under_mixed_precision_and_accumulation(tmp_path, docstr
     part = tmp_path / "part"
     state = torch.load(part / "checkpoints" / "step-0000006" / "state.pt", weights_only=True)
     assert ("scaler" in state) == (train_over["precision"] == "fp16")
+    if "scaler" in state:
+        saved = torch.load(part / "checkpoints" / "step-0000004" / "state.pt", weights_only=True)
+        assert saved["scaler"]["scale"] != torch.amp.GradScaler("cpu").get_scale()
     for p in (part / "metrics.json", part / "checkpoints" / "step-0000006"):
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     resumed = train(load_run_config(None, base=raw), part, resume=True)

@@ -163,24 +163,29 @@ def train_one(name: str, lr: float, s: Sizes, train: ByteWindows, heldout: ByteW
 
 
 def peak_tensor_mib(name: str, lr: float, s: Sizes, train: ByteWindows) -> dict | None:
-    """Peak memory of live tensors over two training steps (the first one computes every
-    subspace). CPU: torch's ``MemTracker`` (every tensor torch allocates, with the optimizer's
-    share); CUDA: ``torch.cuda.max_memory_allocated`` (total only).
+    """Peak memory over two training steps (the first one computes every subspace), by the
+    shared meter of :mod:`rankwise.memory` (CUDA ``max_memory_allocated``; on CPU the peak of
+    live tensors from the profiler's allocation events) added to the model's tensor bytes at
+    the start. On CPU the optimizer's share of that peak comes from a second pass under torch's
+    ``MemTracker``, which attributes every tensor to its owner (the shared meter does not).
 
     Returns:
-        ``{"total": MiB, "optimizer": MiB or None}`` or ``None`` if no meter is available.
+        ``{"total": MiB, "optimizer": MiB or None, "memory_meter": name}``.
     """
+    from rankwise.memory import PeakMemory, tensor_bytes
     engine, _ = make_engine(name, lr, s, train)
-    if s.device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    start = tensor_bytes(engine.model)
+    with PeakMemory(s.device) as mem:
         for k in range(2):
             engine.train_step(k)
-        return {"total": torch.cuda.max_memory_allocated() / 2**20, "optimizer": None}
+    out = {"total": (start + mem.peak_bytes) / 2**20, "optimizer": None, "memory_meter": mem.meter}
+    if s.device.startswith("cuda"):
+        return out
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError:  # pragma: no cover - private torch tool
-        return None
+        return out
+    engine, _ = make_engine(name, lr, s, train)
     for p in engine.model.parameters():   # MemTracker hooks every parameter; a released dense
         if p.stride() == (0, 0):          # weight (never used, outside the optimizer) must accept it
             p.requires_grad_(True)
@@ -190,7 +195,6 @@ def peak_tensor_mib(name: str, lr: float, s: Sizes, train: ByteWindows) -> dict 
         for k in range(2):
             engine.train_step(k)
             tracker.reset_mod_stats()
-    snap = tracker.get_tracker_snapshot("peak")
-    cpu = next(iter(snap.values()))
-    opt_key = next(k for k in cpu if str(k).endswith("OPT"))
-    return {"total": cpu["Total"] / 2**20, "optimizer": cpu[opt_key] / 2**20}
+    cpu = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    out["optimizer"] = cpu[next(k for k in cpu if str(k).endswith("OPT"))] / 2**20
+    return out

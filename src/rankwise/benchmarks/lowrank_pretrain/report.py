@@ -24,7 +24,7 @@ def table(best: dict, ratios: dict, s: Sizes) -> str:
     """The Markdown results table, one line per row at its best learning rate."""
     lines = ["| optimizer | best lr | held-out loss (nats/byte) | ppl/byte | loss after rank-"
              f"{s.rank} truncation | state MiB counted | state MiB formula | params+grads+state MiB | "
-             "peak live tensors MiB (optimizer's) | "
+             "peak MiB, shared meter (optimizer's share) | "
              "step time / AdamW, measured | step time / AdamW, common fwd+bwd | optimizer.step / "
              "AdamW's | slowest optimizer.step ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
