@@ -60,6 +60,10 @@ def test_greedy_cli_equals_argmax_loop_and_streams(runs):
                                        "--max-new-tokens", "6"])
     assert result.exit_code == 0, result.output
     assert result.output == want + "\n"
+    pieces: list[str] = []  # the streamed pieces arrive one by one and add up to the completion
+    rows = run_generate(runs / "lora", prompt=prompt, max_new_tokens=6, echo=lambda s: None,
+                        stream=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == rows[0]["completion"] == want
 
 
 def test_file_of_prompts_and_a_peft_adapter_agree_with_the_run(runs, tmp_path):

@@ -250,10 +250,9 @@ class Encoder:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            try:
-                start = len(self.render(messages[:i], True, record)) if i else 0
-            except RankwiseError:
-                start = pos
+            # a template that cannot render the turns before an assistant turn is refused (by
+            # render) rather than guessed around: a guess could put user text in the loss
+            start = len(self.render(messages[:i], True, record)) if i else 0
             upto = self.render(messages[: i + 1], record=record)
             if not full.startswith(upto) or start < pos or start > len(upto):
                 raise RankwiseError(f"record {record}: the chat template renders a conversation "
