@@ -153,6 +153,12 @@ def markdown(summary: dict[str, dict], title: str) -> str:
     n = {s["seeds"] for s in summary.values()}
     lines += ["", f"Mean ± sample standard deviation over {', '.join(map(str, sorted(n)))} seed(s) "
               "(seed k sets train.seed = k: head/adapter init, data order, GoRA's calibration batches)."]
+    meters = sorted({m["memory_meter"] for s in summary.values() for m in s.get("runs", [])
+                     if m.get("memory_meter")})
+    if meters:
+        lines += ["", f"Peak memory: the peak a run's training adds, by the meter {', '.join(meters)} "
+                  "(rankwise.memory: CUDA max_memory_allocated, or on CPU the live-tensor peak from "
+                  "the profiler's allocation events)."]
     if any("sweep" in s for s in summary.values()):
         lines += ["", "lr *: chosen by a sweep on seed 0 over a validation split carved from the training "
                   "data (the evaluation split was not used); the other seeds then trained at it."]
