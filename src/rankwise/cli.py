@@ -106,12 +106,18 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--kv-cache", default="fp", show_default=True, metavar="fp|nsnquant|kivi",
+              help="KV cache: full precision, or quantized on the fly (docs/compression.md).")
+@click.option("--kv-bits", type=int, default=2, show_default=True,
+              help="Bits per cached element of a quantized KV cache.")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
-             max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+             max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
+             kv_bits: int) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
-                 echo=click.echo, stream=lambda text: click.echo(text, nl=False))
+                 echo=click.echo, stream=lambda text: click.echo(text, nl=False),
+                 kv_cache=kv_cache, kv_bits=kv_bits)
 
 
 @main.command()

@@ -143,3 +143,23 @@ def test_bad_generate_input_is_one_line(runs, tiny_bert_run, tmp_path, args, mat
     result = CliRunner().invoke(main, ["generate", *[a.format(**fill) for a in args]])
     assert result.exit_code == 2, result.output
     assert result.output.count("\n") == 1 and match in result.output, result.output
+
+
+def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
+    import rankwise.compress.kv as kv
+    made = []
+
+    def spy(*args, **kwargs):
+        made.append(kv.cache.make_cache(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(kv, "make_cache", spy)
+    prompt = "Return the number of items in a container, counting every nested item as well."
+    fp = run_generate(runs / "lora", prompt=prompt, max_new_tokens=6, echo=lambda s: None)
+    q = run_generate(runs / "lora", prompt=prompt, max_new_tokens=6, echo=lambda s: None,
+                     kv_cache="nsnquant", kv_bits=2)
+    assert isinstance(q[0]["completion"], str) and q[0]["prompt"] == fp[0]["prompt"]
+    used = made[-1]  # the cache generation decoded with holds the prompt and the new tokens
+    assert isinstance(used, kv.QuantizedKVCache) and used.get_seq_length() >= 16
+    result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--prompt", prompt,
+                                       "--kv-cache", "nsnquant", "--kv-bits", "3"])
+    assert result.exit_code == 2 and "supports 1 or 2" in result.output

@@ -43,7 +43,7 @@ class _Streamer:
 def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
              pad_id: int, temperature: float = 0.0, top_p: float = 1.0, device: str = "cpu",
              decode: Callable[[list[int]], str] | None = None,
-             on_text: Callable[[str], None] | None = None) -> list[int]:
+             on_text: Callable[[str], None] | None = None, cache: Any = None) -> list[int]:
     """Continue ``prompt_ids`` and return the new token ids (without the final EOS).
 
     Args:
@@ -57,6 +57,8 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_i
         device: Where the prompt goes.
         decode: Token ids -> text, for ``on_text``.
         on_text: Called with each new piece of text as it is generated (streaming).
+        cache: A fresh ``transformers`` ``Cache`` to decode with (e.g. a quantized KV cache);
+            ``None``: the model's default.
 
     Returns:
         The generated token ids.
@@ -73,6 +75,10 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_i
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     if on_text is not None and decode is not None:
         kwargs["streamer"] = _Streamer(decode, on_text, eos_id)
+    if cache is not None:  # transformers 5 renamed generate's past_key_values to cache
+        import transformers
+        new_name = int(transformers.__version__.split(".")[0]) >= 5
+        kwargs["cache" if new_name else "past_key_values"] = cache
     try:
         if "inputs_embeds" in batch:  # an input adapter replaced the ids by embeddings
             out = model.generate(inputs_embeds=batch["inputs_embeds"],

@@ -121,7 +121,8 @@ def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
 def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = None,
                  adapter: Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, echo: Callable[[str], None] = print,
-                 stream: Callable[[str], None] | None = None) -> list[dict]:
+                 stream: Callable[[str], None] | None = None, kv_cache: str = "fp",
+                 kv_bits: int = 2) -> list[dict]:
     """Generate completions for one prompt or a file of prompts.
 
     Args:
@@ -135,6 +136,9 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         seed: Seeds sampling.
         echo: Receives one JSON line per completion (``--file``) or the final newline.
         stream: Receives text pieces as they are generated (single prompt).
+        kv_cache: ``fp`` (transformers' own cache), or ``nsnquant`` / ``kivi``: keys and values
+            quantized on the fly (:func:`rankwise.compress.kv.make_cache`), a fresh cache per prompt.
+        kv_bits: Bits per cached element of a quantized cache.
 
     Returns:
         ``[{"prompt", "completion"}]``.
@@ -148,6 +152,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise RankwiseError(f"got --max-new-tokens {max_new_tokens}, --temperature {temperature}, "
                             f"--top-p {top_p}; expected >= 1, >= 0 and a value in (0, 1]")
+    from rankwise.compress.kv import make_cache
+    make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, model, tok, enc = load_for_generation(run_dir, adapter, device)
     if prompt is not None:
@@ -160,8 +166,9 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     out = []
     for value, prompt_ids in zip(items, ids):
         single = prompt is not None and stream is not None
+        cache = None if kv_cache == "fp" else make_cache(kv_cache, kv_bits, config=model.config)
         new = generate(model, prompt_ids, max_new_tokens, end_id(tok), tok.pad_token_id, temperature,
-                       top_p, device, decode=decode, on_text=stream if single else None)
+                       top_p, device, decode=decode, on_text=stream if single else None, cache=cache)
         row = {"prompt": value, "completion": decode(new)}
         out.append(row)
         echo("" if single else json.dumps(row, ensure_ascii=False))
