@@ -128,8 +128,11 @@ def test_model_folder_without_config_json(tmp_path):
      ("line 2 is not valid JSON", "one JSON object per line")),
     ("list.jsonl", '["text", "label"]\n', ("line 1 is not a JSON object",)),
     ("data.txt", "hello\n", ("extension '.txt'", ".jsonl, .csv or .parquet")),
+    ("ragged.csv", "text,label\nhello world,a\n,b,extra,cols\n", ("not valid CSV", "line 3")),
+    ("empty-text.jsonl", '{"text": "a b", "label": "x"}\n{"text": "", "label": "y"}\n',
+     ("record 2 has an empty 'text' field",)),
 ], ids=["missing", "empty", "header-only", "no-text-field", "no-label-field", "broken-jsonl",
-        "jsonl-not-object", "extension"])
+        "jsonl-not-object", "extension", "ragged-csv", "empty-text"])
 def test_bad_data_file(tmp_path, name, content, needles):
     path = tmp_path / name
     if content is not None:

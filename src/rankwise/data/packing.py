@@ -8,11 +8,14 @@ packed step has exactly the loss terms of the unpacked one. :func:`check_packed_
 verifies, once per run, that the model honours this (else attention would cross examples).
 
 Blocks are filled best-fit-decreasing over the examples' lengths (a plain Python loop over a
-sorted list of open capacities): no Python object per example is kept, only two integer arrays.
+sorted list of open capacities): no Python object per example or per block is kept, only
+integer arrays (the open blocks of each remaining capacity are a stack linked through one
+array of block numbers).
 """
 from __future__ import annotations
 
 import bisect
+from array import array
 from typing import Any
 
 import numpy as np
@@ -34,37 +37,43 @@ def pack(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         ``(order, starts)``: block ``b`` holds examples ``order[starts[b]:starts[b + 1]]``
         (in their original relative order).
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths)
     assert lengths.max(initial=0) <= capacity, "examples are truncated before packing"
-    by_length = np.argsort(-lengths, kind="stable")
+    by_length = np.argsort(-lengths.astype(np.int64), kind="stable")
     block = np.full(len(lengths), -1, dtype=np.int64)
     caps: list[int] = []            # sorted remaining capacities that have an open block
-    open_at: dict[int, list[int]] = {}
+    top = [-1] * (capacity + 1)     # per remaining capacity: the block last left with it (-1: none)
+    under = array("q")              # per block: the block below it in its capacity's stack
     n_blocks = 0
-    chunks = ((by_length[k:k + 65536].tolist(), lengths[by_length[k:k + 65536]].tolist())
-              for k in range(0, len(by_length), 65536))          # bounded: no list of every example
-    for i, need in ((i, need) for ids, needs in chunks for i, need in zip(ids, needs)):
-        if need == 0:
-            continue
-        k = bisect.bisect_left(caps, need)
-        if k == len(caps):
-            b, left = n_blocks, capacity - need
-            n_blocks += 1
-        else:
-            cap = caps[k]
-            b = open_at[cap].pop()
-            if not open_at[cap]:
-                del open_at[cap], caps[k]
-            left = cap - need
-        block[i] = b
-        if left > 0:
-            if left not in open_at:
-                open_at[left] = []
-                bisect.insort(caps, left)
-            open_at[left].append(b)
-    kept = np.flatnonzero(block >= 0)
-    order = kept[np.argsort(block[kept], kind="stable")]
-    starts = np.concatenate([[0], np.cumsum(np.bincount(block[kept], minlength=n_blocks))])
+    step = 65536                    # bounded: no list of every example
+    for k in range(0, len(by_length), step):
+        ids = by_length[k:k + step]
+        assigned = [-1] * len(ids)
+        for j, need in enumerate(lengths[ids].tolist()):
+            if need == 0:
+                continue
+            c = bisect.bisect_left(caps, need)
+            if c == len(caps):
+                b, left = n_blocks, capacity - need
+                n_blocks += 1
+                under.append(-1)
+            else:
+                cap = caps[c]
+                b = top[cap]
+                top[cap] = under[b]
+                if top[cap] < 0:
+                    del caps[c]
+                left = cap - need
+            assigned[j] = b
+            if left > 0:
+                if top[left] < 0:
+                    bisect.insort(caps, left)
+                under[b] = top[left]
+                top[left] = b
+        block[ids] = assigned
+    skipped = int(np.count_nonzero(block < 0))
+    order = np.argsort(block, kind="stable")[skipped:]   # by block, each in original order
+    starts = np.concatenate([[0], np.cumsum(np.bincount(block[order], minlength=n_blocks))])
     return order, starts
 
 

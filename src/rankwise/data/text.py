@@ -6,6 +6,11 @@ token ids, loss labels, length, split membership) and selects the training and e
 rows with integer arrays. The result, :class:`ArrowData`, reads one example at a time from the
 memory-mapped Arrow file. :class:`TextData` is the same interface over Python lists, for small
 in-memory sets (tests, benchmarks).
+
+Resident memory does not grow with the number of records beyond a few bytes per record (row
+numbers and lengths as NumPy arrays): columns are read with pyarrow, never as Python lists, and
+the pages of the Arrow files that tokenizing, checking or reading touched are released
+(:func:`~rankwise.data.files.release_pages`) as the pass goes on, not kept until the file closes.
 """
 from __future__ import annotations
 
@@ -15,9 +20,15 @@ from typing import Any
 import numpy as np
 
 from rankwise.data.demo import load_demo_records
-from rankwise.data.files import check_fields, quiet_datasets, read_dataset
+from rankwise.data.files import check_fields, quiet_datasets, read_dataset, release_pages
 from rankwise.data.formats import Encoder, resolve_chat_template
 from rankwise.errors import RankwiseError
+
+# Records per tokenizer call and per record batch of the encoded file: every record batch costs
+# its header's pages (~64 KiB resident once read), every record in a call its token lists.
+BATCH = 2000
+RELEASE_EVERY = 64_000  # records tokenized between releases of the source file's pages
+READ_RELEASE_EVERY = 256  # examples read between releases (a random row maps ~100-200 KiB)
 
 
 @dataclass
@@ -86,6 +97,16 @@ class ArrowData:
         self.positions = np.asarray(self.positions, dtype=np.int64)
         self._columns = [c for c in ("input_ids", "labels", "_label") if c in self.ds.column_names]
         self._view = self.ds.select_columns(self._columns)
+        self._read = 0
+
+    def _count(self, n: int) -> None:
+        """Count ``n`` rows read; release the file's pages every ``READ_RELEASE_EVERY`` rows, so
+        training (random rows) or a pass over all examples keeps a bounded part of the file
+        resident, not all the pages it has ever read."""
+        self._read += n
+        if self._read >= READ_RELEASE_EVERY:
+            self._read = 0
+            release_pages(self.ds)
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -100,16 +121,20 @@ class ArrowData:
 
     def __getitem__(self, i: int) -> dict:
         """Example ``i``: ``input_ids``, and ``labels`` (token labels) / ``label`` (class)."""
+        self._count(1)
         return self._item(self._view[int(self.positions[int(i)])])
 
     def rows(self, indices: list[int]) -> list[dict]:
         """Examples ``indices`` read in one batch."""
+        self._count(len(indices))
         cols = self._view[self.positions[np.asarray(indices, dtype=np.int64)].tolist()]
         return [self._item({c: cols[c][k] for c in self._columns}) for k in range(len(indices))]
 
     def column(self, name: str) -> np.ndarray:
         """Column ``name`` (a scalar column) of the examples, as a NumPy array."""
-        return _column(self.ds, name)[self.positions]
+        values = _column(self.ds, name)[self.positions]
+        release_pages(self.ds)  # reading the column touched every record batch of the file
+        return values
 
     def lengths(self) -> np.ndarray:
         """Tokens per example."""
@@ -122,6 +147,7 @@ class ArrowData:
             return None
         import pyarrow as pa
         values = self.ds.data.column("_label").take(pa.array(self.positions)).to_pylist()
+        release_pages(self.ds)
         return [self.label_index[v] for v in values]
 
     def subset(self, index: list[int]) -> "ArrowData":
@@ -181,25 +207,58 @@ def _required(data_cfg, uses_labels: bool) -> tuple[list[str], str]:
 
 
 def _encode(source: str, data_cfg, enc: Encoder, uses_labels: bool):
-    """Read ``source``, check its fields, and encode it (cached by ``datasets``)."""
+    """Read ``source``, check its fields, and encode it (cached by ``datasets``).
+
+    The per-record scalars (``_len``, ``_eval``) are the first columns, so in each record batch
+    of the file they lie next to its header: reading them touches the pages that opening the
+    file touches anyway, not pages in the middle of the token ids.
+    """
     import datasets
     raw = builtin_dataset(source) if source in BUILTIN else read_dataset(source, data_cfg.cache_dir)
     fields, hint = _required(data_cfg, uses_labels)
     check_fields(raw, source, fields, hint)
-    feats = {"input_ids": datasets.Sequence(datasets.Value("int32")), "_len": datasets.Value("int32")}
-    if enc.masked:
-        feats["labels"] = datasets.Sequence(datasets.Value("int32"))
-    if uses_labels:
-        feats["_label"] = datasets.Value("string")
+    feats = {"_len": datasets.Value("int32")}
     if enc.eval_fraction is not None:
         feats["_eval"] = datasets.Value("bool")
-    return raw.map(enc, batched=True, batch_size=1000, with_indices=True,
-                   remove_columns=raw.column_names, features=datasets.Features(feats),
-                   new_fingerprint=enc.fingerprint(raw._fingerprint), desc=f"tokenizing {source}")
+    if uses_labels:
+        feats["_label"] = datasets.Value("string")
+    feats["input_ids"] = datasets.Sequence(datasets.Value("int32"))
+    if enc.masked:
+        feats["labels"] = datasets.Sequence(datasets.Value("int32"))
+    release_pages(raw)  # the field check read every record's offsets
+    batches = 0
+
+    def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        nonlocal batches  # the records already tokenized need not stay resident
+        batches += 1
+        if batches % (RELEASE_EVERY // BATCH) == 0:
+            release_pages(raw)
+        return enc(batch, indices)
+
+    out = raw.map(encode, batched=True, batch_size=BATCH, writer_batch_size=BATCH, with_indices=True,
+                  remove_columns=raw.column_names, features=datasets.Features(feats),
+                  new_fingerprint=enc.fingerprint(raw._fingerprint), desc=f"tokenizing {source}")
+    release_pages(raw, out)
+    _release_arrow_pool()
+    return out
+
+
+def _release_arrow_pool() -> None:
+    """Hand memory that pyarrow's allocator keeps after freeing back to the system."""
+    import pyarrow as pa
+    pa.default_memory_pool().release_unused()
 
 
 def _column(ds, name: str) -> np.ndarray:
-    return ds.select_columns([name]).with_format("numpy")[:][name]
+    """Column ``name`` of ``ds`` (a scalar column) as one NumPy array, read by pyarrow.
+
+    ``datasets``' NumPy formatting would build a Python list of one NumPy scalar per row first.
+    Integers come back as ``int64``, as that formatting gives them.
+    """
+    if getattr(ds, "_indices", None) is not None:  # an indices mapping: let datasets gather rows
+        return ds.select_columns([name]).with_format("numpy")[:][name]
+    values = ds.data.column(name).to_numpy()
+    return values.astype(np.int64) if values.dtype.kind in "iu" else values
 
 
 def validation_split(rows: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -252,6 +311,7 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
     if data_cfg.limit:
         train_rows = train_rows[: data_cfg.limit]
     train_len, eval_len = _column(train_ds, "_len")[train_rows], _column(eval_ds, "_len")[eval_rows]
+    release_pages(train_ds, eval_ds)  # reading the columns touched every record batch
     dropped = (int((train_len == 0).sum()), int((eval_len == 0).sum()))
     train_rows, eval_rows = train_rows[train_len > 0], eval_rows[eval_len > 0]
     if not len(train_rows) or not len(eval_rows):
