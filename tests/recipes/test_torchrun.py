@@ -126,3 +126,22 @@ def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "lost the others" in line[0] and "--resume" in line[0], err[-2000:]
     assert waited < (60 if how == signal.SIGSTOP else 30)
+
+
+def test_fsdp2_over_a_4bit_base_gives_the_single_process_metrics(tmp_path):
+    """FSDP2 shards a QLoRA model (NF4 codes in a bf16 storage dtype) across 2 gloo processes."""
+    pytest.importorskip("bitsandbytes")
+    q = json.loads(json.dumps(RUN))
+    q["model"].update(quantize="nf4", dtype="bfloat16")
+    q["train"].update(precision="bf16", steps=2)
+    one = train(load_run_config(None, base=json.loads(json.dumps(q))), tmp_path / "one")
+    cfg = tmp_path / "q.yaml"
+    cfg.write_text(yaml.safe_dump(q))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", "-m", "rankwise", "train", str(cfg), "--out",
+                           str(tmp_path / "two"), "--set", "train.distributed=fsdp"],
+                          env=ENV, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    assert two["trainable_params"] == one["trainable_params"]

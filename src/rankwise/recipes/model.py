@@ -212,11 +212,15 @@ def _check_head(folder: Path, task) -> None:
 
 def _quantize_in_memory(model: nn.Module, auto, quant, dtype: torch.dtype, device: str) -> nn.Module:
     """Quantize a model built in code: transformers quantizes only while loading, so write it
-    to a temporary folder and load it back with ``quant``."""
+    to a temporary folder and load it back with ``quant``. Written with safetensors directly:
+    under torchrun ``save_pretrained`` writes on rank 0 only, and every rank needs its copy."""
     import tempfile
+
+    from safetensors.torch import save_model
     name = model.config._name_or_path
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
+        model.config.save_pretrained(tmp)
+        save_model(model, os.path.join(tmp, "model.safetensors"))
         out = auto.from_pretrained(tmp, quantization_config=quant, device_map={"": device},
                                    **dtype_kwargs(dtype))
     out.config._name_or_path = name
