@@ -22,11 +22,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rankwise demo
 
+# two workers (the CI machine has 2 cores); a test file stays on one worker, so its module
+# fixtures are built once
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -m "not slow"
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/rankwise bench lora-vs-peft --out bench/results/lora-vs-peft
