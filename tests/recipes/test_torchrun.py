@@ -109,7 +109,8 @@ def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     events = tmp_path / "run" / "events.jsonl"
     deadline = time.time() + 240
-    while time.time() < deadline and not (events.is_file() and '"step": 3' in events.read_text()):
+    while (time.time() < deadline and procs[0].poll() is None
+           and not (events.is_file() and '"step": 3' in events.read_text())):
         time.sleep(0.5)
     try:
         assert events.is_file(), procs[0].communicate(timeout=5)
