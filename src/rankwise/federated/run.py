@@ -37,7 +37,7 @@ def resolve(config_path: Path | None, sets: list[str], base: dict | None = None)
     """
     from rankwise.recipes.config import load_run_config
     cfg = load_run_config(config_path, sets, base)
-    fed = from_dict(FederatedConfig, cfg.federated, "federated")
+    fed = cfg.federated or FederatedConfig()  # validated with the run config
     entry = registry.get("strategy", fed.strategy_name())
     from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
     if entry.builder.needs_factors and not registry.get("method", cfg.method.name).factorized:

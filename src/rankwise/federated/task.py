@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from rankwise import registry
-from rankwise.configs import from_dict
 from rankwise.data.text import TextData
 from rankwise.engine import Engine, NonFiniteLoss, Task
 from rankwise.engine.loop import LossHook
@@ -52,7 +51,7 @@ def load_run(config_path: str | Path) -> tuple:
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if key not in _RUNS:
         cfg = load_run_config(Path(config_path))
-        fed = from_dict(FederatedConfig, cfg.federated, "federated")
+        fed = cfg.federated or FederatedConfig()
         _RUNS[key] = (cfg, fed, key)
     return _RUNS[key]
 

@@ -1,4 +1,5 @@
-"""The run config: ``model``, ``data``, ``method``, ``optim``, ``train`` (and ``federated``).
+"""The run config: ``model``, ``data``, ``method``, ``optim``, ``train``, ``eval`` (and ``federated``,
+``compress`` for those commands).
 
 Defaults live in the dataclasses below and in each method's/optimizer's own config class;
 YAML files and ``--set key=value`` only override them. Every problem in a config is reported
@@ -16,6 +17,7 @@ import yaml
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.errors import RankwiseError, closest
+from rankwise.federated.config import FederatedConfig
 
 MAX_TOKENS = 2**24  # data.max_length's ceiling: beyond any model's positions, within tokenizers' range
 
@@ -229,15 +231,18 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    """A whole run. ``method`` and ``optim`` are the registered entries' own config classes."""
+    """A whole run. ``method``, ``optim`` and ``compress`` are the registered entries' own config
+    classes (chosen by their ``name`` / ``method`` key); ``federated`` and ``compress`` are only
+    present when the file has them (``rankwise federated`` / ``rankwise compress``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     method: Any = None
     optim: Any = None
     train: TrainConfig = field(default_factory=TrainConfig)
-    federated: Union[dict, None] = None
+    federated: Union[FederatedConfig, None] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
+    compress: Any = None
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -246,7 +251,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval")
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -340,8 +345,11 @@ def build_run_config(data: dict) -> RunConfig:
         method=part(lambda: from_dict(registry.get("method", str(method["name"])).config_cls, method, "method")),
         optim=part(lambda: from_dict(registry.get("optimizer", str(optim["name"])).config_cls, optim, "optim")),
         train=part(lambda: from_dict(TrainConfig, data.get("train"), "train")),
-        federated=data.get("federated"),
+        federated=part(lambda: from_dict(FederatedConfig, data["federated"], "federated"))
+        if data.get("federated") is not None else None,
         eval=part(lambda: from_dict(EvalConfig, data.get("eval"), "eval")),
+        compress=part(lambda: compressor_config(data["compress"]))
+        if data.get("compress") is not None else None,
     )
     if not problems:
         problems.extend(cross_problems(cfg))
@@ -349,6 +357,22 @@ def build_run_config(data: dict) -> RunConfig:
         raise RankwiseError("; ".join(problems))
     _absolute_paths(cfg)
     return cfg
+
+
+def compressor_config(raw: dict) -> Any:
+    """The ``compress:`` section: the config class of the compressor ``compress.method`` names.
+
+    Raises:
+        RankwiseError: No or an unknown ``method``, or a bad key or value of that compressor.
+    """
+    method = raw.get("method")
+    if not method:
+        raise RankwiseError(f"compress.method is required; one of: {', '.join(registry.names('compressor'))}")
+    try:
+        entry = registry.get("compressor", str(method))
+    except RankwiseError as err:
+        raise RankwiseError(f"compress.method: {err}") from None
+    return from_dict(entry.config_cls, raw, "compress")
 
 
 def _absolute_paths(cfg: RunConfig) -> None:
