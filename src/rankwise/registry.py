@@ -32,7 +32,8 @@ class Entry:
     """A registered implementation.
 
     Attributes:
-        kind: ``"method"``, ``"optimizer"`` or ``"strategy"``.
+        kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
         name: The name users write in configs (``method.name: lora``).
         config_cls: The dataclass holding every default of this entry.
         builder: The callable that applies or constructs it (signature depends on ``kind``).
@@ -84,7 +85,8 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
     """Register an implementation under ``(kind, name)``.
 
     Args:
-        kind: ``"method"``, ``"optimizer"`` or ``"strategy"``.
+        kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
         name: Lower-case name used in configs and on the CLI.
         config_cls: Config dataclass; its field defaults are the only defaults.
         builder: See the module docstring for the signature per kind.

@@ -328,7 +328,8 @@ class Engine:
             The final :class:`TrainState`.
 
         Raises:
-            NonFiniteLoss: As :meth:`train_step` (after ``on_error`` callbacks ran).
+            NonFiniteLoss: As :meth:`train_step`, after the ``on_fit_exit`` callbacks ran (they
+                run however the loop ends; ``on_fit_end`` only when it completes).
             KeyboardInterrupt: After ``on_interrupt`` callbacks ran (they save a checkpoint).
         """
         state = TrainState(step=start_step, start_step=start_step, total_steps=steps,

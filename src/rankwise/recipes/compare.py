@@ -266,9 +266,129 @@ def _run_one(raw: dict, run_dir: Path, console) -> dict:
     return train(cfg, run_dir, console=console)
 
 
+def plan_rows(raw: dict, methods: list[str], sets: list[str]) -> tuple[dict, dict, dict]:
+    """Each row's raw run config: the base config (its ``compare:`` section removed, in place),
+    the row's overrides, the common ``--set`` and then the row's own ``ROW:key=value``; every
+    row validated before anything trains.
+
+    Returns:
+        ``(plans, grids, base)``: ``{row: raw config}``, ``{row: lr grid from compare: or None}``
+        and the base config with the common ``--set`` applied.
+
+    Raises:
+        RankwiseError: On an unknown row (also in ``compare:``) or a row whose config is invalid.
+    """
+    from rankwise.recipes.config import apply_sets, build_run_config
+    base_method = str((raw.get("method") or {}).get("name", "lora"))
+    for row in methods:
+        parse_row(row, base_method)
+    extras = raw.pop("compare", None) or {}
+    grids = {row: (extras.get(row) or {}).pop(sweep.GRID_KEY, None) for row in methods}
+    for row in extras:
+        try:
+            parse_row(row, base_method)
+        except RankwiseError as err:
+            raise RankwiseError(f"compare.{row}: {err}") from None
+    row_sets: dict[str, list[str]] = {}
+    common = []
+    for item in sets:
+        prefix, colon, rest = item.partition(":")
+        if colon and "=" not in prefix and prefix in methods:
+            row_sets.setdefault(prefix, []).append(rest)
+        else:
+            common.append(item)
+    raw = apply_sets(raw, common)
+    plans = {row: apply_sets(row_config(raw, row, extras.get(row)), row_sets.get(row, []))
+             for row in methods}
+    for row, plan in plans.items():
+        try:
+            build_run_config(copy.deepcopy(plan))
+        except RankwiseError as err:
+            raise RankwiseError(f"row {row!r}: {err}") from None
+    return plans, grids, raw
+
+
+def sweep_rows(plans: dict, grids: dict, lr_grid: int, out: Path, console) -> dict[str, dict]:
+    """Sweep every row over ``lr_grid`` learning rates on the validation split and set each
+    plan's ``optim.lr`` to the best point (in place); foreign folders are refused first.
+
+    Returns:
+        ``{row: {"lr": best, "sweep": [{"lr", "eval_loss", ...}]}}`` (empty when ``lr_grid`` is 0).
+    """
+    points = {row: [sweep.sweep_plan(plan, lr) for lr in sweep.row_grid(row, plan, grids[row], lr_grid)]
+              for row, plan in plans.items()} if lr_grid else {}
+    for row, pts in points.items():
+        for raw_pt in pts:
+            _check_owned(out / row / f"lr{raw_pt['optim']['lr']:.3g}", raw_pt)
+    chosen: dict[str, dict] = {}
+    for row, pts in points.items():
+        found = {}
+        for raw_pt in pts:
+            lr = raw_pt["optim"]["lr"]
+            console.print(f"[bold]{row}[/] sweep lr {lr:.3g} (validation split)")
+            found[lr] = _run_one(raw_pt, out / row / f"lr{lr:.3g}", console)
+        best = sweep.best_point(found)
+        plans[row].setdefault("optim", {})["lr"] = best
+        chosen[row] = {"lr": best, "sweep": [{"lr": lr, **{k: m[k] for k in ("eval_loss", "eval_accuracy")
+                                                          if k in m}} for lr, m in found.items()]}
+    return chosen
+
+
+def run_seeds(plans: dict, seeds: int, out: Path, console) -> dict[str, list[dict]]:
+    """Train every row for seeds ``0..seeds-1`` under ``out/ROW/seedK`` (finished runs of the
+    same plan reused); foreign folders are refused before anything trains.
+
+    Returns:
+        ``{row: [metrics of each seed]}``.
+    """
+    jobs = []
+    for row, plan in plans.items():
+        for seed in range(seeds):
+            raw_seed = copy.deepcopy(plan)
+            raw_seed.setdefault("train", {})["seed"] = seed
+            jobs.append((row, seed, raw_seed, out / row / f"seed{seed}"))
+    for _, _, raw_seed, run_dir in jobs:
+        _check_owned(run_dir, raw_seed)
+    runs: dict[str, list[dict]] = {}
+    for row, seed, raw_seed, run_dir in jobs:
+        console.print(f"[bold]{row}[/] seed {seed}")
+        runs.setdefault(row, []).append(_run_one(raw_seed, run_dir, console))
+    return runs
+
+
+def report(runs: dict[str, list[dict]], plans: dict, chosen: dict, base: dict, out: Path,
+           console, meta: dict) -> dict:
+    """Write ``results.json``, ``results.md``, ``results.png`` and ``curves.png``.
+
+    Args:
+        meta: ``config``, ``sets``, ``seeds`` and ``lr_grid`` of the comparison (stored as is).
+
+    Returns:
+        The dict written to ``results.json``.
+    """
+    from rankwise.recipes.config import build_run_config
+    summary = summarise(runs)
+    model = base.get("model", {}).get("path", "demo")
+    title = f"{model} on {base.get('data', {}).get('source', 'demo')}, {meta['seeds']} seed(s)"
+    for row in summary:
+        summary[row]["lr"] = build_run_config(copy.deepcopy(plans[row])).optim.lr
+        summary[row].update(chosen.get(row, {}))
+    result = {**meta, "rows": {row: {**summary[row], "overrides": plans[row]} for row in summary}}
+    atomic.write_json(out / "results.json", result)
+    atomic.write_bytes(out / "results.md", markdown(summary, f"rankwise compare: {title}").encode())
+    plot(summary, out / "results.png", title)
+    curves(out, {row: [out / row / f"seed{k}" for k in range(meta["seeds"])] for row in summary},
+           out / "curves.png", title)
+    console.print(markdown(summary, title))
+    console.print(f"wrote {out}/results.json, results.md and results.png")
+    return result
+
+
 def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: list[str],
                 out: Path, console=None, base: dict | None = None, lr_grid: int = 0) -> dict:
-    """Run each row for seeds 0..seeds-1 and write ``results.json``, ``results.md``, ``results.png``.
+    """Run each row for seeds 0..seeds-1 and write ``results.json``, ``results.md``, ``results.png``:
+    plan the rows (:func:`plan_rows`), sweep their learning rates (:func:`sweep_rows`), train
+    the seeds (:func:`run_seeds`), report (:func:`report`).
 
     The YAML may hold a ``compare:`` section, ``{row: {section: {key: value}}}``, with per-row
     overrides (e.g. ``compare: {altlora: {optim: {lr: 0.1}}}``) and per-row learning-rate grids
@@ -296,7 +416,7 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
     """
     from rich.console import Console
 
-    from rankwise.recipes.config import apply_sets, build_run_config, read_yaml
+    from rankwise.recipes.config import read_yaml
 
     console = console or Console()
     atomic.check_folder(out)
@@ -306,78 +426,13 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
         raise RankwiseError("--methods is empty; expected a comma-separated list of rows such as "
                             "lora,gora,gora+altlora")
     raw = read_yaml(config_path) if config_path is not None else copy.deepcopy(base or {})
-    base_method = str((raw.get("method") or {}).get("name", "lora"))
-    for row in methods:
-        parse_row(row, base_method)
-    extras = raw.pop("compare", None) or {}
-    grids = {row: (extras.get(row) or {}).pop(sweep.GRID_KEY, None) for row in methods}
-    for row in extras:
-        try:
-            parse_row(row, base_method)
-        except RankwiseError as err:
-            raise RankwiseError(f"compare.{row}: {err}") from None
-    row_sets: dict[str, list[str]] = {}
-    common = []
-    for item in sets:
-        prefix, colon, rest = item.partition(":")
-        if colon and "=" not in prefix and prefix in methods:
-            row_sets.setdefault(prefix, []).append(rest)
-        else:
-            common.append(item)
-    raw = apply_sets(raw, common)
-    plans = {row: apply_sets(row_config(raw, row, extras.get(row)), row_sets.get(row, []))
-             for row in methods}
-    for row, plan in plans.items():  # validate every row before training anything
-        try:
-            build_run_config(copy.deepcopy(plan))
-        except RankwiseError as err:
-            raise RankwiseError(f"row {row!r}: {err}") from None
+    plans, grids, raw = plan_rows(raw, methods, sets)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if lr_grid < 0:
         raise RankwiseError(f"--lr-grid: got {lr_grid}; expected 0 (off) or the number of points")
-    points = {row: [sweep.sweep_plan(plan, lr) for lr in sweep.row_grid(row, plan, grids[row], lr_grid)]
-              for row, plan in plans.items()} if lr_grid else {}
-    for row, pts in points.items():
-        for raw_pt in pts:
-            _check_owned(out / row / f"lr{raw_pt['optim']['lr']:.3g}", raw_pt)
-    chosen: dict[str, dict] = {}
-    for row, pts in points.items():
-        found = {}
-        for raw_pt in pts:
-            lr = raw_pt["optim"]["lr"]
-            console.print(f"[bold]{row}[/] sweep lr {lr:.3g} (validation split)")
-            found[lr] = _run_one(raw_pt, out / row / f"lr{lr:.3g}", console)
-        best = sweep.best_point(found)
-        plans[row].setdefault("optim", {})["lr"] = best
-        chosen[row] = {"lr": best, "sweep": [{"lr": lr, **{k: m[k] for k in ("eval_loss", "eval_accuracy")
-                                                          if k in m}} for lr, m in found.items()]}
-    jobs = []
-    for row, plan in plans.items():
-        for seed in range(seeds):
-            raw_seed = copy.deepcopy(plan)
-            raw_seed.setdefault("train", {})["seed"] = seed
-            jobs.append((row, seed, raw_seed, out / row / f"seed{seed}"))
-    for _, _, raw_seed, run_dir in jobs:  # refuse foreign folders before training anything
-        _check_owned(run_dir, raw_seed)
-    runs: dict[str, list[dict]] = {}
-    for row, seed, raw_seed, run_dir in jobs:
-        console.print(f"[bold]{row}[/] seed {seed}")
-        runs.setdefault(row, []).append(_run_one(raw_seed, run_dir, console))
-    summary = summarise(runs)
-    model = raw.get("model", {}).get("path", "demo")
-    title = f"{model} on {raw.get('data', {}).get('source', 'demo')}, {seeds} seed(s)"
-    for row in summary:
-        summary[row]["lr"] = build_run_config(copy.deepcopy(plans[row])).optim.lr
-        summary[row].update(chosen.get(row, {}))
-    result = {"config": str(config_path) if config_path else None, "sets": list(sets), "seeds": seeds,
-              "lr_grid": lr_grid,
-              "rows": {row: {**summary[row], "overrides": plans[row]} for row in summary}}
-    atomic.write_json(out / "results.json", result)
-    atomic.write_bytes(out / "results.md", markdown(summary, f"rankwise compare: {title}").encode())
-    plot(summary, out / "results.png", title)
-    curves(out, {row: [out / row / f"seed{k}" for k in range(seeds)] for row in summary},
-           out / "curves.png", title)
-    console.print(markdown(summary, title))
-    console.print(f"wrote {out}/results.json, results.md and results.png")
-    return result
+    chosen = sweep_rows(plans, grids, lr_grid, out, console)
+    runs = run_seeds(plans, seeds, out, console)
+    meta = {"config": str(config_path) if config_path else None, "sets": list(sets), "seeds": seeds,
+            "lr_grid": lr_grid}
+    return report(runs, plans, chosen, raw, out, console, meta)
