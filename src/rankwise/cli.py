@@ -151,11 +151,12 @@ def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: 
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def federated(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its newest round checkpoint.")
+def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -> None:
     """Federated fine-tuning on the Flower simulation engine."""
     require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
-    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated")
+    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated", resume=resume)
 
 
 @main.command()
