@@ -47,6 +47,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "galore+oja": ("galore", {"projector": "oja"}),
     "galore+oja-int4": ("galore", {"projector": "oja", "oja_bits": 4}),
     "sumo+oja": ("sumo", {"projector": "oja"}),
+    # Block 4 (the residual outside the subspace) with its norm-growth limiter: a 0-dim state.
+    "sumo+residual": ("sumo", {"residual": True, "norm_growth": 1.01}),
 }
 
 
