@@ -152,7 +152,7 @@ def test_every_direction_above_eps_is_reweighted_not_only_the_top_r():
     # and at any other point X, value and gradient equal the direct formula
     x = torch.randn(64, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(4), requires_grad=True)
     direct = _direct_value(x, w, eps)
-    assert float(q3r_value(x.detach(), u, v, sp)) == pytest.approx(float(direct), rel=1e-9)
+    assert float(q3r_value(x.detach(), u, v, sp)) == pytest.approx(float(direct.detach()), rel=1e-9)
     direct.backward()
     torch.testing.assert_close(2 * q3r_operator(x.detach(), u, v, sp), x.grad, rtol=1e-9, atol=1e-12)
 
