@@ -56,6 +56,10 @@ class Entry:
             the method's own (``prompt-tuning``'s PEFT ``PROMPT_TUNING`` files under
             ``--format peft``); they take precedence over the ``exporter`` entry of that
             name and have its signature.
+        grad_clip: For optimizers: the gradient-norm clip a run uses when ``train.grad_clip``
+            is ``auto`` (its default): ``1.0``, or ``None`` (off) for optimizers that set their
+            own step from the gradient's norm and that clipping would defeat (NGN-M's step
+            size, t-SignSGD's spike guard). An explicit ``train.grad_clip`` still wins.
     """
 
     kind: str
@@ -70,6 +74,7 @@ class Entry:
     state_floats: Callable[..., int] | None = None
     lr_grid: tuple[float, ...] = ()
     exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    grad_clip: float | None = 1.0
 
 
 _ENTRIES: dict[tuple[str, str], Entry] = {}
@@ -92,7 +97,8 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
         builder: See the module docstring for the signature per kind.
         summary: One-line description.
         **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
-            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``).
+            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``,
+            ``grad_clip``).
 
     Returns:
         The entry.

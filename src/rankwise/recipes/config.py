@@ -142,7 +142,10 @@ class TrainConfig:
         log_every: Write a line to ``events.jsonl`` every N steps.
         seed: Seeds model init, data order and dropout.
         warmup_fraction: Linear warm-up over this fraction of steps, then linear decay to 0.
-        grad_clip: Clip the gradient norm (0 = off).
+        grad_clip: Clip the gradient norm to this value; ``null`` or 0 = off; ``auto`` = what
+            the optimizer's registration asks for (1.0, or off for optimizers that set their
+            own step from the gradient norm: ``ngn-m``, ``t-signsgd``). A run's ``config.yaml``
+            holds the value in force (``null`` when off).
         calibration_batches: Batches given to data-driven initialisations (GoRA).
         keep_checkpoints: How many checkpoints to keep.
         early_stopping_patience: Stop after this many evaluations (``eval_every``) without a
@@ -171,7 +174,7 @@ class TrainConfig:
     log_every: int = 5
     seed: int = 0
     warmup_fraction: float = 0.06
-    grad_clip: float = 1.0
+    grad_clip: Union[float, None, Literal["auto"]] = "auto"
     calibration_batches: int = 8
     keep_checkpoints: int = 2
     early_stopping_patience: int = 0
@@ -201,6 +204,8 @@ class TrainConfig:
                        f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
         if not 0 <= self.seed < 2**32:
             out.append(f"seed: got {self.seed}; expected 0..2**32-1")
+        if isinstance(self.grad_clip, float) and self.grad_clip < 0:
+            out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
         return out
@@ -356,6 +361,7 @@ def build_run_config(data: dict) -> RunConfig:
     if problems:
         raise RankwiseError("; ".join(problems))
     _absolute_paths(cfg)
+    _resolve_optimizer_defaults(cfg)
     return cfg
 
 
@@ -373,6 +379,19 @@ def compressor_config(raw: dict) -> Any:
     except RankwiseError as err:
         raise RankwiseError(f"compress.method: {err}") from None
     return from_dict(entry.config_cls, raw, "compress")
+
+
+def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
+    """Settings that follow the optimizer, written into the config so ``config.yaml`` shows
+    what the run used: ``train.grad_clip: auto`` becomes the optimizer registration's clip
+    (``null`` when off, as an explicit 0 does), and an optimizer ``total_steps`` left ``null``
+    (t-SignSGD's threshold schedule) becomes ``train.steps``."""
+    t = cfg.train
+    if t.grad_clip == "auto":
+        t.grad_clip = registry.get("optimizer", cfg.optim.name).grad_clip
+    t.grad_clip = float(t.grad_clip) if t.grad_clip else None
+    if getattr(cfg.optim, "total_steps", 0) is None:
+        cfg.optim.total_steps = t.steps
 
 
 def _absolute_paths(cfg: RunConfig) -> None:

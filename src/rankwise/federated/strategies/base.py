@@ -122,6 +122,15 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
         self._rng = random.Random(fed.seed)
 
     # ----- hooks ---------------------------------------------------------------------------
+    @classmethod
+    def initial_tensors(cls, model: nn.Module, state: dict[str, torch.Tensor],
+                        roles: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """The initial adapter, from a freshly prepared ``model`` and its trainable tensors
+        ``state`` (default: ``state`` as prepared; YOCO builds B from the SVD of the base
+        weights). :func:`rankwise.federated.task.build_session` applies it on the server and on
+        every client, so both hold the same initial adapter without sending it."""
+        return state
+
     def plan(self, server_round: int, node_id: int) -> Plan:
         """The plan of ``node_id`` in ``server_round`` (default: train everything)."""
         return Plan()
