@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from rankwise.core.protocol import attach_input_hook
+from rankwise.core.protocol import attach_input_hook, input_adapters
 
 
 class _Streamer:
@@ -68,7 +68,8 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_i
     was = model.training
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    attach_input_hook(model)  # input adapters built outside a rankwise builder apply as well
+    if input_adapters(model):  # input adapters built outside a rankwise builder apply as well
+        attach_input_hook(model)
     kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_id,
                               "pad_token_id": pad_id, "use_cache": True}
     if temperature > 0:
