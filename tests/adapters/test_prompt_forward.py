@@ -3,6 +3,8 @@ plain ``model(input_ids=..., labels=...)`` (what HF ``Trainer`` and users' loops
 ``model.generate`` carry the virtual tokens exactly as the engine does, once, and train them."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from rankwise.core.protocol import input_adapters, transform_inputs
 from rankwise.engine import get_task
 from rankwise.engine.generation import generate as rankwise_generate
 from rankwise.engine.task import IGNORE
+from rankwise.errors import RankwiseError
 from rankwise.testing import TINY_MODELS, randomize_trainable, tiny_batch
 
 METHODS = {  # small settings; top_k = num_experts so every PT-MoE expert gets a gradient
@@ -67,7 +70,6 @@ def test_positional_input_ids_and_a_4bit_base():
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from rankwise.recipes.model import bnb_config
-    import tempfile
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -157,3 +159,14 @@ def test_a_cached_step_that_already_counts_the_prefix_is_left_alone():
         whole = model(input_ids=torch.cat([ids, nxt], 1)).logits[:, -1]
     torch.testing.assert_close(short.logits[:, -1], whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(full.logits[:, -1], whole, atol=1e-5, rtol=0)
+
+
+def test_a_plain_forward_of_packed_positions_is_refused_in_one_line():
+    model = adapted("prompt-tuning", "llama")
+    batch = tiny_batch("llama")
+    restart = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)           # two examples packed per row
+    with pytest.raises(RankwiseError, match="data.packing: false"):
+        model(**batch, position_ids=restart)
+    shifted = model(**{k: v for k, v in batch.items() if k != "labels"}, position_ids=torch.arange(8)[None])
+    plain = model(**{k: v for k, v in batch.items() if k != "labels"})
+    torch.testing.assert_close(shifted.logits, plain.logits, atol=1e-6, rtol=0)  # arange: counted after v

@@ -278,9 +278,9 @@ class InputHook:
     ``model.generate`` see the virtual tokens exactly as the engine does.
 
     * A first (uncached) forward goes through :func:`transform_inputs` (with an all-ones
-      attention mask if the call has none): the prefix in front, attention mask and labels extended. ``position_ids`` (``generate`` passes them) are set
-      aside and come back shifted by the ``v`` virtual positions; restarting (packed) positions
-      are refused.
+      attention mask if the call has none): the prefix in front, attention mask and labels
+      extended. ``position_ids`` (``generate`` passes them) are set aside and come back shifted
+      by the ``v`` virtual positions; restarting (packed) positions are refused.
     * A cached step (``generate`` after its first step: the cache holds the prefix) only gets the
       ``v`` positions the caller does not know about: ones in front of a 2-D attention mask that
       covers just the real tokens, and ``position_ids`` / ``cache_position`` shifted by ``v``.
@@ -325,7 +325,8 @@ def _cached_step(kwargs: dict[str, Any], v: int, past: int) -> dict[str, Any]:
     """A cached forward's kwargs with the ``v`` virtual positions the caller left out.
 
     The caller counts real tokens only (as ``generate`` does) when its 2-D mask, or its last
-    position, is ``v`` short of ``past + new``; inputs that already count the prefix pass as they are.
+    position, is ``v`` short of ``past + new``; inputs that already count the prefix pass as
+    they are.
     """
     out = dict(kwargs)
     total = past + _main_input(out).shape[1]                      # cache + this step's tokens
