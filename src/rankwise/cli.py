@@ -33,6 +33,14 @@ def _load(spec: str):
     return getattr(importlib.import_module(mod), fn)
 
 
+def _shared_by_rank_0() -> bool:
+    """A torchrun rank > 0 whose error rank 0 prints as well (see ``errors_are_shared``)."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        return False
+    from rankwise.engine.distributed import errors_are_shared
+    return errors_are_shared()
+
+
 class _Group(click.Group):
     """Turns user errors into one line + exit 2 (tracebacks only with --debug)."""
 
@@ -42,7 +50,8 @@ class _Group(click.Group):
         except RankwiseError as err:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {err}", err=True)
+            if not _shared_by_rank_0():  # under torchrun: a config error once, not once per process
+                click.echo(f"error: {err}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
