@@ -10,7 +10,7 @@ from rankwise.core.io import load_adapter
 from rankwise.engine import get_task
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.model import demo_model_path, load_model, torch_dtype
+from rankwise.recipes.model import base_moved, demo_model_path, load_model, torch_dtype
 
 BUILTIN_FORMATS = ("merged", "rankwise")
 
@@ -56,8 +56,7 @@ def load_run(run_dir: Path, model_path: str | Path | None = None):
     except RankwiseError as err:
         if "not found" not in str(err):
             raise
-        raise RankwiseError(f"{err.args[0].split(';')[0]}; the run's base model has moved: pass "
-                            "--model PATH (the folder it was trained on)") from None
+        raise base_moved(err) from None
     try:
         load_adapter(model, run_dir / "adapter")
     except RankwiseError as err:
