@@ -187,12 +187,12 @@ def load_input(run_cfg: RunConfig, raw: dict, model_path: Path | None = None
     from rankwise.recipes.model import TINY, load_model
     path = Path(run_cfg.model.path)
     if path.is_dir() and (path / "config.yaml").is_file() and not (path / "config.json").is_file():
-        from rankwise.core.ops import merge_and_unload
-        from rankwise.recipes.export import load_run
+        from rankwise.core.merged import merge_plain
+        from rankwise.recipes.export import load_run, merged_dtype
         own, model, tok = load_run(path, model_path)
         if raw.get("data") is not None:
             own.data = run_cfg.data
-        merge_and_unload(model)
+        model = merge_plain(model, dtype=merged_dtype(own))  # as export --format merged writes it
         return model, tok, get_task(own.model.task), own
     if model_path is not None:
         raise RankwiseError(f"--model names the base model of a run, but model.path {str(path)!r} "

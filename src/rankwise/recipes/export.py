@@ -69,6 +69,12 @@ def load_run(run_dir: Path, model_path: str | Path | None = None):
     return cfg, model, tok
 
 
+def merged_dtype(cfg) -> torch.dtype | None:
+    """The dtype of a run's merged model: ``model.dtype``; for a quantized base ``None``, i.e.
+    its dequantized weights in bf16 (:func:`rankwise.core.merged.merge_plain`)."""
+    return None if cfg.model.quantize else torch_dtype(cfg.model.dtype)
+
+
 def export_run(run_dir: Path, fmt: str, out: Path, model_path: str | Path | None = None) -> Path:
     """Export a run's result.
 
@@ -94,9 +100,7 @@ def export_run(run_dir: Path, fmt: str, out: Path, model_path: str | Path | None
     full = registry.get("method", cfg.method.name).trains == "full"
     if fmt == "merged":
         from rankwise.core.merged import export_merged
-        # a quantized base merges into its dequantized weights, saved in bf16 (export_merged)
-        dtype = None if cfg.model.quantize else torch_dtype(cfg.model.dtype)
-        return export_merged(model, out, tokenizer=tok, dtype=dtype)
+        return export_merged(model, out, tokenizer=tok, dtype=merged_dtype(cfg))
     if full:
         raise RankwiseError(f"run {run_dir} trained every weight ({cfg.method.name}); it has no "
                             "adapter to export: use --format merged")
