@@ -35,6 +35,7 @@ from rankwise.adapters.lora.layer import lora_scale
 from rankwise.adapters.mixture.gates import RouterStats
 from rankwise.core import weights as W
 from rankwise.core.protocol import Unmergeable
+from rankwise.core.token_mask import valid_tokens
 from rankwise.errors import RankwiseError
 
 
@@ -63,6 +64,7 @@ class PoisonedExperts(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling, self.noise_std, self.num_experts = scaling, float(noise_std), num_experts
         self.stats = RouterStats(num_experts + 1)
+        self.token_mask: torch.Tensor | None = None   # the model's attention mask (hook-set)
 
     def poison_term(self, x: torch.Tensor, gate: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """``g_p(x) B_p A (x + noise)`` (before the scale)."""
@@ -84,9 +86,10 @@ class PoisonedExperts(nn.Module):
                 rms = x.detach().pow(2).mean(-1, keepdim=True).sqrt()
                 noise = self.noise_std * rms * torch.randn_like(x)
             y = y + self.poison_term(x, gate, noise)
-            self.stats.update(gate, True)
+            self.stats.update(gate, True, valid_tokens(self.token_mask, x.shape[:-1]))
         else:
-            self.stats.update(torch.cat([gate[..., :-1], torch.zeros_like(gate[..., -1:])], -1), False)
+            self.stats.update(torch.cat([gate[..., :-1], torch.zeros_like(gate[..., -1:])], -1), False,
+                              valid_tokens(self.token_mask, x.shape[:-1]))
         return y * self.scaling
 
 
