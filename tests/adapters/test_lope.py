@@ -11,7 +11,7 @@ from torch import nn
 from rankwise.adapters.lope import LopeConfig, LopeLayer, apply_lope, discrete_noise
 from rankwise.core.protocol import transform_inputs
 from rankwise.engine import get_task
-from rankwise.testing import tiny_batch, tiny_bert_cls, tiny_gpt2_lm
+from rankwise.testing import tiny_batch, tiny_bert_cls, tiny_gpt2_lm, tiny_llama_lm
 
 
 def make_layer(noise_std=0.5, renormalize=True) -> LopeLayer:
@@ -177,3 +177,17 @@ def test_masking_removes_what_stage_one_put_in_the_poisoning_expert():
         reference = base(**inputs).logits                            # the head did not train
     assert (trained - masked).abs().max() > 1e-5                     # B_p learned something
     torch.testing.assert_close(masked, reference, atol=1e-6, rtol=0)  # masking removes it all
+
+
+def test_the_noise_schedule_adds_no_positions_so_packing_stays_allowed():
+    from rankwise.data.packing import packed_training_data
+    model = tiny_llama_lm()
+    apply_lope(model, LopeConfig(r=2, num_experts=2, poison_steps=2))
+
+    class Rows:
+        pad_id, label_names, dropped = 0, None, 0
+
+        def lengths(self):
+            return torch.tensor([3, 4, 2])
+
+    assert len(packed_training_data(model, Rows(), capacity=8)) == 2   # not refused
