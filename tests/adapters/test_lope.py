@@ -191,3 +191,23 @@ def test_the_noise_schedule_adds_no_positions_so_packing_stays_allowed():
             return torch.tensor([3, 4, 2])
 
     assert len(packed_training_data(model, Rows(), capacity=8)) == 2   # not refused
+
+
+def test_a_rebuilt_model_continues_the_schedule_where_the_saved_one_stopped():
+    from rankwise.adapters.lope import rebuild_lope
+    from rankwise.core.io import structure
+    cfg = LopeConfig(r=2, num_experts=2, targets=["query"], poison_steps=3)
+    model = tiny_bert_cls()
+    apply_lope(model, cfg)
+    model.train()
+    batch = tiny_batch("bert", seed=1)
+    for _ in range(3):
+        transform_inputs(model, batch)
+    saved = structure(model)
+    assert {d["batches_seen"] for d in saved.values()} == {3}
+    again = tiny_bert_cls()
+    rebuild_lope(again, cfg, "default", saved)
+    again.train()
+    assert again.lope_noise_injection.batches == 3
+    assert transform_inputs(again, batch) is batch                # batch 4: stage 2, the task data
+    assert {e.stage for m in again.modules() for e in getattr(m, "experts", {}).values()} == {"task"}
