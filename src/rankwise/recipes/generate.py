@@ -21,6 +21,7 @@ from rankwise.engine import get_task
 from rankwise.engine.generation import generate
 from rankwise.engine.reporting import Samples
 from rankwise.errors import RankwiseError
+from rankwise.recipes import folders
 from rankwise.recipes.config import RunConfig, load_run_config
 from rankwise.recipes.model import base_moved, load_model
 
@@ -63,6 +64,7 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
     """
     from rankwise.core.io import load_adapter
     run_dir = Path(run_dir)
+    folders.check_run(run_dir, "generate")
     if not (run_dir / "config.yaml").is_file():
         raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
                             "of a finished 'rankwise train'")
