@@ -103,6 +103,21 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
     return cfg, model, tok, encoder_for(cfg.data, task, tok)
 
 
+def start_id(tokenizer, model) -> int:
+    """The token an empty prompt starts from: BOS, as ``transformers``' ``generate()`` starts
+    when given no input (the tokenizer's BOS, else the model's ``generation_config``'s).
+
+    Raises:
+        RankwiseError: If neither defines one.
+    """
+    gen = getattr(model, "generation_config", None)
+    for tid in (tokenizer.bos_token_id, getattr(gen, "bos_token_id", None)):
+        if isinstance(tid, int):
+            return tid
+    raise RankwiseError("an empty prompt starts from the BOS token, and neither the tokenizer nor "
+                        "the model defines one; give a non-empty prompt")
+
+
 def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
     """Yield the prompts of a JSONL file: the ``data.prompt_field`` text of each line, or its
     ``data.messages_field`` list for chat runs (a plain JSON string is taken as the prompt).
@@ -140,7 +155,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
 
     Args:
         run_dir: A finished causal-LM run.
-        prompt: One prompt (text; for chat runs, the user message).
+        prompt: One prompt (text; for chat runs, the user message). An empty prompt (here or
+            in ``file``) generates from the BOS token alone (:func:`start_id`).
         file: A JSONL file of prompts (:func:`read_prompts`).
         adapter: A PEFT adapter folder instead of the run's adapter.
         max_new_tokens: Tokens per completion.
@@ -175,6 +191,9 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     else:
         items = list(read_prompts(file, enc))
     ids = [enc.prompt_ids(v) for v in items]  # every prompt is checked before generating
+    if not all(ids):  # an empty prompt: start from BOS, as transformers' generate() without input
+        bos = start_id(tok, model)
+        ids = [x or [bos] for x in ids]
     decode = _decoder(tok)
     torch.manual_seed(seed)
     out = []
