@@ -148,6 +148,13 @@ def test_train_refuses_a_federated_run_and_suggests_nothing_that_would_write_the
                         "holds a federated run", "choose another --out")
         assert "--resume" not in line and "config.yaml" not in line  # no command that writes there
     assert tree(fed) == before
+    # an interrupted federated run: the message names the command that continues it, federated's
+    (fed / "metrics.json").unlink()
+    before = tree(fed)
+    line = one_line(invoke("train", fed / "config.yaml", "--out", fed, "--resume"), "holds a federated run")
+    assert f"rankwise federated {fed / 'config.yaml'} --out {fed} --resume" in line
+    assert "rankwise train" not in line.replace("(rankwise train)", "")
+    assert tree(fed) == before
 
 
 def test_export_and_generate_refuse_a_federated_run(tmp_path, tiny_bert_run):

@@ -187,6 +187,11 @@ def _check_run_folder(out: Path, resume: bool, console, write: bool = True) -> b
     nothing to continue from: a new run replaces it (said on the console), whatever its config;
     only the writing process (``write``, rank 0 under torchrun) removes its files.
     """
+    if folders.kind(out) == "federated":  # continued by its own command, never by train
+        fix = ("it is finished: choose another --out" if (out / "metrics.json").exists() else
+               f"continue it with: rankwise federated {out / 'config.yaml'} --out {out} --resume "
+               "(or choose another --out)")
+        raise RankwiseError(f"--out {out} holds {folders.WHAT['federated']}, not a train run; {fix}")
     folders.check_kind(out, "train", "train writes only into a new or empty folder or its own run "
                        "folder: choose another --out")
     if not (out / "config.yaml").exists() and not list_checkpoints(out):
