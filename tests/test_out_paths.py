@@ -1,6 +1,7 @@
 """Output folders are checked before any work: a file, a path under a file, an unwritable
 place, or a folder that holds somebody else's run end with one line and exit 2, untouched."""
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -88,11 +89,9 @@ def _as_a_user():
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_out_in_an_unwritable_or_unsearchable_folder(tiny_bert_run, command):
-    import rankwise.federated.run  # noqa: F401  (imported while every file is readable)
-    import rankwise.recipes.compare  # noqa: F401
-    import rankwise.recipes.compress  # noqa: F401
-    import rankwise.recipes.export  # noqa: F401
-    import rankwise.recipes.train  # noqa: F401
+    for module in ("rankwise.federated.run", "rankwise.recipes.compare", "rankwise.recipes.compress",
+                   "rankwise.recipes.export", "rankwise.recipes.train"):
+        importlib.import_module(module)  # while every file is readable
     shared = Path(tempfile.mkdtemp())  # pytest's tmp_path is private to its owner (0700)
     try:
         shared.chmod(0o755)
