@@ -1,6 +1,7 @@
 """``rankwise export RUN --format merged`` of a ``lota-qaf`` run (issue 18 item 4): the
 integer merge ``q <- q + m``, ``z <- z - zp`` happens on the grid, then the grid is written as
-dense weights that plain ``transformers`` loads and that give the adapted model's logits."""
+dense weights that plain ``transformers`` loads and that give the adapted model's logits;
+``rankwise compress`` of the run reads the same merged model."""
 from __future__ import annotations
 
 import json
@@ -72,3 +73,16 @@ def test_merged_export_of_a_lota_run_is_the_adapted_model(tmp_path, text_file, o
     scale = want.abs().max()
     assert (got - want).abs().max() <= 1e-5 * scale  # measured: 0.0 (t-signsgd), 1.8e-7 (adamw) of 0.51
     assert (quantized_base - want).abs().max() > 100 * 1e-5 * scale  # the adapter changed the model: measured 0.04
+    if optim["name"] != "t-signsgd":
+        return
+    # compress of the run merges the same way: the identity compressor writes the export's weights
+    from safetensors.torch import load_file
+    ccfg = tmp_path / "c.yaml"
+    window = {"source": "data", "sequences": 2, "length": 8}
+    ccfg.write_text(yaml.safe_dump({"model": {"path": str(run)},
+                                    "compress": {"method": "none", "calibration": window, "heldout": window}}))
+    res = invoke("compress", ccfg, "--out", tmp_path / "compressed")
+    assert res.exit_code == 0, res.output
+    a, b = load_file(tmp_path / "compressed" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {v.dtype for v in a.values()} == {torch.float32}  # the grid is written in the model's dtype
