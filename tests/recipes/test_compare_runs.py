@@ -107,6 +107,9 @@ def test_an_interrupted_run_continues_from_its_checkpoint(config, tmp_path, monk
 def test_foreign_folders_and_bad_jobs_are_refused(config, tmp_path):
     (tmp_path / "cmp" / "lora" / "seed0").mkdir(parents=True)
     (tmp_path / "cmp" / "lora" / "seed0" / "notes.txt").write_text("mine")
+    with pytest.raises(RankwiseError, match="not a comparison"):  # no record: not compare's folder
+        run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
+    (tmp_path / "cmp" / "rankwise.json").write_text('{"kind": "compare"}')
     with pytest.raises(RankwiseError, match="not this comparison's"):
         run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
     with pytest.raises(RankwiseError, match="--jobs: got 0"):

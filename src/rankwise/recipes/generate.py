@@ -21,6 +21,7 @@ from rankwise.engine import get_task
 from rankwise.engine.generation import generate
 from rankwise.engine.reporting import Samples
 from rankwise.errors import RankwiseError
+from rankwise.recipes import folders
 from rankwise.recipes.config import RunConfig, load_run_config
 from rankwise.recipes.model import base_moved, load_model
 
@@ -63,6 +64,7 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
     """
     from rankwise.core.io import load_adapter
     run_dir = Path(run_dir)
+    folders.check_run(run_dir, "generate")
     if not (run_dir / "config.yaml").is_file():
         raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
                             "of a finished 'rankwise train'")
@@ -99,6 +101,21 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
         model.to(device)
     model.eval()
     return cfg, model, tok, encoder_for(cfg.data, task, tok)
+
+
+def start_id(tokenizer, model) -> int:
+    """The token an empty prompt starts from: BOS, as ``transformers``' ``generate()`` starts
+    when given no input (the tokenizer's BOS, else the model's ``generation_config``'s).
+
+    Raises:
+        RankwiseError: If neither defines one.
+    """
+    gen = getattr(model, "generation_config", None)
+    for tid in (tokenizer.bos_token_id, getattr(gen, "bos_token_id", None)):
+        if isinstance(tid, int):
+            return tid
+    raise RankwiseError("an empty prompt starts from the BOS token, and neither the tokenizer nor "
+                        "the model defines one; give a non-empty prompt")
 
 
 def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
@@ -138,7 +155,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
 
     Args:
         run_dir: A finished causal-LM run.
-        prompt: One prompt (text; for chat runs, the user message).
+        prompt: One prompt (text; for chat runs, the user message). An empty prompt (here or
+            in ``file``) generates from the BOS token alone (:func:`start_id`).
         file: A JSONL file of prompts (:func:`read_prompts`).
         adapter: A PEFT adapter folder instead of the run's adapter.
         max_new_tokens: Tokens per completion.
@@ -173,6 +191,9 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     else:
         items = list(read_prompts(file, enc))
     ids = [enc.prompt_ids(v) for v in items]  # every prompt is checked before generating
+    if not all(ids):  # an empty prompt: start from BOS, as transformers' generate() without input
+        bos = start_id(tok, model)
+        ids = [x or [bos] for x in ids]
     decode = _decoder(tok)
     torch.manual_seed(seed)
     out = []
