@@ -160,6 +160,8 @@ def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
     assert isinstance(q[0]["completion"], str) and q[0]["prompt"] == fp[0]["prompt"]
     used = made[-1]  # the cache generation decoded with holds the prompt and the new tokens
     assert isinstance(used, kv.QuantizedKVCache) and used.get_seq_length() >= 16
+    # NSNQuant quantizes keys before RoPE: generation hands the cache the model's rotary module
+    assert all(layer.rotary is not None for layer in used.layers)
     result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--prompt", prompt,
                                        "--kv-cache", "nsnquant", "--kv-bits", "3"])
     assert result.exit_code == 2 and "supports 1 or 2" in result.output

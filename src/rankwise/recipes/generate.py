@@ -182,7 +182,7 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise RankwiseError(f"got --max-new-tokens {max_new_tokens}, --temperature {temperature}, "
                             f"--top-p {top_p}; expected >= 1, >= 0 and a value in (0, 1]")
-    from rankwise.compress.kv import make_cache
+    from rankwise.compress.kv import find_rotary, make_cache
     make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, model, tok, enc = load_for_generation(run_dir, adapter, device, model_path)
@@ -199,7 +199,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     out = []
     for value, prompt_ids in zip(items, ids):
         single = prompt is not None and stream is not None
-        cache = None if kv_cache == "fp" else make_cache(kv_cache, kv_bits, config=model.config)
+        cache = None if kv_cache == "fp" else make_cache(
+            kv_cache, kv_bits, config=model.config, rotary=find_rotary(model))  # NSNQuant: keys before RoPE
         new = generate(model, prompt_ids, max_new_tokens, end_id(tok), tok.pad_token_id, temperature,
                        top_p, device, decode=decode, on_text=stream if single else None, cache=cache)
         row = {"prompt": value, "completion": decode(new)}
