@@ -12,7 +12,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from rankwise import registry
 from rankwise.cli import main
 from rankwise.data.text import build_data
 from rankwise.engine import evaluate, get_task
@@ -173,8 +172,3 @@ def test_prompt_longer_than_the_positions_left_by_max_length(tmp_path):
     assert last == ("error: 120 virtual tokens + 20 tokens exceed the model's 128 positions; lower "
                     "data.max_length to 8 or method.num_virtual_tokens")
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
-
-
-def test_recipes_hold_no_method_specific_code():
-    source = (Path(registry.__file__).parent / "recipes" / "train.py").read_text()
-    assert not [n for n in METHODS if n in source]

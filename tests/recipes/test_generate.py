@@ -91,9 +91,29 @@ def test_chat_run_with_a_non_mergeable_adapter_uses_the_template(runs):
     assert got[0]["completion"] == want
 
 
-def test_sampling_is_seeded(runs):
-    kw = dict(prompt="Parse a header.", max_new_tokens=6, temperature=1.0, top_p=0.9, echo=lambda s: None)
-    assert run_generate(runs / "lora", seed=3, **kw) == run_generate(runs / "lora", seed=3, **kw)
+def test_temperature_and_top_p_change_what_is_sampled(runs):
+    """After 3 steps the model is close to uniform over its vocabulary, so a sample at
+    temperature 1 is almost never the argmax sequence; temperature -> 0 and top-p -> 0 each
+    collapse sampling onto the argmax (if either were ignored they would not)."""
+    cfg, model, tok, enc = load_for_generation(runs / "lora")
+    ids, eos, pad = enc.prompt_ids("Parse a header."), end_id(tok), tok.pad_token_id
+    want = greedy(model, ids, 6, eos)
+    assert len(want) == 6
+
+    def sample(seed: int, temperature: float, top_p: float) -> list[int]:
+        torch.manual_seed(seed)
+        return generate(model, ids, 6, eos, pad, temperature=temperature, top_p=top_p)
+    free = [sample(s, 1.0, 1.0) for s in range(4)]
+    assert all(x != want for x in free) and len({tuple(x) for x in free}) == 4
+    assert [sample(s, 1e-4, 1.0) for s in range(4)] == [want] * 4     # T -> 0: the argmax
+    assert [sample(s, 1.0, 1e-6) for s in range(4)] == [want] * 4     # nucleus of one token
+    assert sample(2, 1.0, 1.0) == free[2]                              # the seed fixes the draw
+
+
+def test_the_seed_option_seeds_sampling(runs):
+    kw = dict(prompt="Parse a header.", max_new_tokens=6, temperature=1.0, echo=lambda s: None)
+    a, b = (run_generate(runs / "lora", seed=s, **kw)[0]["completion"] for s in (3, 4))
+    assert run_generate(runs / "lora", seed=3, **kw)[0]["completion"] == a != b
 
 
 class VirtualTokens(nn.Module):

@@ -79,9 +79,8 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
         raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
     model, tok = load_model(path, task, seed=cfg.train.seed, dtype=m.dtype, quantize=m.quantize,
                             double_quant=m.double_quant, device=device)
-    if adapter is not None:
-        from rankwise.adapters.lora.peft import load_peft
-        load_peft(model, adapter)
+    if adapter is not None:  # the format's registered loader (the LoRA package's, for peft)
+        registry.get("exporter", "peft").loader(model, adapter)
     elif not full:
         load_adapter(model, run_dir / "adapter")
     if not m.quantize:
