@@ -58,6 +58,7 @@ def run(raw: dict, out: Path, resume: bool = False) -> dict:
     return train(load_run_config(None, base=json.loads(json.dumps(raw))), out, resume=resume)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(METHODS))
 def test_trains_logs_saves_resumes_and_refuses_merging(name, tmp_path):
     raw = raw_config(name)
@@ -96,6 +97,7 @@ def test_trains_logs_saves_resumes_and_refuses_merging(name, tmp_path):
     assert ok.exit_code == 0, ok.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["prompt-tuning", "capt", "pt-moe", "moe-lora"])
 def test_causal_lm_trains_and_generates(name, tmp_path):
     raw = raw_config(name, task="causal-lm", steps=2)
@@ -108,6 +110,7 @@ def test_causal_lm_trains_and_generates(name, tmp_path):
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.slow
 def test_prompt_tuning_exports_to_peft_with_the_same_logits(tmp_path):
     peft = pytest.importorskip("peft")
     run(raw_config("prompt-tuning"), tmp_path / "run")
@@ -133,6 +136,7 @@ def test_prompt_tuning_exports_to_peft_with_the_same_logits(tmp_path):
     assert_user_error(res, "cannot be merged", "--format peft")
 
 
+@pytest.mark.slow
 def test_every_new_method_is_a_compare_row(tmp_path):
     from rankwise.recipes.compare import run_compare
     base = raw_config("moe-lora", steps=1)

@@ -25,6 +25,7 @@ def test_rows_cover_every_method_at_both_patterns_and_bits():
         assert f"{m} int4" in labels and f"{m} int3" in labels
 
 
+@pytest.mark.integration
 def test_import_rankwise_compress_needs_only_torch():
     probe = ("import sys, rankwise.compress, rankwise.registry as r; r.names('compressor'); "
              "print([m for m in ('transformers', 'safetensors', 'yaml', 'rich') if m in sys.modules])")
