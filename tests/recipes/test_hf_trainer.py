@@ -28,6 +28,7 @@ class Examples(torch.utils.data.Dataset):
         return self.data[i]
 
 
+@pytest.mark.slow
 def test_trainer_trains_saves_and_exports_to_peft(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
