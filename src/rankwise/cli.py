@@ -137,22 +137,26 @@ def demo(out: Path, steps: int | None) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/compare"), show_default=True)
 @click.option("--lr-grid", type=int, default=0, show_default=True,
               help="Sweep every row over this many learning rates on a validation split; 0 = off.")
-def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path, lr_grid: int) -> None:
+@click.option("--jobs", type=int, default=1, show_default=True,
+              help="Runs trained at once, each in its own process (CPU threads divided among them; one GPU each).")
+def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path, lr_grid: int,
+            jobs: int) -> None:
     """Run several methods on one task at the same budget and tabulate the results."""
     from rankwise.recipes.compare import run_compare
     run_compare(config, [m.strip() for m in methods.split(",") if m.strip()], seeds, list(sets), out,
-                lr_grid=lr_grid)
+                lr_grid=lr_grid, jobs=jobs)
 
 
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def federated(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its newest round checkpoint.")
+def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -> None:
     """Federated fine-tuning on the Flower simulation engine."""
     require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
-    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated")
+    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated", resume=resume)
 
 
 @main.command()

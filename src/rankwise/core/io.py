@@ -23,6 +23,7 @@ from rankwise.core import atomic
 from rankwise.core.ops import (adapter_state_dict, load_adapter_state_dict, mark_trainable,
                                modules_to_save, set_modules_to_save)
 from rankwise.core.protocol import adapter_modules, describe
+from rankwise.core.quant import keep_training_layout
 from rankwise.core.weights import logical_shapes
 from rankwise.errors import RankwiseError
 
@@ -163,6 +164,7 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> d
             f"adapter in {path} was trained on base model {meta.get('base_model')!r} "
             f"(fingerprint {meta.get('fingerprint')}), but this model is {model_id(model)!r} "
             f"(fingerprint {have}); load it onto the base model it was trained on")
+    keep_training_layout(model)  # a 4-bit base packed by an earlier eval forward is unpacked
     rebuild(model, meta.get("method", {}), name, meta.get("structure") or {},
             meta.get("modules_to_save", []))
     load_adapter_state_dict(model, tensors, name)

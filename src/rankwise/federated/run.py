@@ -37,7 +37,7 @@ def resolve(config_path: Path | None, sets: list[str], base: dict | None = None)
     """
     from rankwise.recipes.config import load_run_config
     cfg = load_run_config(config_path, sets, base)
-    fed = from_dict(FederatedConfig, cfg.federated, "federated")
+    fed = cfg.federated or FederatedConfig()  # validated with the run config
     entry = registry.get("strategy", fed.strategy_name())
     from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
     if entry.builder.needs_factors and not registry.get("method", cfg.method.name).factorized:
@@ -59,16 +59,18 @@ def write_config(cfg, fed: FederatedConfig, out: Path) -> Path:
     return path
 
 
-def simulate(config_file: Path, out: Path, fed: FederatedConfig) -> None:
-    """Run the ServerApp and ClientApp on Flower's simulation runtime (one process + Ray)."""
+def simulate(config_file: Path, out: Path, fed: FederatedConfig, resume: bool = False) -> None:
+    """Run the ServerApp and ClientApp on Flower's simulation runtime (one process + Ray);
+    ``resume`` continues from the newest round checkpoint in ``out``."""
     from flwr.simulation import run_simulation
 
     from rankwise.federated.client_app import ENV_CONFIG
     from rankwise.federated.client_app import app as client_app
-    from rankwise.federated.server_app import ENV_OUT
+    from rankwise.federated.server_app import ENV_OUT, ENV_RESUME
     from rankwise.federated.server_app import app as server_app
     os.environ[ENV_CONFIG] = str(config_file.resolve())
     os.environ[ENV_OUT] = str(out.resolve())
+    os.environ[ENV_RESUME] = "1" if resume else "0"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Ray runs workers at niceness 15 by default; on a shared CPU the clients then starve.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -132,7 +134,8 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
     return rows
 
 
-def run_federated(config_path: Path | None, sets: list[str], out: Path, base: dict | None = None) -> dict:
+def run_federated(config_path: Path | None, sets: list[str], out: Path, base: dict | None = None,
+                  resume: bool = False) -> dict:
     """Run a federated fine-tuning from a run config (the ``rankwise federated`` command).
 
     Args:
@@ -140,13 +143,17 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
         sets: ``--set`` overrides (``federated.strategy=rolora``).
         out: The run folder (must not hold a finished run).
         base: A raw config dict used instead of a file (tests, the benchmark).
+        resume: Continue the run in ``out`` from its newest round checkpoint; the config must
+            be the one the run was started with.
 
     Returns:
         The run's ``metrics.json`` content.
 
     Raises:
-        RankwiseError: On config problems or an occupied run folder.
+        RankwiseError: On config problems, an occupied run folder, or a resume that does not
+            match the folder.
     """
+    from rankwise.federated.checkpoint import list_rounds
     out = atomic.check_folder(out)
     cfg, fed = resolve(config_path, sets, base)
     if out.is_dir() and any(out.iterdir()) and not (out / "rounds.jsonl").exists():
@@ -154,7 +161,20 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
                             "choose another --out")
     if (out / "metrics.json").exists():
         raise RankwiseError(f"run folder {out} already holds a finished run; choose another --out")
+    if resume:
+        if not list_rounds(out):
+            raise RankwiseError(f"{out} has no completed round to resume from; run without --resume")
+        saved = yaml.safe_load((out / "config.yaml").read_text()) if (out / "config.yaml").is_file() else None
+        now = yaml.safe_load(yaml.safe_dump({**cfg.to_dict(), "federated": dataclasses.asdict(fed)}))
+        if saved != now:
+            diff = sorted(k for k in set(saved or {}) | set(now) if (saved or {}).get(k) != now.get(k))
+            raise RankwiseError(f"the config differs from {out / 'config.yaml'} in {diff}; resume with "
+                                f"the run's own config: rankwise federated {out / 'config.yaml'} --out {out} --resume")
+    elif list_rounds(out):
+        raise RankwiseError(f"{out} holds an interrupted federated run; continue it with --resume "
+                            "or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    simulate(write_config(cfg, fed, out), out, fed)
+    config_file = out / "config.yaml" if resume else write_config(cfg, fed, out)
+    simulate(config_file, out, fed, resume=resume)
     write_results({fed.strategy_name(): out}, out, title=f"{fed.strategy_name()} ({fed.partition})")
     return json.loads((out / "metrics.json").read_text())

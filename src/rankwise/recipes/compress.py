@@ -23,7 +23,7 @@ from rankwise import registry
 from rankwise.compress import build
 from rankwise.compress.config import RUN_DATA, STDLIB, STDLIB_HELDOUT, TextConfig
 from rankwise.compress.pipeline import Result, check_layers, compress_model
-from rankwise.configs import from_dict, to_dict
+from rankwise.configs import to_dict
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import RunConfig, apply_sets, build_run_config, read_yaml
 
@@ -45,35 +45,18 @@ class Windows:
 
 
 def parse_config(data: dict) -> tuple[RunConfig, Any]:
-    """Split a raw config into the run config and the validated ``compress:`` section.
+    """Validate a raw config into the run config and its ``compress:`` section (a typed section
+    of :class:`RunConfig`, like ``method:``).
 
     Raises:
-        RankwiseError: Every problem of either part at once (unknown keys with suggestions).
+        RankwiseError: Every problem at once (unknown keys with suggestions), or no ``compress:``.
     """
-    data = dict(data)
-    raw = data.pop("compress", None)
-    if raw is not None and not isinstance(raw, dict):
-        raise RankwiseError(f"compress: expected a mapping, got {raw!r}")
-    raw = dict(raw or {})
-    problems = []
-    try:
-        run_cfg = build_run_config(data)
-    except RankwiseError as err:
-        problems.append(str(err))
-    method = raw.get("method")
-    if not method:
-        problems.append(f"compress.method is required; one of: {', '.join(registry.names('compressor'))}")
-    else:
-        try:
-            entry = registry.get("compressor", str(method))
-            ccfg = from_dict(entry.config_cls, raw, "compress")
-        except RankwiseError as err:
-            problems.append(str(err) if str(err).startswith("compress") else f"compress.method: {err}")
-    if problems:
-        raise RankwiseError("; ".join(problems))
-    if getattr(run_cfg.model, "quantize", None):
+    run_cfg = build_run_config(data)
+    if run_cfg.compress is None:
+        raise RankwiseError(f"compress.method is required; one of: {', '.join(registry.names('compressor'))}")
+    if run_cfg.model.quantize:
         raise RankwiseError("rankwise compress needs full-precision weights; remove model.quantize")
-    return run_cfg, ccfg
+    return run_cfg, run_cfg.compress
 
 
 def load_config(path: Path, sets: list[str]) -> tuple[RunConfig, Any, dict]:

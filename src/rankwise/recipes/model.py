@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError, require
 
 TINY = ("tiny-bert", "tiny-gpt2", "tiny-llama")
@@ -143,7 +144,8 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
         device: Where a quantized model is loaded (quantization happens on load).
 
     Returns:
-        The model in train mode and its tokenizer.
+        The model in train mode and its tokenizer; 4-bit layers stay in bitsandbytes' training
+        layout (no CPU inference repacking) in every command that loads through here.
 
     Raises:
         RankwiseError: If the folder is missing or holds no loadable model, or bitsandbytes
@@ -192,6 +194,7 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
     if task.uses_labels and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
+    keep_training_layout(model)  # 4-bit: no CPU inference repacking in any command (core/quant.py)
     model.train()
     return model, tok
 

@@ -21,7 +21,6 @@ from rankwise import registry
 from rankwise.core import atomic
 from rankwise.core.io import rebuild, save_adapter, structure
 from rankwise.core.ops import count_parameters, modules_to_save
-from rankwise.core.quant import keep_training_layout
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
 from rankwise.engine import Engine, NonFiniteLoss, Task, batch_indices, get_task, linear_schedule
@@ -154,7 +153,6 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     for p in model.parameters():  # master weights: a head copied from a bf16 base trains in fp32
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking during the run
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
     if cfg.data.packing:
