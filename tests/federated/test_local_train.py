@@ -167,10 +167,10 @@ def test_leff_importance_and_query_answer():
         if layer_index(n) is not None:
             want[layer_index(n)] += float((p.grad * p.detach()).abs().sum())
     flags = [p.requires_grad for p in client.model.parameters()]
-    got = Leff.client_metrics(client, {keys.TRAIN_LAYERS: [1]})[keys.IMPORTANCE]
+    got = Leff.pre_train_metrics(client, {keys.TRAIN_LAYERS: [1]})[keys.IMPORTANCE]
     assert got == pytest.approx(want, rel=1e-5) and min(got) > 0
     assert [p.requires_grad for p in client.model.parameters()] == flags
-    assert Leff.client_metrics(client, {keys.TRAIN_LAYERS: []}) == {}
+    assert Leff.pre_train_metrics(client, {keys.TRAIN_LAYERS: []}) == {}
     answer = Leff.answer_query(client, {keys.CAPACITIES: [1, 2]}, {})
     assert answer[keys.CAPACITY] == 2 and answer[keys.IMPORTANCE] == pytest.approx(want, rel=1e-5)
     assert Leff.answer_query(client, {keys.CAPACITIES: [1, 2]}, {keys.CAPACITY: 5})[keys.CAPACITY] == 5

@@ -400,9 +400,11 @@ def evaluate(model: nn.Module, task: Task, data: Any, batch_size: int, device: s
     for start in range(0, len(data), batch_size):
         items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
         batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
-        with autocast():
-            loss_sum, out = task.loss_sum(model, batch)
-        task.eval_update(stats, batch, out, loss_sum)
+        for part in task.eval_parts(model, batch):  # a causal LM's logits stay under a budget
+            with autocast():
+                loss_sum, out = task.loss_sum(model, part)
+            task.eval_update(stats, part, out, loss_sum)
+            del loss_sum, out  # freed before the next forward, not after it
     model.train(was_training)
     return task.eval_metrics(stats)
 

@@ -8,7 +8,8 @@ needs an app folder with a ``pyproject.toml`` and a background SuperLink, which 
 deployment recipe in ``docs/federated.md`` (the same apps, unchanged).
 
 The run folder gets ``config.yaml`` (resolved; the clients read it), ``rounds.jsonl``,
-``metrics.json``, ``results.md`` and ``accuracy_vs_bytes.png``.
+``metrics.json``, ``results.md`` and ``accuracy_vs_bytes.png`` (``loss_vs_bytes.png`` for a task
+without accuracy, such as causal-lm).
 """
 from __future__ import annotations
 
@@ -89,7 +90,9 @@ def read_rounds(run: Path) -> list[dict]:
 
 
 def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs") -> dict:
-    """Results table (``results.md``, ``results.json``) and accuracy-vs-bytes plot of runs.
+    """Results table (``results.md``, ``results.json``) and the metric-vs-bytes plot of runs:
+    ``accuracy_vs_bytes.png`` (global eval accuracy), or ``loss_vs_bytes.png`` (global eval loss)
+    when no run has an accuracy (causal-lm).
 
     Args:
         runs: ``{label: run folder}``.
@@ -116,8 +119,9 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
                        "per_round": [{k: e.get(k) for k in ("round", "eval_accuracy", "eval_loss", "bytes_up",
                                                              "bytes_down", "cum_bytes", "aggregated")}
                                      for e in lines]}
-        if any("eval_accuracy" in e for e in lines):
-            curves[label] = [(e["cum_bytes"] / 1e6, e["eval_accuracy"]) for e in lines]
+        for key in ("eval_accuracy", "eval_loss"):
+            if any(key in e for e in lines):
+                curves.setdefault(key, {})[label] = [(e["cum_bytes"] / 1e6, e[key]) for e in lines if key in e]
     md = ["| run | strategy | final acc. | initial acc. | final eval loss | rounds | MB up | MB down | MB total | MB/round |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in rows.items():
@@ -128,9 +132,12 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
                   f"{r['bytes_down'] / 1e6:.3f} | {r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
     atomic.write_bytes(out / "results.md", ("\n".join(md) + "\n").encode())
     atomic.write_json(out / "results.json", rows)
-    if curves:
-        plot_curves(curves, out / "accuracy_vs_bytes.png", "cumulative MB sent (up + down)",
+    if curves.get("eval_accuracy"):
+        plot_curves(curves["eval_accuracy"], out / "accuracy_vs_bytes.png", "cumulative MB sent (up + down)",
                     "global eval accuracy", title)
+    elif curves.get("eval_loss"):  # causal-lm: no accuracy, the loss tells the same story
+        plot_curves(curves["eval_loss"], out / "loss_vs_bytes.png", "cumulative MB sent (up + down)",
+                    "global eval loss", title)
     return rows
 
 

@@ -164,6 +164,9 @@ class TrainConfig:
             sharded across processes). ``batch_size`` is then the global batch.
         distributed_timeout_s: Seconds a process waits for the others in a collective before
             it gives up (a dead or stuck process ends the run instead of hanging it).
+        threads: Torch CPU threads per process: ``auto`` = the CPUs this process may use
+            (affinity mask, cgroup quota) shared by the run's processes on the machine
+            (``rankwise.engine.threads``), or a number.
     """
 
     steps: int = 200
@@ -185,6 +188,7 @@ class TrainConfig:
     log_to: list[Literal["tensorboard"]] = field(default_factory=list)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = 600.0
+    threads: Union[Literal["auto"], int] = "auto"
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -208,6 +212,8 @@ class TrainConfig:
             out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
+        if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
+            out.append(f"threads: got {self.threads!r}; expected auto or an integer 1..4096")
         return out
 
 

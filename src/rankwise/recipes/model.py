@@ -44,6 +44,13 @@ def model_folder(path: str) -> Path:
     return folder
 
 
+def base_moved(err: RankwiseError) -> RankwiseError:
+    """The error for a run whose base model folder is gone: names ``--model`` (``export``,
+    ``generate`` and ``compress`` take it)."""
+    return RankwiseError(f"{err.args[0].split(';')[0]}; the run's base model has moved: pass "
+                         "--model PATH (the folder it was trained on)")
+
+
 def load_tokenizer(path: str):
     """Return the tokenizer for ``path`` (tiny models use the packaged MiniLM's tokenizer).
 
@@ -169,13 +176,15 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
     torch.manual_seed(seed)
     if path in TINY:
         tok = load_tokenizer(path)
-        model = auto.from_config(_tiny_config(path, len(tok), num_labels or 2)).to(t)
+        config = _tiny_config(path, len(tok), num_labels or 2)
+        _check_decoder(path, config.to_dict(), task)
+        model = auto.from_config(config).to(t)
         model.config._name_or_path = path
         if quant is not None:
             model = _quantize_in_memory(model, auto, quant, t, device)
     else:
         folder = model_folder(path)
-        _check_head(folder, task)
+        _check_head(folder, task, path)
         tok = load_tokenizer(str(folder) if path != "demo" else "demo")
         if quant is not None:
             kwargs.update(quantization_config=quant, device_map={"": device})
@@ -199,18 +208,39 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
     return model, tok
 
 
-def _check_head(folder: Path, task) -> None:
+# Bidirectional encoders that transformers can also build as a "causal LM" (``BertLMHeadModel``
+# and kin): unless the config says ``is_decoder: true`` every token attends to the ones after it,
+# so next-token training reads the answer and the loss means nothing.
+ENCODERS = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie",
+            "data2vec-text", "rembert", "roc_bert", "megatron-bert", "xmod", "big_bird")
+
+
+def _check_decoder(path: str, config: dict, task) -> None:
+    """Refuse to train or load a bidirectional encoder (the demo MiniLM, tiny-bert) as a causal LM."""
+    if task.uses_labels or config.get("model_type") not in ENCODERS or config.get("is_decoder"):
+        return
+    what = "the demo model (MiniLM, a BERT encoder)" if path == "demo" else \
+        f"{path} ({config['model_type']}, a bidirectional encoder)"
+    raise RankwiseError(f"model.path {what} cannot be a causal LM: it attends to later tokens; "
+                        f"point model.path at a causal LM folder (GPT-2, Llama, ...) or set "
+                        f"model.task: classification")
+
+
+def _check_head(folder: Path, task, path: str = "") -> None:
     """Refuse to train a causal LM from a folder saved as a sequence classifier: its language
-    model head was dropped when it was saved, so ``lm_head`` would start from random values."""
+    model head was dropped when it was saved, so ``lm_head`` would start from random values;
+    or from a bidirectional encoder (:func:`_check_decoder`)."""
     import json
     try:
-        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+        config = json.loads((folder / "config.json").read_text())
+        archs = config.get("architectures") or []
     except (OSError, ValueError, AttributeError):
         return
     if not task.uses_labels and archs and all(a.endswith("ForSequenceClassification") for a in archs):
         raise RankwiseError(f"model folder {folder} holds a sequence classifier ({archs[0]}), "
                             "whose language-model head is gone; use model.task: classification, or "
                             "point model.path at the base model's folder")
+    _check_decoder(path or str(folder), config, task)
 
 
 def _quantize_in_memory(model: nn.Module, auto, quant, dtype: torch.dtype, device: str) -> nn.Module:

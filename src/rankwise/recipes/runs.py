@@ -110,14 +110,6 @@ def run_one(raw: dict, run_dir: Path, console, quiet: bool = False) -> dict:
     return train(cfg, run_dir, resume=resume, console=console)
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _init_worker(threads: int, devices: Any) -> None:
     """Worker set-up: its share of the CPU threads, or one GPU of ``devices`` (a queue)."""
     import signal
@@ -182,6 +174,7 @@ def _run_parallel(jobs: list[tuple[str, dict, Path]], n_jobs: int, console) -> l
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from rankwise.engine.threads import auto_threads
     from rankwise.recipes.config import build_run_config
     ctx = multiprocessing.get_context("spawn")
     devices = None
@@ -189,7 +182,7 @@ def _run_parallel(jobs: list[tuple[str, dict, Path]], n_jobs: int, console) -> l
         devices = ctx.Queue()
         for k in range(n_jobs):
             devices.put(k % torch.cuda.device_count())
-    threads = max(1, available_cpus() // n_jobs)
+    threads = auto_threads(n_jobs)  # cores (affinity, cgroup quota) shared by the jobs
     results: dict[int, dict] = {}
     pool = ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker,
                                initargs=(threads, devices))
@@ -222,4 +215,4 @@ def _run_parallel(jobs: list[tuple[str, dict, Path]], n_jobs: int, console) -> l
     return [results[i] for i in range(len(jobs))]
 
 
-__all__ = ["PLAN", "config_hash", "read_plan", "check_owned", "run_one", "run_all", "available_cpus"]
+__all__ = ["PLAN", "config_hash", "read_plan", "check_owned", "run_one", "run_all"]

@@ -28,6 +28,7 @@ from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.loop import precision_problem
+from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
 from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
@@ -208,6 +209,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> None:
         now = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
         for d in (saved, now):
             d.get("train", {}).pop("progress", None)
+            d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
             now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
         if saved != now:
@@ -293,7 +295,8 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     _check_not_the_base(out, cfg)
     # one process per run folder: a second `rankwise train --out` the same folder stops here,
     # before loading anything, instead of interleaving two runs' files
-    with atomic.locked_folder(out) if main else contextlib.nullcontext():
+    with atomic.locked_folder(out) if main else contextlib.nullcontext(), \
+            use_threads(cfg.train.threads, local_processes()):
         return _train(cfg, out, resume, session, console, summary, dist)
 
 
