@@ -36,6 +36,7 @@ def test_kv_rows_add_kivi_at_nsnquants_stored_bytes():
         assert bits_per_element(kind, b, 32, c) == bits_per_element("nsnquant", nb, 32, 16)
 
 
+@pytest.mark.integration
 def test_import_rankwise_compress_needs_only_torch():
     probe = ("import sys, rankwise.compress, rankwise.registry as r; r.names('compressor'); "
              "print([m for m in ('transformers', 'safetensors', 'yaml', 'rich') if m in sys.modules])")

@@ -45,6 +45,7 @@ json.dump(logits.tolist(), open(sys.argv[2], "w"))
 """
 
 
+@pytest.mark.integration
 def test_output_loads_without_rankwise_and_matches_the_compact_file(tmp_path):
     cfg = write(tmp_path, {"method": "wanda", "pattern": "2:4"})
     out = tmp_path / "out"

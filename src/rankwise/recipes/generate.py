@@ -92,9 +92,8 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
         if full or "not found" not in str(err):
             raise
         raise base_moved(err) from None
-    if adapter is not None:
-        from rankwise.adapters.lora.peft import load_peft
-        load_peft(model, adapter)
+    if adapter is not None:  # the format's registered loader (the LoRA package's, for peft)
+        registry.get("exporter", "peft").loader(model, adapter)
     elif not full:
         load_adapter(model, run_dir / "adapter")
     if not m.quantize:
