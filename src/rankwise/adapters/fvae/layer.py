@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rankwise.adapters.lora.layer import lora_scale
+from rankwise.adapters.common.factors import lora_scale
 from rankwise.core import weights as W
 from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError

@@ -4,9 +4,9 @@ from __future__ import annotations
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import rebuild_at_paths
 from rankwise.adapters.lope.config import LopeConfig
 from rankwise.adapters.lope.layer import LopeLayer, PoisonedExperts
-from rankwise.adapters.targets import rebuild_at_paths
 from rankwise.core.inject import default_heads, find_targets, inject
 from rankwise.core.ops import mark_trainable, set_modules_to_save
 from rankwise.core.quant import keep_training_layout

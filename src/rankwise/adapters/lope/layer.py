@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.lora.layer import lora_scale
-from rankwise.adapters.mixture.gates import RouterStats
+from rankwise.adapters.common.factors import lora_scale
+from rankwise.adapters.common.routing import RouterStats
 from rankwise.core import weights as W
 from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError

@@ -8,13 +8,13 @@ from torch import nn
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig
-from rankwise.adapters.lora.layer import LORA_INITS, LoraLayer, lora_scale
+from rankwise.adapters.lora.layer import LoraLayer
 from rankwise.core.inject import default_heads, find_targets, inject
 from rankwise.core.ops import mark_trainable, set_modules_to_save
 from rankwise.core.quant import keep_training_layout
 
-__all__ = ["LoraConfig", "LoraLayer", "LORA_INITS", "apply_lora", "rebuild_lora", "lora_scale",
-           "pattern_value", "export_peft", "load_peft"]
+__all__ = ["LoraConfig", "LoraLayer", "apply_lora", "rebuild_lora", "pattern_value", "export_peft",
+           "load_peft"]
 
 
 def pattern_value(path: str, pattern: dict, default):

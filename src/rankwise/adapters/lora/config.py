@@ -46,7 +46,7 @@ class LoraConfig:
             out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
         if self.alpha <= 0:
             out.append(f"alpha: got {self.alpha}; expected a positive number")
-        from rankwise.adapters.lora.layer import LORA_INITS
+        from rankwise.adapters.common.factors import LORA_INITS
         if self.init not in LORA_INITS:
             out.append(f"init: got {self.init!r}; expected one of {sorted(LORA_INITS)}")
         return out

@@ -9,8 +9,7 @@ from torch import nn
 
 from rankwise import registry
 from rankwise.adapters.mixture.config import MoeLoraConfig
-from rankwise.adapters.mixture.gates import (RouterStats, ThresholdGate, TopKGate, own_expert_slots,
-                                             switch_balance_loss)
+from rankwise.adapters.mixture.gates import ThresholdGate, TopKGate, own_expert_slots
 from rankwise.adapters.mixture.layer import Gate, LoraExpert, LoraMixture, MixtureLoraLayer
 from rankwise.adapters.mixture.model import factorized_to_mixture
 from rankwise.core.inject import default_heads, find_targets, inject
@@ -18,7 +17,7 @@ from rankwise.core.ops import mark_trainable, set_modules_to_save
 from rankwise.core.quant import keep_training_layout
 
 __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "ThresholdGate",
-           "RouterStats", "own_expert_slots", "switch_balance_loss", "factorized_to_mixture",
+           "own_expert_slots", "factorized_to_mixture",
            "MoeLoraConfig", "apply_moe_lora"]
 
 

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.lora.layer import LORA_INITS, lora_scale
-from rankwise.adapters.mixture.gates import (RouterStats, TopKGate, expert_probs, own_expert_slots,
-                                             switch_balance_loss)
+from rankwise.adapters.common.factors import LORA_INITS, lora_scale
+from rankwise.adapters.common.routing import RouterStats, switch_balance_loss
+from rankwise.adapters.mixture.gates import TopKGate, expert_probs, own_expert_slots
 from rankwise.core import weights as W
 from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError
@@ -58,7 +58,7 @@ class LoraMixture(nn.Module):
         n_out: Output features.
         num_experts: M.
         r: Rank of every expert.
-        scaling: ``s`` (see :func:`rankwise.adapters.lora.lora_scale`).
+        scaling: ``s`` (see :func:`rankwise.adapters.common.factors.lora_scale`).
         gate: Router logits -> expert weights; a module (e.g. :class:`TopKGate`) is registered
             as a submodule so its buffers follow ``.to()``.
         slots: Router outputs S.
@@ -148,7 +148,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
             slots: Router outputs (default: ``gate.slots``, else M).
             dropout: Dropout on the experts' input.
             use_rslora: rsLoRA scale.
-            init: Expert initialisation from ``rankwise.adapters.lora.LORA_INITS`` (B = 0: the
+            init: Expert initialisation from ``rankwise.adapters.common.factors.LORA_INITS`` (B = 0: the
                 mixture starts at the base layer's output).
             router_init: ``zeros`` or ``kaiming`` (see :class:`LoraMixture`).
             balance_weight: Switch balance-loss coefficient (0 = none).

@@ -6,9 +6,9 @@ from dataclasses import asdict
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import rebuild_at_paths
 from rankwise.adapters.smore.config import SmoreConfig
 from rankwise.adapters.smore.layer import SmoreLayer, SmoreTree
-from rankwise.adapters.targets import rebuild_at_paths
 from rankwise.core.inject import default_heads, find_targets, inject
 from rankwise.core.ops import mark_trainable, set_modules_to_save
 from rankwise.core.quant import keep_training_layout

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.mixture.gates import RouterStats, switch_balance_loss
+from rankwise.adapters.common.routing import RouterStats, switch_balance_loss
 from rankwise.core import weights as W
 from rankwise.core.protocol import Unmergeable
 

@@ -1,0 +1,34 @@
+"""The LoRA pair's scale and initialisations, shared by every LoRA-shaped method.
+
+LoRA, the LoRA mixtures (``moe-lora``, FedLEASE), LoPE and FVAE-LoRA all scale their pair by
+``s = alpha / r`` (Hu et al. 2021, eq. 3) or rsLoRA's ``alpha / sqrt(r)`` (Kalajdzievski 2023),
+and LoRA and the mixtures initialise it from one table, so these live outside any one family.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from torch import nn
+
+
+def _init_kaiming(a: nn.Linear, b: nn.Linear) -> None:
+    nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+    nn.init.zeros_(b.weight)
+
+
+def _init_gaussian(a: nn.Linear, b: nn.Linear) -> None:
+    nn.init.normal_(a.weight, std=1.0 / a.out_features)
+    nn.init.zeros_(b.weight)
+
+
+# name -> fn(A, B) initialising the two factors in place; methods may register more.
+LORA_INITS: dict[str, Callable[[nn.Linear, nn.Linear], None]] = {
+    "kaiming": _init_kaiming,
+    "gaussian": _init_gaussian,
+}
+
+
+def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
+    """Return s = alpha / r, or alpha / sqrt(r) for rsLoRA (Kalajdzievski 2023)."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
