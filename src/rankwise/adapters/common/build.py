@@ -1,4 +1,10 @@
-"""Helpers shared by adapter packages that wrap target layers: rebuilding at saved paths."""
+"""What every layer-wrapping method's builder shares: the builder tail and rebuilding at saved
+paths.
+
+A method's builder is its own ``wrap(path, module)`` (wrap a base layer, or add one more adapter
+to a layer already wrapped) handed to :func:`adapt`; its registry ``rebuild`` is
+:func:`rebuild_at_paths` of that builder.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +12,60 @@ from typing import Any, Callable
 
 from torch import nn
 
+from rankwise.core.inject import default_heads, find_targets, inject
+from rankwise.core.ops import mark_trainable, set_modules_to_save
+from rankwise.core.quant import keep_training_layout
 
-def rebuild_at_paths(builder: Callable[..., Any]) -> Callable[..., Any]:
+
+def target_paths(model: nn.Module, config: Any) -> list[str]:
+    """The layers ``config.targets`` selects, minus ``config.exclude`` where the method has one.
+
+    Args:
+        model: The model to adapt.
+        config: A method config with ``targets`` (and optionally ``exclude``).
+
+    Returns:
+        Module paths in model order.
+
+    Raises:
+        RankwiseError: If the targets match nothing or a match is not a linear layer.
+    """
+    return find_targets(model, config.targets, getattr(config, "exclude", None), "method.targets")
+
+
+def adapt(model: nn.Module, config: Any, adapter_name: str,
+          wrap: Callable[[str, nn.Module], nn.Module],
+          paths: list[str] | None = None) -> dict[str, nn.Module]:
+    """The builder tail: keep 4-bit bases in their training layout, put ``wrap(path, module)``
+    at every target, and make only adapter ``adapter_name`` (and the modules to save) train.
+
+    Args:
+        model: The model to adapt (in place).
+        config: The method config (``targets``, ``exclude`` if it has one, ``modules_to_save``:
+            ``None`` means the task head for classification models).
+        adapter_name: Name of the adapter ``wrap`` adds.
+        wrap: ``wrap(path, module) -> module`` wrapping one target layer (or adding the adapter
+            to a layer already wrapped).
+        paths: The target paths when the builder needed them first; ``None``:
+            :func:`target_paths`.
+
+    Returns:
+        ``{path: adapter layer}``.
+
+    Raises:
+        RankwiseError: If the targets match nothing, or as ``wrap`` does.
+    """
+    if paths is None:
+        paths = target_paths(model, config)
+    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
+    layers = inject(model, paths, wrap)
+    heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
+    set_modules_to_save(model, heads)
+    mark_trainable(model, adapter_name)
+    return layers
+
+
+def rebuild_at_paths(builder: Callable[..., Any], structure: bool = False) -> Callable[..., Any]:
     """A registry ``rebuild`` that re-runs ``builder`` on exactly the saved layer paths.
 
     The saved structure (``{path: describe(name)}``) names the layers that were adapted; the
@@ -15,15 +73,21 @@ def rebuild_at_paths(builder: Callable[..., Any]) -> Callable[..., Any]:
     those paths, so loading reproduces the trained layout even if target resolution changes.
 
     Args:
-        builder: ``builder(model, config, adapter_name)`` of a config with ``targets`` and
-            ``exclude`` fields.
+        builder: ``builder(model, config, adapter_name)`` of a config with a ``targets`` field
+            (its ``exclude`` field, if any, is emptied).
+        structure: Also pass the saved structure, ``builder(..., structure=layers)`` (``None``
+            when nothing was saved), for builders whose layers differ per path (ranks).
 
     Returns:
         ``rebuild(model, config, adapter_name, layers)``.
     """
     def rebuild(model: nn.Module, config: Any, adapter_name: str, layers: dict[str, dict]) -> Any:
         if layers:
-            config = dataclasses.replace(config, targets=list(layers), exclude=[])
+            has_exclude = any(f.name == "exclude" for f in dataclasses.fields(config))
+            config = dataclasses.replace(config, targets=list(layers),
+                                         **({"exclude": []} if has_exclude else {}))
+        if structure:
+            return builder(model, config, adapter_name, structure=layers or None)
         return builder(model, config, adapter_name)
 
     return rebuild

@@ -4,12 +4,9 @@ from __future__ import annotations
 from torch import nn
 
 from rankwise import registry
-from rankwise.adapters.common.build import rebuild_at_paths
+from rankwise.adapters.common.build import adapt, rebuild_at_paths
 from rankwise.adapters.lope.config import LopeConfig
 from rankwise.adapters.lope.layer import LopeLayer, PoisonedExperts
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
 
 __all__ = ["LopeConfig", "LopeLayer", "PoisonedExperts", "apply_lope"]
 
@@ -30,8 +27,6 @@ def apply_lope(model: nn.Module, config: LopeConfig, adapter_name: str = "defaul
     Raises:
         RankwiseError: If the targets match nothing or the rank does not fit a layer.
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         layer = module if isinstance(module, LopeLayer) else LopeLayer(module)
@@ -39,11 +34,7 @@ def apply_lope(model: nn.Module, config: LopeConfig, adapter_name: str = "defaul
                   config.dropout, config.use_rslora)
         return layer
 
-    layers = inject(model, paths, wrap)
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap)
 
 
 registry.register("method", "lope", LopeConfig, apply_lope, rebuild=rebuild_at_paths(apply_lope),

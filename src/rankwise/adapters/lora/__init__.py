@@ -7,11 +7,9 @@ import re
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt, target_paths
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
 
 __all__ = ["LoraConfig", "LoraLayer", "apply_lora", "rebuild_lora", "pattern_value", "export_peft",
            "load_peft"]
@@ -44,8 +42,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     Raises:
         RankwiseError: On targets matching nothing or ranks outside [1, min(in, out)].
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit layers: no CPU inference repacking while adapted
+    paths = target_paths(model, config)
     structure = structure or {}
     settings = {}
     for p in paths:
@@ -61,11 +58,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         layer.add(adapter_name, r, alpha, config.dropout, rslora, config.init)
         return layer
 
-    layers = inject(model, paths, wrap)
-    heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
-    set_modules_to_save(model, heads)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap, paths)
 
 
 def rebuild_lora(model: nn.Module, config: LoraConfig, adapter_name: str,

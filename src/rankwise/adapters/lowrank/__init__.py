@@ -7,10 +7,9 @@ import dataclasses
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt
 from rankwise.adapters.lowrank.config import LowRankConfig
 from rankwise.adapters.lowrank.layer import LowRankLayer, released_weight
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
 
 __all__ = ["LowRankConfig", "LowRankLayer", "apply_lowrank", "rebuild_lowrank", "released_weight"]
 
@@ -31,7 +30,6 @@ def apply_lowrank(model: nn.Module, config: LowRankConfig, adapter_name: str = "
     Raises:
         RankwiseError: On targets matching nothing or a rank larger than a layer.
     """
-    paths = find_targets(model, config.targets, None, "method.targets")
     structure = structure or {}
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
@@ -40,11 +38,7 @@ def apply_lowrank(model: nn.Module, config: LowRankConfig, adapter_name: str = "
         layer.add(adapter_name, int(s.get("rank", config.rank)), str(s.get("mode", config.mode)))
         return layer
 
-    layers = inject(model, paths, wrap)
-    heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
-    set_modules_to_save(model, heads)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap)
 
 
 def rebuild_lowrank(model: nn.Module, config: LowRankConfig, adapter_name: str,

@@ -8,13 +8,11 @@ from __future__ import annotations
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt
 from rankwise.adapters.mixture.config import MoeLoraConfig
 from rankwise.adapters.mixture.gates import ThresholdGate, TopKGate, own_expert_slots
 from rankwise.adapters.mixture.layer import Gate, LoraExpert, LoraMixture, MixtureLoraLayer
 from rankwise.adapters.mixture.model import factorized_to_mixture
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
 
 __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "ThresholdGate",
            "own_expert_slots", "factorized_to_mixture",
@@ -43,8 +41,6 @@ def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = 
     Raises:
         RankwiseError: On targets matching nothing or a rank outside [1, min(in, out)].
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         layer = module if isinstance(module, MixtureLoraLayer) else MixtureLoraLayer(module)
@@ -53,11 +49,7 @@ def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = 
                   router_init=config.router_init, balance_weight=config.balance_weight)
         return layer
 
-    layers = inject(model, paths, wrap)
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap)
 
 
 registry.register("method", "moe-lora", MoeLoraConfig, apply_moe_lora,

@@ -6,12 +6,9 @@ from dataclasses import asdict
 from torch import nn
 
 from rankwise import registry
-from rankwise.adapters.common.build import rebuild_at_paths
+from rankwise.adapters.common.build import adapt, rebuild_at_paths
 from rankwise.adapters.smore.config import SmoreConfig
 from rankwise.adapters.smore.layer import SmoreLayer, SmoreTree
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
 
 __all__ = ["SmoreConfig", "SmoreLayer", "SmoreTree", "apply_smore"]
 
@@ -35,8 +32,6 @@ def apply_smore(model: nn.Module, config: SmoreConfig, adapter_name: str = "defa
     Raises:
         RankwiseError: If the targets match no linear layer.
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
     settings = {k: v for k, v in asdict(config).items() if k in _LAYER_KEYS}
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
@@ -44,11 +39,7 @@ def apply_smore(model: nn.Module, config: SmoreConfig, adapter_name: str = "defa
         layer.add(adapter_name, settings)
         return layer
 
-    layers = inject(model, paths, wrap)
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap)
 
 
 registry.register("method", "smore", SmoreConfig, apply_smore, rebuild=rebuild_at_paths(apply_smore),
