@@ -1,18 +1,16 @@
 """LoRA (ROADMAP A1): config, layer, the PEFT file format, and the registrations."""
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from torch import nn
 
 from rankwise import registry
-from rankwise.adapters.common.build import adapt, target_paths
+from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
 
-__all__ = ["LoraConfig", "LoraLayer", "apply_lora", "rebuild_lora", "pattern_value", "export_peft",
-           "load_peft"]
+__all__ = ["LoraConfig", "LoraLayer", "apply_lora", "pattern_value", "export_peft", "load_peft"]
 
 
 def pattern_value(path: str, pattern: dict, default):
@@ -61,25 +59,6 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     return adapt(model, config, adapter_name, wrap, paths)
 
 
-def rebuild_lora(model: nn.Module, config: LoraConfig, adapter_name: str,
-                 layers: dict[str, dict]) -> dict[str, LoraLayer]:
-    """Recreate LoRA layers exactly as saved: ``layers`` is ``{path: {"r", "alpha", "use_rslora"}}``
-    (what :meth:`LoraLayer.describe` wrote); the targets are those paths.
-
-    Args:
-        model: The base model.
-        config: The saved LoRA config (dropout, init, modules to save).
-        adapter_name: Name of the adapter.
-        layers: The saved per-layer structure; empty means "as the config says".
-
-    Returns:
-        ``{path: LoraLayer}``.
-    """
-    if layers:
-        config = dataclasses.replace(config, targets=list(layers), exclude=[])
-    return apply_lora(model, config, adapter_name, structure=layers or None)
-
-
 def export_peft(*args, **kwargs):
     """See :func:`rankwise.adapters.lora.peft.export_peft` (imports safetensors when called)."""
     from rankwise.adapters.lora.peft import export_peft as _export
@@ -92,7 +71,9 @@ def load_peft(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-registry.register("method", "lora", LoraConfig, apply_lora, rebuild=rebuild_lora, factorized=True,
+# rebuild: the saved {path: {"r", "alpha", "use_rslora"}} (LoraLayer.describe) at those paths
+registry.register("method", "lora", LoraConfig, apply_lora,
+                  rebuild=rebuild_at_paths(apply_lora, structure=True), factorized=True,
                   summary="LoRA / rsLoRA: W x + s B A x (Hu et al. 2021)")
 registry.register("exporter", "peft", dict, export_peft,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

@@ -2,12 +2,10 @@
 integer arithmetic, and the registration of ``lota-qaf`` (its optimizer is ``t-signsgd``)."""
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
 
 from rankwise import registry
-from rankwise.adapters.common.build import adapt, target_paths
+from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
 from rankwise.adapters.lota.config import SUPPORTED_BITS, LotaConfig
 from rankwise.adapters.lota.layer import LotaLayer, ternarize, weight_bytes
 from rankwise.adapters.lota.quant import QuantLinear, pack, quantize_linears, rtn_quantize, unpack
@@ -16,7 +14,7 @@ from rankwise.core.inject import is_conv1d
 from rankwise.errors import RankwiseError
 
 __all__ = ["LotaConfig", "LotaLayer", "QuantLinear", "SUPPORTED_BITS", "apply_lota", "pack",
-           "quantize_linears", "rebuild_lota", "rtn_quantize", "ternarize", "unpack", "weight_bytes"]
+           "quantize_linears", "rtn_quantize", "ternarize", "unpack", "weight_bytes"]
 
 
 def apply_lota(model: nn.Module, config: LotaConfig, adapter_name: str = "default",
@@ -74,24 +72,8 @@ def apply_lota(model: nn.Module, config: LotaConfig, adapter_name: str = "defaul
     return adapt(model, config, adapter_name, wrap, paths)
 
 
-def rebuild_lota(model: nn.Module, config: LotaConfig, adapter_name: str,
-                 layers: dict[str, dict]) -> dict[str, LotaLayer]:
-    """Recreate the quantized layers and adapters as saved; the quantization is deterministic,
-    so the same dense base gives the same codes.
-
-    Args:
-        model: The dense base model.
-        config: The saved method config.
-        adapter_name: Name of the adapter.
-        layers: ``{path: {"r", "threshold_ratio"}}`` as ``describe`` wrote it; empty: from the config.
-
-    Returns:
-        ``{path: LotaLayer}``.
-    """
-    if layers:
-        config = dataclasses.replace(config, targets=list(layers))
-    return apply_lota(model, config, adapter_name, structure=layers or None)
-
-
-registry.register("method", "lota-qaf", LotaConfig, apply_lota, rebuild=rebuild_lota,
+# rebuild: the quantization is deterministic, so the same dense base gives the same codes; the
+# saved {path: {"r", "threshold_ratio"}} restores each adapter
+registry.register("method", "lota-qaf", LotaConfig, apply_lota,
+                  rebuild=rebuild_at_paths(apply_lota, structure=True),
                   summary="LoTA-QAF: ternary adapters on a b-bit integer grid, lossless merge")
