@@ -18,11 +18,11 @@ from rankwise.core.quant import keep_training_layout
 
 
 def target_paths(model: nn.Module, config: Any) -> list[str]:
-    """The layers ``config.targets`` selects, minus ``config.exclude`` where the method has one.
+    """The layers ``config.targets`` selects, minus ``config.exclude``.
 
     Args:
         model: The model to adapt.
-        config: A method config with ``targets`` (and optionally ``exclude``).
+        config: A :class:`rankwise.adapters.common.config.TargetedConfig`.
 
     Returns:
         Module paths in model order.
@@ -30,7 +30,7 @@ def target_paths(model: nn.Module, config: Any) -> list[str]:
     Raises:
         RankwiseError: If the targets match nothing or a match is not a linear layer.
     """
-    return find_targets(model, config.targets, getattr(config, "exclude", None), "method.targets")
+    return find_targets(model, config.targets, config.exclude, "method.targets")
 
 
 def adapt(model: nn.Module, config: Any, adapter_name: str,
@@ -41,8 +41,8 @@ def adapt(model: nn.Module, config: Any, adapter_name: str,
 
     Args:
         model: The model to adapt (in place).
-        config: The method config (``targets``, ``exclude`` if it has one, ``modules_to_save``:
-            ``None`` means the task head for classification models).
+        config: The method config, a :class:`rankwise.adapters.common.config.TargetedConfig`
+            (``targets``, ``exclude``, ``modules_to_save``).
         adapter_name: Name of the adapter ``wrap`` adds.
         wrap: ``wrap(path, module) -> module`` wrapping one target layer (or adding the adapter
             to a layer already wrapped).
@@ -73,8 +73,8 @@ def rebuild_at_paths(builder: Callable[..., Any], structure: bool = False) -> Ca
     those paths, so loading reproduces the trained layout even if target resolution changes.
 
     Args:
-        builder: ``builder(model, config, adapter_name)`` of a config with a ``targets`` field
-            (its ``exclude`` field, if any, is emptied).
+        builder: ``builder(model, config, adapter_name)`` of a
+            :class:`rankwise.adapters.common.config.TargetedConfig` (its ``exclude`` is emptied).
         structure: Also pass the saved structure, ``builder(..., structure=layers)`` (``None``
             when nothing was saved), for builders whose layers differ per path (ranks).
 
@@ -83,9 +83,7 @@ def rebuild_at_paths(builder: Callable[..., Any], structure: bool = False) -> Ca
     """
     def rebuild(model: nn.Module, config: Any, adapter_name: str, layers: dict[str, dict]) -> Any:
         if layers:
-            has_exclude = any(f.name == "exclude" for f in dataclasses.fields(config))
-            config = dataclasses.replace(config, targets=list(layers),
-                                         **({"exclude": []} if has_exclude else {}))
+            config = dataclasses.replace(config, targets=list(layers), exclude=[])
         if structure:
             return builder(model, config, adapter_name, structure=layers or None)
         return builder(model, config, adapter_name)
