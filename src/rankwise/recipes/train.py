@@ -24,7 +24,8 @@ from rankwise.core.ops import count_parameters, modules_to_save
 from rankwise.core.quant import keep_training_layout
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
-from rankwise.engine import Engine, NonFiniteLoss, Task, batch_indices, get_task, linear_schedule
+from rankwise.engine import Engine, NonFiniteLoss, Task, get_task, linear_schedule
+from rankwise.engine.loop import draw_batches
 from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
@@ -54,12 +55,11 @@ class Session:
     dist: Distributed = field(default_factory=Distributed)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
-        """The collated training batch of ``step`` on the session's device."""
+        """The collated training batch of ``step`` on the session's device (one batch, every
+        process's examples: the calibration of data-driven methods)."""
         t = self.cfg.train
-        n = len(self.train_data)
-        idx = batch_indices(step, n, min(t.batch_size, n), t.seed + seed_offset)
-        items = [self.train_data[i] for i in idx]
-        return {k: v.to(self.device) for k, v in self.task.collate(items, self.train_data.pad_id).items()}
+        return draw_batches(self.train_data, self.task, step, t.batch_size, t.seed + seed_offset,
+                            self.device)[0]
 
     def engine(self, callbacks: list | None = None) -> Engine:
         """The :class:`~rankwise.engine.Engine` configured by ``cfg.train``."""
