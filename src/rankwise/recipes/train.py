@@ -137,12 +137,9 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device, dist)  # type: ignore[arg-type]
     if saved is not None:
         rebuild(model, cfg.method, "default", saved.get("layers") or {}, saved.get("modules_to_save"))
-    elif entry.needs_batches:
-        batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
-        session.method_result = entry.builder(model, cfg.method, "default", batches=batches,
-                                              loss_fn=task.mean_loss)
     else:
-        session.method_result = entry.builder(model, cfg.method, "default")
+        batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
+        session.method_result = entry.apply(model, cfg.method, "default", batches, loss_fn=task.mean_loss)
     if not m.quantize:
         model.to(device)
     if not any(p.requires_grad for p in model.parameters()):
