@@ -4,7 +4,9 @@ LoPE, FVAE-LoRA, S'MoRE and the LoRA mixtures each keep their adapters in one ``
 keyed by adapter name, the settings that rebuild each adapter, the active names and the
 auxiliary losses of the last forward; :class:`UnmergeableLayer` holds that once. A subclass
 names its container (``adapters_attr``), builds its adapter module in ``add`` and hands it to
-:meth:`UnmergeableLayer.hold`, and implements ``adapter_params``, ``describe`` and ``forward``.
+:meth:`UnmergeableLayer.hold`, and implements ``adapter_params`` and ``describe``. The default
+``forward`` adds each active adapter's output on the flattened float32 tokens (FVAE-LoRA,
+S'MoRE); LoPE and the mixtures override it.
 """
 from __future__ import annotations
 
@@ -59,6 +61,22 @@ class UnmergeableLayer(Unmergeable, nn.Module):
         del getattr(self, self.adapters_attr)[name]
         self.settings.pop(name, None)
         self._forget(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``W0 x`` plus every active adapter's output on the tokens ``x (N, in)`` in float32,
+        for adapters that map tokens to output rows; each adapter's ``last_aux`` is summed into
+        :meth:`aux_losses`. Layers whose adapters work otherwise override it."""
+        out = self.base_layer(x)
+        self._aux = {}
+        if not self._active:
+            return out
+        flat = x.reshape(-1, self.in_features).float()                     # (N, in)
+        adapters = getattr(self, self.adapters_attr)
+        for name in self._active:
+            adapter = adapters[name]
+            out = out + adapter(flat).reshape(out.shape).to(out.dtype)    # (..., out)
+            self.add_aux(getattr(adapter, "last_aux", {}))
+        return out
 
     def add_aux(self, aux: dict[str, torch.Tensor]) -> None:
         """Add one adapter's auxiliary losses of this forward to the layer's sums."""

@@ -152,18 +152,8 @@ class FvaeLoraLayer(UnmergeableLayer):
         return dict(self.settings[name])
 
     # ----- compute ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``W x`` plus every active adapter's ``s B z1``."""
-        out = self.base_layer(x)
-        self._aux = {}
-        if not self._active:
-            return out
-        flat = x.reshape(-1, self.in_features).float()                         # (N, in)
-        for name in self._active:
-            vae = self.vaes[name]
-            out = out + vae(flat).reshape(out.shape).to(out.dtype)
-            self.add_aux(vae.last_aux)  # the four weighted ELBO terms (training forwards)
-        return out
+    # forward: UnmergeableLayer's, W x plus every active adapter's s B z1; its last_aux holds
+    # the four weighted ELBO terms of a training forward
 
     def extra_repr(self) -> str:
         return ", ".join(f"{n}: r={s['r']}" for n, s in self.settings.items())

@@ -186,18 +186,8 @@ class SmoreLayer(UnmergeableLayer):
                 lev.stats.reset(modes)
 
     # ----- compute ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``W0 x`` plus every active tree's output."""
-        out = self.base_layer(x)
-        self._aux = {}
-        if not self._active:
-            return out
-        flat = x.reshape(-1, self.in_features).float()                     # (N, in)
-        for name in self._active:
-            tree = self.trees[name]
-            out = out + tree(flat).reshape(out.shape).to(out.dtype)
-            self.add_aux(tree.last_aux)  # the balance loss (training forwards)
-        return out
+    # forward: UnmergeableLayer's, W0 x plus every active tree's output; its last_aux holds the
+    # balance loss of a training forward
 
     def extra_repr(self) -> str:
         return ", ".join(f"{n}: experts={s['experts']}, ranks={s['ranks']}, fanout={s['fanout']}"
