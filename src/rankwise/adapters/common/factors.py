@@ -2,7 +2,8 @@
 
 LoRA, the LoRA mixtures (``moe-lora``, FedLEASE), LoPE and FVAE-LoRA all scale their pair by
 ``s = alpha / r`` (Hu et al. 2021, eq. 3) or rsLoRA's ``alpha / sqrt(r)`` (Kalajdzievski 2023),
-and LoRA and the mixtures initialise it from one table, so these live outside any one family.
+and LoRA and the mixtures initialise it from one table and check its rank the same way, so these
+live outside any one family.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import math
 from typing import Callable
 
 from torch import nn
+
+from rankwise.errors import RankwiseError
 
 
 def _init_kaiming(a: nn.Linear, b: nn.Linear) -> None:
@@ -32,3 +35,15 @@ LORA_INITS: dict[str, Callable[[nn.Linear, nn.Linear], None]] = {
 def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
     """Return s = alpha / r, or alpha / sqrt(r) for rsLoRA (Kalajdzievski 2023)."""
     return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def check_rank(r: int, in_features: int, out_features: int) -> None:
+    """Refuse a pair's rank outside ``[1, min(in, out)]`` of its layer.
+
+    Raises:
+        RankwiseError: Naming the layer's shape and the ranks it allows.
+    """
+    limit = min(in_features, out_features)
+    if not 1 <= r <= limit:
+        raise RankwiseError(f"rank {r} is invalid for a {in_features}->{out_features} "
+                            f"layer; choose r in [1, {limit}]")

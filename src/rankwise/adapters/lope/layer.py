@@ -31,10 +31,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.common.factors import lora_scale
+from rankwise.adapters.common.factors import check_rank, lora_scale
 from rankwise.adapters.common.layers import UnmergeableLayer
 from rankwise.adapters.common.routing import RouterStats
-from rankwise.errors import RankwiseError
 
 
 class PoisonedExperts(nn.Module):
@@ -108,10 +107,7 @@ class LopeLayer(UnmergeableLayer):
         Raises:
             RankwiseError: If ``r`` is outside [1, min(in, out)].
         """
-        limit = min(self.in_features, self.out_features)
-        if not 1 <= r <= limit:
-            raise RankwiseError(f"rank {r} is invalid for a {self.in_features}->{self.out_features} "
-                                f"layer; choose r in [1, {limit}]")
+        check_rank(r, self.in_features, self.out_features)
         device = next(self.base_layer.parameters()).device
         experts = PoisonedExperts(self.in_features, self.out_features, r, num_experts,
                                   lora_scale(r, alpha, use_rslora), noise_std, dropout, device)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.common.factors import LORA_INITS, lora_scale
+from rankwise.adapters.common.factors import LORA_INITS, check_rank, lora_scale
 from rankwise.core.inject import is_conv1d
 from rankwise.core.protocol import NamedAdapters
 from rankwise.core.weights import is_quantized
@@ -60,10 +60,7 @@ class LoraLayer(NamedAdapters, nn.Module):
         Raises:
             RankwiseError: If ``r`` is outside [1, min(in, out)] or ``init`` is unknown.
         """
-        limit = min(self.in_features, self.out_features)
-        if not 1 <= r <= limit:
-            raise RankwiseError(f"rank {r} is invalid for a {self.in_features}->{self.out_features} "
-                                f"layer; choose r in [1, {limit}]")
+        check_rank(r, self.in_features, self.out_features)
         if init not in LORA_INITS:
             raise RankwiseError(f"unknown LoRA init {init!r}; expected one of {sorted(LORA_INITS)}")
         device = self.base_layer.weight.device

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.common.factors import LORA_INITS, lora_scale
+from rankwise.adapters.common.factors import LORA_INITS, check_rank, lora_scale
 from rankwise.adapters.common.layers import UnmergeableLayer
 from rankwise.adapters.common.routing import RouterStats, switch_balance_loss
 from rankwise.adapters.mixture.gates import TopKGate, expert_probs, own_expert_slots
@@ -148,10 +148,7 @@ class MixtureLoraLayer(UnmergeableLayer):
         Raises:
             RankwiseError: On a bad rank, expert count, init or router init name.
         """
-        limit = min(self.in_features, self.out_features)
-        if not 1 <= r <= limit:
-            raise RankwiseError(f"rank {r} is invalid for a {self.in_features}->{self.out_features} "
-                                f"layer; choose r in [1, {limit}]")
+        check_rank(r, self.in_features, self.out_features)
         if num_experts < 1:
             raise RankwiseError(f"num_experts: got {num_experts}; expected an integer >= 1")
         if init not in LORA_INITS:
