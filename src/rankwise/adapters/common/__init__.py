@@ -9,6 +9,7 @@
 * :mod:`.factors` - the LoRA pair's scale ``s`` and initialisations (LoRA, the mixtures, LoPE,
   FVAE-LoRA).
 * :mod:`.routing` - the switch balance loss and router statistics (every routed adapter).
+* :mod:`.peft` - the HF PEFT folder writer LoRA and prompt tuning share.
 
 A family package may import this package; this package imports only core and the base
 (``tests/test_architecture.py`` holds both rules).
