@@ -1,5 +1,5 @@
-"""What every layer-wrapping method's builder shares: the builder tail and rebuilding at saved
-paths.
+"""What every method's builder shares: the builder tail (:func:`adapt`; :func:`train_only` for
+methods that wrap something else than target layers) and rebuilding at saved paths.
 
 A method's builder is its own ``wrap(path, module)`` (wrap a base layer, or add one more adapter
 to a layer already wrapped) handed to :func:`adapt`; its registry ``rebuild`` is
@@ -59,10 +59,22 @@ def adapt(model: nn.Module, config: Any, adapter_name: str,
         paths = target_paths(model, config)
     keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
     layers = inject(model, paths, wrap)
+    train_only(model, config, adapter_name)
+    return layers
+
+
+def train_only(model: nn.Module, config: Any, adapter_name: str) -> None:
+    """Make only adapter ``adapter_name`` and the modules to save trainable.
+
+    Args:
+        model: The adapted model.
+        config: A method config with ``modules_to_save`` (``None``: the task heads,
+            ``classifier`` / ``score``, of a classification model).
+        adapter_name: The adapter that trains.
+    """
     heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
     set_modules_to_save(model, heads)
     mark_trainable(model, adapter_name)
-    return layers
 
 
 def rebuild_at_paths(builder: Callable[..., Any], structure: bool = False) -> Callable[..., Any]:
