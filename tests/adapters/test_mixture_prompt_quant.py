@@ -20,7 +20,7 @@ VOCAB = 128
 CONFIGS = {  # small settings; every method here starts at the base output except the prompts
     "moe-lora": ({"num_experts": 3, "top_k": 2, "r": 2}, True),
     "smore": ({"experts": [3, 2], "ranks": [2, 2], "fanout": [2, 1], "gate_dims": [4, 4], "down_dim": 4}, True),
-    "lope": ({"r": 2, "num_experts": 2}, True),
+    "lope": ({"r": 2, "num_experts": 2, "poison_steps": 0}, True),  # stages: tests/adapters/test_lope.py
     "fvae-lora": ({"r": 2, "enc_hidden": 8, "dec_hidden": 8}, True),
     "prompt-tuning": ({"num_virtual_tokens": 3}, False),
     "pt-moe": ({"num_virtual_tokens": 3, "num_experts": 2, "rank": 2}, False),

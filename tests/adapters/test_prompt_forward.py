@@ -36,6 +36,7 @@ def padded(kind: str) -> dict[str, torch.Tensor]:
     batch["attention_mask"][1, -3:] = 0
     if kind != "bert":
         batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE)
+        batch["labels"][:, :3] = IGNORE   # a prompt without loss: what PT-MoE's router reads
     return batch
 
 

@@ -33,7 +33,7 @@ VOCAB = 128
 SMALL = {  # small settings per method; the rest take their defaults
     "moe-lora": {"num_experts": 3, "top_k": 2, "r": 2},
     "smore": {"experts": [3, 2], "ranks": [2, 2], "fanout": [2, 1], "gate_dims": [4, 4], "down_dim": 4},
-    "lope": {"r": 2, "num_experts": 2},
+    "lope": {"r": 2, "num_experts": 2, "poison_steps": 0},  # stage 1 trains one B only, by design
     "fvae-lora": {"r": 2, "enc_hidden": 8, "dec_hidden": 8},
     "prompt-tuning": {"num_virtual_tokens": 3},
     "pt-moe": {"num_virtual_tokens": 3, "num_experts": 2, "rank": 2},

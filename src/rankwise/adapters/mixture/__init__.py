@@ -13,6 +13,7 @@ from rankwise.adapters.mixture.config import MoeLoraConfig
 from rankwise.adapters.mixture.gates import ThresholdGate, TopKGate, own_expert_slots
 from rankwise.adapters.mixture.layer import Gate, LoraExpert, LoraMixture, MixtureLoraLayer
 from rankwise.adapters.mixture.model import factorized_to_mixture
+from rankwise.core.token_mask import track_token_mask
 
 __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "ThresholdGate",
            "own_expert_slots", "factorized_to_mixture",
@@ -20,7 +21,7 @@ __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", 
 
 
 def make_gate(config: MoeLoraConfig) -> nn.Module:
-    """The gate ``config`` asks for: fixed top-k, or adaptive top-M by cumulative mass."""
+    """The gate ``config`` asks for: fixed top-k, or top-p routing by cumulative mass."""
     if config.mass_threshold > 0:
         return ThresholdGate(config.mass_threshold, config.top_k)
     return TopKGate(list(range(config.num_experts)), config.top_k)
@@ -46,11 +47,14 @@ def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = 
         layer = module if isinstance(module, MixtureLoraLayer) else MixtureLoraLayer(module)
         layer.add(adapter_name, config.num_experts, config.r, config.alpha, make_gate(config),
                   dropout=config.dropout, use_rslora=config.use_rslora,
-                  router_init=config.router_init, balance_weight=config.balance_weight)
+                  router_init=config.router_init, balance_weight=config.balance_weight,
+                  entropy_weight=config.entropy_weight if config.mass_threshold > 0 else 0.0)
         return layer
 
-    return adapt(model, config, adapter_name, wrap)
+    layers = adapt(model, config, adapter_name, wrap)
+    track_token_mask(model)  # padding stays out of the balance loss and the load
+    return layers
 
 
 registry.register("method", "moe-lora", MoeLoraConfig, apply_moe_lora,
-                  summary="mixture of LoRA experts, token router, top-k / adaptive top-M (A7)")
+                  summary="mixture of LoRA experts, token router, top-k / top-p routing (A7)")

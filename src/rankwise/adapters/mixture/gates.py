@@ -1,14 +1,18 @@
 """Gates (router logits -> expert weights) of the LoRA mixtures.
 
-Used by ``moe-lora`` and FedLEASE's mixture; the balance loss and router statistics every routed
-adapter shares are in :mod:`rankwise.adapters.common.routing`.
+Used by ``moe-lora`` and FedLEASE's mixture; the balance and entropy losses and the router
+statistics every routed adapter shares are in :mod:`rankwise.adapters.common.routing`.
 
 * :class:`TopKGate` - softmax over router slots, keep the ``k`` largest slot probabilities (not
   renormalised), sum the kept slots of each expert. One slot per expert is ordinary top-k
-  routing; FedLEASE's slot layout (:func:`own_expert_slots`) makes its adaptive top-M a layout.
-* :class:`ThresholdGate` - adaptive top-M by probability mass: keep the fewest experts whose
-  router probabilities reach ``threshold`` (at most ``max_k``), the dynamic routing of Huang
-  et al. 2024 ("Harder Tasks Need More Experts", eq. 4 with p = ``threshold``), not renormalised.
+  routing; FedLEASE's adaptive top-M (Wang et al., NeurIPS 2025, Sec. 3.3) is this gate over
+  its ``2M-1``-slot layout (:func:`own_expert_slots`), which is how FedLEASE gets a varying
+  number of experts per token.
+* :class:`ThresholdGate` - top-p routing: keep the fewest experts whose router probabilities
+  reach ``threshold`` (at most ``max_k``), the dynamic routing of Huang et al. 2024 ("Harder
+  Tasks Need More Experts: Dynamic Routing in MoE Models", p = ``threshold``), not
+  renormalised. It is *not* FedLEASE's top-M; the paper pairs it with
+  :func:`rankwise.adapters.common.routing.entropy_loss`.
 """
 from __future__ import annotations
 
@@ -82,7 +86,8 @@ class TopKGate(nn.Module):
 
 
 class ThresholdGate(nn.Module):
-    """Adaptive top-M: the fewest experts whose probabilities sum to at least ``threshold``.
+    """Top-p routing (Huang et al. 2024): the fewest experts whose probabilities sum to at
+    least ``threshold``.
 
     Experts are ranked by router probability; expert ``e`` is kept when the mass of the experts
     ranked above it is below ``threshold`` and its rank is below ``max_k`` (so 1..max_k experts

@@ -9,6 +9,7 @@ from rankwise import registry
 from rankwise.adapters.common.build import adapt, rebuild_at_paths
 from rankwise.adapters.smore.config import SmoreConfig
 from rankwise.adapters.smore.layer import SmoreLayer, SmoreTree
+from rankwise.core.token_mask import track_token_mask
 
 __all__ = ["SmoreConfig", "SmoreLayer", "SmoreTree", "apply_smore"]
 
@@ -39,7 +40,9 @@ def apply_smore(model: nn.Module, config: SmoreConfig, adapter_name: str = "defa
         layer.add(adapter_name, settings)
         return layer
 
-    return adapt(model, config, adapter_name, wrap)
+    layers = adapt(model, config, adapter_name, wrap)
+    track_token_mask(model)  # padding stays out of the balance loss and the load
+    return layers
 
 
 registry.register("method", "smore", SmoreConfig, apply_smore, rebuild=rebuild_at_paths(apply_smore),
