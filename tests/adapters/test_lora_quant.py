@@ -18,7 +18,7 @@ from rankwise.core.ops import count_parameters, merge_adapters  # noqa: E402
 from rankwise.core.protocol import adapter_modules  # noqa: E402
 from rankwise.errors import RankwiseError  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
-from rankwise.testing import randomize_trainable  # noqa: E402
+from rankwise.testing import randomize_trainable, tiny_llama64  # noqa: E402
 
 VOCAB = 128
 
@@ -26,12 +26,8 @@ VOCAB = 128
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A 64-wide, 2-layer Llama (dims >= 64, as bitsandbytes' CPU kernels want) saved to disk."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     folder = tmp_path_factory.mktemp("llama64")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tiny_llama64(VOCAB).save_pretrained(folder)
     return folder
 
 

@@ -13,6 +13,7 @@ bnb = pytest.importorskip("bitsandbytes")
 from rankwise.core import quant, weights as W  # noqa: E402
 from rankwise.core.io import fingerprint  # noqa: E402
 from rankwise.core.ops import count_parameters  # noqa: E402
+from rankwise.testing import tiny_llama64  # noqa: E402
 
 
 def _linear4(out_f: int = 128, in_f: int = 64, quant_type: str = "nf4", nested: bool = True,
@@ -84,13 +85,10 @@ def test_8bit_weight_is_rows_times_scale_over_127():
 @pytest.fixture(scope="module")
 def llama_pair(tmp_path_factory):
     """A 64-wide Llama in float32 and the same weights loaded in NF4 (bf16 storage + compute)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from rankwise.recipes.model import bnb_config
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    dense = LlamaForCausalLM(cfg).eval()
+    dense = tiny_llama64(128).eval()
     folder = tmp_path_factory.mktemp("llama64")
     dense.save_pretrained(folder)
     q = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb_config("nf4", "bfloat16"),
