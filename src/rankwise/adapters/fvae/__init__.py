@@ -1,4 +1,5 @@
-"""FVAE-LoRA (ROADMAP A4): config, layer, and the registration."""
+"""FVAE-LoRA (arXiv 2510.19640; docs/adapters-mixture-prompt.md): config, layer, and the
+registration."""
 from __future__ import annotations
 
 from dataclasses import asdict

@@ -8,7 +8,8 @@ from rankwise.adapters.common.config import TargetedConfig
 
 @dataclass
 class FvaeLoraConfig(TargetedConfig):
-    """Factorized-VAE LoRA (Kumar et al., NeurIPS 2025, arXiv 2510.19640; ROADMAP A4).
+    """Factorized-VAE LoRA (Kumar et al., NeurIPS 2025, arXiv 2510.19640;
+    docs/adapters-mixture-prompt.md).
 
     Per target layer a VAE with two encoders ``q(z1|x)``, ``q(z2|x)`` and a decoder
     reconstructing the layer input replaces LoRA's A; ``B`` reads ``z1`` only. Trainable

@@ -1,4 +1,4 @@
-"""LoPE (ROADMAP A6): config, layer, and the registration."""
+"""LoPE (arXiv 2505.23868; docs/adapters-mixture-prompt.md): config, layer, and the registration."""
 from __future__ import annotations
 
 import torch

@@ -8,7 +8,8 @@ from rankwise.adapters.common.config import LoraPairConfig
 
 @dataclass
 class LopeConfig(LoraPairConfig):
-    """Asymmetric LoRA with a poisoning expert (LoPE, arXiv 2505.23868; ROADMAP A6).
+    """Asymmetric LoRA with a poisoning expert (LoPE, arXiv 2505.23868;
+    docs/adapters-mixture-prompt.md).
 
     Per target layer: one shared ``A (r, in)``, ``num_experts`` normal ``B_i (out, r)``, one
     poisoning ``B_p (out, r)`` and a router over the ``num_experts + 1`` B experts. Trainable

@@ -1,4 +1,5 @@
-"""LoRA (ROADMAP A1): config, layer, the PEFT file format, and the registrations."""
+"""LoRA (Hu et al. 2021; rsLoRA, Kalajdzievski 2023): config, layer, the PEFT file format, and
+the registrations."""
 from __future__ import annotations
 
 import re

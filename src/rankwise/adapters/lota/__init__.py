@@ -1,4 +1,5 @@
-"""LoTA-QAF (ROADMAP A9): a b-bit integer-grid base of our own, ternary adapters merged by
+"""LoTA-QAF (arXiv 2505.18724; docs/lota-qaf.md): a b-bit integer-grid base of our own, ternary
+adapters merged by
 integer arithmetic, and the registration of ``lota-qaf`` (its optimizer is ``t-signsgd``)."""
 from __future__ import annotations
 

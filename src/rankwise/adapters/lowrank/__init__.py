@@ -1,4 +1,5 @@
-"""The ``lowrank`` method (ROADMAP B5): factorized ``U S V^T`` layers, trained by the geometric
+"""The ``lowrank`` method (Schotthoefer et al., NeurIPS 2025; docs/optimizers.md): factorized
+``U S V^T`` layers, trained by the geometric
 optimizers ``lowrank-hb`` / ``lowrank-adam`` (or any optimizer on the factors)."""
 from __future__ import annotations
 

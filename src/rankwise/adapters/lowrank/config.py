@@ -9,7 +9,7 @@ from rankwise.adapters.common.config import TargetedConfig
 
 @dataclass
 class LowRankConfig(TargetedConfig):
-    """Factorized low-rank layers ``U S V^T`` (ROADMAP B5; trained by ``lowrank-hb`` /
+    """Factorized low-rank layers ``U S V^T`` (Schotthoefer et al., NeurIPS 2025; trained by ``lowrank-hb`` /
     ``lowrank-adam``, or any optimizer on the factors).
 
     Attributes:

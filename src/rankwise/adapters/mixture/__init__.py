@@ -1,7 +1,8 @@
 """Mixtures of LoRA experts behind a router: the layer, gates, model glue, and method ``moe-lora``.
 
 FedLEASE builds its client models from the same layer (:func:`factorized_to_mixture` with its
-slot layout); ``moe-lora`` (ROADMAP A7) injects fresh mixtures into the target layers.
+slot layout); ``moe-lora`` (docs/adapters-mixture-prompt.md) injects fresh mixtures into the
+target layers.
 """
 from __future__ import annotations
 

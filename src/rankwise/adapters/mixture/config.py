@@ -8,7 +8,8 @@ from rankwise.adapters.common.config import LoraPairConfig
 
 @dataclass
 class MoeLoraConfig(LoraPairConfig):
-    """Mixture of LoRA experts with a token-level router (ROADMAP A7).
+    """Mixture of LoRA experts with a token-level router (MixLoRA-style top-k, top-p routing of
+    Huang et al. 2024; docs/adapters-mixture-prompt.md).
 
     Every target linear layer gets ``num_experts`` LoRA experts of rank ``r`` and a router
     (``nn.Linear(in, num_experts)``). A token uses its ``top_k`` most probable experts, or,

@@ -1,4 +1,5 @@
-"""Prompt methods (ROADMAP A8): prompt tuning, PT-MoE and CaPT, registered here.
+"""Prompt methods (Lester et al. 2021; PT-MoE, arXiv 2505.09519; CaPT, arXiv 2510.16670): prompt
+tuning, PT-MoE and CaPT, registered here.
 
 All three wrap the model's input embeddings in a :class:`PromptLayer` (the ``InputAdapter``
 seam: the engine and evaluation see the prefix through

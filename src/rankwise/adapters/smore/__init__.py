@@ -1,4 +1,5 @@
-"""S'MoRE (ROADMAP A5): config, layer, and the registration."""
+"""S'MoRE (Zeng et al., NeurIPS 2025; docs/adapters-mixture-prompt.md): config, layer, and the
+registration."""
 from __future__ import annotations
 
 from dataclasses import asdict

@@ -12,7 +12,8 @@ GATE_ACTS = ("relu", "tanh", "identity")
 
 @dataclass
 class SmoreConfig(TargetedConfig):
-    """Structural Mixture of Residual Experts (Zeng et al., NeurIPS 2025; ROADMAP A5).
+    """Structural Mixture of Residual Experts (Zeng et al., NeurIPS 2025;
+    docs/adapters-mixture-prompt.md).
 
     Per target linear layer, ``L = len(ranks)`` levels of residual experts: level ``l`` has
     ``experts[l]`` experts of rank ``ranks[l]`` and every selected parent picks ``fanout[l]``
