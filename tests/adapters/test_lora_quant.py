@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft")
 
 from rankwise.adapters.gora import GoraConfig, accumulate_gradients, apply_gora, gora_report  # noqa: E402
 from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora, export_peft  # noqa: E402
-from rankwise.core import quant, weights as W  # noqa: E402
+from rankwise.core import quant, weights as layer_weights  # noqa: E402
 from rankwise.core.ops import count_parameters, merge_adapters  # noqa: E402
 from rankwise.core.protocol import adapter_modules  # noqa: E402
 from rankwise.errors import RankwiseError  # noqa: E402
@@ -133,7 +133,7 @@ def test_gora_on_a_4bit_base_and_its_gradient_phase_memory(llama_dir):
     assert mem["via_activations"] == 14 and mem["memory_meter"] == "cpu_live_tensors"
     assert mem["accumulator_bytes"] == dense_bytes
     assert mem["accumulator_bytes"] <= mem["peak_bytes"] < mem["accumulator_bytes"] + dense_bytes
-    assert all(W.is_quantized(m) for m in layers.values())
+    assert all(layer_weights.is_quantized(m) for m in layers.values())
     assert {p for p, _ in adapter_modules(model)} == set(layers)
     before = model(**batch(5)).loss.item()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
@@ -156,7 +156,7 @@ def test_qlora_merges_into_the_dequantized_base_not_the_original(llama_dir, tmp_
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     original = load(llama_dir, None)
     layer = model.model.layers[0].self_attn.q_proj
-    want = W.dense_weight(layer).float() + layer.delta_weight("default")
+    want = layer_weights.dense_weight(layer).float() + layer.delta_weight("default")
     got = merged.model.layers[0].self_attn.q_proj.weight
     wrong = original.model.layers[0].self_attn.q_proj.weight + layer.delta_weight("default")
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.protocol import Unmergeable
 
 
@@ -35,7 +35,7 @@ class UnmergeableLayer(Unmergeable, nn.Module):
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
         self.base_layer = base_layer
-        self.out_features, self.in_features = W.shape(base_layer)
+        self.out_features, self.in_features = layer_weights.shape(base_layer)
         setattr(self, self.adapters_attr, nn.ModuleDict())
         self.settings: dict[str, dict[str, Any]] = {}
         self._active: list[str] = []

@@ -10,7 +10,7 @@ from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
 from rankwise.adapters.lota.config import SUPPORTED_BITS, LotaConfig
 from rankwise.adapters.lota.layer import LotaLayer, ternarize, weight_bytes
 from rankwise.adapters.lota.quant import QuantLinear, pack, quantize_linears, rtn_quantize, unpack
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.inject import is_conv1d
 from rankwise.errors import RankwiseError
 
@@ -46,13 +46,13 @@ def apply_lota(model: nn.Module, config: LotaConfig, adapter_name: str = "defaul
         module = model.get_submodule(path)
         if isinstance(module, LotaLayer):
             continue
-        if W.is_quantized(module):
-            raise RankwiseError(f"{path} is already quantized ({type(W.base_layer(module)).__name__}); "
+        if layer_weights.is_quantized(module):
+            raise RankwiseError(f"{path} is already quantized ({type(layer_weights.base_layer(module)).__name__}); "
                                 "lota-qaf quantizes a dense model itself: load it without model.quantize")
-        if is_conv1d(W.base_layer(module)):
+        if is_conv1d(layer_weights.base_layer(module)):
             raise RankwiseError(f"{path} is a GPT-2 Conv1D layer; lota-qaf quantizes nn.Linear layers "
                                 "(Llama, Qwen, BERT-style models)")
-        n_in = W.shape(module)[1]
+        n_in = layer_weights.shape(module)[1]
         group = min(config.group_size, n_in)
         if n_in % group or n_in % (8 // config.bits):
             bad.append(f"{path} (in={n_in})")
@@ -64,7 +64,7 @@ def apply_lota(model: nn.Module, config: LotaConfig, adapter_name: str = "defaul
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         if not isinstance(module, LotaLayer):
-            base = QuantLinear.from_linear(module, config.bits, min(config.group_size, W.shape(module)[1]))
+            base = QuantLinear.from_linear(module, config.bits, min(config.group_size, layer_weights.shape(module)[1]))
             module = LotaLayer(base, config.fold_offsets)
         s = structure.get(path, {})
         module.add(adapter_name, int(s.get("r", config.r)), float(s.get("threshold_ratio", config.threshold_ratio)))

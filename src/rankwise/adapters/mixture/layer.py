@@ -32,7 +32,7 @@ from rankwise.adapters.common.factors import LORA_INITS, check_rank, lora_scale
 from rankwise.adapters.common.layers import UnmergeableLayer
 from rankwise.adapters.common.routing import RouterStats, entropy_loss, switch_balance_loss
 from rankwise.adapters.mixture.gates import TopKGate, expert_probs, own_expert_slots
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.token_mask import valid_tokens
 from rankwise.errors import RankwiseError
 
@@ -231,7 +231,7 @@ class MixtureLoraLayer(UnmergeableLayer):
     @property
     def weight(self) -> torch.Tensor:
         """The base weight as stored (so code that reads ``layer.weight`` keeps working)."""
-        return W.storage_param(self.base_layer)
+        return layer_weights.storage_param(self.base_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``W0 x`` plus every active mixture's routed experts."""
