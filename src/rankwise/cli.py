@@ -25,6 +25,7 @@ BENCHMARKS = {
     "compress": "rankwise.benchmarks.compress:run",
     "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
+    "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
 }
 
 
