@@ -10,7 +10,7 @@ import yaml
 
 from rankwise.recipes.compress import load_config
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.yamlfile import load
+from rankwise.recipes.yamlfile import dump, load
 from test_cli_errors import GOOD, assert_user_error, invoke, train_with
 
 
@@ -97,10 +97,18 @@ def test_an_unquoted_jinja_template_says_to_quote_it(tmp_path):
                       "quote it")
 
 
-def test_a_run_folder_config_reads_back_identically():
-    """config.yaml (written by ``yaml.safe_dump``) reads back through the new loader unchanged:
-    resume, export and generate read it."""
+def test_a_run_folder_config_reads_back_identically(tmp_path):
+    """config.yaml is written so that rankwise (YAML 1.2 numbers) and a YAML 1.1 reader such as
+    ``yaml.safe_load`` both read back what was written: text that looks like a number is quoted."""
     raw = json.loads(json.dumps(GOOD))
-    cfg = load_run_config(None, ["optim.lr=1e-5", "optim.weight_decay=0.0"], base=raw)
-    assert cfg.optim.lr == 1e-5
-    assert load(yaml.safe_dump(cfg.to_dict())) == yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
+    raw["data"]["text_field"] = "1e-3"  # a column may be named anything
+    raw["optim"]["lr"] = 1e-5
+    cfg = load_run_config(None, base=raw)
+    text = dump(cfg.to_dict(), sort_keys=False)
+    assert "text_field: '1e-3'" in text
+    assert load(text) == yaml.safe_load(text) == cfg.to_dict()
+    assert dump({"p": "2:4"}) == "p: '2:4'\n"
+    ok = train_with(tmp_path, "train.steps=1", "optim.lr=1e-5")
+    assert ok.exit_code == 0, ok.output
+    again = load_run_config(tmp_path / "out" / "config.yaml")
+    assert again.optim.lr == 1e-5 and again.to_dict()["train"]["steps"] == 1

@@ -32,7 +32,7 @@ from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.loop import precision_problem
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
-from rankwise.recipes import optim_scope
+from rankwise.recipes import optim_scope, yamlfile
 from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 from rankwise.recipes.checkpoint import clean_incomplete
 from rankwise.recipes.config import RunConfig, build_run_config
@@ -212,7 +212,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
     ``train.steps`` when it changes, else ``None``."""
     cfg_file = out / "config.yaml"
     if cfg_file.exists():
-        saved = yaml.safe_load(cfg_file.read_text()) or {}
+        saved = yamlfile.load(cfg_file.read_text()) or {}
         try:  # fill keys added since the run was written with their defaults
             saved = yaml.safe_load(yaml.safe_dump(build_run_config(saved).to_dict()))
         except RankwiseError:
@@ -434,7 +434,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if session.scope is not None:
         console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
     if main and (old_steps is not None or not (out / "config.yaml").exists()):
-        atomic.write_bytes(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
+        atomic.write_bytes(out / "config.yaml", yamlfile.dump(cfg.to_dict(), sort_keys=False).encode())
     if main and not ckpts and hasattr(session.method_result, "write_artifacts"):
         session.method_result.write_artifacts(out)
     if rewrite:  # a finished run whose adapter/ (model/) is unreadable: write it again, only that

@@ -83,6 +83,23 @@ ConfigLoader.add_implicit_resolver(_FLOAT, FLOAT_RE, list("-+0123456789."))
 ConfigLoader.add_constructor(_INT, ConfigLoader.construct_yaml_int)
 
 
+class ConfigDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes every string :class:`ConfigLoader` or a YAML 1.1 reader
+    (``yaml.safe_load``) would read as something else (``'1e-3'``, ``'2:4'``), so a written
+    ``config.yaml`` reads back as it was, by rankwise and by other tools."""
+
+    yaml_implicit_resolvers = {
+        first: list(yaml.SafeDumper.yaml_implicit_resolvers.get(first, []))
+        + list(ConfigLoader.yaml_implicit_resolvers.get(first, []))
+        for first in set(yaml.SafeDumper.yaml_implicit_resolvers) | set(ConfigLoader.yaml_implicit_resolvers)}
+
+
+def dump(data: Any, **kwargs: Any) -> str:
+    """Write ``data`` as YAML that :func:`load` reads back unchanged (``yaml.safe_dump``'s
+    keyword arguments)."""
+    return yaml.dump(data, Dumper=ConfigDumper, **kwargs)
+
+
 def load(text: str) -> Any:
     """Parse one YAML document with :class:`ConfigLoader`.
 
