@@ -313,8 +313,8 @@ def read_yaml(path: Path) -> dict:
         raise RankwiseError(f"config {path} is not valid YAML{where}: "
                             f"{getattr(err, 'problem', None) or err}") from None
     if data is None:  # an empty file would silently run every default (a 200-step job)
-        raise RankwiseError(f"config {path} is empty; write the sections to override ("
-                            f"{', '.join(SECTIONS)}), e.g. model: {{path: demo}} (see examples/)")
+        raise RankwiseError(f"config {path} is empty; write at least the sections it changes, "
+                            "e.g. model: {path: demo} (see examples/)")
     if not isinstance(data, dict):
         raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
     return data
