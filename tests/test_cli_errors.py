@@ -342,3 +342,25 @@ def test_paths_are_stored_absolute_and_export_takes_a_moved_base(tmp_path, tiny_
     result = invoke("export", tmp_path / "out", "--format", "peft", "--out", tmp_path / "p",
                     "--model", tmp_path / "moved")
     assert result.exit_code == 0, result.output
+
+
+# --- torchrun ------------------------------------------------------------------------------
+
+def test_a_config_error_under_torchrun_prints_on_rank_0_only(tmp_path, monkeypatch):
+    """Every process reads the same config, so before joining the process group rank 0 alone
+    prints the line; every rank exits 2. Once a process joins, its errors may be its own (a lost
+    peer) and it prints them. (The real launch: tests/recipes/test_torchrun.py.)"""
+    from rankwise.engine import distributed
+    bad = write_yaml(tmp_path / "bad.yaml", {**GOOD, "optim": {"name": "adamw", "lr": -1.0}})
+    torchrun_env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    runs = {rank: CliRunner().invoke(main, ["train", str(bad), "--out", str(tmp_path / "run")],
+                                     env={**torchrun_env, "RANK": rank, "LOCAL_RANK": rank})
+            for rank in ("0", "1")}
+    assert_user_error(runs["0"], "optim.lr")
+    assert runs["1"].exit_code == 2 and isinstance(runs["1"].exception, SystemExit)
+    assert runs["1"].stderr == "" and "Traceback" not in runs["1"].output
+    monkeypatch.setattr(distributed, "_JOINING", True)                 # after joining: its own line
+    joined = CliRunner().invoke(main, ["train", str(bad), "--out", str(tmp_path / "run")],
+                                env={**torchrun_env, "RANK": "1", "LOCAL_RANK": "1"})
+    assert_user_error(joined, "optim.lr")
+    assert not (tmp_path / "run").exists()

@@ -69,7 +69,7 @@ SPECS: dict[str, dict] = {
     "moe-lora": {"config": {"num_experts": 3, "top_k": 2, "r": 2}},
     "smore": {"config": {"experts": [3, 2], "ranks": [2, 2], "fanout": [2, 1], "gate_dims": [4, 4],
                          "down_dim": 4}},
-    "lope": {"config": {"r": 2, "num_experts": 2}},
+    "lope": {"config": {"r": 2, "num_experts": 2, "poison_steps": 0}},  # stages leave B's out: tests/adapters/test_lope.py
     "fvae-lora": {"config": {"r": 2, "enc_hidden": 8, "dec_hidden": 8}},
     # Virtual tokens change the output from the start (extra positions the model attends to).
     "prompt-tuning": {"identity_at_init": False, "config": {"num_virtual_tokens": 3}},

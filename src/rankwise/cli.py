@@ -33,6 +33,14 @@ def _load(spec: str):
     return getattr(importlib.import_module(mod), fn)
 
 
+def _shared_by_rank_0() -> bool:
+    """A torchrun rank > 0 whose error rank 0 prints as well (see ``errors_are_shared``)."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        return False
+    from rankwise.engine.distributed import errors_are_shared
+    return errors_are_shared()
+
+
 class _Group(click.Group):
     """Turns user errors into one line + exit 2 (tracebacks only with --debug)."""
 
@@ -42,7 +50,8 @@ class _Group(click.Group):
         except RankwiseError as err:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {err}", err=True)
+            if not _shared_by_rank_0():  # under torchrun: a config error once, not once per process
+                click.echo(f"error: {err}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -77,7 +86,7 @@ def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -
     from rankwise.recipes.train import train as run_train
     cfg = load_run_config(config, list(sets))
     out = out or Path("runs") / config.stem
-    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
+    main_rank = os.environ.get("RANK", "0") in ("", "0")  # under torchrun only rank 0 reports
     try:
         metrics = run_train(cfg, out, resume=resume)  # under torchrun: one process each
     except RunFinished as done:
@@ -122,14 +131,16 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
               help="KV cache: full precision, or quantized on the fly (docs/compression.md).")
 @click.option("--kv-bits", type=int, default=2, show_default=True,
               help="Bits per cached element of a quantized KV cache.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="The base model's folder, if it is no longer at the run's model.path.")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
-             kv_bits: int) -> None:
+             kv_bits: int, model_path: Path | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
                  echo=click.echo, stream=lambda text: click.echo(text, nl=False),
-                 kv_cache=kv_cache, kv_bits=kv_bits)
+                 kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path)
 
 
 @main.command()
@@ -149,22 +160,26 @@ def demo(out: Path, steps: int | None) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/compare"), show_default=True)
 @click.option("--lr-grid", type=int, default=0, show_default=True,
               help="Sweep every row over this many learning rates on a validation split; 0 = off.")
-def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path, lr_grid: int) -> None:
+@click.option("--jobs", type=int, default=1, show_default=True,
+              help="Runs trained at once, each in its own process (CPU threads divided among them; one GPU each).")
+def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path, lr_grid: int,
+            jobs: int) -> None:
     """Run several methods on one task at the same budget and tabulate the results."""
     from rankwise.recipes.compare import run_compare
     run_compare(config, [m.strip() for m in methods.split(",") if m.strip()], seeds, list(sets), out,
-                lr_grid=lr_grid)
+                lr_grid=lr_grid, jobs=jobs)
 
 
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def federated(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its newest round checkpoint.")
+def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -> None:
     """Federated fine-tuning on the Flower simulation engine."""
     require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
-    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated")
+    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated", resume=resume)
 
 
 @main.command()
@@ -172,13 +187,17 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Output folder (default runs/<name>-compressed).")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
-def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: bool) -> None:
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="When model.path is a run: its base model's folder, if it has moved.")
+def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: bool,
+             model_path: Path | None) -> None:
     """Compress a model (prune, factor, quantize) as CONFIG's compress: section says."""
     from rich.console import Console
 
     from rankwise.recipes.compress import run_compress
     out = out or Path("runs") / f"{config.stem}-compressed"
-    run_compress(config, list(sets), out, overwrite=overwrite, console=Console(stderr=True))
+    run_compress(config, list(sets), out, overwrite=overwrite, console=Console(stderr=True),
+                 model_path=model_path)
     click.echo(f"wrote {out}")
 
 

@@ -32,7 +32,8 @@ class Entry:
     """A registered implementation.
 
     Attributes:
-        kind: ``"method"``, ``"optimizer"`` or ``"strategy"``.
+        kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
         name: The name users write in configs (``method.name: lora``).
         config_cls: The dataclass holding every default of this entry.
         builder: The callable that applies or constructs it (signature depends on ``kind``).
@@ -55,6 +56,10 @@ class Entry:
             the method's own (``prompt-tuning``'s PEFT ``PROMPT_TUNING`` files under
             ``--format peft``); they take precedence over the ``exporter`` entry of that
             name and have its signature.
+        grad_clip: For optimizers: the gradient-norm clip a run uses when ``train.grad_clip``
+            is ``auto`` (its default): ``1.0``, or ``None`` (off) for optimizers that set their
+            own step from the gradient's norm and that clipping would defeat (NGN-M's step
+            size, t-SignSGD's spike guard). An explicit ``train.grad_clip`` still wins.
     """
 
     kind: str
@@ -69,6 +74,7 @@ class Entry:
     state_floats: Callable[..., int] | None = None
     lr_grid: tuple[float, ...] = ()
     exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    grad_clip: float | None = 1.0
 
 
 _ENTRIES: dict[tuple[str, str], Entry] = {}
@@ -84,13 +90,15 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
     """Register an implementation under ``(kind, name)``.
 
     Args:
-        kind: ``"method"``, ``"optimizer"`` or ``"strategy"``.
+        kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
         name: Lower-case name used in configs and on the CLI.
         config_cls: Config dataclass; its field defaults are the only defaults.
         builder: See the module docstring for the signature per kind.
         summary: One-line description.
         **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
-            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``).
+            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``,
+            ``grad_clip``).
 
     Returns:
         The entry.

@@ -100,3 +100,31 @@ def tiny_logits(model: nn.Module, kind: str) -> torch.Tensor:
     batch = {k: v for k, v in tiny_batch(kind).items() if k != "labels"}
     with torch.no_grad():
         return model(**batch).logits
+
+
+def pack_4bit_for_cpu(model: nn.Module) -> int:
+    """Put every bitsandbytes ``Linear4bit`` of ``model`` in the CPU inference layout, as
+    bitsandbytes itself does at the first eval forward on a CPU with AVX512-BF16 (repacked
+    weight, block scales rounded to bf16), and mark the layers as able to use that kernel.
+
+    Works on any CPU (the repacking is a layout change; only running the fused kernel needs the
+    instructions), so tests of the entry points that must undo it run everywhere.
+
+    Args:
+        model: A model with bitsandbytes 4-bit layers (out features a multiple of 32).
+
+    Returns:
+        How many layers were packed.
+    """
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    from rankwise.core.quant import is_packed_for_cpu
+    packed = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit) and not is_packed_for_cpu(m):
+            m.support_avx512bf16_for_cpu = True
+            m.weight.data, m.weight.quant_state = F._convert_weight_packed_for_cpu(
+                m.weight.data, m.weight.quant_state)  # records a non-uint8 storage dtype itself
+            packed += 1
+    return packed

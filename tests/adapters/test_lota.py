@@ -174,5 +174,6 @@ def test_the_example_configs_validate():
     root = Path(__file__).resolve().parents[2] / "examples"
     lota = load_run_config(root / "lota-qaf.yaml")
     assert (lota.method.name, lota.method.r, lota.optim.name, lota.optim.total_steps) == ("lota-qaf", 16, "t-signsgd", 40)
+    assert lota.train.grad_clip is None  # t-SignSGD's spike guard sees the raw gradient norm
     nano = load_run_config(root / "nanoadam.yaml")
     assert (nano.method.name, nano.optim.name, nano.optim.density) == ("full", "nanoadam", 0.1)

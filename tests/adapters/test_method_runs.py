@@ -5,6 +5,7 @@ their own ``describe``), resume exactly, refuse a merged export with one line, a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -132,6 +133,24 @@ def test_prompt_tuning_exports_to_peft_with_the_same_logits(tmp_path):
     res = CliRunner().invoke(main, ["export", str(tmp_path / "run"), "--format", "merged", "--out",
                                     str(tmp_path / "m")])
     assert_user_error(res, "cannot be merged", "--format peft")
+
+
+@pytest.mark.parametrize("name, suggested", [("moe-lora", ["rankwise"]), ("lowrank", ["rankwise", "merged"])])
+def test_peft_export_refusal_suggests_only_exports_that_work(name, suggested, tmp_path):
+    """A non-LoRA adapter refuses ``--format peft`` naming the exports that work: ``merged`` only
+    where the layers merge (it was suggested for routed layers, which then refused it)."""
+    raw = raw_config("moe-lora", steps=1)
+    if name == "lowrank":
+        raw["method"] = {"name": "lowrank", "rank": 2, "targets": ["query", "value"]}
+    run(raw, tmp_path / "run")
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "run"), "--format", "peft", "--out",
+                                    str(tmp_path / "peft")])
+    line = assert_user_error(res, "the PEFT LoRA format holds LoRA only")
+    assert re.findall(r"--format (\w+)", line) == suggested and "(or merged)" not in line, line
+    for fmt in suggested:                                               # each suggestion works
+        ok = CliRunner().invoke(main, ["export", str(tmp_path / "run"), "--format", fmt, "--out",
+                                       str(tmp_path / fmt)])
+        assert ok.exit_code == 0, ok.output
 
 
 def test_every_new_method_is_a_compare_row(tmp_path):

@@ -10,6 +10,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 from rankwise import registry  # noqa: E402
 from rankwise.configs import from_dict  # noqa: E402
+from rankwise.core import quant  # noqa: E402
 from rankwise.core.ops import disable_adapters  # noqa: E402
 from rankwise.core.protocol import adapter_modules, aux_losses, transform_inputs  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
@@ -18,7 +19,7 @@ VOCAB = 128
 CONFIGS = {  # small settings; every method here starts at the base output except the prompts
     "moe-lora": ({"num_experts": 3, "top_k": 2, "r": 2}, True),
     "smore": ({"experts": [3, 2], "ranks": [2, 2], "fanout": [2, 1], "gate_dims": [4, 4], "down_dim": 4}, True),
-    "lope": ({"r": 2, "num_experts": 2}, True),
+    "lope": ({"r": 2, "num_experts": 2, "poison_steps": 0}, True),  # stages: tests/adapters/test_lope.py
     "fvae-lora": ({"r": 2, "enc_hidden": 8, "dec_hidden": 8}, True),
     "prompt-tuning": ({"num_virtual_tokens": 3}, False),
     "pt-moe": ({"num_virtual_tokens": 3, "num_experts": 2, "rank": 2}, False),
@@ -45,6 +46,11 @@ def test_method_on_an_nf4_base(name, llama_dir):
                                                  quantization_config=bnb_config("nf4", "bfloat16"))
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    # Like with like: the reference is computed in the training layout the builder leaves the
+    # model in. Left alone, an eval forward on an AVX512-BF16 CPU would repack the weights for
+    # bitsandbytes' fused inference kernel (bf16-rounded block scales, one bf16 ulp off); that
+    # the builder unpacks such a model is tested in tests/core/test_quant_entries.py.
+    quant.keep_training_layout(model)
     with torch.no_grad():
         base = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits.float()
     settings, identity = CONFIGS[name]

@@ -20,9 +20,11 @@ def test_pt_moe_prompt_is_the_routed_sum_of_a_i_b():
     layer.eval()
     batch = tiny_batch("gpt2", seed=4)
     batch["attention_mask"][0, -3:] = 0
+    batch["labels"][:, :5] = IGNORE                       # the router pools the 5-token prompts
     out = transform_inputs(model, batch)
     emb = layer.base_layer(batch["input_ids"])
-    probs = torch.softmax(gen.router(masked_mean(emb, batch["attention_mask"])), -1)   # (2, 4)
+    pool = batch["attention_mask"].bool() & batch["labels"].eq(IGNORE)
+    probs = torch.softmax(gen.router(masked_mean(emb, pool)), -1)                  # (2, 4)
     top = probs.topk(2, -1)
     w = torch.zeros_like(probs).scatter(-1, top.indices, top.values)
     want = sum(w[:, i, None, None] * (gen.A[i] @ gen.B) for i in range(4))          # (2, 3, 16)
@@ -78,3 +80,35 @@ def test_capt_on_a_causal_lm_pools_only_tokens_without_loss():
     # positions before the changed target (capsule + tokens 0..5) do not see it
     torch.testing.assert_close(after[:, :7], before[:, :7], atol=1e-6, rtol=0)
     assert not torch.allclose(after[:, 7:], before[:, 7:])
+
+
+def test_pt_moe_on_a_causal_lm_routes_on_the_prompt_only():
+    model = tiny_gpt2_lm()
+    torch.manual_seed(0)
+    apply_pt_moe(model, PtMoeConfig(num_virtual_tokens=3, num_experts=4, rank=5, top_k=2))
+    model.eval()                                          # no router noise
+    batch = tiny_batch("gpt2", batch=1, seed=6)
+    batch["labels"][:, :4] = IGNORE                       # a 4-token prompt, then 4 target tokens
+
+    def logits(b):
+        with torch.no_grad():
+            return model(**{k: v for k, v in transform_inputs(model, b).items() if k != "labels"}).logits
+
+    before = logits(batch)
+    changed = {k: v.clone() for k, v in batch.items()}
+    changed["input_ids"][0, 6] = (changed["input_ids"][0, 6] + 1) % 64
+    changed["labels"][0, 6] = changed["input_ids"][0, 6]
+    after = logits(changed)
+    # the 3 virtual positions and tokens 0..5 do not see target token 6 (pooling it: 7e-4 here)
+    assert torch.equal(after[:, :3 + 6], before[:, :3 + 6])
+    assert not torch.allclose(after[:, 3 + 6:], before[:, 3 + 6:])
+    # generation sees only the prompt: its logits equal the training forward's prompt positions
+    prompt = {"input_ids": batch["input_ids"][:, :4], "attention_mask": batch["attention_mask"][:, :4]}
+    torch.testing.assert_close(logits(prompt), before[:, :3 + 4], atol=1e-6, rtol=0)
+
+
+def test_pt_moe_noise_keeps_one_plus_eps_positive():
+    sigma = PtMoeConfig().noise_std
+    assert sigma == 0.1
+    # P(1 + eps < 0) = Phi(-1 / sigma): 7.6e-24 at 0.1 (it was 0.16 at sigma = 1)
+    assert 0.5 * torch.erfc(torch.tensor(1 / sigma / 2 ** 0.5, dtype=torch.float64)) < 1e-20

@@ -33,6 +33,20 @@ def test_all_linear_skips_the_head(build, count, head):
     assert len(paths) == count and head not in paths
 
 
+@pytest.mark.parametrize("build,count", [(tiny_bert_cls, 2 * 6 + 1), (tiny_gpt2_lm, 2 * 4)])
+def test_all_linear_skips_a_prompt_wrapper_of_the_embeddings(build, count):
+    from rankwise.adapters.prompt import PromptTuningConfig, apply_prompt_tuning
+
+    model = build()
+    apply_prompt_tuning(model, PromptTuningConfig(num_virtual_tokens=2))
+    paths = find_targets(model, "all-linear")
+    emb = next(p for p, m in model.named_modules() if type(m).__name__ == "PromptLayer")
+    assert len(paths) == count and emb not in paths          # was count + 1: the wrapper counted
+    assert find_targets(model, "block-linear") == [p for p in paths if ".0." in p or ".1." in p]
+    with pytest.raises(RankwiseError, match="not a linear layer"):
+        find_targets(model, [emb])
+
+
 def test_exclude_and_errors_name_real_modules():
     model = tiny_bert_cls()
     assert find_targets(model, ["query", "value"], exclude=["value"]) == \

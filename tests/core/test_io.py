@@ -82,3 +82,60 @@ def test_failed_save_keeps_previous_folder(tmp_path):
         save_adapter(model, tmp_path / "ad", CFG, extra={"bad": object()})
     assert (tmp_path / "ad" / WEIGHTS).read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ad"]  # no temporary left behind
+
+
+def test_same_shapes_other_weights_are_refused(tmp_path):
+    """The shape fingerprint alone accepts a base with other weights; the weight sample (16
+    values from each embedding table) does not."""
+    _trained(tmp_path)
+    other = tiny_bert_cls(seed=1)
+    assert fingerprint(other) == fingerprint(tiny_bert_cls())
+    with pytest.raises(RankwiseError, match="trained on other weights") as err:
+        load_adapter(other, tmp_path / "ad")
+    assert "bert.embeddings" in str(err.value) and "base model it was trained on" in str(err.value)
+    meta, _ = read_adapter(tmp_path / "ad")
+    tables = meta["weight_sample"]["tables"]
+    # word, position and token-type tables; the trained head (modules_to_save) is not sampled
+    assert sorted(tables) == ["bert.embeddings.position_embeddings.weight",
+                              "bert.embeddings.token_type_embeddings.weight",
+                              "bert.embeddings.word_embeddings.weight"]
+    assert all(len(v) == 16 for v in tables.values()) and meta["weight_sample"]["dtype"] == "float32"
+    word = tiny_bert_cls().bert.embeddings.word_embeddings.weight.reshape(-1)
+    n = word.numel()
+    idx = [k * (n // 16) + (k * 7919) % (n // 16) for k in range(16)]  # one per sixteenth
+    assert tables["bert.embeddings.word_embeddings.weight"] == word[idx].double().tolist()
+
+
+def test_one_changed_sampled_value_is_refused_and_other_dtypes_round(tmp_path):
+    _trained(tmp_path)
+    meta, _ = read_adapter(tmp_path / "ad")
+    value = meta["weight_sample"]["tables"]["bert.embeddings.word_embeddings.weight"][3]
+    n = tiny_bert_cls().bert.embeddings.word_embeddings.weight.numel()
+    i = 3 * (n // 16) + (3 * 7919) % (n // 16)
+    nudged = tiny_bert_cls()
+    with torch.no_grad():
+        nudged.bert.embeddings.word_embeddings.weight.view(-1)[i] = value * (1 + 2**-20)
+    with pytest.raises(RankwiseError, match="word_embeddings.weight differs"):
+        load_adapter(nudged, tmp_path / "ad")
+    # the same base stored in bf16 (an adapter trained on it loads onto the float32 original)
+    load_adapter(tiny_bert_cls().to(torch.bfloat16), tmp_path / "ad")
+    # ...but a bf16 base whose value is off by more than bf16's rounding (2**-7) is refused
+    off = tiny_bert_cls()
+    with torch.no_grad():
+        off.bert.embeddings.word_embeddings.weight.view(-1)[i] = value * (1 + 2**-5)
+    with pytest.raises(RankwiseError, match="trained on other weights"):
+        load_adapter(off.to(torch.bfloat16), tmp_path / "ad")
+
+
+def test_an_adapter_without_a_weight_sample_loads_with_a_warning(tmp_path):
+    model = _trained(tmp_path)
+    meta = json.loads((tmp_path / "ad" / CONFIG).read_text())
+    del meta["weight_sample"]                     # what rankwise wrote before it kept one
+    (tmp_path / "ad" / CONFIG).write_text(json.dumps(meta))
+    fresh = tiny_bert_cls(seed=1)                 # unnoticed, as before: only shapes are known
+    with pytest.warns(UserWarning, match="no weight checksum"):
+        load_adapter(fresh, tmp_path / "ad")
+    fresh = tiny_bert_cls()
+    with pytest.warns(UserWarning, match="no weight checksum"):
+        load_adapter(fresh, tmp_path / "ad")
+    torch.testing.assert_close(_logits(fresh), _logits(model), atol=0, rtol=0)

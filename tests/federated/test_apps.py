@@ -57,3 +57,23 @@ def test_fedlease_through_the_client_app(tmp_path):
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert set(strategy.run_metrics()) <= {"fedlease_experts", "fedlease_silhouettes"}
     client_app._CLIENTS.clear()
+
+
+def test_yoco_initial_global_adapter_is_built_by_the_strategy(tmp_path):
+    """Server and clients build the initial adapter through the strategy: YOCO's B from the SVD
+    of each base weight (non-zero), A zero, identical on both sides (same fingerprint)."""
+    raw = toy_config(write_toy_data(tmp_path / "toy.jsonl", n=32), strategy="yoco")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg, fed, _ = load_run(path)
+    evaluator = Evaluator(cfg, fed)
+    init = evaluator.initial()
+    a = [k for k, r in evaluator.roles.items() if r == "A"]
+    b = [k for k, r in evaluator.roles.items() if r == "B"]
+    assert a and len(a) == len(b)
+    assert all(float(init[k].abs().max()) == 0 for k in a)
+    assert all(float(init[k].abs().min()) > 0 for k in b)
+    from rankwise.federated.strategies.base import fingerprint
+    from rankwise.federated.task import build_client
+    client = build_client(path, 0)
+    assert fingerprint({k: p.detach() for k, p in client.params().items()}) == fingerprint(init)

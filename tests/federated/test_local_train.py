@@ -57,9 +57,9 @@ def yoco_reference(model, s: int, steps: int) -> torch.Tensor:
             target = torch.sign(u[:, : b.shape[1]])
             signs.append(torch.linalg.norm(torch.tanh(gamma * b) - target) / (torch.linalg.norm(target) + 1e-6))
             if m.lora_A["default"].weight.requires_grad:
-                sparse.append(m.lora_A["default"].weight.abs().mean())
+                sparse.append(m.lora_A["default"].weight.abs().sum())      # ||A||_1, entrywise
     return (YOCO[keys.YOCO_SIGN_WEIGHT] * torch.stack(signs).mean()
-            + YOCO[keys.YOCO_SPARSE_WEIGHT] * torch.stack(sparse).mean())
+            + YOCO[keys.YOCO_SPARSE_WEIGHT] * torch.stack(sparse).sum())
 
 
 @pytest.mark.parametrize("strategy,extra", [(FedIt, {}), (Yoco, YOCO)])
@@ -102,6 +102,45 @@ def test_yoco_hooks_ramp_gamma_over_the_local_steps():
         assert torch.allclose(got, yoco_reference(client.model, s, 4), atol=1e-6)
 
 
+def test_yoco_sparse_term_gradient_is_lambda_sign_a_per_entry():
+    """The paper's R_sparse = lambda ||A||_1: every entry of every trained A gets exactly
+    lambda sign(A) (the former lambda mean_A mean|A| gave lambda / (entries x matrices))."""
+    client = make_client(Yoco)
+    a_params = [p for n, p in client.model.named_parameters() if client.roles.get(n) == "A"]
+    with torch.no_grad():
+        for p in a_params:
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+    hooks = Yoco.loss_hooks(client.model, client.roles, YOCO, first_step=0, steps=4)
+    grads = torch.autograd.grad(hooks["yoco_sparse"](client.model, 0), a_params)
+    assert len(a_params) == 13
+    for p, g in zip(a_params, grads):
+        assert torch.equal(g, YOCO[keys.YOCO_SPARSE_WEIGHT] * torch.sign(p.detach()))
+
+
+def test_yoco_initial_b_comes_from_the_svd_of_w_and_a_is_zero():
+    """B0 = U_r S_r^{1/2} of each layer's base weight, A = 0: the global model starts at the
+    base model, and B's signs are the sign targets B_s."""
+    client = make_client(Yoco)
+    model = client.model
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    init = Yoco.initial_tensors(model, state, client.roles)
+    params = dict(model.named_parameters())
+    checked = 0
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+            name_a = next(n for n, p in params.items() if p is a)
+            name_b = next(n for n, p in params.items() if p is b)
+            u, sv, _ = torch.linalg.svd(m.base_layer.weight.detach().float(), full_matrices=False)
+            torch.testing.assert_close(init[name_b], u[:, :2] * sv[:2].sqrt(), rtol=0, atol=1e-6)
+            assert torch.equal(init[name_a], torch.zeros_like(a))
+            assert torch.equal(torch.sign(init[name_b]), torch.sign(u[:, :2]))
+            checked += 1
+    assert checked == 13
+    head = [n for n in state if n not in client.roles]
+    assert head and all(torch.equal(init[n], state[n]) for n in head)
+
+
 def test_ffa_trains_only_the_b_factors_found_through_the_protocol():
     from rankwise.federated.strategies import FfaLora
     client = make_client(FfaLora)
@@ -128,10 +167,10 @@ def test_leff_importance_and_query_answer():
         if layer_index(n) is not None:
             want[layer_index(n)] += float((p.grad * p.detach()).abs().sum())
     flags = [p.requires_grad for p in client.model.parameters()]
-    got = Leff.client_metrics(client, {keys.TRAIN_LAYERS: [1]})[keys.IMPORTANCE]
+    got = Leff.pre_train_metrics(client, {keys.TRAIN_LAYERS: [1]})[keys.IMPORTANCE]
     assert got == pytest.approx(want, rel=1e-5) and min(got) > 0
     assert [p.requires_grad for p in client.model.parameters()] == flags
-    assert Leff.client_metrics(client, {keys.TRAIN_LAYERS: []}) == {}
+    assert Leff.pre_train_metrics(client, {keys.TRAIN_LAYERS: []}) == {}
     answer = Leff.answer_query(client, {keys.CAPACITIES: [1, 2]}, {})
     assert answer[keys.CAPACITY] == 2 and answer[keys.IMPORTANCE] == pytest.approx(want, rel=1e-5)
     assert Leff.answer_query(client, {keys.CAPACITIES: [1, 2]}, {keys.CAPACITY: 5})[keys.CAPACITY] == 5

@@ -75,3 +75,27 @@ def test_simulation_survives_bad_and_crashed_clients(simulated):
     assert (out / "config.yaml").is_file()
     with pytest.raises(RankwiseError, match="already holds a finished run"):
         run_federated(None, [], out, base=toy_config(write_toy_data(out.parent / "t2.jsonl")))
+
+
+def test_results_plot_the_metric_the_task_has(tmp_path):
+    """A causal-LM run has no accuracy: its curve is the eval loss against the bytes sent (it
+    wrote no plot at all). A classification run keeps ``accuracy_vs_bytes.png``."""
+    from rankwise.federated.run import write_results
+
+    def fake_run(folder, metrics):
+        folder.mkdir()
+        rounds = [{"round": r, "bytes_up": 100 * r, "bytes_down": 50 * r, "cum_bytes": 150 * r * (r + 1) // 2,
+                   "aggregated": 2, **{k: round(v - 0.1 * r, 6) for k, v in metrics.items()}} for r in range(3)]
+        (folder / "rounds.jsonl").write_text("".join(json.dumps(e) + "\n" for e in rounds))
+        (folder / "metrics.json").write_text(json.dumps({
+            **{k: round(v - 0.2, 6) for k, v in metrics.items()}, "strategy": "fedavg", "rounds": 2, "bytes_up": 300,
+            "bytes_down": 150, "bytes_total": 450, "rejected": [], "failed": [], "missing": []}))
+        return folder
+
+    lm = fake_run(tmp_path / "lm", {"eval_loss": 4.2, "eval_perplexity": 66.7})
+    rows = write_results({"fedavg": lm}, lm)
+    assert (lm / "loss_vs_bytes.png").stat().st_size > 1000 and not (lm / "accuracy_vs_bytes.png").exists()
+    assert rows["fedavg"]["eval_loss"] == 4.0 and [e["eval_loss"] for e in rows["fedavg"]["per_round"]] == [4.2, 4.1, 4.0]
+    cls = fake_run(tmp_path / "cls", {"eval_accuracy": 0.5, "eval_loss": 1.0})
+    write_results({"fedavg": cls}, cls)
+    assert (cls / "accuracy_vs_bytes.png").stat().st_size > 1000 and not (cls / "loss_vs_bytes.png").exists()

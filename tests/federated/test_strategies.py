@@ -139,7 +139,7 @@ def test_leff_averages_each_layer_over_its_trainers():
              roles={l0a: "A", l1a: "A"})
     s.capacity = {1: 1, 2: 1, 3: 2}
     s.importance = {1: [1.0, 0.0], 2: [1.0, 0.0], 3: [1.0, 1.0]}
-    s.config.temperature = 1e-3  # nodes 1 and 2 pick layer 0 deterministically
+    s.config.temperature = 1e-3  # nodes 1 and 2 pick layer 0 deterministically (p ~ 1 - e^-1000)
     msgs = run_round(s, 1, FakeGrid([1, 2, 3]), lambda n, m: {k: torch.full((1, 2), float(n))
                                                               for k in s._expected[n]}, n={1: 10, 2: 30, 3: 10})
     assert [config_of(m)[keys.TRAIN_LAYERS] for m in msgs] == [[0], [0], [0, 1]]
@@ -148,11 +148,35 @@ def test_leff_averages_each_layer_over_its_trainers():
     assert torch.allclose(s.global_state["classifier.weight"], torch.full((1, 2), 2.0))
 
 
-def test_block_probabilities_softmax_of_block_importance():
-    p = block_probabilities([1.0, 2.0, 1.0], capacity=2, temperature=1.0)
-    assert len(p) == 2 and math.isclose(p[0], 0.5) and math.isclose(sum(p), 1.0)
-    p = block_probabilities([3.0, 1.0], capacity=1, temperature=0.5)   # scores 0.75/0.5, 0.25/0.5
-    assert math.isclose(p[0], 1 / (1 + math.exp(-1.0)))
+def test_block_probabilities_are_the_papers_softmax_of_block_importance():
+    """LEFF stage 2: p(block) = softmax(sum of its layers' importances), no normalisation."""
+    imp = [0.3, 1.2, 0.5, 2.0]
+    p = block_probabilities(imp, capacity=2)
+    scores = [1.5, 1.7, 2.5]
+    z = sum(math.exp(v) for v in scores)
+    assert all(math.isclose(a, math.exp(v) / z, rel_tol=1e-12) for a, v in zip(p, scores))
+    p = block_probabilities([3.0, 1.0], capacity=1, temperature=0.5)   # scores 3/0.5, 1/0.5
+    assert math.isclose(p[0], 1 / (1 + math.exp(-4.0)))
+    p = block_probabilities([3.0, 1.0], capacity=1, normalize=True)    # the old reading, opt-in
+    assert math.isclose(p[0], 1 / (1 + math.exp(-0.5)))
+
+
+def test_leff_importance_is_measured_on_the_received_global_model(monkeypatch):
+    """The importance a LEFF client reports is |g * theta| of the model it received, not of
+    the model its local training produced (the ClientApp calls pre_train_metrics before
+    training and client_metrics after)."""
+    import rankwise.federated.strategies.leff as leff_mod
+
+    class Client:  # what the hooks see of a ClientApp client
+        state = "received"
+
+    seen = []
+    monkeypatch.setattr(leff_mod, "client_importance", lambda c: seen.append(c.state) or [1.0])
+    c = Client()
+    before = leff_mod.Leff.pre_train_metrics(c, {keys.TRAIN_LAYERS: [0]})
+    c.state = "trained"
+    after = leff_mod.Leff.client_metrics(c, {keys.TRAIN_LAYERS: [0]})
+    assert seen == ["received"] and before == {keys.IMPORTANCE: [1.0]} and after == {}
 
 
 def test_yoco_is_one_shot_and_aggregates_a_by_principal_components():

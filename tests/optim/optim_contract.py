@@ -33,7 +33,8 @@ SPECS: dict[str, dict] = {
     "altlora": {"model": "bert", "method": {"name": "lora", "r": 2}},
     "altlora-plus": {"model": "bert", "method": {"name": "lora", "r": 2}},
     # t-SignSGD steps LoTA-QAF's ternary adapters; BERT, so a head trains on its AdamW group.
-    "t-signsgd": {"model": "bert", "method": {"name": "lota-qaf", "r": 2}},
+    # Its threshold schedule needs a length (a run config takes train.steps).
+    "t-signsgd": {"model": "bert", "method": {"name": "lota-qaf", "r": 2}, "config": {"total_steps": 10}},
     # The geometric optimizers step factorized U S V^T layers.
     "lowrank-hb": {"method": {"name": "lowrank", "rank": 2}},
     "lowrank-adam": {"method": {"name": "lowrank", "rank": 2}},
@@ -46,6 +47,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "galore+oja": ("galore", {"projector": "oja"}),
     "galore+oja-int4": ("galore", {"projector": "oja", "oja_bits": 4}),
     "sumo+oja": ("sumo", {"projector": "oja"}),
+    # Block 4 (the residual outside the subspace) with its norm-growth limiter: a 0-dim state.
+    "sumo+residual": ("sumo", {"residual": True, "norm_growth": 1.01}),
 }
 
 

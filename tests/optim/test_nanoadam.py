@@ -1,5 +1,6 @@
 """NanoAdam: a gradient-free mask of each tensor's smallest weights; entries outside it are
-bit-identical after training; AdamW parity at density 1; state held for the selected entries only."""
+bit-identical after training; AdamW parity at density 1 across mask recomputations; moments kept
+for entries that stay selected; state held for the selected entries only."""
 import math
 
 import pytest
@@ -71,22 +72,50 @@ def test_mask_is_the_smallest_weights_and_ignores_the_gradient():
     assert picks[0] == picks[1] == [1, 3, 5]
 
 
-def test_density_one_is_adamw():
+def test_density_one_is_adamw_across_mask_recomputations():
+    # mask_interval 3 over 9 steps: the mask is recomputed at steps 1, 4 and 7 and selects the
+    # whole tensor each time, which must change nothing (the old reset drifted 0.030 by step 6)
     g = torch.Generator().manual_seed(0)
     w0 = torch.randn(6, 5, generator=g)
     p, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
-    opt = NanoAdam([{"params": [p], "masked": True, "density": 1.0, "mask_interval": 1000}],
+    opt = NanoAdam([{"params": [p], "masked": True, "density": 1.0, "mask_interval": 3}],
                    lr=0.01, weight_decay=0.1)
     ref_opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1)
-    for _ in range(5):
+    for _ in range(9):
         grad = torch.randn(6, 5, generator=g)
         p.grad, ref.grad = grad.clone(), grad.clone()
         opt.step()
         ref_opt.step()
-    torch.testing.assert_close(p.detach(), ref.detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(p.detach(), ref.detach(), atol=1e-6, rtol=1e-6)
+    assert opt.state[p]["entry_step"].tolist() == [9] * 30
 
 
-def test_state_is_three_words_per_selected_entry():
+def test_a_recomputed_mask_keeps_the_moments_of_entries_that_stay():
+    # entries 0, 1 are the smallest and stay selected; entry 3 leaves, entry 2 enters
+    p = torch.nn.Parameter(torch.tensor([0.01, -0.02, 0.9, 0.5]))
+    opt = NanoAdam([{"params": [p], "masked": True, "density": 0.75, "mask_interval": 2}], lr=1e-3)
+    p.grad = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    opt.step()                                                          # mask {0, 1, 3}
+    st = opt.state[p]
+    assert st["index"].tolist() == [0, 1, 3]
+    with torch.no_grad():
+        p[3] = 5.0                                                      # 3 is now the largest
+    opt.step()                                                          # step 2: same mask
+    opt.step()                                                          # step 3: recomputed
+    st = opt.state[p]
+    assert st["index"].tolist() == [0, 1, 2]
+    assert st["entry_step"].tolist() == [3, 3, 1]
+    # kept entries: three moment updates with the same g, m = (1 - 0.9^3) g (a reset: 0.1 g)
+    torch.testing.assert_close(st["exp_avg"][:2], (1 - 0.9 ** 3) * torch.tensor([1.0, 2.0]))
+    torch.testing.assert_close(st["exp_avg_sq"][:2], (1 - 0.999 ** 3) * torch.tensor([1.0, 4.0]))
+    # the entering entry starts afresh: one update from zero
+    torch.testing.assert_close(st["exp_avg"][2], torch.tensor(0.1 * 3.0))
+    torch.testing.assert_close(st["exp_avg_sq"][2], torch.tensor(0.001 * 9.0))
+    # and its first step is Adam's first step: lr * g / (|g| + eps), i.e. 1e-3
+    torch.testing.assert_close(p.detach()[2], torch.tensor(0.9 - 1e-3))
+
+
+def test_state_is_four_words_per_selected_entry():
     model = tiny_llama_lm()
     cfg = NanoAdamConfig(density=0.1)
     opt = build_nanoadam(model, cfg)
@@ -94,9 +123,13 @@ def test_state_is_three_words_per_selected_entry():
     per_tensor = [(st["index"].numel(), st["index"].dtype) for st in opt.state.values() if "index" in st]
     assert all(dtype == torch.int32 for _, dtype in per_tensor)
     adamw = 2 * sum(p.numel() for p in model.parameters())
-    # 3 words per selected entry of the masked tensors; the head (64 x 16) and norms stay dense
-    assert state_bytes(opt) == 4 * nanoadam_state_floats(model, cfg) == 4 * 3900
-    assert 3900 < 0.3 * adamw
+    # 4 words per selected entry (index, two moments, step count); head (64 x 16) and norms dense
+    assert state_bytes(opt) == 4 * nanoadam_state_floats(model, cfg) == 4 * 4464
+    assert 4464 < 0.35 * adamw
+    again = build_nanoadam(model, cfg)
+    again.load_state_dict(opt.state_dict())              # torch would cast them to float32
+    assert {st["index"].dtype for st in again.state.values() if "index" in st} == {torch.int32}
+    assert {st["entry_step"].dtype for st in again.state.values() if "index" in st} == {torch.int32}
 
 
 def test_density_schedule():

@@ -62,11 +62,15 @@ def test_step_is_adamw_plus_decoupled_regularizer():
 
 
 def test_regularizer_drives_tail_spectrum_down():
+    """Least squares towards a random 16 x 16 target from the target itself: the tail beyond
+    rank 4 keeps 0.594 of the norm without Q3R, 0.456 with it. (From a zero init, eps would
+    become sigma_5(0) = 0 at the first reweighting and, in the authors' form, every direction
+    then lies above eps with weight 0: the regularizer vanishes.)"""
     gen = torch.Generator().manual_seed(2)
     target = torch.randn(16, 16, generator=gen)
     tails = []
     for lam in (0.0, 1.0):
-        w = torch.nn.Parameter(torch.zeros(16, 16))
+        w = torch.nn.Parameter(target.clone())
         opt = Q3RAdamW([{"params": [w], "rank": 4, "lam": lam, "update_every": 5}], lr=0.02)
         for _ in range(150):
             opt.zero_grad()
@@ -74,7 +78,7 @@ def test_regularizer_drives_tail_spectrum_down():
             opt.step()
         s = torch.linalg.svdvals(w.detach())
         tails.append(float(s[4:].norm() / s.norm()))
-    assert tails[1] < 0.75 * tails[0]
+    assert tails[1] < 0.8 * tails[0]
 
 
 def test_truncate_to_factorized_equals_rank_r_weights():
@@ -86,7 +90,7 @@ def test_truncate_to_factorized_equals_rank_r_weights():
             if isinstance(mod, torch.nn.Linear) and ".layers." in name:
                 u, s, vh = torch.linalg.svd(mod.weight, full_matrices=False)
                 mod.weight.copy_(u[:, :r] @ torch.diag(s[:r]) @ vh[:r])
-    report = truncate_to_factorized(model, rank=r)
+    report = truncate_to_factorized(model, rank=r, scale_rank=False)
     assert report["layers"] == 14
     assert report["params_after"] < report["params_before"]
     batch = tiny_batch("llama")
@@ -106,8 +110,92 @@ def test_tracked_reweighting_matches_the_exact_one_on_a_slowly_moving_weight(ite
     for _ in range(4):
         w = w + 1e-3 * torch.randn(48, 64, generator=gen)
         exact = reweight(w, 8, eps)
-        moved = (exact[0] @ exact[0].T - u @ u.T).norm()
+        top = exact[0][:, :8]                                              # the top r = 8 directions
+        moved = (top @ top.T - u[:, :8] @ u[:, :8].T).norm()
         u, v, sp, eps = reweight_tracked(w, 8, eps, u, iters=iters, generator=gen)
-        assert (u @ u.T - exact[0] @ exact[0].T).norm() < share * moved
+        assert (u[:, :8] @ u[:, :8].T - top @ top.T).norm() < share * moved
         assert eps == pytest.approx(exact[3], rel=1e-2)                   # sigma_{r+1} schedule
-        torch.testing.assert_close(sp, exact[2], atol=atol, rtol=0)
+        k = min(len(sp), len(exact[2]))                                   # envelopes may differ at the edge
+        torch.testing.assert_close(sp[:k], exact[2][:k], atol=atol, rtol=0)
+
+
+def _spectrum_matrix(m, n, sigma, seed):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))[0][:, : len(sigma)]
+    v = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))[0][:, : len(sigma)]
+    return u @ torch.diag(sigma) @ v.T, u, v
+
+
+def test_every_direction_above_eps_is_reweighted_not_only_the_top_r():
+    """Issue 27: the authors' update_weightoperator gives eps / sigma to every direction with
+    sigma > eps. A 64 x 96 weight, r = 8, eps = 0.3 (a running minimum below sigma_9 = 1.75):
+    penalty <W, R(W)> = 0.09 #{sigma > 0.3} + sum_{sigma <= 0.3} sigma^2 = 5.28 (the top-r-only
+    form gave 60.2), and the gradient 2 R(W) on a direction j > r with sigma_j > eps is
+    2 eps^2 / sigma_j (0.103 at sigma_9 = 1.75; the top-r-only form kept 2 sigma_9 = 3.50)."""
+    sigma = torch.linspace(2.0, 0.05, 64, dtype=torch.float64)
+    w, u_full, v_full = _spectrum_matrix(64, 96, sigma, seed=3)
+    eps, r = 0.3, 8
+    u, v, sp, new_eps = reweight(w, r, eps)
+    assert new_eps == eps                                           # min(0.3, sigma_9 = 1.75)
+    above = int((sigma > eps).sum())
+    assert sp.shape == (above,) and above == 55 > r
+    torch.testing.assert_close(sp, eps / sigma[:above] - 1, rtol=1e-10, atol=0)
+    penalty = float(q3r_value(w, u, v, sp))
+    expect = eps ** 2 * above + float((sigma[above:] ** 2).sum())
+    assert penalty == pytest.approx(expect, rel=1e-9) and penalty == pytest.approx(5.2794, abs=1e-3)
+    assert float(_direct_value(w, w, eps)) == pytest.approx(expect, rel=1e-9)
+    grad = 2 * q3r_operator(w, u, v, sp)
+    coeff = torch.diagonal(u_full.T @ grad @ v_full)               # gradient along each u_j v_j^T
+    torch.testing.assert_close(coeff[r:above], 2 * eps ** 2 / sigma[r:above], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(coeff[above:], 2 * sigma[above:], rtol=1e-9, atol=1e-12)
+    assert float(coeff[r]) == pytest.approx(0.1027, abs=1e-3)
+    # and at any other point X, value and gradient equal the direct formula
+    x = torch.randn(64, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    direct = _direct_value(x, w, eps)
+    assert float(q3r_value(x.detach(), u, v, sp)) == pytest.approx(float(direct.detach()), rel=1e-9)
+    direct.backward()
+    torch.testing.assert_close(2 * q3r_operator(x.detach(), u, v, sp), x.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["eigh", "subspace"])
+def test_optimizer_reweights_directions_beyond_r_after_eps_falls(how):
+    """Reweight at W0 (eps = sigma_{r+1}(W0)), then the weight doubles: eps stays, so sigma_{r+1}
+    .. of 2 W0 lie above it and get eps / sigma (exact and tracked reweighting alike)."""
+    sigma = torch.logspace(0, -2, 24, dtype=torch.float64)
+    w0, _, _ = _spectrum_matrix(24, 32, sigma, seed=6)
+    w = torch.nn.Parameter(w0.float().clone())
+    opt = Q3RAdamW([{"params": [w], "rank": 4, "scale_rank": False, "lam": 1e-9, "update_every": 1,
+                     "reweight": how, "power_iters": 2}], lr=1e-12)
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    eps = float(opt.state[w]["q3r_eps"])
+    assert eps == pytest.approx(float(sigma[4]), rel=1e-4)
+    with torch.no_grad():
+        w.mul_(2)
+    opt.step()
+    st = opt.state[w]
+    above = int((2 * sigma > eps).sum())                           # 2 sigma_i > sigma_5: i <= 8
+    assert above == 8 > 4
+    assert float(st["q3r_eps"]) == pytest.approx(eps, rel=1e-6)
+    sp = st["q3r_weights"][:above]
+    # tracked: the Ritz value of the edge direction (2 sigma_8 = 1.3 eps) is 1.2e-3 off in s'
+    torch.testing.assert_close(sp.double(), eps / (2 * sigma[:above]) - 1, rtol=0, atol=3e-3)
+    assert bool((st["q3r_weights"][above:] == 0).all())
+    x = torch.randn(24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    direct = _direct_value(x, 2 * w0, eps)
+    got = q3r_value(x.float(), st["q3r_u"], st["q3r_v"], st["q3r_weights"])
+    assert float(got) == pytest.approx(float(direct), rel=2e-3)
+
+
+def test_target_rank_reads_the_rank_as_the_authors_code():
+    from rankwise.optim.q3r import target_rank
+    assert target_rank(8, (64, 96)) == 12                          # int(8 * 96 / 64)
+    assert target_rank(8, (96, 64)) == 12
+    assert target_rank(8, (64, 96), scale=False) == 8
+    assert target_rank(0.05, (64, 96)) == 4                        # int(0.05 * max(m, n))
+    assert target_rank(32, (128, 512)) == 128                      # = min: left to AdamW
+    w = torch.nn.Parameter(torch.randn(16, 64))
+    opt = Q3RAdamW([{"params": [w], "rank": 4}], lr=1e-3)          # target rank 16 = min(16, 64)
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    assert "q3r_u" not in opt.state[w]

@@ -25,7 +25,8 @@ def test_two_steps_with_transport_match_formula():
     g1, g2 = torch.randn(10, 6, generator=gen), torch.randn(10, 6, generator=gen)
     lr, mu, scale, r = 0.1, 0.9, 0.2, 2
     w = torch.nn.Parameter(w0.clone())
-    opt = SumoOptimizer([{"params": [w], "rank": r, "update_every": 1, "momentum": mu, "scale": scale}], lr=lr)
+    opt = SumoOptimizer([{"params": [w], "rank": r, "update_every": 1, "momentum": mu, "scale": scale,
+                          "scale_rule": "rms"}], lr=lr)
     factor = lr * scale * math.sqrt(60 / r)
 
     def top_right(g):
@@ -71,3 +72,68 @@ def test_polar_batch_equals_the_svd_polar_factor():
     o = orthogonalize(m)
     u, _, vh = torch.linalg.svd(m)
     assert torch.allclose(o, u[:, :1] @ vh[:1], atol=1e-6)
+
+
+def _one_step_update(shape, rank, **group):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(*shape, generator=gen))
+    before = w.detach().clone()
+    opt = SumoOptimizer([{"params": [w], "rank": rank, **group}], lr=0.1)
+    w.grad = torch.randn(*shape, generator=gen)
+    opt.step()
+    return w.detach() - before, opt, w
+
+
+def test_uniform_alpha_makes_the_update_norm_independent_of_the_shape():
+    """The paper's lr * alpha * Q O: ||update||_F = lr alpha sqrt(r) for 32 x 128 and 32 x 32
+    alike (0.1 * 5 * 2 = 1.0); the RMS rule's sqrt(mn/r) made them differ by sqrt(4) = 2x in
+    norm per unit RMS (the issue's 1024 x 4096 vs 1024 x 1024)."""
+    norms = {shape: float(_one_step_update(shape, 4)[0].norm()) for shape in [(32, 128), (32, 32)]}
+    for n in norms.values():
+        assert abs(n - 0.1 * 5.0 * 2) < 1e-4
+    rms = {shape: float(_one_step_update(shape, 4, scale_rule="rms", scale=0.2)[0].pow(2).mean().sqrt())
+           for shape in [(32, 128), (32, 32)]}
+    for r in rms.values():
+        assert abs(r - 0.1 * 0.2) < 1e-5                                # RMS = lr * scale, any shape
+
+
+def test_residual_block_steps_along_the_gradient_outside_the_subspace():
+    """Block 4 (residual: true): update = lr alpha (Q O + phi (G - Q Q^T G)),
+    phi = ||O||_F / ||Q^T G||_F; without it nothing moves outside the subspace."""
+    gen = torch.Generator().manual_seed(2)
+    w0, g = torch.randn(8, 20, generator=gen), torch.randn(8, 20, generator=gen)   # wide: left basis
+    r, lr, alpha = 3, 0.1, 5.0
+    w = torch.nn.Parameter(w0.clone())
+    opt = SumoOptimizer([{"params": [w], "rank": r, "residual": True}], lr=lr)
+    w.grad = g.clone()
+    opt.step()
+    q = torch.linalg.svd(g)[0][:, :r]                                    # (8, r) top-r left basis
+    low = q.T @ g
+    o = _polar(low)
+    phi = o.norm() / low.norm()
+    expect = w0 - lr * alpha * (q @ o + phi * (g - q @ q.T @ g))
+    assert torch.allclose(w.detach(), expect, atol=1e-5)
+    outside = lambda d: (d - q @ (q.T @ d)).norm()
+    v = torch.nn.Parameter(w0.clone())
+    plain = SumoOptimizer([{"params": [v], "rank": r}], lr=lr)
+    v.grad = g.clone()
+    plain.step()
+    assert float(outside(w.detach() - w0)) > 0.1 and float(outside(v.detach() - w0)) < 1e-5
+
+
+def test_norm_growth_limiter_caps_the_residual_growth():
+    """norm_growth 1.01: a 10x larger gradient at step 2 grows the residual term by 1.01x."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(8, 20, generator=gen)
+    w = torch.nn.Parameter(torch.randn(8, 20, generator=gen))
+    opt = SumoOptimizer([{"params": [w], "rank": 3, "residual": True, "norm_growth": 1.01,
+                          "update_every": 100}], lr=0.1)
+    w.grad = g.clone()
+    opt.step()
+    first = float(opt.state[w]["residual_norm"])
+    q = opt.state[w]["proj_basis"]
+    phi = 3 ** 0.5 / float((q.T @ g).norm())
+    assert abs(first - phi * float((g - q @ (q.T @ g)).norm())) < 1e-4
+    w.grad = 10 * g + torch.randn(8, 20, generator=gen)
+    opt.step()
+    assert abs(float(opt.state[w]["residual_norm"]) - 1.01 * first) < 1e-4

@@ -98,17 +98,16 @@ def test_markdown_perplexity_rows():
 
 
 def test_lr_sweep_chooses_on_validation_and_trains_seeds_at_the_best(config, tmp_path, monkeypatch):
-    import rankwise.recipes.compare as cmp
-    from rankwise.recipes import sweep
+    from rankwise.recipes import runs, sweep
 
     seen = []
-    real = cmp._run_one
+    real = runs.run_one
 
-    def spy(raw, run_dir, console):
+    def spy(raw, run_dir, console, quiet=False):
         seen.append((raw["data"].get("holdout", "eval"), raw["optim"]["lr"], raw["train"]["seed"], run_dir.name))
-        return real(raw, run_dir, console)
+        return real(raw, run_dir, console, quiet)
 
-    monkeypatch.setattr(cmp, "_run_one", spy)
+    monkeypatch.setattr(runs, "run_one", spy)
     cfg = yaml.safe_load(config.read_text())
     cfg["compare"]["lora"] = {"lr_grid": [0.001, 0.01, 0.1]}
     config.write_text(yaml.safe_dump(cfg))

@@ -1,7 +1,10 @@
 """rankwise inside the HF ecosystem: ``transformers.Trainer`` trains a model adapted by
 ``rankwise.apply`` (GoRA, calibrated on batches) with ``rankwise.optimizer`` (GaLore), saves, and
-the saved adapter exports to a PEFT folder that PEFT itself loads with the same outputs."""
+the saved adapter exports to a PEFT folder that PEFT itself loads with the same outputs; and every
+registered method trains under a plain ``Trainer`` on the engine's task loss."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -66,3 +69,62 @@ def test_trainer_trains_saves_and_exports_to_peft(tmp_path):
         assert torch.allclose(loaded(**inputs).logits, want, atol=1e-5)
         plain = load_model("tiny-llama", LM, seed=0)[0].eval()
         assert not torch.allclose(plain(**inputs).logits, want, atol=1e-4)           # the adapter matters
+
+
+# Small settings on the tiny Llama (those of tests/test_contract.py); PT-MoE without router noise
+# and top_k = num_experts, so its loss is deterministic and every expert is reached.
+SETTINGS = {
+    "lora": {"r": 2}, "gora": {"r": 2, "r_min": 1, "r_max": 4, "n_batches": 2},
+    "moe-lora": {"num_experts": 3, "top_k": 2, "r": 2}, "lope": {"r": 2, "num_experts": 2},
+    "smore": {"experts": [3, 2], "ranks": [2, 2], "fanout": [2, 1], "gate_dims": [4, 4], "down_dim": 4},
+    "fvae-lora": {"r": 2, "enc_hidden": 8, "dec_hidden": 8}, "lota-qaf": {"r": 2}, "lowrank": {"rank": 2},
+    "prompt-tuning": {"num_virtual_tokens": 3},
+    "pt-moe": {"num_virtual_tokens": 3, "num_experts": 2, "rank": 2, "top_k": 2, "noise_std": 0.0},
+}
+CANNOT_RUN = {  # method -> why the Trainer cannot train it on a causal LM
+    "frozen": "frozen trains only a classification head; a causal LM has none, so nothing trains",
+}
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    _, tok = load_model("tiny-llama", LM, seed=0)
+    cfg = DataConfig(source="stdlib-functions", format="prompt-completion", max_length=48, limit=16,
+                     cache_dir=str(tmp_path_factory.mktemp("cache")))
+    train, _ = build_data(cfg, LM, tok)
+    return [train[i] for i in range(4)], tok.pad_token_id
+
+
+@pytest.mark.parametrize("name", rankwise.registry.names("method"))
+def test_trainer_trains_every_method_on_the_engine_objective(name, examples, tmp_path):
+    """What ``Trainer`` optimises (``model(**batch).loss``) is the engine's task loss to 1e-6 (for
+    prompt methods: the virtual tokens are in the model's own forward), and three Trainer steps
+    move every trainable tensor that loss reaches. Auxiliary losses (router balance, FVAE's ELBO
+    terms) are the engine's addition; a plain Trainer does not add them."""
+    if name in CANNOT_RUN:
+        pytest.skip(CANNOT_RUN[name])
+    transformers = pytest.importorskip("transformers")
+    items, pad_id = examples
+    batch = LM.collate(items, pad_id)
+    model, _ = load_model("tiny-llama", LM, seed=0)
+    calib = {"batches": [batch, batch]} if rankwise.registry.get("method", name).needs_batches else {}
+    rankwise.apply(model, name, **calib, **SETTINGS.get(name, {}))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=3, per_device_train_batch_size=4, save_strategy="no",
+        logging_steps=1, report_to=[], use_cpu=True, seed=0, remove_unused_columns=False, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Examples(items),
+                                   data_collator=lambda it: LM.collate(it, pad_id))
+    model.eval()                                                   # deterministic (FVAE samples in training)
+    with torch.no_grad():
+        theirs, ours = trainer.compute_loss(model, batch), LM.mean_loss(model, batch)
+    assert abs(theirs.item() - ours.item()) < 1e-6, (theirs.item(), ours.item())
+    model.train()
+    trainer.compute_loss(model, batch).backward()
+    reached = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    model.zero_grad(set_to_none=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert reached and reached <= set(before)
+    result = trainer.train()
+    assert result.global_step == 3 and all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    moved = {n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
+    assert reached <= moved, sorted(reached - moved)

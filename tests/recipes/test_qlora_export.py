@@ -117,3 +117,39 @@ def test_merged_export_after_evaluation_and_cpu_repacking(llama64, docstrings_js
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         # the packed layout stores block scales in bf16: weights agree to bf16 rounding
         assert (p.float() - q.float()).abs().max() <= 2 ** -6 * q.float().abs().max(), name
+
+
+def test_compress_of_a_qlora_run_compresses_the_merged_model(qlora_run, tmp_path):
+    """docs/compression.md: any finished run is accepted. A QLoRA run is merged into its
+    dequantized base exactly as ``export --format merged`` writes it, then compressed."""
+    import yaml
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from rankwise.cli import main
+    small = {"sequences": 2, "length": 16}
+
+    def compress(method: dict, out):
+        cfg = tmp_path / f"{out}.yaml"
+        cfg.write_text(yaml.safe_dump({"model": {"path": str(qlora_run)},
+                                       "compress": {**method, "calibration": small, "heldout": small}}))
+        result = CliRunner().invoke(main, ["compress", str(cfg), "--out", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+        return load_file(tmp_path / out / "model.safetensors"), json.loads(
+            (tmp_path / out / "report.json").read_text())
+
+    export_run(qlora_run, "merged", tmp_path / "merged")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    same, report = compress({"method": "none"}, "none")   # the identity: exactly the merged model
+    assert set(same) == set(merged) and all(torch.equal(same[k], merged[k]) for k in merged)
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert report["heldout"]["before"] == report["heldout"]["after"]
+    pruned, report = compress({"method": "magnitude", "sparsity": 0.5}, "magnitude")
+    assert len(report["layers"]) == 14                     # every linear of the 2 blocks
+    for path in report["layers"]:
+        w, ref = pruned[f"{path}.weight"], merged[f"{path}.weight"]
+        kept = w != 0
+        assert torch.equal(w[kept], ref[kept])             # what survives is the merged weight
+        assert abs(kept.float().mean().item() - 0.5) < 0.01
+        # ...and pruning (layer-wise) removed its smallest magnitudes
+        assert ref[~kept].abs().max() <= ref[kept].abs().min()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -89,6 +90,17 @@ def test_resume_under_torchrun_and_a_world_size_mismatch(tmp_path):
     a = json.loads((tmp_path / "full" / "metrics.json").read_text())
     b = json.loads((part / "metrics.json").read_text())
     assert b["eval_loss"] == a["eval_loss"] and losses(part) == losses(tmp_path / "full")
+
+
+def test_a_config_error_prints_once(tmp_path):
+    """Both processes hit the same config error: one ``error:`` line (rank 0's), both exit 2
+    (torchrun then adds its own failure report; a process it stopped first shows SIGTERM)."""
+    proc = torchrun(tmp_path, tmp_path / "run", "optim.lr=-1")
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "optim.lr" in lines[0], proc.stderr[-3000:]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    assert proc.returncode != 0 and "2" in codes and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 def _free_port() -> int:

@@ -42,7 +42,7 @@ BITS, GROUP = 4, 128
 
 ROWS: dict[str, dict] = {
     "lota-qaf": {**DEMO_BASE, "method": {"name": "lota-qaf", "r": 16, "bits": BITS, "group_size": GROUP},
-                 "optim": {"name": "t-signsgd", "lr": 2e-3, "total_steps": DEMO_BASE["train"]["steps"]}},
+                 "optim": {"name": "t-signsgd", "lr": 2e-3}},
     "lora-rtn4": {**DEMO_BASE, "method": {"name": "lora", "r": 8, "alpha": 16},
                   "optim": {"name": "adamw", "lr": 2e-3}},
     "qlora-nf4": {**DEMO_BASE, "model": {**DEMO_BASE["model"], "quantize": "nf4"},

@@ -59,6 +59,14 @@ def is_wrapped(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Module)
 
 
+def is_wrapped_linear(module: nn.Module) -> bool:
+    """True for an adapter layer whose innermost ``base_layer`` is linear-like (a prompt
+    wrapper of the input embeddings is wrapped too, but not a linear layer)."""
+    while is_wrapped(module):
+        module = module.base_layer
+    return is_linear_like(module)
+
+
 def head_paths(model: nn.Module) -> set[str]:
     """Paths of the model's output heads (its output embeddings and :data:`HEAD_NAMES`)."""
     heads = set()
@@ -111,7 +119,7 @@ def find_targets(model: nn.Module, targets: list[str] | str,
     candidates = [(p, m) for p, m in model.named_modules()
                   if p and not any(p.startswith(w + ".") for w in wrapped)
                   and not any(matches(p, e) for e in exclude)]
-    linear = [(p, m) for p, m in candidates if is_linear_like(m) or is_wrapped(m)]
+    linear = [(p, m) for p, m in candidates if is_linear_like(m) or is_wrapped_linear(m)]
     if targets in KEYWORDS:
         heads = head_paths(model)
         found = [p for p, _ in linear if p not in heads and (targets == "all-linear" or in_block(p))]
@@ -132,7 +140,7 @@ def find_targets(model: nn.Module, targets: list[str] | str,
             f"{what} {targets!r} matched no module; linear layers here end in: {sample} "
             f"(e.g. {names[0] if names else 'n/a'}); use such names or 'all-linear'")
     modules = dict(model.named_modules())
-    bad = [p for p in found if not (is_linear_like(modules[p]) or is_wrapped(modules[p]))]
+    bad = [p for p in found if not (is_linear_like(modules[p]) or is_wrapped_linear(modules[p]))]
     if bad:
         raise RankwiseError(
             f"{what} {targets!r} matched {bad[0]!r} ({type(modules[bad[0]]).__name__}), which "

@@ -1,15 +1,18 @@
 """rankwise's own adapter format: ``adapter.safetensors`` + ``rankwise_adapter.json``.
 
 The JSON holds the method config, the *structure* each adapter layer describes of itself
-(the protocol's ``describe``: per-layer ranks, expert counts...), and a fingerprint of the base
-model's parameter shapes. Loading rebuilds the layers through the method's registry entry, so
-this module knows no method. Loading onto a different base model fails with a message naming both.
+(the protocol's ``describe``: per-layer ranks, expert counts...), a fingerprint of the base
+model's parameter shapes and a sample of its embedding weights (``weight_sample``, a cheap
+checksum). Loading rebuilds the layers through the method's registry entry, so this module
+knows no method. Loading onto a different base model - other shapes, or the same shapes with
+other weights - fails with a message naming both.
 Nothing is ever unpickled.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,8 @@ from rankwise.core import atomic
 from rankwise.core.ops import (adapter_state_dict, load_adapter_state_dict, mark_trainable,
                                modules_to_save, set_modules_to_save)
 from rankwise.core.protocol import adapter_modules, describe
-from rankwise.core.weights import logical_shapes
+from rankwise.core.quant import keep_training_layout
+from rankwise.core.weights import logical_shapes, sample_mismatch, weight_sample
 from rankwise.errors import RankwiseError
 
 WEIGHTS = "adapter.safetensors"
@@ -106,6 +110,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, method_config: Any,
         "format": "rankwise-adapter", "version": FORMAT_VERSION, "method": cfg,
         "structure": structure(model, name), "modules_to_save": modules_to_save(model),
         "base_model": model_id(model), "fingerprint": fingerprint(model), "extra": extra or {},
+        "weight_sample": weight_sample(model, modules_to_save(model)),
     }
     out_dir = Path(out_dir)
     with atomic.folder(out_dir) as tmp:
@@ -142,6 +147,22 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, tensors
 
 
+def _check_weights(model: nn.Module, meta: dict, path: Path) -> None:
+    """Refuse a base with the adapter's shapes but other weights (the saved weight sample);
+    adapters written before the sample was recorded load with a warning."""
+    saved = meta.get("weight_sample")
+    if saved is None:
+        warnings.warn(f"adapter in {path} records no weight checksum (written by an older rankwise): "
+                      "only the base model's shapes were checked", UserWarning, stacklevel=3)
+        return
+    differs = sample_mismatch(saved, weight_sample(model, meta.get("modules_to_save", [])))
+    if differs is not None:
+        raise RankwiseError(
+            f"adapter in {path} was trained on other weights than this model's: {differs} differs "
+            f"from the base it was trained on ({meta.get('base_model')!r}), though every shape "
+            "matches; load it onto the base model it was trained on")
+
+
 def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> dict:
     """Inject and load a saved adapter into ``model`` (in place).
 
@@ -163,6 +184,8 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> d
             f"adapter in {path} was trained on base model {meta.get('base_model')!r} "
             f"(fingerprint {meta.get('fingerprint')}), but this model is {model_id(model)!r} "
             f"(fingerprint {have}); load it onto the base model it was trained on")
+    _check_weights(model, meta, path)
+    keep_training_layout(model)  # a 4-bit base packed by an earlier eval forward is unpacked
     rebuild(model, meta.get("method", {}), name, meta.get("structure") or {},
             meta.get("modules_to_save", []))
     load_adapter_state_dict(model, tensors, name)

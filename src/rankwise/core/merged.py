@@ -15,6 +15,38 @@ from rankwise.core.quant import dequantize_model, quantized_paths
 from rankwise.errors import RankwiseError
 
 
+def merge_plain(model: nn.Module, adapter_name: str | None = None,
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """Fold the adapters into the base weights in place and strip the adapter layers: the
+    model :func:`export_merged` writes (``rankwise compress`` of a run compresses this one).
+
+    A quantized base is dequantized first (bf16 unless ``dtype`` says otherwise), so the
+    adapter is added to exactly the weights it was trained against.
+
+    Args:
+        model: An adapted model (changed in place).
+        adapter_name: Merge only this adapter; ``None`` merges the active adapters.
+        dtype: Cast the merged model to this dtype (default: bf16 for a quantized base, else
+            as it is).
+
+    Returns:
+        The plain model.
+
+    Raises:
+        RankwiseError: If an adapter layer is not mergeable.
+    """
+    check_mergeable(model)
+    if quantized_paths(model):
+        dtype = dtype or torch.bfloat16
+        dequantize_model(model, dtype)
+    model = merge_and_unload(model, adapter_name)
+    if dtype is not None:
+        model.to(dtype)
+        if getattr(model, "config", None) is not None:
+            model.config.dtype = dtype
+    return model
+
+
 def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
                   adapter_name: str | None = None, dtype: torch.dtype | None = None) -> Path:
     """Save a copy of ``model`` with its adapters merged, as a plain transformers model folder.
@@ -52,15 +84,7 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
         names = {n for _, m in adapter_modules(model) for n in m.adapter_names()}
         if adapter_name not in names:
             raise RankwiseError(f"no adapter named {adapter_name!r}; adapters here: {sorted(names)}")
-    merged = copy.deepcopy(model)
-    if quantized_paths(merged):
-        dtype = dtype or torch.bfloat16
-        dequantize_model(merged, dtype)
-    merged = merge_and_unload(merged, adapter_name)
-    if dtype is not None:
-        merged.to(dtype)
-        if getattr(merged, "config", None) is not None:
-            merged.config.dtype = dtype
+    merged = merge_plain(copy.deepcopy(model), adapter_name, dtype)
     out_dir = Path(out_dir)
     with atomic.folder(out_dir) as tmp:
         merged.save_pretrained(str(tmp))

@@ -24,10 +24,16 @@ capability          meaning                                                     
 ==================  =============================================================  ==========
 
 Whole-model input adapters (prompt tuning: virtual tokens in front of the sequence) implement
-:class:`InputAdapter` instead; :func:`transform_inputs` applies them to a batch.
+:class:`InputAdapter` instead; :func:`transform_inputs` applies them to a batch, and
+:func:`attach_input_hook` makes the model's own forward (``model(...)``, ``generate``, HF
+``Trainer``) apply them too. Both are one mechanism: the hook calls :func:`transform_inputs`,
+and leaves alone a batch that :func:`transform_inputs` already made, so the engine (which needs
+the extended labels for its own loss) transforms explicitly and nothing is prefixed twice.
 """
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
@@ -227,8 +233,118 @@ def input_adapters(model: nn.Module) -> list[InputAdapter]:
     return [m for m in model.modules() if isinstance(m, InputAdapter) and m is not model]
 
 
+# The main input tensor of every batch transform_inputs changed, by id (weakly held: an entry
+# goes with its tensor). The model's input hook passes such a batch through untouched.
+_TRANSFORMED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def _main_input(batch: dict[str, Any]) -> Any:
+    embeds = batch.get("inputs_embeds")
+    return embeds if embeds is not None else batch.get("input_ids")
+
+
 def transform_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Pass ``batch`` through every :class:`InputAdapter` of ``model`` (unchanged if none)."""
+    """Pass ``batch`` through every :class:`InputAdapter` of ``model`` (unchanged if none).
+
+    The result is remembered (by its ``inputs_embeds`` / ``input_ids`` tensor), so the model's
+    input hook (:func:`attach_input_hook`) does not transform it a second time.
+    """
+    before = _main_input(batch)
     for adapter in input_adapters(model):
         batch = adapter.transform_inputs(model, batch)
+    after = _main_input(batch)
+    if isinstance(after, torch.Tensor) and after is not before:
+        _TRANSFORMED[id(after)] = after
     return batch
+
+
+def _cached_length(kwargs: dict[str, Any]) -> int:
+    """Positions already in the KV cache of a forward call (0: a first, uncached forward)."""
+    for key in ("cache", "past_key_values"):  # transformers 5 renamed past_key_values to cache
+        cache = kwargs.get(key)
+        if cache is None:
+            continue
+        length = getattr(cache, "get_seq_length", None)
+        if callable(length):
+            return int(length())
+        if isinstance(cache, (tuple, list)) and cache and cache[0] is not None:  # legacy tuples
+            return int(cache[0][0].shape[-2])
+    return 0
+
+
+class InputHook:
+    """Forward pre-hook (with kwargs) on the top model that applies its input adapters, so a
+    plain ``model(input_ids=..., labels=...)`` (HF ``Trainer``, a user's loop) and
+    ``model.generate`` see the virtual tokens exactly as the engine does.
+
+    * A first (uncached) forward goes through :func:`transform_inputs` (with an all-ones
+      attention mask if the call has none): the prefix in front, attention mask and labels
+      extended. ``position_ids`` (``generate`` passes them) are set aside and come back shifted
+      by the ``v`` virtual positions; restarting (packed) positions are refused.
+    * A cached step (``generate`` after its first step: the cache holds the prefix) only gets the
+      ``v`` positions the caller does not know about: ones in front of a 2-D attention mask that
+      covers just the real tokens, and ``position_ids`` / ``cache_position`` shifted by ``v``.
+    * A batch :func:`transform_inputs` already made (the engine's) passes unchanged.
+    """
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        adapters = input_adapters(model)
+        v = sum(a.virtual_tokens() for a in adapters)
+        if not v:
+            return None
+        if args:  # positional inputs by the forward's parameter names (input_ids first)
+            names = [p.name for p in inspect.signature(model.forward).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            kwargs = {**dict(zip(names, args)), **kwargs}
+        main = _main_input(kwargs)
+        if main is None or _TRANSFORMED.get(id(main)) is main:
+            return (), kwargs
+        past = _cached_length(kwargs)
+        if past:
+            return (), _cached_step(kwargs, v, past)
+        out = dict(kwargs)
+        if out.get("attention_mask") is None:  # generate drops an all-ones mask; adapters get one
+            out["attention_mask"] = torch.ones(main.shape[:2], dtype=torch.long, device=main.device)
+        positions = out.pop("position_ids", None)
+        cache_position = out.pop("cache_position", None)
+        out = transform_inputs(model, out)
+        if positions is not None:
+            if bool((positions.diff(dim=-1) < 0).any()):
+                from rankwise.errors import RankwiseError
+                raise RankwiseError("virtual tokens cannot prefix packed sequences (restarting "
+                                    "position_ids: each packed example would need its own prompt); "
+                                    "set data.packing: false")
+            front = torch.arange(v, device=positions.device, dtype=positions.dtype)
+            out["position_ids"] = torch.cat([front.expand(*positions.shape[:-1], v), positions + v], -1)
+        if cache_position is not None:
+            out["cache_position"] = torch.arange(v + cache_position.shape[-1], device=cache_position.device)
+        return (), out
+
+
+def _cached_step(kwargs: dict[str, Any], v: int, past: int) -> dict[str, Any]:
+    """A cached forward's kwargs with the ``v`` virtual positions the caller left out.
+
+    The caller counts real tokens only (as ``generate`` does) when its 2-D mask, or its last
+    position, is ``v`` short of ``past + new``; inputs that already count the prefix pass as
+    they are.
+    """
+    out = dict(kwargs)
+    total = past + _main_input(out).shape[1]                      # cache + this step's tokens
+    mask = out.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] + v == total:
+        out["attention_mask"] = torch.cat([mask.new_ones(mask.shape[0], v), mask], dim=1)
+    for key in ("position_ids", "cache_position"):
+        pos = out.get(key)
+        if isinstance(pos, torch.Tensor) and pos.numel() and int(pos.max()) + 1 + v == total:
+            out[key] = pos + v
+    return out
+
+
+def attach_input_hook(model: nn.Module) -> None:
+    """Make ``model``'s own forward apply its input adapters (:class:`InputHook`); idempotent.
+
+    Builders of input-adapter methods call it on the model they adapt; without input adapters
+    the hook does nothing.
+    """
+    if not any(isinstance(h, InputHook) for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(InputHook(), with_kwargs=True)

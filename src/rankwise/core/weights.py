@@ -103,6 +103,80 @@ def logical_shapes(model: nn.Module) -> dict[str, list[int]]:
     return out
 
 
+SAMPLES_PER_TABLE = 16
+
+
+def weight_sample(model: nn.Module, skip: list[str] | tuple[str, ...] = ()) -> dict:
+    """A few values of the base model's embedding tables: the cheap weight checksum that an
+    adapter file keeps beside the shape fingerprint, so that a base with the same shapes but
+    other weights is caught (:func:`sample_mismatch`).
+
+    Embedding tables are chosen because nothing else in rankwise changes them: bitsandbytes
+    quantizes only linear layers (a QLoRA adapter still loads onto its 16-bit base), and no
+    method rewrites them (LoTA-QAF requantizes, and factorized low-rank layers release, linear
+    weights). From each table (adapter parameters and ``skip`` modules - trained heads - left
+    out) ``SAMPLES_PER_TABLE`` values are read at fixed positions, one in each sixteenth of the
+    flattened table.
+
+    Args:
+        model: The base model, adapted or not (names are taken without ``.base_layer``).
+        skip: Module paths whose parameters train with the adapter (``modules_to_save``).
+
+    Returns:
+        ``{"dtype": storage dtype, "tables": {parameter name: [float, ...]}}``; no tables for
+        a model without ``nn.Embedding``.
+    """
+    from rankwise.core.protocol import adapter_modules
+    adapter_ids = {id(p) for _, m in adapter_modules(model) for n in m.adapter_names()
+                   for p in m.adapter_params(n).values()}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    out, dtype = {}, None
+    for name, p in model.named_parameters():
+        key = name.replace(".base_layer", "")
+        if id(p) not in tables or id(p) in adapter_ids or any(
+                key.startswith(f"{s}.") for s in skip):
+            continue
+        flat = p.detach().reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            continue
+        k = torch.arange(SAMPLES_PER_TABLE)
+        stride = n // SAMPLES_PER_TABLE
+        idx = k * stride + (k * 7919) % stride if stride else k % n
+        out[key] = flat[idx.to(flat.device)].double().cpu().tolist()
+        dtype = dtype or str(p.dtype).removeprefix("torch.")
+    return {"dtype": dtype, "tables": out}
+
+
+def sample_mismatch(saved: dict, now: dict) -> str | None:
+    """The first embedding table whose sampled values differ, or ``None`` if they agree.
+
+    Values must be equal when both samples were stored in one dtype; across dtypes (an adapter
+    trained on a bf16 base loaded onto the float32 original) each may differ by the rounding
+    of the coarser dtype.
+
+    Args:
+        saved: :func:`weight_sample` at save time.
+        now: :func:`weight_sample` of the model being loaded onto.
+
+    Returns:
+        A parameter name, or ``None``.
+    """
+    dtypes = [getattr(torch, d, None) for d in (saved.get("dtype"), now.get("dtype"))]
+    same = dtypes[0] == dtypes[1]
+    finfo = [torch.finfo(d) for d in dtypes if isinstance(d, torch.dtype) and d.is_floating_point]
+    rtol = 0.0 if same or not finfo else max(f.eps for f in finfo)
+    atol = 0.0 if same or not finfo else max(f.tiny for f in finfo)
+    for name, values in saved.get("tables", {}).items():
+        have = now.get("tables", {}).get(name)
+        if have is None or len(have) != len(values):
+            return name
+        a, b = torch.tensor(values, dtype=torch.float64), torch.tensor(have, dtype=torch.float64)
+        if not torch.allclose(a, b, rtol=rtol, atol=atol):
+            return name
+    return None
+
+
 def quantized_numel(model: nn.Module) -> dict[int, int]:
     """``{id(storage parameter): out * in}`` for every quantized base layer of ``model``."""
     out = {}

@@ -148,11 +148,11 @@ def packed_training_data(model: nn.Module, data: Any, capacity: int, device: str
     """Pack ``data`` for training ``model``, after checking the model keeps examples apart.
 
     Raises:
-        RankwiseError: If the model has input adapters (virtual tokens would prefix a whole
-            block, not each example) or lets packed examples attend to each other.
+        RankwiseError: If the model has input adapters that add virtual tokens (they would
+            prefix a whole block, not each example) or lets packed examples attend to each other.
     """
     from rankwise.core.protocol import input_adapters
-    if input_adapters(model):
+    if any(a.virtual_tokens() for a in input_adapters(model)):  # LoPE's noise adds none
         raise RankwiseError("data.packing cannot be combined with a method that adds virtual "
                             "tokens (they would prefix a whole block); set data.packing: false")
     check_packed_attention(model, device)

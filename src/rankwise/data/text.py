@@ -306,7 +306,7 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         train_ds = eval_ds = _encode(data_cfg.source, data_cfg, enc, uses_labels)
         held_out = _column(train_ds, "_eval")
         train_rows, eval_rows = np.flatnonzero(~held_out), np.flatnonzero(held_out)
-    if getattr(data_cfg, "holdout", "eval") == "validation":  # carve from training, never eval
+    if data_cfg.holdout == "validation":  # carve from training, never eval
         eval_ds, (train_rows, eval_rows) = train_ds, validation_split(train_rows, data_cfg.validation_fraction)
     if data_cfg.limit:
         train_rows = train_rows[: data_cfg.limit]
@@ -334,7 +334,7 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         index = {n: i for i, n in enumerate(names)}
     pad = tokenizer.pad_token_id
     train_data = ArrowData(train_ds, train_rows, names, index, pad, data_cfg.format, dropped[0])
-    if getattr(data_cfg, "label_noise", 0.0):  # flip a fixed fraction of training labels
+    if data_cfg.label_noise:  # flip a fixed fraction of training labels
         from rankwise.data.noise import flip_labels
         train_data = flip_labels(train_data, data_cfg.label_noise, data_cfg.label_noise_seed)
     return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, data_cfg.format, dropped[1])

@@ -277,6 +277,20 @@ def _comm_error(err: BaseException) -> bool:
                                    "socket", "broken pipe", "store"))
 
 
+_JOINING = False  # this process has started joining torchrun's group (see errors_are_shared)
+
+
+def errors_are_shared() -> bool:
+    """True on a torchrun rank other than 0 that has not started joining the process group.
+
+    Until then every process only reads the same config and files, so a user error it raises is
+    the one rank 0 raises too: the CLI prints it on rank 0 alone (one line, not one per process)
+    and exits 2 everywhere. From joining on, errors can be a process's own (a lost peer) and
+    every process prints its line.
+    """
+    return os.environ.get("RANK", "0") not in ("", "0") and not _JOINING
+
+
 def setup(kind: str = "ddp", timeout_s: float = 600.0) -> Distributed:
     """Join torchrun's process group when ``WORLD_SIZE > 1`` (idempotent).
 
@@ -290,9 +304,11 @@ def setup(kind: str = "ddp", timeout_s: float = 600.0) -> Distributed:
     Raises:
         RankwiseError: If the rendezvous fails.
     """
+    global _JOINING
     world = world_size_from_env()
     if world == 1:
         return Distributed(kind=kind, timeout_s=timeout_s)
+    _JOINING = True
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if not tdist.is_initialized():
         cuda = torch.cuda.is_available()
@@ -313,4 +329,4 @@ def teardown() -> None:
         tdist.destroy_process_group()
 
 
-__all__ = ["Distributed", "setup", "teardown", "world_size_from_env"]
+__all__ = ["Distributed", "errors_are_shared", "setup", "teardown", "world_size_from_env"]

@@ -1,9 +1,11 @@
 """Text generation from an adapted causal LM (samples at evaluation, ``rankwise generate``).
 
-The prompt goes through the model's input adapters (:func:`rankwise.core.protocol.transform_inputs`)
-exactly as a training batch does, so virtual-token methods generate with their prefix; the
-decoding loop is transformers' ``generate`` (KV cache, temperature / top-p sampling,
-streaming). Adapters that cannot be merged need nothing special: generation runs their forward.
+The prompt goes through the model's input adapters by the model's own input hook
+(:func:`rankwise.core.protocol.attach_input_hook`: the same :func:`~rankwise.core.protocol.transform_inputs`
+a training batch goes through, and on cached steps the extra positions), so virtual-token
+methods generate with their prefix exactly as ``model.generate`` does for a user; the decoding
+loop is transformers' ``generate`` (KV cache, temperature / top-p sampling, streaming).
+Adapters that cannot be merged need nothing special: generation runs their forward.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from rankwise.core.protocol import transform_inputs
+from rankwise.core.protocol import attach_input_hook, input_adapters
 
 
 class _Streamer:
@@ -66,7 +68,8 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_i
     was = model.training
     model.eval()
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    batch = transform_inputs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    if input_adapters(model):  # input adapters built outside a rankwise builder apply as well
+        attach_input_hook(model)
     kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_id,
                               "pad_token_id": pad_id, "use_cache": True}
     if temperature > 0:
@@ -80,15 +83,8 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_i
         new_name = int(transformers.__version__.split(".")[0]) >= 5
         kwargs["cache" if new_name else "past_key_values"] = cache
     try:
-        if "inputs_embeds" in batch:  # an input adapter replaced the ids by embeddings
-            out = model.generate(inputs_embeds=batch["inputs_embeds"],
-                                 attention_mask=batch["attention_mask"], **kwargs)
-            new = out[0]
-            new = new[-max_new_tokens:] if new.shape[0] > max_new_tokens else new
-        else:
-            out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 **kwargs)
-            new = out[0, batch["input_ids"].shape[1]:]
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        new = out[0, ids.shape[1]:]
     finally:
         model.train(was)
     tokens = new.tolist()

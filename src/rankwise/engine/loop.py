@@ -189,7 +189,7 @@ class Engine:
         seed: Seeds the batch order.
         scheduler: Learning-rate scheduler stepped after every optimizer step (optional).
         grad_accum: Micro-batches per step.
-        grad_clip: Max gradient norm (0 = off).
+        grad_clip: Max gradient norm (0 or ``None`` = off).
         precision: ``fp32``, ``bf16`` or ``fp16`` autocast (fp16 adds a gradient scaler).
         device: Where batches go.
         loss_hooks: Extra loss terms by name, ``fn(model, step) -> tensor``, added to every
@@ -202,7 +202,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, dataset: Any,
                  batch_size: int, seed: int = 0, scheduler: Any = None, grad_accum: int = 1,
-                 grad_clip: float = 0.0, precision: str = "fp32", device: str = "cpu",
+                 grad_clip: float | None = None, precision: str = "fp32", device: str = "cpu",
                  loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = (),
                  dist: Any = None) -> None:
         if precision not in PRECISIONS:
@@ -278,14 +278,16 @@ class Engine:
                 raise NonFiniteLoss(step + 1, bad)
             self.dist.sync_grads(self.params)
         mean = total / norm
-        self._update(step, mean)
+        # The loss an optimizer sees (NGN-M's f) is the objective whose gradient it steps on:
+        # the task loss plus the auxiliary and hook terms.
+        self._update(step, mean + sum(aux_sum.values()))
         return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=tokens)
 
     def _update(self, step: int, loss: float) -> None:
         opt = self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
-        if self.grad_clip > 0:
+        if self.grad_clip:
             nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         try:
             kwargs = {"loss": torch.tensor(loss)} if getattr(opt, "needs_closure_loss", False) else {}
@@ -328,7 +330,8 @@ class Engine:
             The final :class:`TrainState`.
 
         Raises:
-            NonFiniteLoss: As :meth:`train_step` (after ``on_error`` callbacks ran).
+            NonFiniteLoss: As :meth:`train_step`, after the ``on_fit_exit`` callbacks ran (they
+                run however the loop ends; ``on_fit_end`` only when it completes).
             KeyboardInterrupt: After ``on_interrupt`` callbacks ran (they save a checkpoint).
         """
         state = TrainState(step=start_step, start_step=start_step, total_steps=steps,
@@ -397,9 +400,11 @@ def evaluate(model: nn.Module, task: Task, data: Any, batch_size: int, device: s
     for start in range(0, len(data), batch_size):
         items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
         batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
-        with autocast():
-            loss_sum, out = task.loss_sum(model, batch)
-        task.eval_update(stats, batch, out, loss_sum)
+        for part in task.eval_parts(model, batch):  # a causal LM's logits stay under a budget
+            with autocast():
+                loss_sum, out = task.loss_sum(model, part)
+            task.eval_update(stats, part, out, loss_sum)
+            del loss_sum, out  # freed before the next forward, not after it
     model.train(was_training)
     return task.eval_metrics(stats)
 

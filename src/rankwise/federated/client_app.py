@@ -136,7 +136,9 @@ def train(msg: Message, ctx: Context) -> Message:
     strategy.prepare_model(client.model, cfg_rec)
     load_tensors(client.params(), from_record(msg.content.array_records[keys.ARRAYS]))
     ctx.state[_SYNC] = ConfigRecord({keys.SYNC_ROUND: int(cfg_rec[keys.ROUND])})
+    before = strategy.pre_train_metrics(client, cfg_rec)  # on the global model just received
     sent, metrics = local_train(client, cfg_rec)
+    metrics.update(before)
     metrics.update(strategy.client_metrics(client, cfg_rec))
     ctx.state[keys.STATE] = to_record(client.params())
     structure = strategy.model_structure(cfg_rec)

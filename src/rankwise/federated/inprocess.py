@@ -68,7 +68,7 @@ class LocalGrid:
 
 
 def run_inprocess(config_path: str | Path, out: str | Path, node_ids: Iterable[int] | None = None,
-                  grid: LocalGrid | None = None) -> dict:
+                  grid: LocalGrid | None = None, resume: bool = False) -> dict:
     """Run a whole federation in this process and write the run folder (as the ServerApp does).
 
     Args:
@@ -76,6 +76,7 @@ def run_inprocess(config_path: str | Path, out: str | Path, node_ids: Iterable[i
         out: The run folder (``rounds.jsonl``, ``metrics.json``).
         node_ids: Node ids of the partitions (see :class:`LocalGrid`).
         grid: A prepared grid (e.g. a subclass that serves nodes from several caches).
+        resume: Continue from the newest round checkpoint in ``out``.
 
     Returns:
         The run's ``metrics.json`` content.
@@ -85,4 +86,4 @@ def run_inprocess(config_path: str | Path, out: str | Path, node_ids: Iterable[i
         if getattr(TaskIdentity, f"_{name}") is None:
             setattr(TaskIdentity, name, 0)
     grid = grid or LocalGrid(config_path, node_ids)
-    return run_server(grid, str(config_path), out)
+    return run_server(grid, str(config_path), out, resume=resume)

@@ -8,7 +8,8 @@ needs an app folder with a ``pyproject.toml`` and a background SuperLink, which 
 deployment recipe in ``docs/federated.md`` (the same apps, unchanged).
 
 The run folder gets ``config.yaml`` (resolved; the clients read it), ``rounds.jsonl``,
-``metrics.json``, ``results.md`` and ``accuracy_vs_bytes.png``.
+``metrics.json``, ``results.md`` and ``accuracy_vs_bytes.png`` (``loss_vs_bytes.png`` for a task
+without accuracy, such as causal-lm).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def resolve(config_path: Path | None, sets: list[str], base: dict | None = None)
     """
     from rankwise.recipes.config import load_run_config
     cfg = load_run_config(config_path, sets, base)
-    fed = from_dict(FederatedConfig, cfg.federated, "federated")
+    fed = cfg.federated or FederatedConfig()  # validated with the run config
     entry = registry.get("strategy", fed.strategy_name())
     from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
     if entry.builder.needs_factors and not registry.get("method", cfg.method.name).factorized:
@@ -59,16 +60,18 @@ def write_config(cfg, fed: FederatedConfig, out: Path) -> Path:
     return path
 
 
-def simulate(config_file: Path, out: Path, fed: FederatedConfig) -> None:
-    """Run the ServerApp and ClientApp on Flower's simulation runtime (one process + Ray)."""
+def simulate(config_file: Path, out: Path, fed: FederatedConfig, resume: bool = False) -> None:
+    """Run the ServerApp and ClientApp on Flower's simulation runtime (one process + Ray);
+    ``resume`` continues from the newest round checkpoint in ``out``."""
     from flwr.simulation import run_simulation
 
     from rankwise.federated.client_app import ENV_CONFIG
     from rankwise.federated.client_app import app as client_app
-    from rankwise.federated.server_app import ENV_OUT
+    from rankwise.federated.server_app import ENV_OUT, ENV_RESUME
     from rankwise.federated.server_app import app as server_app
     os.environ[ENV_CONFIG] = str(config_file.resolve())
     os.environ[ENV_OUT] = str(out.resolve())
+    os.environ[ENV_RESUME] = "1" if resume else "0"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Ray runs workers at niceness 15 by default; on a shared CPU the clients then starve.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -87,7 +90,9 @@ def read_rounds(run: Path) -> list[dict]:
 
 
 def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs") -> dict:
-    """Results table (``results.md``, ``results.json``) and accuracy-vs-bytes plot of runs.
+    """Results table (``results.md``, ``results.json``) and the metric-vs-bytes plot of runs:
+    ``accuracy_vs_bytes.png`` (global eval accuracy), or ``loss_vs_bytes.png`` (global eval loss)
+    when no run has an accuracy (causal-lm).
 
     Args:
         runs: ``{label: run folder}``.
@@ -114,8 +119,9 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
                        "per_round": [{k: e.get(k) for k in ("round", "eval_accuracy", "eval_loss", "bytes_up",
                                                              "bytes_down", "cum_bytes", "aggregated")}
                                      for e in lines]}
-        if any("eval_accuracy" in e for e in lines):
-            curves[label] = [(e["cum_bytes"] / 1e6, e["eval_accuracy"]) for e in lines]
+        for key in ("eval_accuracy", "eval_loss"):
+            if any(key in e for e in lines):
+                curves.setdefault(key, {})[label] = [(e["cum_bytes"] / 1e6, e[key]) for e in lines if key in e]
     md = ["| run | strategy | final acc. | initial acc. | final eval loss | rounds | MB up | MB down | MB total | MB/round |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in rows.items():
@@ -126,13 +132,17 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
                   f"{r['bytes_down'] / 1e6:.3f} | {r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
     atomic.write_bytes(out / "results.md", ("\n".join(md) + "\n").encode())
     atomic.write_json(out / "results.json", rows)
-    if curves:
-        plot_curves(curves, out / "accuracy_vs_bytes.png", "cumulative MB sent (up + down)",
+    if curves.get("eval_accuracy"):
+        plot_curves(curves["eval_accuracy"], out / "accuracy_vs_bytes.png", "cumulative MB sent (up + down)",
                     "global eval accuracy", title)
+    elif curves.get("eval_loss"):  # causal-lm: no accuracy, the loss tells the same story
+        plot_curves(curves["eval_loss"], out / "loss_vs_bytes.png", "cumulative MB sent (up + down)",
+                    "global eval loss", title)
     return rows
 
 
-def run_federated(config_path: Path | None, sets: list[str], out: Path, base: dict | None = None) -> dict:
+def run_federated(config_path: Path | None, sets: list[str], out: Path, base: dict | None = None,
+                  resume: bool = False) -> dict:
     """Run a federated fine-tuning from a run config (the ``rankwise federated`` command).
 
     Args:
@@ -140,13 +150,17 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
         sets: ``--set`` overrides (``federated.strategy=rolora``).
         out: The run folder (must not hold a finished run).
         base: A raw config dict used instead of a file (tests, the benchmark).
+        resume: Continue the run in ``out`` from its newest round checkpoint; the config must
+            be the one the run was started with.
 
     Returns:
         The run's ``metrics.json`` content.
 
     Raises:
-        RankwiseError: On config problems or an occupied run folder.
+        RankwiseError: On config problems, an occupied run folder, or a resume that does not
+            match the folder.
     """
+    from rankwise.federated.checkpoint import list_rounds
     out = atomic.check_folder(out)
     cfg, fed = resolve(config_path, sets, base)
     if out.is_dir() and any(out.iterdir()) and not (out / "rounds.jsonl").exists():
@@ -154,7 +168,20 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
                             "choose another --out")
     if (out / "metrics.json").exists():
         raise RankwiseError(f"run folder {out} already holds a finished run; choose another --out")
+    if resume:
+        if not list_rounds(out):
+            raise RankwiseError(f"{out} has no completed round to resume from; run without --resume")
+        saved = yaml.safe_load((out / "config.yaml").read_text()) if (out / "config.yaml").is_file() else None
+        now = yaml.safe_load(yaml.safe_dump({**cfg.to_dict(), "federated": dataclasses.asdict(fed)}))
+        if saved != now:
+            diff = sorted(k for k in set(saved or {}) | set(now) if (saved or {}).get(k) != now.get(k))
+            raise RankwiseError(f"the config differs from {out / 'config.yaml'} in {diff}; resume with "
+                                f"the run's own config: rankwise federated {out / 'config.yaml'} --out {out} --resume")
+    elif list_rounds(out):
+        raise RankwiseError(f"{out} holds an interrupted federated run; continue it with --resume "
+                            "or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    simulate(write_config(cfg, fed, out), out, fed)
+    config_file = out / "config.yaml" if resume else write_config(cfg, fed, out)
+    simulate(config_file, out, fed, resume=resume)
     write_results({fed.strategy_name(): out}, out, title=f"{fed.strategy_name()} ({fed.partition})")
     return json.loads((out / "metrics.json").read_text())

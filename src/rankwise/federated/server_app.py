@@ -1,7 +1,8 @@
 """The rankwise Flower ServerApp: runs the configured strategy and evaluates centrally.
 
 Writes into the run folder: ``rounds.jsonl`` (one line per round, round 0 = the initial
-adapter) and ``metrics.json`` (final global eval metrics, ``rounds``, ``bytes_up``,
+adapter), ``checkpoints/round-NNNN/`` after every round (a resumed run continues from the
+newest, :mod:`rankwise.federated.checkpoint`) and ``metrics.json`` (final global eval metrics, ``rounds``, ``bytes_up``,
 ``bytes_down``). The folder comes from the run config key ``rankwise-out`` or the environment
 variable ``RANKWISE_FED_OUT``.
 """
@@ -21,12 +22,14 @@ from rankwise.configs import from_dict
 from rankwise.core import atomic
 from rankwise.engine import evaluate
 from rankwise.federated import keys
+from rankwise.federated.checkpoint import load_round, save_round
 from rankwise.federated.payload import to_record
 from rankwise.federated.task import (build_session, initial_state, load_run, majority_share,
                                      partitions)
 from rankwise.federated.wire import factor_roles, load_tensors, mark_wire
 
 ENV_OUT = "RANKWISE_FED_OUT"
+ENV_RESUME = "RANKWISE_FED_RESUME"  # "1": continue from the newest round checkpoint
 OUT_KEY = keys.RUN_OUT
 LOG = logging.getLogger("rankwise.federated")
 
@@ -114,16 +117,21 @@ def build_strategy(cfg, fed, initial: dict, roles: dict[str, str]):
     return entry.builder(scfg, fed, initial, train_config, roles=roles)
 
 
-def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
-    """Run a whole federation on ``grid`` and write the run folder.
+def run_server(grid: Grid, config_path: str, out: str | Path, resume: bool = False) -> dict:
+    """Run a whole federation on ``grid`` and write the run folder, with a checkpoint after
+    every round (:mod:`rankwise.federated.checkpoint`).
 
     Args:
         grid: Flower's Grid (simulation or deployment).
         config_path: The run config with a ``federated`` section.
         out: The run folder.
+        resume: Continue from the newest round checkpoint in ``out``.
 
     Returns:
         The metrics written to ``metrics.json``.
+
+    Raises:
+        RankwiseError: ``resume`` without a checkpoint, or one of another strategy.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,11 +140,18 @@ def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
     strategy = build_strategy(cfg, fed, evaluator.initial(), evaluator.roles)
     num_rounds = strategy.num_rounds(fed.rounds)
     lines: list[dict] = []
-    began = time.perf_counter()
+    prior = 0.0
+    if resume:
+        strategy.round_offset, lines, prior = load_round(out, strategy)
+        LOG.info("resuming after round %d of %d", strategy.round_offset, num_rounds)
+    began = time.perf_counter() - prior
     rounds_path = out / "rounds.jsonl"
-    rounds_path.write_text("")
+    atomic.write_bytes(rounds_path, "".join(json.dumps(e) + "\n" for e in lines).encode())
 
     def evaluate_fn(server_round: int, _arrays) -> MetricRecord:
+        if server_round == 0 and strategy.round_offset:  # evaluated before the interruption
+            return MetricRecord({k: float(v) for k, v in lines[-1].items() if k.startswith("eval_")})
+        server_round += strategy.round_offset
         metrics = evaluator(strategy)
         entry = dict(strategy.history[-1]) if server_round > 0 and strategy.history else {
             "round": 0, "bytes_up": 0, "bytes_down": 0}
@@ -147,11 +162,14 @@ def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
         lines.append(entry)
         with rounds_path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
+        if server_round > 0:
+            save_round(out, server_round, strategy, lines, time.perf_counter() - began)
         LOG.info("round %d: %s", server_round, metrics)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
-    strategy.start(grid=grid, initial_arrays=to_record(strategy.global_state), num_rounds=num_rounds,
-                   timeout=fed.round_timeout, evaluate_fn=evaluate_fn)
+    strategy.start(grid=grid, initial_arrays=to_record(strategy.global_state),
+                   num_rounds=num_rounds - strategy.round_offset, timeout=fed.round_timeout,
+                   evaluate_fn=evaluate_fn)
     final = {k: v for k, v in lines[-1].items() if k.startswith("eval_")}
     metrics = {**final, "strategy": strategy.name, "rounds": num_rounds, "clients": fed.clients,
                "partition": fed.partition, "method": cfg.method.name,
@@ -162,6 +180,8 @@ def run_server(grid: Grid, config_path: str, out: str | Path) -> dict:
                "missing": sorted({n for e in lines for n in e.get("missing", [])}),
                "rejected": sorted({n for e in lines for n in e.get("rejected", [])}),
                "wall_time_s": round(time.perf_counter() - began, 2)}
+    if strategy.round_offset:
+        metrics["resumed_after_round"] = strategy.round_offset
     metrics["bytes_total"] = metrics["bytes_up"] + metrics["bytes_down"]
     metrics.update(strategy.run_metrics())
     atomic.write_json(out / "metrics.json", metrics)
@@ -177,4 +197,4 @@ def main(grid: Grid, context: Context) -> None:
     if not path or not out:
         raise RuntimeError(f"set {RUN_CONFIG_KEY!r} and {OUT_KEY!r} in the run config "
                            f"(or {ENV_CONFIG} and {ENV_OUT})")
-    run_server(grid, str(path), str(out))
+    run_server(grid, str(path), str(out), resume=os.environ.get(ENV_RESUME) == "1")

@@ -22,14 +22,13 @@ import torch
 from torch import nn
 
 from rankwise import registry
-from rankwise.configs import from_dict
 from rankwise.data.text import TextData
 from rankwise.engine import Engine, NonFiniteLoss, Task
 from rankwise.engine.loop import LossHook
 from rankwise.federated import keys
 from rankwise.federated.config import FederatedConfig
 from rankwise.federated.partition import partition
-from rankwise.federated.wire import factor_roles, mark_wire, set_trainable
+from rankwise.federated.wire import factor_roles, load_tensors, mark_wire, set_trainable
 
 LOG = logging.getLogger("rankwise.federated")
 _RUNS: dict[str, tuple] = {}
@@ -52,7 +51,7 @@ def load_run(config_path: str | Path) -> tuple:
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if key not in _RUNS:
         cfg = load_run_config(Path(config_path))
-        fed = from_dict(FederatedConfig, cfg.federated, "federated")
+        fed = cfg.federated or FederatedConfig()
         _RUNS[key] = (cfg, fed, key)
     return _RUNS[key]
 
@@ -112,7 +111,8 @@ def build_session(cfg, fed: FederatedConfig | None = None, device: str = "cpu"):
     Args:
         cfg: The run config.
         fed: The federated settings; with ``head: frozen`` the task head is frozen here, before
-            anyone records what trains (so it never travels).
+            anyone records what trains (so it never travels); the strategy's
+            ``initial_tensors`` hook sets the initial adapter (server and clients alike).
         device: Where the model goes.
 
     Returns:
@@ -126,6 +126,11 @@ def build_session(cfg, fed: FederatedConfig | None = None, device: str = "cpu"):
     session = prepare(cfg, device=device)
     if fed is not None and fed.head == "frozen":
         freeze_head(session.model)
+    if fed is not None:  # the strategy's initial adapter (YOCO: B from the SVD of W), on every side
+        model = session.model
+        state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        strategy = registry.get("strategy", fed.strategy_name()).builder
+        load_tensors(dict(model.named_parameters()), strategy.initial_tensors(model, state, factor_roles(model)))
     return session
 
 

@@ -147,7 +147,7 @@ class MatrixAdamW(torch.optim.Optimizer):
                         **self.group_defaults)
         super().__init__(params, defaults)
         for group in self.param_groups:
-            if group.get("rank") is not None and (group["rank"] < 1 or group["update_every"] < 1):
+            if group.get("rank") is not None and (group["rank"] <= 0 or group["update_every"] < 1):
                 raise ValueError(f"rank and update_every must be positive: got {group['rank']}, "
                                  f"{group['update_every']}")
 

@@ -14,14 +14,14 @@ config has those fields, so LoRA at rank r, GoRA with r0 = r (budget sum (m+n)·
 over the same LoRA train the same number of adapter weights (up to GoRA's rounding).
 
 Output folder: ``<row>/seed<k>/`` (ordinary run folders), ``results.json``, ``results.md``
-and ``results.png``. Finished runs (``metrics.json`` and the same ``compare_plan.json``) are
-reused and unfinished ones restarted, so an interrupted comparison continues when the same
-command is run again.
+and ``results.png``. Finished runs of the same resolved config are reused from their small
+files and interrupted ones continued (:mod:`rankwise.recipes.runs`), so an interrupted
+comparison continues when the same command is run again, here or on another machine that has
+the committed per-run records; ``--jobs N`` trains N runs at once.
 """
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 from dataclasses import fields
 from pathlib import Path
@@ -29,7 +29,7 @@ from pathlib import Path
 from rankwise import registry
 from rankwise.core import atomic
 from rankwise.engine.callbacks import EventLog
-from rankwise.recipes import sweep
+from rankwise.recipes import runs, sweep
 from rankwise.errors import RankwiseError, closest
 
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")
@@ -231,81 +231,19 @@ def curves(out: Path, runs: dict[str, list[Path]], path: Path, title: str) -> Pa
                        styles={r: "o-" for r in lines})
 
 
-PLAN = "compare_plan.json"
-
-
-def _check_owned(run_dir: Path, raw: dict) -> None:
-    """Raise unless ``run_dir`` is absent, empty, or marked with this very plan."""
-    if run_dir.exists() and any(run_dir.iterdir()):
-        try:
-            saved = json.loads((run_dir / PLAN).read_text())
-        except (OSError, ValueError):
-            saved = None
-        if saved != json.loads(json.dumps(raw)):
-            raise RankwiseError(f"{run_dir} holds a run that is not this comparison's (no matching "
-                                f"{PLAN}); choose another --out or move that folder away")
-
-
-def _run_one(raw: dict, run_dir: Path, console) -> dict:
-    """Train one (row, seed) run, or reuse it if it finished earlier with the same plan."""
-    import shutil
-
-    from rankwise.recipes.config import build_run_config
-    from rankwise.recipes.train import train
-
-    cfg = build_run_config(copy.deepcopy(raw))
-    plan = json.loads(json.dumps(raw))
-    _check_owned(run_dir, raw)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if (run_dir / "metrics.json").is_file():
-            console.print(f"{run_dir}: finished earlier with the same settings, reusing metrics.json")
-            return json.loads((run_dir / "metrics.json").read_text())
-        shutil.rmtree(run_dir)  # an interrupted run of this very comparison: start it again
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(run_dir / PLAN, plan)  # marks the folder as this comparison's
-    return train(cfg, run_dir, console=console)
-
-
-def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: list[str],
-                out: Path, console=None, base: dict | None = None, lr_grid: int = 0) -> dict:
-    """Run each row for seeds 0..seeds-1 and write ``results.json``, ``results.md``, ``results.png``.
-
-    The YAML may hold a ``compare:`` section, ``{row: {section: {key: value}}}``, with per-row
-    overrides (e.g. ``compare: {altlora: {optim: {lr: 0.1}}}``) and per-row learning-rate grids
-    (``compare: {lora: {lr_grid: [1e-3, 3e-3, 1e-2]}}``); it is removed before the rest is
-    validated as a run config.
-
-    Args:
-        config_path: The base run config (YAML); ``None`` uses ``base``.
-        methods: Row names (:func:`parse_row`), e.g. ``["lora", "gora", "gora+altlora"]``.
-        seeds: Number of seeds (``train.seed`` = 0..seeds-1).
-        sets: ``--set`` overrides applied to the base config of every row; ``ROW:key=value``
-            (``gora:method.init_lr=0.1``) applies to that row only, after its overrides.
-        out: Output folder.
-        console: A ``rich`` console (default: stdout).
-        base: A raw config dict used when ``config_path`` is None.
-        lr_grid: If > 0, sweep every row over this many learning rates on a validation split
-            carved from the training data and train the seeds at the best one
-            (:mod:`rankwise.recipes.sweep`); 0 trains each row at its configured rate.
+def plan_rows(raw: dict, methods: list[str], sets: list[str]) -> tuple[dict, dict, dict]:
+    """Each row's raw run config: the base config (its ``compare:`` section removed, in place),
+    the row's overrides, the common ``--set`` and then the row's own ``ROW:key=value``; every
+    row validated before anything trains.
 
     Returns:
-        The dict written to ``results.json``.
+        ``(plans, grids, base)``: ``{row: raw config}``, ``{row: lr grid from compare: or None}``
+        and the base config with the common ``--set`` applied.
 
     Raises:
-        RankwiseError: On unknown rows, fewer than one seed, or an invalid config.
+        RankwiseError: On an unknown row (also in ``compare:``) or a row whose config is invalid.
     """
-    from rich.console import Console
-
-    from rankwise.recipes.config import apply_sets, build_run_config, read_yaml
-
-    console = console or Console()
-    atomic.check_folder(out)
-    if seeds < 1:
-        raise RankwiseError(f"--seeds: got {seeds}; expected an integer >= 1")
-    if not methods:
-        raise RankwiseError("--methods is empty; expected a comma-separated list of rows such as "
-                            "lora,gora,gora+altlora")
-    raw = read_yaml(config_path) if config_path is not None else copy.deepcopy(base or {})
+    from rankwise.recipes.config import apply_sets, build_run_config
     base_method = str((raw.get("method") or {}).get("name", "lora"))
     for row in methods:
         parse_row(row, base_method)
@@ -327,57 +265,145 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
     raw = apply_sets(raw, common)
     plans = {row: apply_sets(row_config(raw, row, extras.get(row)), row_sets.get(row, []))
              for row in methods}
-    for row, plan in plans.items():  # validate every row before training anything
+    for row, plan in plans.items():
         try:
             build_run_config(copy.deepcopy(plan))
         except RankwiseError as err:
             raise RankwiseError(f"row {row!r}: {err}") from None
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if lr_grid < 0:
-        raise RankwiseError(f"--lr-grid: got {lr_grid}; expected 0 (off) or the number of points")
-    points = {row: [sweep.sweep_plan(plan, lr) for lr in sweep.row_grid(row, plan, grids[row], lr_grid)]
-              for row, plan in plans.items()} if lr_grid else {}
-    for row, pts in points.items():
-        for raw_pt in pts:
-            _check_owned(out / row / f"lr{raw_pt['optim']['lr']:.3g}", raw_pt)
+    return plans, grids, raw
+
+
+def sweep_rows(plans: dict, grids: dict, lr_grid: int, out: Path, console, jobs: int = 1) -> dict[str, dict]:
+    """Sweep every row over ``lr_grid`` learning rates on the validation split and set each
+    plan's ``optim.lr`` to the best point (in place); foreign folders are refused first.
+
+    Returns:
+        ``{row: {"lr": best, "sweep": [{"lr", "eval_loss", ...}]}}`` (empty when ``lr_grid`` is 0).
+    """
+    points = [(row, pt) for row, plan in plans.items()
+              for pt in ([sweep.sweep_plan(plan, lr) for lr in sweep.row_grid(row, plan, grids[row], lr_grid)]
+                         if lr_grid else [])]
+    todo = [(f"{row} sweep lr {pt['optim']['lr']:.3g} (validation split)", pt,
+             out / row / f"lr{pt['optim']['lr']:.3g}") for row, pt in points]
+    for _, raw_pt, run_dir in todo:
+        runs.check_owned(run_dir, raw_pt)
+    found: dict[str, dict[float, dict]] = {}
+    for (row, pt), metrics in zip(points, runs.run_all(todo, jobs, console)):
+        found.setdefault(row, {})[pt["optim"]["lr"]] = metrics
     chosen: dict[str, dict] = {}
-    for row, pts in points.items():
-        found = {}
-        for raw_pt in pts:
-            lr = raw_pt["optim"]["lr"]
-            console.print(f"[bold]{row}[/] sweep lr {lr:.3g} (validation split)")
-            found[lr] = _run_one(raw_pt, out / row / f"lr{lr:.3g}", console)
-        best = sweep.best_point(found)
+    for row, by_lr in found.items():
+        best = sweep.best_point(by_lr)
         plans[row].setdefault("optim", {})["lr"] = best
         chosen[row] = {"lr": best, "sweep": [{"lr": lr, **{k: m[k] for k in ("eval_loss", "eval_accuracy")
-                                                          if k in m}} for lr, m in found.items()]}
-    jobs = []
+                                                          if k in m}} for lr, m in by_lr.items()]}
+    return chosen
+
+
+def run_seeds(plans: dict, seeds: int, out: Path, console, jobs: int = 1) -> dict[str, list[dict]]:
+    """Train every row for seeds ``0..seeds-1`` under ``out/ROW/seedK`` (finished runs of the
+    same resolved config reused, ``jobs`` at once); foreign folders are refused before anything
+    trains.
+
+    Returns:
+        ``{row: [metrics of each seed]}``.
+    """
+    todo = []
     for row, plan in plans.items():
         for seed in range(seeds):
             raw_seed = copy.deepcopy(plan)
             raw_seed.setdefault("train", {})["seed"] = seed
-            jobs.append((row, seed, raw_seed, out / row / f"seed{seed}"))
-    for _, _, raw_seed, run_dir in jobs:  # refuse foreign folders before training anything
-        _check_owned(run_dir, raw_seed)
-    runs: dict[str, list[dict]] = {}
-    for row, seed, raw_seed, run_dir in jobs:
-        console.print(f"[bold]{row}[/] seed {seed}")
-        runs.setdefault(row, []).append(_run_one(raw_seed, run_dir, console))
+            todo.append((f"{row} seed {seed}", raw_seed, out / row / f"seed{seed}"))
+    for _, raw_seed, run_dir in todo:
+        runs.check_owned(run_dir, raw_seed)
+    by_row: dict[str, list[dict]] = {}
+    for (row, _), metrics in zip(((r, k) for r in plans for k in range(seeds)),
+                                 runs.run_all(todo, jobs, console)):
+        by_row.setdefault(row, []).append(metrics)
+    return by_row
+
+
+def report(runs: dict[str, list[dict]], plans: dict, chosen: dict, base: dict, out: Path,
+           console, meta: dict) -> dict:
+    """Write ``results.json``, ``results.md``, ``results.png`` and ``curves.png``.
+
+    Args:
+        meta: ``config``, ``sets``, ``seeds`` and ``lr_grid`` of the comparison (stored as is).
+
+    Returns:
+        The dict written to ``results.json``.
+    """
+    from rankwise.recipes.config import build_run_config
     summary = summarise(runs)
-    model = raw.get("model", {}).get("path", "demo")
-    title = f"{model} on {raw.get('data', {}).get('source', 'demo')}, {seeds} seed(s)"
+    model = base.get("model", {}).get("path", "demo")
+    title = f"{model} on {base.get('data', {}).get('source', 'demo')}, {meta['seeds']} seed(s)"
     for row in summary:
         summary[row]["lr"] = build_run_config(copy.deepcopy(plans[row])).optim.lr
         summary[row].update(chosen.get(row, {}))
-    result = {"config": str(config_path) if config_path else None, "sets": list(sets), "seeds": seeds,
-              "lr_grid": lr_grid,
-              "rows": {row: {**summary[row], "overrides": plans[row]} for row in summary}}
+    result = {**meta, "rows": {row: {**summary[row], "overrides": plans[row]} for row in summary}}
     atomic.write_json(out / "results.json", result)
     atomic.write_bytes(out / "results.md", markdown(summary, f"rankwise compare: {title}").encode())
     plot(summary, out / "results.png", title)
-    curves(out, {row: [out / row / f"seed{k}" for k in range(seeds)] for row in summary},
+    curves(out, {row: [out / row / f"seed{k}" for k in range(meta["seeds"])] for row in summary},
            out / "curves.png", title)
     console.print(markdown(summary, title))
     console.print(f"wrote {out}/results.json, results.md and results.png")
     return result
+
+
+def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: list[str],
+                out: Path, console=None, base: dict | None = None, lr_grid: int = 0,
+                jobs: int = 1) -> dict:
+    """Run each row for seeds 0..seeds-1 and write ``results.json``, ``results.md``, ``results.png``:
+    plan the rows (:func:`plan_rows`), sweep their learning rates (:func:`sweep_rows`), train
+    the seeds (:func:`run_seeds`), report (:func:`report`).
+
+    The YAML may hold a ``compare:`` section, ``{row: {section: {key: value}}}``, with per-row
+    overrides (e.g. ``compare: {altlora: {optim: {lr: 0.1}}}``) and per-row learning-rate grids
+    (``compare: {lora: {lr_grid: [1e-3, 3e-3, 1e-2]}}``); it is removed before the rest is
+    validated as a run config.
+
+    Args:
+        config_path: The base run config (YAML); ``None`` uses ``base``.
+        methods: Row names (:func:`parse_row`), e.g. ``["lora", "gora", "gora+altlora"]``.
+        seeds: Number of seeds (``train.seed`` = 0..seeds-1).
+        sets: ``--set`` overrides applied to the base config of every row; ``ROW:key=value``
+            (``gora:method.init_lr=0.1``) applies to that row only, after its overrides.
+        out: Output folder.
+        console: A ``rich`` console (default: stdout).
+        base: A raw config dict used when ``config_path`` is None.
+        lr_grid: If > 0, sweep every row over this many learning rates on a validation split
+            carved from the training data and train the seeds at the best one
+            (:mod:`rankwise.recipes.sweep`); 0 trains each row at its configured rate.
+        jobs: Runs trained at once, each in its own process (:func:`rankwise.recipes.runs.run_all`);
+            the results do not depend on it.
+
+    Returns:
+        The dict written to ``results.json``.
+
+    Raises:
+        RankwiseError: On unknown rows, fewer than one seed, or an invalid config.
+    """
+    from rich.console import Console
+
+    from rankwise.recipes.config import read_yaml
+
+    console = console or Console()
+    atomic.check_folder(out)
+    if seeds < 1:
+        raise RankwiseError(f"--seeds: got {seeds}; expected an integer >= 1")
+    if not methods:
+        raise RankwiseError("--methods is empty; expected a comma-separated list of rows such as "
+                            "lora,gora,gora+altlora")
+    raw = read_yaml(config_path) if config_path is not None else copy.deepcopy(base or {})
+    plans, grids, raw = plan_rows(raw, methods, sets)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if lr_grid < 0:
+        raise RankwiseError(f"--lr-grid: got {lr_grid}; expected 0 (off) or the number of points")
+    if jobs < 1:
+        raise RankwiseError(f"--jobs: got {jobs}; expected an integer >= 1")
+    chosen = sweep_rows(plans, grids, lr_grid, out, console, jobs)
+    metrics = run_seeds(plans, seeds, out, console, jobs)
+    meta = {"config": str(config_path) if config_path else None, "sets": list(sets), "seeds": seeds,
+            "lr_grid": lr_grid}
+    return report(metrics, plans, chosen, raw, out, console, meta)

@@ -23,7 +23,7 @@ from rankwise import registry
 from rankwise.compress import build
 from rankwise.compress.config import RUN_DATA, STDLIB, STDLIB_HELDOUT, TextConfig
 from rankwise.compress.pipeline import Result, check_layers, compress_model
-from rankwise.configs import from_dict, to_dict
+from rankwise.configs import to_dict
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import RunConfig, apply_sets, build_run_config, read_yaml
 
@@ -45,35 +45,18 @@ class Windows:
 
 
 def parse_config(data: dict) -> tuple[RunConfig, Any]:
-    """Split a raw config into the run config and the validated ``compress:`` section.
+    """Validate a raw config into the run config and its ``compress:`` section (a typed section
+    of :class:`RunConfig`, like ``method:``).
 
     Raises:
-        RankwiseError: Every problem of either part at once (unknown keys with suggestions).
+        RankwiseError: Every problem at once (unknown keys with suggestions), or no ``compress:``.
     """
-    data = dict(data)
-    raw = data.pop("compress", None)
-    if raw is not None and not isinstance(raw, dict):
-        raise RankwiseError(f"compress: expected a mapping, got {raw!r}")
-    raw = dict(raw or {})
-    problems = []
-    try:
-        run_cfg = build_run_config(data)
-    except RankwiseError as err:
-        problems.append(str(err))
-    method = raw.get("method")
-    if not method:
-        problems.append(f"compress.method is required; one of: {', '.join(registry.names('compressor'))}")
-    else:
-        try:
-            entry = registry.get("compressor", str(method))
-            ccfg = from_dict(entry.config_cls, raw, "compress")
-        except RankwiseError as err:
-            problems.append(str(err) if str(err).startswith("compress") else f"compress.method: {err}")
-    if problems:
-        raise RankwiseError("; ".join(problems))
-    if getattr(run_cfg.model, "quantize", None):
+    run_cfg = build_run_config(data)
+    if run_cfg.compress is None:
+        raise RankwiseError(f"compress.method is required; one of: {', '.join(registry.names('compressor'))}")
+    if run_cfg.model.quantize:
         raise RankwiseError("rankwise compress needs full-precision weights; remove model.quantize")
-    return run_cfg, ccfg
+    return run_cfg, run_cfg.compress
 
 
 def load_config(path: Path, sets: list[str]) -> tuple[RunConfig, Any, dict]:
@@ -167,8 +150,14 @@ def token_windows(src: TextConfig, tokenizer, what: str, run_data=None) -> torch
     return torch.tensor(rows, dtype=torch.long)
 
 
-def load_input(run_cfg: RunConfig, raw: dict) -> tuple[nn.Module, Any, Any, RunConfig]:
+def load_input(run_cfg: RunConfig, raw: dict, model_path: Path | None = None
+               ) -> tuple[nn.Module, Any, Any, RunConfig]:
     """The model to compress: a Hugging Face folder, or a run folder with adapters merged.
+
+    Args:
+        run_cfg: The validated run config (``model.path`` names the model or the run).
+        raw: The raw config (a ``data:`` section there replaces the run's own).
+        model_path: ``--model``: where a run's base model is now, if it moved.
 
     Returns:
         ``(model, tokenizer, task, run config)``; for a run, its own config (with the
@@ -181,13 +170,16 @@ def load_input(run_cfg: RunConfig, raw: dict) -> tuple[nn.Module, Any, Any, RunC
     from rankwise.recipes.model import TINY, load_model
     path = Path(run_cfg.model.path)
     if path.is_dir() and (path / "config.yaml").is_file() and not (path / "config.json").is_file():
-        from rankwise.core.ops import merge_and_unload
-        from rankwise.recipes.export import load_run
-        own, model, tok = load_run(path)
+        from rankwise.core.merged import merge_plain
+        from rankwise.recipes.export import load_run, merged_dtype
+        own, model, tok = load_run(path, model_path)
         if raw.get("data") is not None:
             own.data = run_cfg.data
-        merge_and_unload(model)
+        model = merge_plain(model, dtype=merged_dtype(own))  # as export --format merged writes it
         return model, tok, get_task(own.model.task), own
+    if model_path is not None:
+        raise RankwiseError(f"--model names the base model of a run, but model.path {str(path)!r} "
+                            "is not a run folder; set model.path to the model to compress")
     if run_cfg.model.path not in TINY and run_cfg.model.path != "demo" and path.is_dir():
         weights = [p for pat in ("*.safetensors", "*.bin") for p in path.glob(pat)]
         if (path / "config.json").is_file() and not weights:
@@ -287,8 +279,11 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
 
 
 def run_compress(config: Path, sets: list[str], out: Path, overwrite: bool = False,
-                 console=None, progress: bool = True) -> dict:
+                 console=None, progress: bool = True, model_path: Path | None = None) -> dict:
     """The ``rankwise compress`` command: load, measure, write the output folder atomically.
+
+    ``model_path`` (``--model``) is where the base model of a run named by ``model.path`` is
+    now, if it moved.
 
     Returns:
         The report (also written as ``report.json``).
@@ -304,7 +299,7 @@ def run_compress(config: Path, sets: list[str], out: Path, overwrite: bool = Fal
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise RankwiseError(f"output folder {out} is not empty; choose a new --out or pass --overwrite")
     run_cfg, ccfg, raw = load_config(config, sets)
-    model, tok, task, run_cfg = load_input(run_cfg, raw)
+    model, tok, task, run_cfg = load_input(run_cfg, raw, model_path)
     if task.name not in ("causal-lm", "classification"):
         raise RankwiseError(f"rankwise compress evaluates causal-lm or classification models, not {task.name}")
     needs_data = task.uses_labels or ccfg.calibration.source == RUN_DATA

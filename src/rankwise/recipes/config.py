@@ -1,4 +1,5 @@
-"""The run config: ``model``, ``data``, ``method``, ``optim``, ``train`` (and ``federated``).
+"""The run config: ``model``, ``data``, ``method``, ``optim``, ``train``, ``eval`` (and ``federated``,
+``compress`` for those commands).
 
 Defaults live in the dataclasses below and in each method's/optimizer's own config class;
 YAML files and ``--set key=value`` only override them. Every problem in a config is reported
@@ -16,6 +17,7 @@ import yaml
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.errors import RankwiseError, closest
+from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
 
 MAX_TOKENS = 2**24  # data.max_length's ceiling: beyond any model's positions, within tokenizers' range
@@ -141,7 +143,10 @@ class TrainConfig:
         log_every: Write a line to ``events.jsonl`` every N steps.
         seed: Seeds model init, data order and dropout.
         warmup_fraction: Linear warm-up over this fraction of steps, then linear decay to 0.
-        grad_clip: Clip the gradient norm (0 = off).
+        grad_clip: Clip the gradient norm to this value; ``null`` or 0 = off; ``auto`` = what
+            the optimizer's registration asks for (1.0, or off for optimizers that set their
+            own step from the gradient norm: ``ngn-m``, ``t-signsgd``). A run's ``config.yaml``
+            holds the value in force (``null`` when off).
         calibration_batches: Batches given to data-driven initialisations (GoRA).
         keep_checkpoints: How many checkpoints to keep.
         early_stopping_patience: Stop after this many evaluations (``eval_every``) without a
@@ -160,6 +165,9 @@ class TrainConfig:
             sharded across processes). ``batch_size`` is then the global batch.
         distributed_timeout_s: Seconds a process waits for the others in a collective before
             it gives up (a dead or stuck process ends the run instead of hanging it).
+        threads: Torch CPU threads per process: ``auto`` = the CPUs this process may use
+            (affinity mask, cgroup quota) shared by the run's processes on the machine
+            (``rankwise.engine.threads``), or a number.
     """
 
     steps: int = 200
@@ -170,7 +178,7 @@ class TrainConfig:
     log_every: int = 5
     seed: int = 0
     warmup_fraction: float = 0.06
-    grad_clip: float = 1.0
+    grad_clip: Union[float, None, Literal["auto"]] = "auto"
     calibration_batches: int = 8
     keep_checkpoints: int = 2
     early_stopping_patience: int = 0
@@ -181,6 +189,7 @@ class TrainConfig:
     log_to: list[Literal["tensorboard"]] = field(default_factory=list)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = 600.0
+    threads: Union[Literal["auto"], int] = "auto"
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -200,8 +209,12 @@ class TrainConfig:
                        f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
         if not 0 <= self.seed < 2**32:
             out.append(f"seed: got {self.seed}; expected 0..2**32-1")
+        if isinstance(self.grad_clip, float) and self.grad_clip < 0:
+            out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
+        if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
+            out.append(f"threads: got {self.threads!r}; expected auto or an integer 1..4096")
         return out
 
 
@@ -230,15 +243,18 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    """A whole run. ``method`` and ``optim`` are the registered entries' own config classes."""
+    """A whole run. ``method``, ``optim`` and ``compress`` are the registered entries' own config
+    classes (chosen by their ``name`` / ``method`` key); ``federated`` and ``compress`` are only
+    present when the file has them (``rankwise federated`` / ``rankwise compress``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     method: Any = None
     optim: Any = None
     train: TrainConfig = field(default_factory=TrainConfig)
-    federated: Union[dict, None] = None
+    federated: Union[FederatedConfig, None] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
+    compress: Any = None
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -247,7 +263,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval")
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -353,15 +369,48 @@ def build_run_config(data: dict) -> RunConfig:
         method=part(lambda: from_dict(registry.get("method", str(method["name"])).config_cls, method, "method")),
         optim=part(lambda: from_dict(registry.get("optimizer", str(optim["name"])).config_cls, optim, "optim")),
         train=part(lambda: from_dict(TrainConfig, data.get("train"), "train")),
-        federated=data.get("federated"),
+        federated=part(lambda: from_dict(FederatedConfig, data["federated"], "federated"))
+        if data.get("federated") is not None else None,
         eval=part(lambda: from_dict(EvalConfig, data.get("eval"), "eval")),
+        compress=part(lambda: compressor_config(data["compress"]))
+        if data.get("compress") is not None else None,
     )
     if not problems:
         problems.extend(cross_problems(cfg))
     if problems:
         raise RankwiseError("; ".join(problems))
     _absolute_paths(cfg)
+    _resolve_optimizer_defaults(cfg)
     return cfg
+
+
+def compressor_config(raw: dict) -> Any:
+    """The ``compress:`` section: the config class of the compressor ``compress.method`` names.
+
+    Raises:
+        RankwiseError: No or an unknown ``method``, or a bad key or value of that compressor.
+    """
+    method = raw.get("method")
+    if not method:
+        raise RankwiseError(f"compress.method is required; one of: {', '.join(registry.names('compressor'))}")
+    try:
+        entry = registry.get("compressor", str(method))
+    except RankwiseError as err:
+        raise RankwiseError(f"compress.method: {err}") from None
+    return from_dict(entry.config_cls, raw, "compress")
+
+
+def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
+    """Settings that follow the optimizer, written into the config so ``config.yaml`` shows
+    what the run used: ``train.grad_clip: auto`` becomes the optimizer registration's clip
+    (``null`` when off, as an explicit 0 does), and an optimizer ``total_steps`` left ``null``
+    (t-SignSGD's threshold schedule) becomes ``train.steps``."""
+    t = cfg.train
+    if t.grad_clip == "auto":
+        t.grad_clip = registry.get("optimizer", cfg.optim.name).grad_clip
+    t.grad_clip = float(t.grad_clip) if t.grad_clip else None
+    if getattr(cfg.optim, "total_steps", 0) is None:
+        cfg.optim.total_steps = t.steps
 
 
 def _absolute_paths(cfg: RunConfig) -> None:

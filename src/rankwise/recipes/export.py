@@ -10,7 +10,7 @@ from rankwise.core.io import load_adapter
 from rankwise.engine import get_task
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.model import demo_model_path, load_model, torch_dtype
+from rankwise.recipes.model import base_moved, demo_model_path, load_model, torch_dtype
 
 BUILTIN_FORMATS = ("merged", "rankwise")
 
@@ -56,8 +56,7 @@ def load_run(run_dir: Path, model_path: str | Path | None = None):
     except RankwiseError as err:
         if "not found" not in str(err):
             raise
-        raise RankwiseError(f"{err.args[0].split(';')[0]}; the run's base model has moved: pass "
-                            "--model PATH (the folder it was trained on)") from None
+        raise base_moved(err) from None
     try:
         load_adapter(model, run_dir / "adapter")
     except RankwiseError as err:
@@ -68,6 +67,12 @@ def load_run(run_dir: Path, model_path: str | Path | None = None):
                             f"--out {run_dir}") from None
     model.eval()
     return cfg, model, tok
+
+
+def merged_dtype(cfg) -> torch.dtype | None:
+    """The dtype of a run's merged model: ``model.dtype``; for a quantized base ``None``, i.e.
+    its dequantized weights in bf16 (:func:`rankwise.core.merged.merge_plain`)."""
+    return None if cfg.model.quantize else torch_dtype(cfg.model.dtype)
 
 
 def export_run(run_dir: Path, fmt: str, out: Path, model_path: str | Path | None = None) -> Path:
@@ -95,9 +100,7 @@ def export_run(run_dir: Path, fmt: str, out: Path, model_path: str | Path | None
     full = registry.get("method", cfg.method.name).trains == "full"
     if fmt == "merged":
         from rankwise.core.merged import export_merged
-        # a quantized base merges into its dequantized weights, saved in bf16 (export_merged)
-        dtype = None if cfg.model.quantize else torch_dtype(cfg.model.dtype)
-        return export_merged(model, out, tokenizer=tok, dtype=dtype)
+        return export_merged(model, out, tokenizer=tok, dtype=merged_dtype(cfg))
     if full:
         raise RankwiseError(f"run {run_dir} trained every weight ({cfg.method.name}); it has no "
                             "adapter to export: use --format merged")

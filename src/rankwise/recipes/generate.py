@@ -22,7 +22,7 @@ from rankwise.engine.generation import generate
 from rankwise.engine.reporting import Samples
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import RunConfig, load_run_config
-from rankwise.recipes.model import load_model
+from rankwise.recipes.model import base_moved, load_model
 
 
 def samples_callback(session: Any, out: Path, write: bool = True) -> Samples:
@@ -44,14 +44,15 @@ def _decoder(tokenizer) -> Callable[[list[int]], str]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str = "cpu"
-                        ) -> tuple[RunConfig, Any, Any, Encoder]:
+def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str = "cpu",
+                        model_path: Path | None = None) -> tuple[RunConfig, Any, Any, Encoder]:
     """Rebuild a run's model for generation.
 
     Args:
         run_dir: A finished causal-LM run folder.
         adapter: A PEFT adapter folder to use instead of the run's own adapter.
         device: Where the model goes.
+        model_path: The base model's folder, when it is no longer at the run's ``model.path``.
 
     Returns:
         ``(cfg, model, tokenizer, encoder)``; the encoder formats prompts as in training.
@@ -72,13 +73,23 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
                             "causal-lm run (model.task: causal-lm)")
     m = cfg.model
     full = registry.get("method", cfg.method.name).trains == "full" and adapter is None
+    if full and model_path is not None:
+        raise RankwiseError(f"run {run_dir} trained every weight: its model is {run_dir / 'model'}, "
+                            "so --model does not apply; leave it out")
+    if model_path is not None:
+        m.path = str(model_path)
     path = str(run_dir / "model") if full else m.path
     if full and not (run_dir / "model" / "config.json").is_file():
         raise RankwiseError(f"{run_dir} has no trained model/ yet; let the run finish (or --resume it)")
     if not full and adapter is None and not (run_dir / "adapter").is_dir():
         raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
-    model, tok = load_model(path, task, seed=cfg.train.seed, dtype=m.dtype, quantize=m.quantize,
-                            double_quant=m.double_quant, device=device)
+    try:
+        model, tok = load_model(path, task, seed=cfg.train.seed, dtype=m.dtype, quantize=m.quantize,
+                                double_quant=m.double_quant, device=device)
+    except RankwiseError as err:
+        if full or "not found" not in str(err):
+            raise
+        raise base_moved(err) from None
     if adapter is not None:
         from rankwise.adapters.lora.peft import load_peft
         load_peft(model, adapter)
@@ -122,7 +133,7 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                  adapter: Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, echo: Callable[[str], None] = print,
                  stream: Callable[[str], None] | None = None, kv_cache: str = "fp",
-                 kv_bits: int = 2) -> list[dict]:
+                 kv_bits: int = 2, model_path: Path | None = None) -> list[dict]:
     """Generate completions for one prompt or a file of prompts.
 
     Args:
@@ -139,6 +150,7 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         kv_cache: ``fp`` (transformers' own cache), or ``nsnquant`` / ``kivi``: keys and values
             quantized on the fly (:func:`rankwise.compress.kv.make_cache`), a fresh cache per prompt.
         kv_bits: Bits per cached element of a quantized cache.
+        model_path: ``--model``: the base model's folder, if it moved since training.
 
     Returns:
         ``[{"prompt", "completion"}]``.
@@ -158,7 +170,7 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         raise RankwiseError(f"prompts file {file} is empty; write one {{\"prompt\": ...}} object "
                             "per line (or pass --prompt TEXT)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg, model, tok, enc = load_for_generation(run_dir, adapter, device)
+    cfg, model, tok, enc = load_for_generation(run_dir, adapter, device, model_path)
     if prompt is not None:
         items: list[Any] = [[{"role": "user", "content": prompt}] if enc.fmt == "chat" else prompt]
     else:

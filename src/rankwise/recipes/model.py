@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError, require
 
 TINY = ("tiny-bert", "tiny-gpt2", "tiny-llama")
@@ -41,6 +42,13 @@ def model_folder(path: str) -> Path:
         raise RankwiseError(f"model folder {folder} has no config.json; point model.path at a "
                             "folder written by save_pretrained")
     return folder
+
+
+def base_moved(err: RankwiseError) -> RankwiseError:
+    """The error for a run whose base model folder is gone: names ``--model`` (``export``,
+    ``generate`` and ``compress`` take it)."""
+    return RankwiseError(f"{err.args[0].split(';')[0]}; the run's base model has moved: pass "
+                         "--model PATH (the folder it was trained on)")
 
 
 def load_tokenizer(path: str):
@@ -143,7 +151,8 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
         device: Where a quantized model is loaded (quantization happens on load).
 
     Returns:
-        The model in train mode and its tokenizer.
+        The model in train mode and its tokenizer; 4-bit layers stay in bitsandbytes' training
+        layout (no CPU inference repacking) in every command that loads through here.
 
     Raises:
         RankwiseError: If the folder is missing or holds no loadable model, or bitsandbytes
@@ -167,13 +176,15 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
     torch.manual_seed(seed)
     if path in TINY:
         tok = load_tokenizer(path)
-        model = auto.from_config(_tiny_config(path, len(tok), num_labels or 2)).to(t)
+        config = _tiny_config(path, len(tok), num_labels or 2)
+        _check_decoder(path, config.to_dict(), task)
+        model = auto.from_config(config).to(t)
         model.config._name_or_path = path
         if quant is not None:
             model = _quantize_in_memory(model, auto, quant, t, device)
     else:
         folder = model_folder(path)
-        _check_head(folder, task)
+        _check_head(folder, task, path)
         tok = load_tokenizer(str(folder) if path != "demo" else "demo")
         if quant is not None:
             kwargs.update(quantization_config=quant, device_map={"": device})
@@ -192,22 +203,44 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
     if task.uses_labels and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
+    keep_training_layout(model)  # 4-bit: no CPU inference repacking in any command (core/quant.py)
     model.train()
     return model, tok
 
 
-def _check_head(folder: Path, task) -> None:
+# Bidirectional encoders that transformers can also build as a "causal LM" (``BertLMHeadModel``
+# and kin): unless the config says ``is_decoder: true`` every token attends to the ones after it,
+# so next-token training reads the answer and the loss means nothing.
+ENCODERS = ("bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie",
+            "data2vec-text", "rembert", "roc_bert", "megatron-bert", "xmod", "big_bird")
+
+
+def _check_decoder(path: str, config: dict, task) -> None:
+    """Refuse to train or load a bidirectional encoder (the demo MiniLM, tiny-bert) as a causal LM."""
+    if task.uses_labels or config.get("model_type") not in ENCODERS or config.get("is_decoder"):
+        return
+    what = "the demo model (MiniLM, a BERT encoder)" if path == "demo" else \
+        f"{path} ({config['model_type']}, a bidirectional encoder)"
+    raise RankwiseError(f"model.path {what} cannot be a causal LM: it attends to later tokens; "
+                        f"point model.path at a causal LM folder (GPT-2, Llama, ...) or set "
+                        f"model.task: classification")
+
+
+def _check_head(folder: Path, task, path: str = "") -> None:
     """Refuse to train a causal LM from a folder saved as a sequence classifier: its language
-    model head was dropped when it was saved, so ``lm_head`` would start from random values."""
+    model head was dropped when it was saved, so ``lm_head`` would start from random values;
+    or from a bidirectional encoder (:func:`_check_decoder`)."""
     import json
     try:
-        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+        config = json.loads((folder / "config.json").read_text())
+        archs = config.get("architectures") or []
     except (OSError, ValueError, AttributeError):
         return
     if not task.uses_labels and archs and all(a.endswith("ForSequenceClassification") for a in archs):
         raise RankwiseError(f"model folder {folder} holds a sequence classifier ({archs[0]}), "
                             "whose language-model head is gone; use model.task: classification, or "
                             "point model.path at the base model's folder")
+    _check_decoder(path or str(folder), config, task)
 
 
 def _quantize_in_memory(model: nn.Module, auto, quant, dtype: torch.dtype, device: str) -> nn.Module:

@@ -22,7 +22,6 @@ from rankwise import registry
 from rankwise.core import atomic
 from rankwise.core.io import rebuild, save_adapter, structure
 from rankwise.core.ops import count_parameters, modules_to_save
-from rankwise.core.quant import keep_training_layout
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
 from rankwise.engine import Engine, NonFiniteLoss, Task, batch_indices, get_task, linear_schedule
@@ -30,6 +29,7 @@ from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.loop import precision_problem
+from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
 from rankwise.recipes import optim_scope, yamlfile
@@ -160,7 +160,6 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     for p in model.parameters():  # master weights: a head copied from a bf16 base trains in fp32
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking during the run
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
     if cfg.data.packing:
@@ -220,6 +219,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
         now = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
         for d in (saved, now):
             d.get("train", {}).pop("progress", None)
+            d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
             now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
         diff = [k for k in dotted_diff(saved, now) if k != "train.steps"]
@@ -379,7 +379,8 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     _check_not_the_base(out, cfg)
     # one process per run folder: a second `rankwise train --out` the same folder stops here,
     # before loading anything, instead of interleaving two runs' files
-    with atomic.locked_folder(out) if main else contextlib.nullcontext():
+    with atomic.locked_folder(out) if main else contextlib.nullcontext(), \
+            use_threads(cfg.train.threads, local_processes()):
         return _train(cfg, out, resume, session, console, summary, dist)
 
 

@@ -13,6 +13,13 @@ class LopeConfig:
     poisoning ``B_p (out, r)`` and a router over the ``num_experts + 1`` B experts. Trainable
     parameters per layer: ``r * in + (num_experts + 1) * (r * out + in)``.
 
+    Training runs the paper's two stages (see :mod:`rankwise.adapters.lope.layer`): the first
+    ``poison_steps`` training batches are generated noisy data (tokens and class labels
+    replaced at ``noise_rate``) on which only the poisoning expert learns; afterwards the task
+    data trains the normal experts with the poisoning expert frozen and present; inference
+    masks it. The paper's stage lengths and noise recipe were not recoverable: the defaults
+    are ours.
+
     A suitable AdamW learning rate is LoRA's range, 1e-3 to 5e-3 on the demo task.
 
     Attributes:
@@ -20,8 +27,14 @@ class LopeConfig:
         r: Rank of the shared A.
         num_experts: Normal B experts (>= 1); the poisoning expert comes on top.
         alpha: Scale numerator (s = alpha / r, or alpha / sqrt(r) with ``use_rslora``).
-        noise_std: Noise injected into the poisoning expert's input in training forwards, as a
-            multiple of each token's RMS (0 turns injection off; the expert is still masked).
+        poison_steps: Training batches of stage 1 (generated noisy data, poisoning expert
+            only); 0 skips stage 1 (every expert trains on the task data).
+        noise_rate: Probability that stage 1 replaces a real token by a random token and a
+            class label by a random class.
+        renormalize: At inference, renormalise the normal experts' router weights over the
+            normal experts (the masked expert's share is given back to them).
+        noise_std: Optional Gaussian noise on the poisoning expert's input in training
+            forwards, as a multiple of each token's RMS (our earlier stand-in; 0 = off).
         targets: ``"all-linear"``, a regex over module paths, or a list of name suffixes.
         exclude: Name suffixes never adapted.
         dropout: Dropout on the adapter input.
@@ -33,7 +46,10 @@ class LopeConfig:
     r: int = 8
     num_experts: int = 3
     alpha: float = 16.0
-    noise_std: float = 1.0
+    poison_steps: int = 20
+    noise_rate: float = 0.3
+    renormalize: bool = True
+    noise_std: float = 0.0
     targets: Union[list[str], str] = "all-linear"
     exclude: list[str] = field(default_factory=list)
     dropout: float = 0.0
@@ -50,6 +66,10 @@ class LopeConfig:
                        "experts; the poisoning expert is added on top)")
         if self.alpha <= 0:
             out.append(f"alpha: got {self.alpha}; expected a positive number")
+        if self.poison_steps < 0:
+            out.append(f"poison_steps: got {self.poison_steps}; expected an integer >= 0")
+        if not 0.0 <= self.noise_rate <= 1.0:
+            out.append(f"noise_rate: got {self.noise_rate}; expected a probability in [0, 1]")
         if self.noise_std < 0:
             out.append(f"noise_std: got {self.noise_std}; expected a number >= 0")
         if not 0.0 <= self.dropout < 1.0:

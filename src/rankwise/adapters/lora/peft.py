@@ -30,7 +30,7 @@ from rankwise.adapters.lora.layer import LoraLayer
 from rankwise.core import atomic
 from rankwise.core.inject import is_linear_like, is_wrapped, matches
 from rankwise.core.ops import load_adapter_state_dict, modules_to_save
-from rankwise.core.protocol import adapter_modules
+from rankwise.core.protocol import adapter_modules, is_mergeable
 from rankwise.errors import RankwiseError
 
 CONFIG = "adapter_config.json"
@@ -70,12 +70,14 @@ def _task_type(model: nn.Module) -> str | None:
 def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
     layers = {p: m for p, m in adapter_modules(model)
               if isinstance(m, LoraLayer) and adapter_name in m.adapter_names()}
-    others = [p for p, m in adapter_modules(model)
+    others = [(p, m) for p, m in adapter_modules(model)
               if not isinstance(m, LoraLayer) and adapter_name in m.adapter_names()]
     if others:
-        raise RankwiseError(f"adapter {adapter_name!r} has non-LoRA layers (e.g. {others[0]!r}, "
-                            f"{type(model.get_submodule(others[0])).__name__}); the PEFT LoRA "
-                            "format holds LoRA only: export with --format rankwise (or merged)")
+        # suggest only what works: a merged export refuses layers that cannot merge
+        merged = " or --format merged" if all(is_mergeable(m) for _, m in others) else ""
+        raise RankwiseError(f"adapter {adapter_name!r} has non-LoRA layers (e.g. {others[0][0]!r}, "
+                            f"{type(others[0][1]).__name__}); the PEFT LoRA format holds LoRA only: "
+                            f"export with --format rankwise{merged}")
     if not layers:
         names = sorted({n for _, m in adapter_modules(model) for n in m.adapter_names()})
         fix = "pass one of those names" if names else "export with --format merged instead"

@@ -16,6 +16,7 @@ from rankwise.adapters.mixture.model import factorized_to_mixture
 from rankwise.core.inject import default_heads, find_targets, inject
 from rankwise.core.ops import mark_trainable, set_modules_to_save
 from rankwise.core.quant import keep_training_layout
+from rankwise.core.token_mask import track_token_mask
 
 __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "ThresholdGate",
            "RouterStats", "own_expert_slots", "switch_balance_loss", "factorized_to_mixture",
@@ -23,7 +24,7 @@ __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", 
 
 
 def make_gate(config: MoeLoraConfig) -> nn.Module:
-    """The gate ``config`` asks for: fixed top-k, or adaptive top-M by cumulative mass."""
+    """The gate ``config`` asks for: fixed top-k, or top-p routing by cumulative mass."""
     if config.mass_threshold > 0:
         return ThresholdGate(config.mass_threshold, config.top_k)
     return TopKGate(list(range(config.num_experts)), config.top_k)
@@ -51,10 +52,12 @@ def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = 
         layer = module if isinstance(module, MixtureLoraLayer) else MixtureLoraLayer(module)
         layer.add(adapter_name, config.num_experts, config.r, config.alpha, make_gate(config),
                   dropout=config.dropout, use_rslora=config.use_rslora,
-                  router_init=config.router_init, balance_weight=config.balance_weight)
+                  router_init=config.router_init, balance_weight=config.balance_weight,
+                  entropy_weight=config.entropy_weight if config.mass_threshold > 0 else 0.0)
         return layer
 
     layers = inject(model, paths, wrap)
+    track_token_mask(model)  # padding stays out of the balance loss and the load
     set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
                         else config.modules_to_save)
     mark_trainable(model, adapter_name)
@@ -62,4 +65,4 @@ def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = 
 
 
 registry.register("method", "moe-lora", MoeLoraConfig, apply_moe_lora,
-                  summary="mixture of LoRA experts, token router, top-k / adaptive top-M (A7)")
+                  summary="mixture of LoRA experts, token router, top-k / top-p routing (A7)")

@@ -11,8 +11,11 @@ class MoeLoraConfig:
 
     Every target linear layer gets ``num_experts`` LoRA experts of rank ``r`` and a router
     (``nn.Linear(in, num_experts)``). A token uses its ``top_k`` most probable experts, or,
-    with ``mass_threshold > 0``, the fewest experts whose router probabilities reach the
-    threshold (at most ``top_k``: adaptive top-M). Trainable parameters per layer:
+    with ``mass_threshold > 0``, top-p routing (Huang et al. 2024, "Harder Tasks Need More
+    Experts: Dynamic Routing in MoE Models"): the fewest experts whose router probabilities
+    reach the threshold, at most ``top_k``, with the paper's dynamic loss (router entropy,
+    ``entropy_weight``). This is not FedLEASE's adaptive top-M, which is top-k over ``2M-1``
+    router slots (``rankwise.federated.moe``). Trainable parameters per layer:
     ``num_experts * r * (in + out) + num_experts * in``; ``num_experts * r`` equal to LoRA's rank
     matches LoRA's budget up to the routers.
 
@@ -22,8 +25,9 @@ class MoeLoraConfig:
     Attributes:
         name: Registry name (``moe-lora``).
         num_experts: Experts per layer (>= 1).
-        top_k: Experts per token (fixed routing), or the cap of adaptive routing.
-        mass_threshold: 0 = fixed top-k; a value in (0, 1] = adaptive top-M by cumulative mass.
+        top_k: Experts per token (fixed routing), or the cap of top-p routing.
+        mass_threshold: 0 = fixed top-k; a value in (0, 1] = top-p routing with p = this
+            (Huang et al. use 0.4).
         r: Rank of every expert.
         alpha: Scale numerator (s = alpha / r, or alpha / sqrt(r) with ``use_rslora``).
         targets: ``"all-linear"``, a regex over module paths, or a list of name suffixes.
@@ -32,6 +36,11 @@ class MoeLoraConfig:
         use_rslora: s = alpha / sqrt(r).
         balance_weight: Coefficient of the switch load-balancing loss (Switch Transformer's
             0.01); 0 turns it off.
+        entropy_weight: Coefficient of top-p routing's dynamic loss, the mean router entropy
+            ``-sum_e P_e log P_e`` (Huang et al. 2024, Sec. 3: without it a threshold router
+            learns flat distributions that activate every expert). Used only with
+            ``mass_threshold > 0``; 1e-4 is the paper's beta as we recall it (the text we could
+            store did not show the number); 0 turns it off.
         router_init: ``kaiming`` (``nn.Linear``'s default: tokens spread from the start) or
             ``zeros`` (uniform probabilities; top-k ties then pick the first experts).
         modules_to_save: Whole modules trained and saved with the adapter (``None``: the
@@ -49,6 +58,7 @@ class MoeLoraConfig:
     dropout: float = 0.0
     use_rslora: bool = False
     balance_weight: float = 0.01
+    entropy_weight: float = 1e-4
     router_init: str = "kaiming"
     modules_to_save: Union[list[str], None] = None
 
@@ -73,6 +83,8 @@ class MoeLoraConfig:
             out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
         if self.balance_weight < 0:
             out.append(f"balance_weight: got {self.balance_weight}; expected a number >= 0")
+        if self.entropy_weight < 0:
+            out.append(f"entropy_weight: got {self.entropy_weight}; expected a number >= 0")
         if self.router_init not in ("kaiming", "zeros"):
             out.append(f"router_init: got {self.router_init!r}; expected 'kaiming' or 'zeros'")
         return out

@@ -12,10 +12,13 @@ folded into ``W0`` (``mergeable = False``; :func:`rankwise.core.merge_adapters` 
 With ``B_m = 0`` at initialisation the layer starts at the base layer's output.
 
 Gates live in :mod:`rankwise.adapters.mixture.gates`: :class:`TopKGate` (fixed top-k, and
-FedLEASE's adaptive top-M as a slot layout, Wang et al., NeurIPS 2025, Sec. 3.3) and
-``ThresholdGate`` (adaptive top-M by cumulative router mass). A mixture with
-``balance_weight > 0`` reports the switch balance loss through the protocol's ``aux_losses``
-in training forwards; every mixture counts its expert load (``statistics``).
+FedLEASE's adaptive top-M as a ``2M-1``-slot layout, Wang et al., NeurIPS 2025, Sec. 3.3) and
+``ThresholdGate`` (top-p routing by cumulative router mass, Huang et al. 2024). A mixture with
+``balance_weight > 0`` reports the switch balance loss, one with ``entropy_weight > 0`` top-p
+routing's dynamic (router entropy) loss, through the protocol's ``aux_losses`` in training
+forwards; every mixture counts its expert load (``statistics``). Both the losses and the load
+count real tokens only: the model's attention mask reaches the mixture through
+:func:`rankwise.core.token_mask.track_token_mask` (``token_mask``).
 """
 from __future__ import annotations
 
@@ -26,10 +29,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.adapters.lora.layer import LORA_INITS, lora_scale
-from rankwise.adapters.mixture.gates import (RouterStats, TopKGate, expert_probs, own_expert_slots,
-                                             switch_balance_loss)
+from rankwise.adapters.mixture.gates import (RouterStats, TopKGate, entropy_loss, expert_probs,
+                                             own_expert_slots, switch_balance_loss)
 from rankwise.core import weights as W
 from rankwise.core.protocol import Unmergeable
+from rankwise.core.token_mask import valid_tokens
 from rankwise.errors import RankwiseError
 
 __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "own_expert_slots"]
@@ -67,15 +71,19 @@ class LoraMixture(nn.Module):
         router_init: ``zeros`` (uniform routing at the start; FedLEASE) or ``kaiming``
             (``nn.Linear``'s default: tokens spread over experts from the first step).
         balance_weight: Coefficient of the switch balance loss (0 = none).
+        entropy_weight: Coefficient of the router-entropy (dynamic) loss (0 = none).
 
     Attributes:
-        last_aux: ``{"balance_loss": tensor}`` of the last training forward (else empty).
+        last_aux: ``{"balance_loss", "dynamic_loss"}`` of the last training forward (the
+            enabled ones; else empty).
         stats: The :class:`RouterStats` of this mixture.
+        token_mask: The attention mask of the current forward (set by the model's hook), so
+            padded positions stay out of the losses and the load.
     """
 
     def __init__(self, n_in: int, n_out: int, num_experts: int, r: int, scaling: float, gate: Gate,
                  slots: int, dropout: float = 0.0, device=None, router_init: str = "zeros",
-                 balance_weight: float = 0.0) -> None:
+                 balance_weight: float = 0.0, entropy_weight: float = 0.0) -> None:
         super().__init__()
         self.experts = nn.ModuleList(LoraExpert(n_in, n_out, r, device) for _ in range(num_experts))
         self.router = nn.Linear(n_in, slots, bias=False, device=device, dtype=torch.float32)
@@ -84,18 +92,24 @@ class LoraMixture(nn.Module):
         self.gate = gate
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling, self.r, self.balance_weight = scaling, r, float(balance_weight)
+        self.entropy_weight = float(entropy_weight)
         self.last_aux: dict[str, torch.Tensor] = {}
         self.stats = RouterStats(num_experts)
+        self.token_mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out + sum_m g(G x)_m * s * B_m A_m dropout(x)``."""
         logits = self.router(x.float())                           # (..., S)
         w = self.gate(logits)                                     # (..., M)
+        valid = valid_tokens(self.token_mask, x.shape[:-1])       # (...) real tokens, or None
         self.last_aux = {}
         if self.training and self.balance_weight > 0:
             self.last_aux["balance_loss"] = switch_balance_loss(
-                expert_probs(self.gate, logits), w > 0, self.balance_weight)
-        self.stats.update(w, self.training)
+                expert_probs(self.gate, logits), w > 0, self.balance_weight, valid)
+        if self.training and self.entropy_weight > 0:
+            self.last_aux["dynamic_loss"] = entropy_loss(expert_probs(self.gate, logits),
+                                                         self.entropy_weight, valid)
+        self.stats.update(w, self.training, valid)
         h = self.dropout(x if x.dtype == torch.float32 else x.float())
         # sum_m w_m B_m A_m h as one product over the stacked experts: [B_0 .. B_M-1] (w_m A_m h)_m
         a = torch.cat([e.lora_A.weight for e in self.experts], dim=0)          # (M r, in)
@@ -135,7 +149,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
     def add(self, name: str, num_experts: int, r: int, alpha: float, gate: Gate | None = None,
             slots: int | None = None, dropout: float = 0.0, use_rslora: bool = False,
             init: str = "kaiming", router_init: str = "zeros",
-            balance_weight: float = 0.0) -> LoraMixture:
+            balance_weight: float = 0.0, entropy_weight: float = 0.0) -> LoraMixture:
         """Add mixture ``name`` and make it active.
 
         Args:
@@ -152,6 +166,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
                 mixture starts at the base layer's output).
             router_init: ``zeros`` or ``kaiming`` (see :class:`LoraMixture`).
             balance_weight: Switch balance-loss coefficient (0 = none).
+            entropy_weight: Router-entropy (dynamic) loss coefficient (0 = none).
 
         Returns:
             The new :class:`LoraMixture`.
@@ -174,7 +189,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
         device = next(self.base_layer.parameters()).device
         mix = LoraMixture(self.in_features, self.out_features, num_experts, r,
                           lora_scale(r, alpha, use_rslora), gate, slots, dropout, device,
-                          router_init, balance_weight)
+                          router_init, balance_weight, entropy_weight)
         mix.train(self.training)
         for e in mix.experts:
             LORA_INITS[init](e.lora_A, e.lora_B)

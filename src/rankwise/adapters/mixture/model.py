@@ -13,6 +13,7 @@ from torch import nn
 from rankwise.adapters.mixture.layer import Gate, MixtureLoraLayer
 from rankwise.core.inject import replace_module
 from rankwise.core.protocol import adapter_modules, describe, factors
+from rankwise.core.token_mask import track_token_mask
 from rankwise.errors import RankwiseError
 
 
@@ -66,4 +67,5 @@ def factorized_to_mixture(model: nn.Module, num_experts: int, make_gate: Callabl
             p.requires_grad_(trains)
         replace_module(model, path, layer)
         out[path] = layer
+    track_token_mask(model)  # padding stays out of the balance loss and the load
     return out

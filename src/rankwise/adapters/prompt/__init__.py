@@ -1,8 +1,10 @@
 """Prompt methods (ROADMAP A8): prompt tuning, PT-MoE and CaPT, registered here.
 
 All three wrap the model's input embeddings in a :class:`PromptLayer` (the ``InputAdapter``
-seam: the engine, evaluation and generation see the prefix through
-:func:`rankwise.core.protocol.transform_inputs`) holding one prefix generator.
+seam: the engine and evaluation see the prefix through
+:func:`rankwise.core.protocol.transform_inputs`; the model's own forward and ``generate``, as HF
+``Trainer`` and users' loops call them, through the input hook
+:func:`rankwise.core.protocol.attach_input_hook` puts on the model) holding one prefix generator.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from rankwise.adapters.prompt.generators import CapsulePrompt, PromptMixture, So
 from rankwise.adapters.prompt.layer import PromptLayer, input_embeddings, max_positions
 from rankwise.core.inject import default_heads, replace_module
 from rankwise.core.ops import mark_trainable, set_modules_to_save
+from rankwise.core.protocol import attach_input_hook
 from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError
 
@@ -53,6 +56,7 @@ def apply_prompt(model: nn.Module, config, adapter_name: str,
         layer = PromptLayer(table)
         replace_module(model, path, layer)
     layer.add(adapter_name, generator)
+    attach_input_hook(model)  # a plain model(...) / generate carries the virtual tokens too
     set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
                         else config.modules_to_save)
     mark_trainable(model, adapter_name)

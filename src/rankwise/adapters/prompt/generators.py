@@ -28,6 +28,25 @@ def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (h.float() * m).sum(1) / m.sum(1).clamp_min(1.0)                # (B, d)
 
 
+def instance_mask(mask: torch.Tensor, labels: Any) -> torch.Tensor:
+    """The positions a per-input router or capsule may pool: the real tokens (``mask``) that
+    carry no loss. For a causal LM (``labels (B, T)``) that is the prompt part (labels
+    ``-100``): pooling a target token would show it to every earlier position, and at
+    generation only the prompt exists. Class labels ``(B,)`` or none: every real token.
+
+    Args:
+        mask: Attention mask ``(B, T)``.
+        labels: The batch's labels (a tensor or ``None``).
+
+    Returns:
+        A bool ``(B, T)`` mask.
+    """
+    instance = mask.bool()
+    if isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape == mask.shape:
+        instance = instance & labels.eq(IGNORE_INDEX)
+    return instance
+
+
 def vocab_sample(table: nn.Embedding, n: int) -> torch.Tensor:
     """Embeddings of ``n`` token ids drawn uniformly from the vocabulary (float32, detached)."""
     ids = torch.randint(0, table.num_embeddings, (n,), device=table.weight.device)
@@ -68,7 +87,7 @@ class PromptMixture(nn.Module):
     Our reading of the paper (code not released, notes §4.4)::
 
         P_i = A_i B,  A_i (n, R) per expert,  B (R, h) shared
-        x_bar = mean of the input embeddings over real tokens;  l = W x_bar + b
+        x_bar = mean of the input embeddings over the instance;  l = W x_bar + b
         training: l' = l * (1 + eps), eps ~ N(0, noise_std^2);  eval: l' = l
         w = softmax(l') restricted to the top_k experts (not renormalised, so the router learns)
         prefix = sum_i w_i P_i
@@ -77,6 +96,12 @@ class PromptMixture(nn.Module):
     text): ``E`` = embeddings of ``N n`` random tokens, ``E = U S V^T``; ``B = S_R^{1/2} V_R^T``
     and the rows of ``U_R S_R^{1/2}`` split into the ``A_i``, so ``P_i`` starts at the rank-R
     approximation of its own block of E.
+
+    The instance pooled into ``x_bar`` is :func:`instance_mask`'s: for a causal LM only the
+    tokens that carry no loss (the prompt), as CaPT pools, so a target token never reaches the
+    router and through it the prefix every earlier position attends to (tested: 0 difference),
+    and training routes on what generation will see. The paper's sigma was not in what we could
+    read; ``noise_std`` defaults to 0.1 (see :class:`PtMoeConfig`).
 
     Args:
         table: The model's input embeddings.
@@ -107,7 +132,7 @@ class PromptMixture(nn.Module):
 
     def forward(self, embeds: torch.Tensor, mask: torch.Tensor, labels: Any) -> torch.Tensor:
         """The routed prefix ``sum_i w_i A_i B`` per example, ``(B, n, h)``."""
-        logits = self.router(masked_mean(embeds, mask))                        # (B, N)
+        logits = self.router(masked_mean(embeds, instance_mask(mask, labels)))  # (B, N)
         if self.training and self.noise_std > 0:
             logits = logits * (1 + self.noise_std * torch.randn_like(logits))
         probs = torch.softmax(logits, dim=-1)
@@ -193,9 +218,7 @@ class CapsulePrompt(nn.Module):
 
     def forward(self, embeds: torch.Tensor, mask: torch.Tensor, labels: Any) -> torch.Tensor:
         """Record the instance positions for the block hooks; return a ``(B, 1, h)`` placeholder."""
-        instance = mask.bool()
-        if isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape == mask.shape:
-            instance = instance & labels.eq(IGNORE_INDEX)
+        instance = instance_mask(mask, labels)
         self.pool_mask = torch.cat([instance.new_zeros(mask.shape[0], 1), instance], dim=1)
         return embeds.new_zeros(embeds.shape[0], 1, embeds.shape[2])          # overwritten by the hooks
 

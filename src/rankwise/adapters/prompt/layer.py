@@ -13,6 +13,14 @@ its logits are the same). Class labels ``(B,)`` are left alone.
 
 A *generator* (:mod:`rankwise.adapters.prompt.generators`) makes the ``(B, v, hidden)``
 prefix; the wrapper holds one per model.
+
+Decoder classifiers (``GPT2ForSequenceClassification``, ``LlamaForSequenceClassification`` and
+the other ``*ForSequenceClassification`` models with a ``score`` head) read the logits of the
+last token that is not padding, found from ``input_ids``; given ``inputs_embeds`` they read the
+last position, which is padding in a right-padded batch. The wrapper therefore computes the
+position the un-prompted model would read (the last ``input_ids`` entry unlike
+``config.pad_token_id``, else the last attended token), shifted by ``v``, and a forward hook on
+``score`` puts that position's logits at the last position, where the model pools them.
 """
 from __future__ import annotations
 
@@ -25,6 +33,25 @@ from rankwise.core.protocol import Unmergeable
 from rankwise.errors import RankwiseError
 
 IGNORE_INDEX = -100  # transformers' "no loss here" label (rankwise.engine.task.IGNORE)
+_POOL_HOOKED = "_rankwise_reads_last_real_token"  # flag on a score head carrying our hook
+
+
+def sequence_score_head(model: nn.Module) -> nn.Module | None:
+    """The ``score`` head of a decoder sequence classifier (which pools the last non-pad
+    token), or ``None`` for any other model."""
+    head = getattr(model, "score", None)
+    if isinstance(head, nn.Module) and type(model).__name__.endswith("ForSequenceClassification"):
+        return head
+    return None
+
+
+def last_real_position(ids: torch.Tensor | None, mask: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """``(B,)`` index of the position an un-prompted decoder classifier reads: the rightmost
+    ``ids`` entry unlike ``pad_id`` (transformers' rule), or without ids or pad id the
+    rightmost attended position."""
+    real = (ids != pad_id) if ids is not None and pad_id is not None else mask.bool()   # (B, T)
+    positions = torch.arange(real.shape[1], device=real.device)
+    return (positions * real.to(positions.dtype)).argmax(-1)
 
 
 def input_embeddings(model: nn.Module, what: str) -> tuple[str, nn.Module]:
@@ -79,6 +106,7 @@ class PromptLayer(Unmergeable, nn.Module):
         self.base_layer = base_layer
         self.prompts = nn.ModuleDict()
         self._active: list[str] = []
+        self._pool_at: torch.Tensor | None = None   # (B,) position the score hook moves to -1
 
     def add(self, name: str, generator: nn.Module) -> nn.Module:
         """Add generator ``name`` and make it active.
@@ -157,6 +185,13 @@ class PromptLayer(Unmergeable, nn.Module):
                                 f"lower data.max_length to {limit - v} or method.num_virtual_tokens")
         mask = out.get("attention_mask")
         mask = torch.ones(b, t, dtype=torch.long, device=embeds.device) if mask is None else mask
+        head = sequence_score_head(model)
+        if head is not None:                         # read the last real token, not padding
+            pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+            self._pool_at = v + last_real_position(ids, mask, pad_id)
+            if not head.__dict__.get(_POOL_HOOKED):
+                head.register_forward_hook(self._read_last_real)
+                object.__setattr__(head, _POOL_HOOKED, True)
         labels = out.get("labels")
         prefix = self.prompts[self._active[0]](embeds, mask, labels)             # (B, v, hidden)
         out["inputs_embeds"] = torch.cat([prefix.to(embeds.dtype), embeds], dim=1)  # (B, v+T, hidden)
@@ -169,6 +204,16 @@ class PromptLayer(Unmergeable, nn.Module):
             first_off[:, 0] = IGNORE_INDEX
             out["labels"] = torch.cat([labels.new_full((b, v), IGNORE_INDEX), first_off], dim=1)
         return out
+
+    def _read_last_real(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Forward hook of a decoder classifier's ``score``: the logits of the position
+        recorded by :meth:`transform_inputs` go to the last position (used once)."""
+        at, self._pool_at = self._pool_at, None
+        if at is None or not torch.is_tensor(output) or output.dim() != 3 or output.shape[0] != at.shape[0]:
+            return None
+        rows = torch.arange(output.shape[0], device=output.device)
+        picked = output[rows, at.to(output.device)]                               # (B, C)
+        return torch.cat([output[:, :-1], picked.unsqueeze(1)], dim=1)            # (B, v+T, C)
 
     # ----- the embedding table, unchanged ------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from rankwise.adapters.targets import rebuild_at_paths
 from rankwise.core.inject import default_heads, find_targets, inject
 from rankwise.core.ops import mark_trainable, set_modules_to_save
 from rankwise.core.quant import keep_training_layout
+from rankwise.core.token_mask import track_token_mask
 
 __all__ = ["SmoreConfig", "SmoreLayer", "SmoreTree", "apply_smore"]
 
@@ -45,6 +46,7 @@ def apply_smore(model: nn.Module, config: SmoreConfig, adapter_name: str = "defa
         return layer
 
     layers = inject(model, paths, wrap)
+    track_token_mask(model)  # padding stays out of the balance loss and the load
     set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
                         else config.modules_to_save)
     mark_trainable(model, adapter_name)

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from rankwise.adapters.mixture.gates import RouterStats, switch_balance_loss
 from rankwise.core import weights as W
 from rankwise.core.protocol import Unmergeable
+from rankwise.core.token_mask import valid_tokens
 
 _ACTS = {"tanh": torch.tanh, "relu": F.relu, "identity": lambda t: t}
 
@@ -102,10 +103,13 @@ class SmoreTree(nn.Module):
         self.W_final = nn.Parameter(torch.zeros(n_out, d[-1], device=device))
         self.b_final = nn.Parameter(torch.zeros(n_out, device=device))
         self.last_aux: dict[str, torch.Tensor] = {}
+        self.token_mask: torch.Tensor | None = None   # the model's attention mask (hook-set)
 
-    def route(self, x_bar: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def route(self, x_bar: torch.Tensor, valid: torch.Tensor | None = None
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Top-down routing: per level, ``(indices, weights)`` of shape ``(N, P_l, f_l)`` with
-        ``P_l = prod_{k > l} f_k`` parent paths (records the balance loss and the load)."""
+        ``P_l = prod_{k > l} f_k`` parent paths (records the balance loss and the load over the
+        tokens where ``valid (N,)`` is set; ``None``: all)."""
         gate_in = x_bar[:, None, :]                                        # (N, 1, d_down)
         picks: list = [None] * len(self.levels)
         balance = x_bar.new_zeros(())
@@ -115,9 +119,10 @@ class SmoreTree(nn.Module):
             top = probs.topk(f, dim=-1)
             weights = top.values / top.values.sum(-1, keepdim=True) if f > 1 else top.values
             chosen = torch.zeros_like(probs).scatter(-1, top.indices, 1.0)
+            rows = None if valid is None else valid[:, None].expand(-1, probs.shape[1])  # (N, P)
             if self.training and self.balance_weight > 0:
-                balance = balance + switch_balance_loss(probs, chosen, self.balance_weight)
-            lev.stats.update(torch.zeros_like(probs).scatter(-1, top.indices, weights), self.training)
+                balance = balance + switch_balance_loss(probs, chosen, self.balance_weight, rows)
+            lev.stats.update(torch.zeros_like(probs).scatter(-1, top.indices, weights), self.training, rows)
             picks[l] = (top.indices, weights)
             if l > 0:                                                      # children see parent keys
                 keys = lev.keys[top.indices]                               # (N, P, f, g)
@@ -128,7 +133,7 @@ class SmoreTree(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The residual tree's output ``W_final x_{L-1} + b_final`` for tokens ``x (N, in)``."""
-        picks = self.route(self.down(x))
+        picks = self.route(self.down(x), valid_tokens(self.token_mask, x.shape[:-1]))
         n, x_prev = x.shape[0], None
         for l, lev in enumerate(self.levels):
             idx, weights = picks[l]                                        # (N, P, f)

@@ -98,6 +98,7 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
     """
 
     name = "base"
+    round_offset = 0  # rounds completed before this federation started (a resumed run)
 
     def __init__(self, config, fed: FederatedConfig, initial: dict[str, torch.Tensor],
                  train_config: dict | None = None, roles: Mapping[str, str] | None = None) -> None:
@@ -121,6 +122,15 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
         self._rng = random.Random(fed.seed)
 
     # ----- hooks ---------------------------------------------------------------------------
+    @classmethod
+    def initial_tensors(cls, model: nn.Module, state: dict[str, torch.Tensor],
+                        roles: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """The initial adapter, from a freshly prepared ``model`` and its trainable tensors
+        ``state`` (default: ``state`` as prepared; YOCO builds B from the SVD of the base
+        weights). :func:`rankwise.federated.task.build_session` applies it on the server and on
+        every client, so both hold the same initial adapter without sending it."""
+        return state
+
     def plan(self, server_round: int, node_id: int) -> Plan:
         """The plan of ``node_id`` in ``server_round`` (default: train everything)."""
         return Plan()
@@ -159,6 +169,34 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
     def run_metrics(self) -> dict[str, Any]:
         """Strategy-specific entries of the run's ``metrics.json`` (default none)."""
         return {}
+
+    def extra_state(self) -> dict[str, Any]:
+        """The strategy's own JSON state for a round checkpoint (default none); node-keyed
+        entries must be keyed by data partition (node ids change between federations)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned (default: nothing to restore)."""
+
+    # ----- round checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(global tensors, JSON state)`` of a round checkpoint (``federated/checkpoint.py``):
+        the round history, the round each key last changed, the sampling RNG, the strategy's
+        :meth:`extra_state`."""
+        version, internal, gauss = self._rng.getstate()
+        return dict(self.global_state), {
+            "history": self.history, "version": self._version,
+            "rng": [version, list(internal), gauss], "extra": self.extra_state()}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; nodes start without a copy of the adapter
+        (they get every key changed since the start, as new nodes do)."""
+        self.global_state = {k: v.float().clone() for k, v in tensors.items()}
+        self.history = list(state["history"])
+        self._version = {k: int(v) for k, v in state["version"].items()}
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self.load_extra_state(state.get("extra") or {})
 
     # ----- Flower Strategy API -----------------------------------------------------------------
     def summary(self) -> None:
@@ -220,7 +258,8 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
         """Send each sampled node its plan and the global tensors it lacks.
 
         Args:
-            server_round: Round number, from 1.
+            server_round: Flower's round number, from 1 (``round_offset`` is added: a resumed
+                run's rounds continue its numbering, and with it the clients' seeds).
             arrays: Ignored: the global state lives in the strategy (it is not one record
                 for every method).
             config: Flower's train ConfigRecord (entries are forwarded).
@@ -230,6 +269,7 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
             One ``Message`` per sampled node.
         """
         from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+        server_round += self.round_offset
         self._expected, self._bytes_down = {}, 0
         messages = []
         for node in self._sample(grid):
@@ -264,6 +304,7 @@ class AdapterStrategy(ClientHooks, _FlowerStrategy):
             ``(ArrayRecord of the global state, MetricRecord of round metrics)``.
         """
         from flwr.app import MetricRecord
+        server_round += self.round_offset
         replies = list(replies)
         entry = {"round": server_round, "sampled": len(self._expected),
                  "bytes_down": self._bytes_down + self._control[0], "bytes_up": self._control[1],

@@ -71,6 +71,12 @@ class ClientHooks:
         return {}
 
     @classmethod
+    def pre_train_metrics(cls, client: Any, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Extra MetricRecord entries computed on the *received global model*, after the round's
+        tensors are loaded and before local training (default none; LEFF's importance)."""
+        return {}
+
+    @classmethod
     def client_metrics(cls, client: Any, config: Mapping[str, Any]) -> dict[str, Any]:
         """Extra MetricRecord entries of a training reply (default none). ``client`` is the
         ClientApp's :class:`rankwise.federated.task.Client`, after local training."""

@@ -160,11 +160,35 @@ class FedLease(AdapterStrategy):
         self.cluster: dict[int, int] = {}
         self.num_experts = 0
         self.silhouettes: dict[int, float] = {}
+        self._cluster_of_partition: dict[str, int] = {}  # a restored run's clusters (extra_state)
+
+    def extra_state(self) -> dict[str, Any]:
+        """Clusters by data partition, the expert count and the silhouettes."""
+        by_partition = {str(self.partition_of[n]): c for n, c in self.cluster.items() if n in self.partition_of}
+        by_partition.update(self._cluster_of_partition)
+        return {"cluster_of_partition": by_partition, "num_experts": self.num_experts,
+                "silhouettes": {str(k): v for k, v in self.silhouettes.items()}}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Clusters come back by partition; each new node joins its partition's cluster once it
+        has identified itself (:meth:`_adopt`)."""
+        self._cluster_of_partition = {k: int(c) for k, c in state.get("cluster_of_partition", {}).items()}
+        self.num_experts = int(state.get("num_experts", 0))
+        self.silhouettes = {int(k): float(v) for k, v in state.get("silhouettes", {}).items()}
+
+    def _adopt(self) -> None:
+        """Put identified nodes of a restored run into their partition's cluster."""
+        for node, part in self.partition_of.items():
+            c = self._cluster_of_partition.get(str(part))
+            if c is not None and node not in self.cluster:
+                self.cluster[node] = c
 
     def _sample(self, grid) -> list[int]:
-        if not self.cluster:  # warm-up: everyone (after at least min_clients connected)
+        if not self.cluster and not self._cluster_of_partition:  # warm-up: everyone
             return self.connected(grid)
-        return super()._sample(grid)
+        nodes = super()._sample(grid)
+        self._adopt()
+        return nodes
 
     def _extra(self, c: int) -> dict:
         return {keys.CLUSTER: c, keys.NUM_EXPERTS: self.num_experts,

@@ -24,12 +24,16 @@ class LeffConfig:
         capacities: Layers each client can train, by partition id (cycled when shorter than the
             number of clients). A SuperNode started with ``--node-config "capacity=N"``
             overrides its entry.
-        temperature: Softmax temperature over block importances normalised to sum 1.
+        temperature: Softmax temperature over block importances; 1 is the paper's plain
+            softmax of block importance.
+        normalize: Divide importances by their sum before the softmax (the reading used
+            before the paper's plain softmax was restored; off by default).
     """
 
     name: str = "leff"
     capacities: list[int] = field(default_factory=lambda: [1, 2, 3])
-    temperature: float = 0.1
+    temperature: float = 1.0
+    normalize: bool = False
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings."""
@@ -41,23 +45,23 @@ class LeffConfig:
         return out
 
 
-def block_probabilities(importance: list[float], capacity: int, temperature: float) -> list[float]:
-    """Probability of each contiguous block of ``capacity`` layers (LEFF stage 2).
-
-    Block importance is the sum of its layers' importances (normalised so all layers sum to
-    1); the probabilities are ``softmax(block_importance / temperature)``.
+def block_probabilities(importance: list[float], capacity: int, temperature: float = 1.0,
+                        normalize: bool = False) -> list[float]:
+    """Probability of each contiguous block of ``capacity`` layers (LEFF stage 2):
+    ``softmax(block importance / temperature)``, block importance = the sum of its layers'.
 
     Args:
         importance: One non-negative number per layer.
         capacity: Block length (clipped to the number of layers).
-        temperature: Softmax temperature.
+        temperature: Softmax temperature (1: the paper's softmax).
+        normalize: Divide by the sum of all layers' importances first.
 
     Returns:
         One probability per block start ``0 .. len(importance) - capacity``.
     """
     n = len(importance)
     c = min(max(capacity, 1), n)
-    total = sum(importance) or 1.0
+    total = (sum(importance) or 1.0) if normalize else 1.0
     scores = [sum(importance[s:s + c]) / total / temperature for s in range(n - c + 1)]
     top = max(scores)
     ex = [math.exp(v - top) for v in scores]
@@ -111,22 +115,29 @@ class Leff(AdapterStrategy):
     """LEFF (Shen et al. 2025), per round: (1) each client declares its capacity L_i (a query
     message on first contact); (2) the server samples one block of L_i consecutive layers with
     probability softmax(block importance), importance = sum over a layer's parameters of the
-    first-order Taylor term ``|g * theta|`` (Molchanov et al. 2019), reported by the client from
-    one local batch and refreshed with every update; (4) the client trains only that block
-    (plus the task head) and sends it; each layer is averaged over the clients that trained it,
-    layers nobody trained keep their value.
+    first-order Taylor term ``|g * theta|`` (Molchanov et al. 2019) of the *global* model,
+    computed by the client on one local batch when it is first contacted and, in every round it
+    trains, on the global model it received before training (used for its next plan); (4) the
+    client trains only that block (plus the task head) and sends it; each layer is averaged over
+    the clients that trained it, layers nobody trained keep their value.
 
     Choices: the trained tensors are whatever the run's method trains (LoRA factors, or the
-    full weights with ``method: full``, the paper's setting); stage 3 (distilling the untrained
-    layers into a smaller frozen student on a public set) is not implemented: clients run the
-    frozen layers as they are; importance is computed on the client's local data.
+    full weights with ``method: full``, the paper's setting); the paper does not say where the
+    importance's gradients are computed (its conclusion counts it as server load, and the
+    server has no labelled data of the clients'), so each client computes it on the global
+    model with its own batch, keeping the data local; stage 3 (distilling the untrained layers
+    into a smaller frozen student on a public proxy set) is not implemented: clients run the
+    frozen layers as they are, which removes the approximation error Delta^2 of the paper's
+    bound and costs the clients the full frozen forward; what the distillation would cost in
+    accuracy is not measured here.
     """
 
     name = "leff"
 
     @classmethod
-    def client_metrics(cls, client: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-        """A block round's reply refreshes the client's per-layer importance."""
+    def pre_train_metrics(cls, client: Any, config: Mapping[str, Any]) -> dict[str, Any]:
+        """A block round's reply refreshes the per-layer importance, measured on the global
+        model the client received (before its local training changes it)."""
         return {keys.IMPORTANCE: client_importance(client)} if config.get(keys.TRAIN_LAYERS) else {}
 
     @classmethod
@@ -172,7 +183,7 @@ class Leff(AdapterStrategy):
         cap = self.capacity.get(node_id, self.config.capacities[0])
         imp_all = self.importance.get(node_id)
         imp = [imp_all[i] if imp_all and i < len(imp_all) else 1.0 for i in self.layers]
-        probs = block_probabilities(imp, cap, self.config.temperature)
+        probs = block_probabilities(imp, cap, self.config.temperature, self.config.normalize)
         start = self._rng.choices(range(len(probs)), weights=probs)[0]
         block = self.layers[start:start + min(cap, len(self.layers))]
         self.blocks[node_id] = block

@@ -24,8 +24,10 @@ class YocoConfig:
         name: Registry name.
         sign_weight: Weight of ``R_sign = ||tanh(gamma B) - B_s||_F / (||B_s||_F + eps)``.
         gamma_max: gamma follows a cosine ramp from 1 to ``gamma_max`` over local training.
-        sparse_weight: Weight lambda of ``R_sparse = lambda ||A||_1`` (mean absolute value here,
-            so the weight does not depend on the adapter size).
+        sparse_weight: lambda of the paper's ``R_sparse = lambda ||A||_1``, the entrywise sum
+            of absolute values over every trained A, so each entry's gradient is
+            ``lambda sign(A)`` (0.01: the lower end of the authors' code's regulariser weight,
+            which decays from 0.1 to 0.01).
         pca_components: k of the principal-component aggregation of A (capped at #clients).
         steps_multiplier: Local steps = ``federated.local_steps * rounds * steps_multiplier``,
             so one-shot training spends as much local compute as the multi-round methods.
@@ -106,8 +108,13 @@ class Yoco(AdapterStrategy):
     comes from the SVD ``W = U S V^T`` of each adapted weight, identical on every client);
     the server averages B and aggregates A by :func:`pca_aggregate` (Sec. 3.3).
 
-    Choices: LoRA keeps its usual init (B = 0) so the global model starts at the base model;
-    the sign regulariser pulls B's signs towards ``B_s``.
+    Initialisation (:meth:`initial_tensors`): the paper builds rank-r factors from the SVD of
+    each pre-trained ``W``, ``B0 = U_r S_r^{1/2}``, ``A0 = S_r^{1/2} V_r^T`` (the authors'
+    ``get_low_rank_sign``), with ``B_s = sign(B0)``. Our reading: B starts at ``B0`` and A at 0,
+    so the global model starts at the base model (the paper does not say that W is reduced by
+    ``B0 A0``; keeping A0 without reducing W would double W's top-r part, and the released code
+    sets only B, leaving a random A that shifts the model) and the sign term starts near its
+    minimum rather than at its maximum (``tanh(0) = 0`` for B = 0).
     """
 
     name = "yoco"
@@ -120,7 +127,8 @@ class Yoco(AdapterStrategy):
 
         * ``yoco_sign``: ``w_sign * mean_B ||tanh(gamma B) - B_s||_F / (||B_s||_F + 1e-6)``
           over every factor B, gamma following :func:`gamma_at` over the local steps;
-        * ``yoco_sparse``: ``lambda * mean_A mean|A|`` over the factors A that train.
+        * ``yoco_sparse``: ``lambda * sum_A ||A||_1`` (entrywise) over the factors A that train,
+          so the per-entry gradient is ``lambda sign(A)``.
 
         Returns:
             The hooks (empty outside the ``oneshot`` phase; a term without factors is left out).
@@ -140,7 +148,7 @@ class Yoco(AdapterStrategy):
             return w_sign * torch.stack(terms).mean()
 
         def sparse(_model: nn.Module, step: int) -> torch.Tensor:
-            return w_sparse * torch.stack([a.abs().mean() for a in a_params]).mean()
+            return w_sparse * torch.stack([a.abs().sum() for a in a_params]).sum()
 
         hooks: dict[str, LossHook] = {}
         if signs:
@@ -148,6 +156,36 @@ class Yoco(AdapterStrategy):
         if a_params:
             hooks["yoco_sparse"] = sparse
         return hooks
+
+    @classmethod
+    def initial_tensors(cls, model: nn.Module, state: dict[str, torch.Tensor],
+                        roles: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """B = ``U_r S_r^{1/2}`` from the SVD of its layer's base weight, A = 0 (see the class
+        docstring); every other tensor as prepared.
+
+        Args:
+            model: The server's freshly prepared model.
+            state: Its exchangeable tensors by name.
+            roles: ``{name: "A" | "B"}`` of the factors among them.
+
+        Returns:
+            The initial global tensors.
+        """
+        out = dict(state)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        for _, mod in adapter_modules(model):
+            for adapter in mod.adapter_names():
+                pair = factors(mod, adapter)
+                if pair is None:
+                    continue
+                a, b = (name_of.get(id(p)) for p in pair)
+                if roles.get(a) != "A" or roles.get(b) != "B" or a not in out or b not in out:
+                    continue
+                r = out[b].shape[1]
+                u, sv, _ = torch.linalg.svd(dense_weight(mod).detach().float(), full_matrices=False)
+                out[b] = (u[:, :r] * sv[:r].sqrt()).to(out[b].dtype)               # (out, r)
+                out[a] = torch.zeros_like(out[a])                                   # (r, in)
+        return out
 
     def num_rounds(self, requested: int) -> int:
         """Always one round."""

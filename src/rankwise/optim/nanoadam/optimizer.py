@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rankwise.core.inject import default_heads, head_paths
-from rankwise.optim.common import adam_direction, adamw_update, next_step, run_closure
+from rankwise.optim.common import adamw_update, next_step, run_closure
 from rankwise.optim.nanoadam.config import NanoAdamConfig
 
 
@@ -55,13 +55,17 @@ class NanoAdam(torch.optim.Optimizer):
 
     Choices where the paper's text was not available to us (its Algorithm 1 is truncated in
     what we could read): ``k`` is per tensor ("per-layer bottom-k", as a summary of the paper
-    puts it); when ``I`` changes the moments restart at zero together with their bias correction
-    (``mask_step``), i.e. Adam starts afresh on the new set; the schedule is a cosine between
-    ``density`` and ``final_density``. Tensors of other groups (1-D parameters, output heads: the
-    builder's choice) get plain AdamW.
+    puts it); when ``I`` is recomputed, an entry that stays selected keeps its moments and its
+    own bias-correction count, an entry that enters starts at zero moments and count 0 (Adam
+    starts afresh on that entry only), and the moments of an entry that leaves are dropped -
+    so a recomputation that selects the same set changes nothing, and density 1 is
+    ``torch.optim.AdamW`` exactly whatever ``mask_interval`` is (tested); the schedule is a
+    cosine between ``density`` and ``final_density``. Tensors of other groups (1-D parameters,
+    output heads: the builder's choice) get plain AdamW.
 
     State per masked tensor: ``index`` (``k`` int32), ``exp_avg`` and ``exp_avg_sq`` (``k``
-    floats each): ``3k`` 4-byte words (int64 indices past ``2^31`` entries: ``4k``).
+    floats each) and ``entry_step`` (``k`` int32, each entry's Adam step count since it was
+    last selected): ``4k`` 4-byte words (int64 indices past ``2^31`` entries: ``5k``).
 
     Args:
         params: Param groups; ``masked`` groups carry ``density``, ``final_density``,
@@ -78,6 +82,24 @@ class NanoAdam(torch.optim.Optimizer):
                         density=0.1, final_density=None, mask_interval=100, density_interval=100,
                         total_steps=1000)
         super().__init__(params, defaults)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, keeping the integer state integer.
+
+        torch casts every non-``step`` state tensor to the parameter's float dtype; the indices
+        and per-entry step counts are put back as saved (a float32 index is inexact past 2^24).
+
+        Args:
+            state_dict: As returned by :meth:`state_dict`.
+        """
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for key in ("index", "entry_step"):
+                if key in saved.get(i, {}):
+                    self.state[p][key] = saved[i][key].to(device=p.device)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -107,26 +129,52 @@ class NanoAdam(torch.optim.Optimizer):
                                     group["total_steps"], group["density_interval"])
         k = max(1, round(density * p.numel()))
         if "index" not in state or (step - 1) % group["mask_interval"] == 0 or state["index"].numel() != k:
-            idx = smallest_indices(p, k)
-            state["index"] = idx
-            state["exp_avg"] = torch.zeros(k, dtype=p.dtype, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(k, dtype=p.dtype, device=p.device)
-            state["mask_step"] = torch.tensor(0.0)
+            reselect(state, smallest_indices(p, k), p)
         idx = state["index"].long()
         flat = p.view(-1)                                    # (N,), shares p's storage
         grad = p.grad.reshape(-1).index_select(0, idx)       # (k,)
         beta1, beta2 = group["betas"]
-        direction = adam_direction(state, grad, beta1, beta2, group["eps"], next_step_of(state))
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        state["entry_step"] += 1
+        t = state["entry_step"].to(torch.float64)            # (k,) per-entry bias correction
+        bc1 = (1 - beta1 ** t).to(p.dtype)
+        bc2_sqrt = (1 - beta2 ** t).sqrt().to(p.dtype)
+        direction = (m / bc1).div_((v.sqrt() / bc2_sqrt).add_(group["eps"]))
         values = flat.index_select(0, idx)
         if group["weight_decay"]:
             values.mul_(1 - group["lr"] * group["weight_decay"])
         flat.index_copy_(0, idx, values.add_(direction, alpha=-group["lr"]))
 
 
-def next_step_of(state: dict) -> int:
-    """Increment and return the bias-correction counter of the current mask (``mask_step``)."""
-    state["mask_step"] += 1
-    return int(state["mask_step"].item())
+def reselect(state: dict, new: torch.Tensor, p: torch.Tensor) -> None:
+    """Switch ``state`` to the sorted index set ``new``: entries already selected keep their
+    moments and step counts, entering entries start at zero, leaving entries are dropped.
+
+    Args:
+        state: The tensor's optimizer state (``index``, ``exp_avg``, ``exp_avg_sq``,
+            ``entry_step``; created if absent).
+        new: Sorted flat indices of the new selection, ``(k,)``.
+        p: The parameter (dtype and device of the moments).
+    """
+    k = new.numel()
+    m = torch.zeros(k, dtype=p.dtype, device=p.device)
+    v = torch.zeros(k, dtype=p.dtype, device=p.device)
+    t = torch.zeros(k, dtype=torch.int32, device=p.device)
+    old = state.get("index")
+    if old is not None and old.numel():
+        if "entry_step" not in state:                     # a checkpoint of the one-count layout
+            count = int(state.pop("mask_step", torch.tensor(0.0)).item())
+            state["entry_step"] = torch.full((old.numel(),), count, dtype=torch.int32, device=p.device)
+        old_l, new_l = old.long(), new.long()
+        pos = torch.searchsorted(old_l, new_l).clamp_max(old_l.numel() - 1)   # (k,)
+        kept = old_l[pos] == new_l                                             # stays selected
+        m[kept] = state["exp_avg"][pos[kept]]
+        v[kept] = state["exp_avg_sq"][pos[kept]]
+        t[kept] = state["entry_step"][pos[kept]]
+    state.update(index=new, exp_avg=m, exp_avg_sq=v, entry_step=t)
+    state.pop("mask_step", None)
 
 
 def nanoadam_param_groups(model: nn.Module, config: NanoAdamConfig) -> list[dict]:
@@ -171,9 +219,9 @@ def build_nanoadam(model: nn.Module, config: NanoAdamConfig) -> NanoAdam:
 
 
 def nanoadam_state_floats(model: nn.Module, config: NanoAdamConfig) -> int:
-    """NanoAdam's state at the initial density: ``k (2 + w)`` per masked tensor with
-    ``k = max(1, round(density N))`` and ``w`` 4-byte words per index (1 for int32), AdamW's 2 per
-    element for the rest.
+    """NanoAdam's state at the initial density: ``k (3 + w)`` per masked tensor with
+    ``k = max(1, round(density N))`` (two moments and an int32 step count per entry) and ``w``
+    4-byte words per index (1 for int32), AdamW's 2 per element for the rest.
 
     Args:
         model: The model.
@@ -187,7 +235,7 @@ def nanoadam_state_floats(model: nn.Module, config: NanoAdamConfig) -> int:
         for p in group["params"]:
             if group.get("masked"):
                 k = max(1, round(config.density * p.numel()))
-                total += k * (2 + (1 if p.numel() < 2**31 else 2))
+                total += k * (3 + (1 if p.numel() < 2**31 else 2))
             else:
                 total += 2 * p.numel()
     return total

@@ -20,8 +20,14 @@ class Q3RConfig:
         weight_decay: Decoupled weight decay (all groups).
         betas: Adam's (beta1, beta2).
         eps: Adam's epsilon.
-        rank: Target rank ``r`` of every regularized matrix (the rank kept by
-            :func:`rankwise.optim.q3r.truncate_to_factorized` after training).
+        rank: Target rank, read per ``m x n`` matrix as the authors' code does
+            (:func:`rankwise.optim.q3r.target_rank`): an integer is multiplied by the aspect
+            ratio ``max(m, n) / min(m, n)`` (unless ``scale_rank`` is false), a fraction in
+            ``(0, 1)`` is ``fraction * max(m, n)``. A matrix whose rank comes out at
+            ``min(m, n)`` or more is left to AdamW. The same rule gives the rank kept by
+            :func:`rankwise.optim.q3r.truncate_to_factorized` after training.
+        scale_rank: Multiply an integer ``rank`` by each matrix's aspect ratio (the authors'
+            code); false uses it as is for every matrix.
         update_every: Reweighting period: the SVD of each regularized weight is refreshed every
             this many steps; in between only the quadratic is evaluated.
         lam: ``lambda``, the regularizer's weight.
@@ -42,7 +48,8 @@ class Q3RConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    rank: int = 32
+    rank: Union[int, float] = 32
+    scale_rank: bool = True
     update_every: int = 5
     lam: float = 0.1
     targets: Union[list[str], str] = "block-linear"
@@ -51,8 +58,10 @@ class Q3RConfig:
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
-                           self.update_every)
+        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, None, self.update_every)
+        if not (self.rank >= 1 and float(self.rank).is_integer()) and not 0 < self.rank < 1:
+            out.append(f"rank: got {self.rank}; expected a positive integer such as 32 or a "
+                       "fraction of max(m, n) in (0, 1) such as 0.05")
         if self.lam < 0:
             out.append(f"lam: got {self.lam}; expected 0 or more such as 0.1")
         if self.power_iters < 1:

@@ -8,7 +8,7 @@ from rankwise.core import weights as W
 from rankwise.core.inject import find_targets, replace_module
 from rankwise.errors import RankwiseError
 from rankwise.optim.common import DEFAULT_TARGETS
-from rankwise.optim.q3r.optimizer import _svd_dtype
+from rankwise.optim.q3r.optimizer import _svd_dtype, target_rank
 
 
 class LowRankLinear(nn.Module):
@@ -41,24 +41,29 @@ def _factor(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def truncate_to_factorized(model: nn.Module, rank: int,
-                           targets: list[str] | str = DEFAULT_TARGETS) -> dict[str, int]:
-    """Replace each selected linear layer by a :class:`LowRankLinear` of rank ``rank``.
+def truncate_to_factorized(model: nn.Module, rank: float,
+                           targets: list[str] | str = DEFAULT_TARGETS,
+                           scale_rank: bool = True) -> dict[str, int]:
+    """Replace each selected linear layer by a :class:`LowRankLinear` of the rank Q3R
+    regularized it to (:func:`rankwise.optim.q3r.target_rank` of ``rank`` and its shape).
 
     This is Q3R's final step (train to a prescribed rank, then truncate). Typical use::
 
         opt = rankwise.registry.get("optimizer", "q3r").builder(model, cfg)
         ...train...
-        report = truncate_to_factorized(model, rank=cfg.rank, targets=cfg.targets)
+        report = truncate_to_factorized(model, rank=cfg.rank, targets=cfg.targets,
+                                        scale_rank=cfg.scale_rank)
 
-    Pass the same ``rank`` and ``targets`` as the optimizer config so exactly the regularized
-    layers are factorized. Layers whose factors would not be smaller than the dense weight
+    Pass the same ``rank``, ``targets`` and ``scale_rank`` as the optimizer config so exactly
+    the regularized layers are factorized, each at its regularized rank (the authors'
+    truncation script takes a separate parameter-count fraction instead). Layers whose factors would not be smaller than the dense weight
     (``r (m + n) >= m n``) are left dense.
 
     Args:
         model: The trained model (changed in place).
-        rank: Rank kept (the top singular directions of each weight).
+        rank: As the optimizer's ``rank`` (the top singular directions of each weight kept).
         targets: As the optimizer's ``targets`` (:func:`rankwise.optim.common.split_params`).
+        scale_rank: As the optimizer's ``scale_rank``.
 
     Returns:
         ``{"layers": k, "params_before": a, "params_after": b}`` over the replaced layers.
@@ -66,18 +71,20 @@ def truncate_to_factorized(model: nn.Module, rank: int,
     Raises:
         RankwiseError: If ``rank`` is not positive.
     """
-    if rank < 1:
-        raise RankwiseError(f"truncate_to_factorized: got rank={rank!r}; expected a positive integer")
+    if not rank > 0:
+        raise RankwiseError(f"truncate_to_factorized: got rank={rank!r}; expected a positive integer "
+                            "or a fraction in (0, 1)")
     report = {"layers": 0, "params_before": 0, "params_after": 0}
     for path in find_targets(model, targets or DEFAULT_TARGETS, what="optim.targets"):
         module = model.get_submodule(path)
         dense = W.dense_weight(module)  # (m, n) = (out, in)
         m, n = dense.shape
-        if rank * (m + n) >= m * n:
+        r = target_rank(rank, (m, n), scale_rank)
+        if r * (m + n) >= m * n:
             continue
         bias = getattr(W.base_layer(module), "bias", None)
-        new = LowRankLinear(n, m, rank, bias=bias is not None).to(dtype=dense.dtype, device=dense.device)
-        up, down = _factor(dense, rank)
+        new = LowRankLinear(n, m, r, bias=bias is not None).to(dtype=dense.dtype, device=dense.device)
+        up, down = _factor(dense, r)
         new.up.weight.copy_(up)
         new.down.weight.copy_(down)
         if bias is not None:
@@ -85,5 +92,5 @@ def truncate_to_factorized(model: nn.Module, rank: int,
         replace_module(model, path, new)
         report["layers"] += 1
         report["params_before"] += m * n
-        report["params_after"] += rank * (m + n)
+        report["params_after"] += r * (m + n)
     return report

@@ -20,8 +20,22 @@ class SumoConfig:
         rank: Subspace dimension ``r`` (``>= min(m, n)``: no projection, i.e. exact-SVD Muon).
         update_every: ``K``: the subspace is recomputed from the gradient every ``K`` steps and
             the moment is transported into it.
-        scale: Target RMS of one projected matrix's update before ``lr`` (see
-            :class:`rankwise.optim.sumo.SumoOptimizer`); 0.2 makes AdamW learning rates carry over.
+        scale: ``alpha``, the paper's scale of the update ``lr * alpha * Q_t O_t``, the same
+            for every matrix (``scale_rule: uniform``). The paper's value is not known to us;
+            5.0 gives the 128-wide lowrank-pretrain model's block matrices (rank 32) an update
+            RMS of 0.16-0.22, near AdamW's, so one ``lr`` serves the AdamW groups too (for
+            another model, ``0.2 sqrt(m n / r)`` of its typical block matrix does the same).
+            With ``scale_rule: rms``, the target RMS of each matrix's update instead (0.2).
+        scale_rule: ``"uniform"`` (the paper: ``alpha`` for every matrix) or ``"rms"`` (ours
+            before issue 27: ``alpha * sqrt(m n / r)``, which makes every matrix's update RMS
+            ``alpha`` whatever its shape; Moonlight's RMS matching).
+        residual: Block 4 of the official README, the "original space update": also step along
+            the gradient outside the subspace, ``phi (G - Q Q^T G)`` with
+            ``phi = ||O||_F / ||Q^T G||_F`` (our reading, after Fira; the exact scaling is not
+            published in any text we could read, hence off by default).
+        norm_growth: ``gamma`` of the norm-growth limiter on that residual term (Fira's 1.01):
+            its norm may grow by at most this factor per step; ``null``: no limiter. Needs
+            ``residual``.
         betas: Adam's betas for the matrices that are not projected (embeddings, norms, heads).
         eps: Adam's epsilon for those matrices.
         targets: ``"block-linear"`` (linear weights in the transformer blocks), ``"all-linear"``,
@@ -43,7 +57,10 @@ class SumoConfig:
     momentum: float = 0.9
     rank: int = 128
     update_every: int = 200
-    scale: float = 0.2
+    scale: float = 5.0
+    scale_rule: Literal["uniform", "rms"] = "uniform"
+    residual: bool = False
+    norm_growth: Optional[float] = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     targets: Union[list[str], str] = "block-linear"
@@ -60,5 +77,9 @@ class SumoConfig:
         if not 0 <= self.momentum < 1:
             out.append(f"momentum: got {self.momentum}; expected a number in [0, 1) such as 0.9")
         if not self.scale > 0:
-            out.append(f"scale: got {self.scale}; expected a positive number such as 0.2")
+            out.append(f"scale: got {self.scale}; expected a positive number such as 5.0")
+        if self.norm_growth is not None and not self.norm_growth >= 1:
+            out.append(f"norm_growth: got {self.norm_growth}; expected a factor >= 1 such as 1.01, or null")
+        if self.norm_growth is not None and not self.residual:
+            out.append("norm_growth: limits the residual term; set residual: true or norm_growth: null")
         return out + projector_problems(self.projector, self.oja_lr, self.oja_bits)

@@ -70,29 +70,38 @@ class SumoOptimizer(MatrixAdamW):
        Newton-Schulz), computed from the ``r x r`` Gram matrix's eigendecomposition
        (:func:`polar_batch`): the same matrix as the SVD's ``U V^T``, in one batched call for
        every moment of a shape, about 4x cheaper than a thin SVD per matrix on CPU;
-    5. ``W <- W (1 - lr wd) - lr * scale * sqrt(m n / r) * Q_t O``.
+    5. ``W <- W (1 - lr wd) - lr * alpha * (Q_t O + S)``, ``alpha = scale`` for every matrix
+       (the paper's uniform scale; ``scale_rule: rms`` uses ``scale * sqrt(m n / r)`` instead,
+       which makes every matrix's update RMS ``scale`` - an orthonormal rank-``r`` update has
+       Frobenius norm ``sqrt(r)`` - Moonlight's RMS matching, shape-dependent: 2x between
+       1024 x 4096 and 1024 x 1024); ``S = 0`` unless ``residual``.
 
-    Choices where the paper's text was not available to us: the step-5 factor
-    ``sqrt(m n / r)`` makes the RMS of the full-size update equal to ``scale`` (an orthonormal
-    rank-``r`` update has Frobenius norm ``sqrt(r)``), the RMS-matching rule of Moonlight (Liu et
-    al. 2025) so AdamW learning rates carry over; the optional "original space" residual term and
-    norm-growth limiter of the official code are not implemented. Matrices not projected
-    (groups without ``rank``) use AdamW.
+    Block 4 of the official README ("original space update: the orthogonal term of the gradient
+    outside the low-rank subspace ... without extra memory"), ``residual: true``: ``S = phi (G -
+    Q_t Q_t^T G)`` with ``phi = ||O||_F / ||Q_t^T G||_F``, so the residual is stepped at the rate
+    the subspace part gets per unit of projected gradient; ``norm_growth: gamma`` limits it as
+    Fira does (Chen et al. 2024): ``||S_t|| <= gamma ||S_{t-1}||`` (one 0-dim tensor of state).
+    Its exact scaling is not in any text of the paper we could read (the README names the block,
+    its formula is not there), so this is our reading, after Fira, which SUMO's README cites as
+    its memory-free precedent; it is off by default. The limiter acts on ``S`` only: ``Q_t O``
+    has the fixed norm ``sqrt(r)``. Matrices not projected (groups without ``rank``) use AdamW.
 
     State per projected matrix: ``momentum`` (``max(m,n) x r``) and ``proj_basis``
-    (``min(m,n) x r``): ``nr + mr`` floats.
+    (``min(m,n) x r``): ``nr + mr`` floats (+ the limiter's 0-dim ``residual_norm``).
 
     Param-group keys beyond AdamW's: ``rank`` (turns SUMO on for the group), ``update_every``,
-    ``momentum``, ``scale``, ``svd``, ``projector``, ``oja_lr``, ``oja_bits``, ``seed``.
+    ``momentum``, ``scale``, ``scale_rule``, ``residual``, ``norm_growth``, ``svd``,
+    ``projector``, ``oja_lr``, ``oja_bits``, ``seed``.
     Constructor arguments are those of :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
-    group_defaults = dict(momentum=0.9, update_every=200, scale=0.2, svd="eigh", projector="svd",
+    group_defaults = dict(momentum=0.9, update_every=200, scale=5.0, scale_rule="uniform",
+                          residual=False, norm_growth=None, svd="eigh", projector="svd",
                           oja_lr=1.0, oja_bits=None, seed=0)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._pending: list[tuple[torch.Tensor, dict, dict]] = []
+        self._pending: list[tuple] = []
 
     def matrix_step(self, param: torch.Tensor, state: dict, group: dict, step: int,
                     place: Place) -> None:
@@ -115,7 +124,10 @@ class SumoOptimizer(MatrixAdamW):
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(low)
         state["momentum"].mul_(group["momentum"]).add_(low)
-        self._pending.append((param, state, group))
+        rest = None
+        if group["residual"] and int(state["proj_side"]) != projector.IDENTITY:
+            rest = (grad - projector.project_back(state, low), float(low.norm()))   # (G - Q Q^T G, ||Q^T G||)
+        self._pending.append((param, state, group, rest))
 
     def finish_step(self) -> None:
         """Steps 4-5: orthogonalize every pending moment (one batch per shape) and update."""
@@ -125,12 +137,31 @@ class SumoOptimizer(MatrixAdamW):
             by_shape[(tuple(mom.shape), mom.dtype, mom.device)].append(item)
         self._pending = []
         for items in by_shape.values():
-            polar = polar_batch(torch.stack([st["momentum"] for _, st, _ in items]))
-            for (param, state, group), o in zip(items, polar):
-                r = min(o.shape)
-                factor = group["scale"] * math.sqrt(param.shape[0] * param.shape[1] / r)
+            polar = polar_batch(torch.stack([it[1]["momentum"] for it in items]))
+            for (param, state, group, rest), o in zip(items, polar):
+                factor = group["scale"]
+                if group["scale_rule"] == "rms":
+                    factor *= math.sqrt(param.shape[0] * param.shape[1] / min(o.shape))
                 decay_(param, group["lr"], group["weight_decay"])
                 param.add_(projector.project_back(state, o), alpha=-group["lr"] * factor)
+                if rest is not None:
+                    param.add_(_residual_step(state, o, *rest, group["norm_growth"]),
+                               alpha=-group["lr"] * factor)
+
+
+def _residual_step(state: dict, o: torch.Tensor, rest: torch.Tensor, low_norm: float,
+                   gamma: float | None) -> torch.Tensor:
+    """Block 4's ``S = phi (G - Q Q^T G)``, ``phi = ||O||_F / ||Q^T G||_F``, limited to
+    ``gamma`` times the previous step's norm (``residual_norm`` in ``state``) when ``gamma``."""
+    s = rest * (float(o.norm()) / low_norm) if low_norm > 0 else torch.zeros_like(rest)
+    if gamma is not None:
+        norm = float(s.norm())
+        prev = state.get("residual_norm")
+        if prev is not None and norm > gamma * float(prev) and norm > 0:
+            s = s * (gamma * float(prev) / norm)
+            norm = gamma * float(prev)
+        state["residual_norm"] = torch.tensor(norm)
+    return s
 
 
 def build_sumo(model: nn.Module, config: SumoConfig) -> SumoOptimizer:
@@ -144,7 +175,8 @@ def build_sumo(model: nn.Module, config: SumoConfig) -> SumoOptimizer:
         The optimizer over the trainable parameters.
     """
     groups = param_groups(model, config.targets, rank=config.rank, update_every=config.update_every,
-                          momentum=config.momentum, scale=config.scale, svd=config.svd,
+                          momentum=config.momentum, scale=config.scale, scale_rule=config.scale_rule,
+                          residual=config.residual, norm_growth=config.norm_growth, svd=config.svd,
                           projector=config.projector, oja_lr=config.oja_lr, oja_bits=config.oja_bits,
                           seed=config.seed)
     return SumoOptimizer(groups, lr=config.lr, betas=config.betas,

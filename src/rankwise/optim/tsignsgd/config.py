@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from rankwise.optim.common import check_common
 
@@ -21,7 +22,8 @@ class TSignSGDConfig:
         weight_decay: Decoupled weight decay of that AdamW group.
         betas: Its Adam betas.
         eps: Its Adam epsilon.
-        total_steps: Length of the threshold schedule (set it to ``train.steps``).
+        total_steps: Length of the threshold schedule; ``null`` (the default) takes
+            ``train.steps`` when the run config is read.
         start_quantile: The update threshold's quantile of ``|g|`` at the first step.
         mid_quantile: ...at ``phase_split`` of the steps (linear in between).
         end_quantile: ...at the last step (linear from ``mid_quantile``).
@@ -36,7 +38,7 @@ class TSignSGDConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    total_steps: int = 300
+    total_steps: Optional[int] = None
     start_quantile: float = 0.95
     mid_quantile: float = 0.999
     end_quantile: float = 0.9999
@@ -52,6 +54,6 @@ class TSignSGDConfig:
                 out.append(f"{key}: got {getattr(self, key)}; expected a quantile in [0, 1) such as 0.999")
         if not 0 < self.phase_split <= 1:
             out.append(f"phase_split: got {self.phase_split}; expected a fraction in (0, 1] such as 0.8")
-        if self.total_steps < 1:
+        if self.total_steps is not None and self.total_steps < 1:
             out.append(f"total_steps: got {self.total_steps}; expected a positive integer (train.steps)")
         return out

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from rankwise.core.protocol import adapter_modules
+from rankwise.errors import RankwiseError
 from rankwise.optim.common import adamw_update, next_step, run_closure
 from rankwise.optim.tsignsgd.config import TSignSGDConfig
 
@@ -126,7 +127,14 @@ def build_tsignsgd(model: nn.Module, config: TSignSGDConfig) -> TSignSGD:
 
     Returns:
         The optimizer.
+
+    Raises:
+        RankwiseError: If ``config.total_steps`` is still ``null`` (a run config fills it
+            from ``train.steps``; a direct call must pass it).
     """
+    if config.total_steps is None:
+        raise RankwiseError("optim.total_steps: got null; expected the number of optimizer steps "
+                            "(a run config sets it from train.steps; set it when building directly)")
     ternary = ternary_parameters(model)
     ids = {id(p) for p in ternary}
     rest = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad and id(p) not in ids]

@@ -1,0 +1,146 @@
+"""A comparison's runs: ``--jobs N`` gives the numbers of ``--jobs 1``; a finished run is reused
+from its small files alone (on another checkout too) and only while its resolved config is
+unchanged; an interrupted run continues from its checkpoint."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from rankwise.errors import RankwiseError
+from rankwise.recipes import runs
+from rankwise.recipes.compare import run_compare
+
+BASE = {
+    "model": {"path": "tiny-bert", "task": "classification"},
+    "method": {"name": "lora", "r": 4, "alpha": 8, "targets": ["query", "value"]},
+    "optim": {"name": "adamw", "lr": 0.005},
+    "train": {"steps": 3, "batch_size": 8, "eval_batch_size": 64, "save_every": 0, "log_every": 1,
+              "progress": False},
+}
+WORDS = {"cat": "feline whiskers purr", "dog": "canine bark fetch", "fish": "fins swim gills"}
+NUMBERS = ("eval_accuracy", "eval_loss", "trainable_params")
+
+
+@pytest.fixture
+def config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # data path relative to the working folder, as a checkout has it
+    rows = [{"text": f"{WORDS[lab]} {i}", "label": lab} for i in range(12) for lab in WORDS]
+    (tmp_path / "pets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "cmp.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "data": {"source": "pets.jsonl", "max_length": 8,
+                                                     "eval_fraction": 0.25}}))
+    return path
+
+
+def numbers(result: dict) -> dict:
+    return {row: [{k: m[k] for k in NUMBERS} | {"curve": m.get("eval_history")} for m in r["runs"]]
+            for row, r in result["rows"].items()}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_jobs_give_the_numbers_of_one(config, tmp_path):
+    """Two worker processes (one torch thread each) against one process: same metrics."""
+    one = run_compare(config, ["lora"], 2, [], tmp_path / "one", jobs=1)
+    two = run_compare(config, ["lora"], 2, [], tmp_path / "two", jobs=2)
+    assert numbers(one) == numbers(two)
+    for row in ("lora",):
+        for k in (0, 1):
+            a, b = (json.loads((tmp_path / o / row / f"seed{k}" / "metrics.json").read_text())
+                    for o in ("one", "two"))
+            assert a["eval_loss"] == b["eval_loss"] and a["eval_accuracy"] == b["eval_accuracy"]
+
+
+def test_finished_runs_are_reused_from_their_small_files_on_another_checkout(config, tmp_path, monkeypatch):
+    first = run_compare(config, ["lora"], 2, [], tmp_path / "cmp")
+    # what a repository keeps of a comparison: the records, no weights, no checkpoints
+    records = tmp_path / "clone"
+    shutil.copytree(tmp_path, records / "work", ignore=shutil.ignore_patterns("adapter", "checkpoints", "clone"))
+    monkeypatch.chdir(records / "work")                       # another checkout of the same files
+    trained = []
+    monkeypatch.setattr("rankwise.recipes.train.train", lambda *a, **k: trained.append(a) or {})
+    again = run_compare(records / "work" / "cmp.yaml", ["lora"], 2, [], records / "work" / "cmp")
+    assert trained == [] and numbers(again) == numbers(first)
+
+
+def test_the_hash_is_of_the_resolved_config():
+    """Writing a default out changes nothing; changing a value (or a default in code, which
+    changes the resolved config the same way) changes the hash."""
+    from rankwise.adapters.lora import LoraConfig
+    plan = {**BASE, "data": {"source": "demo"}}
+    explicit = {**plan, "method": {**plan["method"], "dropout": LoraConfig().dropout}}
+    changed = {**plan, "method": {**plan["method"], "dropout": LoraConfig().dropout + 0.25}}
+    quiet = {**plan, "train": {**plan["train"], "progress": True}}
+    assert runs.config_hash(plan) == runs.config_hash(explicit) == runs.config_hash(quiet)
+    assert runs.config_hash(changed) != runs.config_hash(plan)
+
+
+def test_a_changed_resolved_config_never_reuses_a_stale_run(config, tmp_path, monkeypatch):
+    run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
+    run_dir = tmp_path / "cmp" / "lora" / "seed0"
+    plan, digest = runs.read_plan(run_dir)
+    assert digest == runs.config_hash(plan) and (run_dir / "metrics.json").is_file()
+    # the record of a run whose resolved config was another (an older default): same plan
+    (run_dir / runs.PLAN).write_text(json.dumps({"plan": plan, "config_sha256": "0" * 64}))
+    from rankwise.recipes import train as train_mod
+    trained = []
+    monkeypatch.setattr(train_mod, "train", lambda cfg, out, **k: trained.append(k) or {"eval_loss": 0.0})
+    run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
+    assert trained == [{"resume": False, "console": trained[0]["console"]}]
+    assert runs.read_plan(run_dir) == (plan, digest) and not (run_dir / "metrics.json").exists()
+
+
+def test_an_interrupted_run_continues_from_its_checkpoint(config, tmp_path, monkeypatch):
+    from rankwise.recipes import train as train_mod
+    run_compare(config, ["lora"], 1, ["train.save_every=1"], tmp_path / "cmp")
+    run_dir = tmp_path / "cmp" / "lora" / "seed0"
+    (run_dir / "metrics.json").unlink()                       # as if killed after a checkpoint
+    trained = []
+    monkeypatch.setattr(train_mod, "train", lambda cfg, out, **k: trained.append(k["resume"]) or {"eval_loss": 0.0})
+    run_compare(config, ["lora"], 1, ["train.save_every=1"], tmp_path / "cmp")
+    assert trained == [True]
+
+
+def test_foreign_folders_and_bad_jobs_are_refused(config, tmp_path):
+    (tmp_path / "cmp" / "lora" / "seed0").mkdir(parents=True)
+    (tmp_path / "cmp" / "lora" / "seed0" / "notes.txt").write_text("mine")
+    with pytest.raises(RankwiseError, match="not this comparison's"):
+        run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
+    with pytest.raises(RankwiseError, match="--jobs: got 0"):
+        run_compare(config, ["lora"], 1, [], tmp_path / "other", jobs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_ctrl_c_stops_every_job_and_keeps_finished_runs(config, tmp_path):
+    """SIGINT to ``rankwise compare --jobs 2`` once a run has finished: every process ends and
+    the finished runs stay with the record that makes the same command reuse them (tested above)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "rankwise", "compare", str(config), "--methods", "lora", "--seeds", "3",
+           "--jobs", "2", "--out", str(out), "--set", "train.steps=20"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 240
+    while not list(out.glob("lora/seed*/metrics.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+    os.killpg(proc.pid, signal.SIGINT)                        # what Ctrl-C in a terminal sends
+    assert proc.wait(timeout=120) == 130
+    finished = {p: p.stat().st_mtime_ns for p in out.glob("lora/seed*/metrics.json")}
+    assert finished and len(finished) < 3
+    for _ in range(20):                                       # no worker left behind
+        alive = subprocess.run(["pgrep", "-a", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+        if not alive:
+            break
+        time.sleep(0.5)
+    assert alive == ""
+    for path in finished:
+        plan, digest = runs.read_plan(path.parent)
+        assert digest == runs.config_hash(plan)
