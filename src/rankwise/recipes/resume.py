@@ -8,12 +8,13 @@ train.steps=N``) or shorten an interrupted one, never below the steps already do
 The schedule when ``train.steps`` changes from ``S0`` to ``S`` at step ``k`` (the newest
 checkpoint): the run's own schedule (:func:`rankwise.engine.linear_schedule`, warm-up then
 linear decay to zero at ``S0``) stands at factor ``f0 = f(k; S0)``; a finished run stands at
-``0``. Restarting the schedule for ``S`` would jump to ``f(k; S)`` (0.0 -> 0.00214 of lr in one
-step); instead the factor moves linearly from ``f0`` to the new schedule's value at ``t = k + w``
+``0``. Restarting the schedule for ``S`` would jump to ``f(k; S)`` (issue 18: lr 0.0 at step 4,
+0.00214 at step 5); instead the factor moves linearly from ``f0`` to the new schedule's value at ``t = k + w``
 over the new run's warm-up length ``w = max(1, int(S * warmup_fraction))`` steps (a re-warm-up
-for a finished run), then follows ``f(i; S)`` to zero at ``S``. Each step changes the factor
-by at most ``max(1 / w, 1 / (S - w))``: no jump. With ``S = S0`` nothing changes, and a resume
-stays exact.
+for a finished run), then follows ``f(i; S)`` to zero at ``S``. Inside the ramp each step
+changes the factor by at most ``1 / w``, the step of a fresh warm-up: no jump. The checkpoint's
+``meta.json`` records each change (``schedule_extensions``), so a resume inside the ramp stays
+exact; with ``S = S0`` nothing changes.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def dotted_diff(saved: Any, now: Any, prefix: str = "") -> list[str]:
 
 
 def linear_factor(steps: int, warmup_fraction: float) -> Callable[[int], float]:
-    """The factor of :func:`rankwise.engine.linear_schedule` after ``step`` scheduler steps."""
+    """The factor of :func:`rankwise.engine.linear_schedule` after ``step`` scheduler steps
+    (the same formula; ``tests/recipes/test_resume.py`` holds them equal)."""
     warm = max(1, int(steps * warmup_fraction))
 
     def factor(step: int) -> float:
