@@ -72,9 +72,19 @@ def scope(optimizer: torch.optim.Optimizer) -> Scope | None:
             if picks(group, p):
                 out.tensors += 1
                 out.params += p.numel()
-                rank = group.get("rank")
-                out.unprojected += rank is not None and rank >= min(p.shape)
+                out.unprojected += _full_rank(optimizer, group, p)
     return out
+
+
+def _full_rank(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> bool:
+    """Whether the group's rank covers the smaller side of ``p`` (Q3R: its per-matrix rank)."""
+    from rankwise.optim.q3r.optimizer import Q3RAdamW, target_rank
+    rank = group.get("rank")
+    if rank is None or p.ndim != 2:
+        return False
+    if isinstance(optimizer, Q3RAdamW):
+        rank = target_rank(rank, tuple(p.shape), group["scale_rank"])
+    return rank >= min(p.shape)
 
 
 def check(optimizer: torch.optim.Optimizer, optim_name: str, method_name: str) -> Scope | None:
@@ -96,7 +106,8 @@ def describe(s: Scope, optim_name: str) -> str:
     line = (f"optimizer {optim_name} updates {s.tensors} of {s.total_tensors} trainable tensors its "
             f"own way ({s.params:,} of {s.total_params:,} parameters), the rest as AdamW")
     if s.unprojected:
-        line += f" ({s.unprojected} of them have optim.rank >= their smaller side: not projected)"
+        line += (f" ({s.unprojected} of them have optim.rank >= their smaller side: no rank "
+                 "reduction there)")
     return line
 
 
