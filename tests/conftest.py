@@ -1,4 +1,5 @@
-"""Shared fixtures: a small data file of real text and one finished tiny run.
+"""Shared fixtures: a small data file of real text and one finished tiny run; the tier rule
+(integration implies slow).
 
 Keep this file small; fixtures used by a single test module belong in that module.
 """
@@ -10,6 +11,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
+def pytest_collection_modifyitems(items) -> None:
+    """A test that starts processes (``integration``) is never in the unit tier: it is ``slow`` too."""
+    for item in items:
+        if item.get_closest_marker("integration") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
 
 # Real text nobody here wrote: docstrings of public functions/classes of a few stdlib modules.
 DOC_MODULES = ("base64", "difflib", "json", "shutil", "textwrap")

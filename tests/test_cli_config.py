@@ -25,6 +25,7 @@ def test_scalars_follow_yaml_1_2(text, value):
     assert got == value and type(got) is type(value), (text, got)
 
 
+@pytest.mark.slow  # a training run through the CLI
 def test_lr_written_with_an_exponent_trains(tmp_path):
     """``lr: 5e-3`` in the file and ``--set optim.lr=1e-3`` both reach the run as floats."""
     raw = yaml.safe_load(yaml.safe_dump(GOOD))
@@ -97,6 +98,7 @@ def test_an_unquoted_jinja_template_says_to_quote_it(tmp_path):
                       "quote it")
 
 
+@pytest.mark.slow  # a training run through the CLI
 def test_a_run_folder_config_reads_back_identically(tmp_path):
     """config.yaml is written so that rankwise (YAML 1.2 numbers) and a YAML 1.1 reader such as
     ``yaml.safe_load`` both read back what was written: text that looks like a number is quoted."""

@@ -168,6 +168,8 @@ def test_existing_run_folder_is_untouched(tmp_path, tiny_bert_run):
     assert snapshot(run) == before
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_installed_console_script(tmp_path, tiny_bert_run):
     """The real ``rankwise`` executable: same exit code, one line, no traceback, folder intact."""
     run = tmp_path / "run"
@@ -254,6 +256,7 @@ def test_numbers_out_of_range(tmp_path, sets, needles):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_second_train_into_a_folder_in_use_stops_before_loading(tmp_path):
     from rankwise.core.atomic import locked_folder
     out = tmp_path / "out"
@@ -278,6 +281,7 @@ def test_out_that_holds_the_base_model_is_refused(tmp_path, tiny_bert_run):
     assert snapshot(base) == before
 
 
+@pytest.mark.slow
 def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_its_folder(tmp_path):
     out = tmp_path / "out"
     out.mkdir()  # what a run that died at step 1 leaves: its config and log, no checkpoint
@@ -289,6 +293,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_its_folder
     assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["lr"] == 0.005
 
 
+@pytest.mark.slow
 def test_resume_survives_a_torn_events_log(tmp_path):
     assert train_with(tmp_path, "train.steps=4", "train.save_every=2", "train.log_every=1").exit_code == 0
     out = tmp_path / "out"

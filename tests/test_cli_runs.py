@@ -32,6 +32,7 @@ def lrs(run: Path) -> dict[int, float]:
     return {e["step"]: e["lr"] for e in events if "lr" in e}
 
 
+@pytest.mark.slow
 def test_train_prints_its_metrics_and_the_folder(tmp_path):
     result = train_run(tmp_path, "a")
     assert result.exit_code == 0, result.output
@@ -41,6 +42,7 @@ def test_train_prints_its_metrics_and_the_folder(tmp_path):
     assert f"eval_loss {metrics['eval_loss']:.4g}" in lines[-2] and "steps 4" in lines[-2]
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_says_so_and_appends_nothing(tmp_path):
     assert train_run(tmp_path, "a").exit_code == 0
     before = snapshot(tmp_path / "a")
@@ -52,6 +54,7 @@ def test_resume_of_a_finished_run_says_so_and_appends_nothing(tmp_path):
     assert snapshot(tmp_path / "a") == before  # no second evaluation line, no "loss nan"
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_rewrites_only_a_corrupt_adapter(tmp_path):
     """What ``export`` suggests for a corrupt adapter: the last checkpoint writes it again, and
     nothing else in the folder changes."""
@@ -68,6 +71,7 @@ def test_resume_of_a_finished_run_rewrites_only_a_corrupt_adapter(tmp_path):
     assert {k for k in after if after[k] != before.get(k)} == {"adapter/adapter.safetensors"}
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_continues_the_schedule_without_a_jump(tmp_path):
     assert train_run(tmp_path, "a").exit_code == 0
     result = train_run(tmp_path, "a", "--resume", "--set", "train.steps=12")
@@ -91,6 +95,7 @@ def test_extending_a_finished_run_continues_the_schedule_without_a_jump(tmp_path
     assert yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["train"]["steps"] == 12
 
 
+@pytest.mark.slow
 def test_a_resume_inside_the_ramp_is_exact(tmp_path):
     """The checkpoint remembers the extension: stopping at step 6 (inside the ramp) and resuming
     ends where the uninterrupted extension ended."""
@@ -112,6 +117,7 @@ def test_a_resume_inside_the_ramp_is_exact(tmp_path):
     assert lrs(cut)[7] == pytest.approx(LR * factor(7)) == pytest.approx(LR * 5 / 9)
 
 
+@pytest.mark.slow
 def test_resume_names_the_differing_keys_and_refuses_fewer_steps_than_done(tmp_path):
     assert train_run(tmp_path, "a").exit_code == 0
     before = snapshot(tmp_path / "a")
@@ -125,6 +131,7 @@ def test_resume_names_the_differing_keys_and_refuses_fewer_steps_than_done(tmp_p
     assert snapshot(tmp_path / "a") == before
 
 
+@pytest.mark.slow
 def test_an_incomplete_checkpoint_left_by_a_kill_is_removed_and_resume_stays_exact(tmp_path):
     raw = json.loads(json.dumps(RUN))
     raw["train"].update(steps=8, keep_checkpoints=2)
@@ -148,6 +155,7 @@ def test_an_incomplete_checkpoint_left_by_a_kill_is_removed_and_resume_stays_exa
     assert (again["eval_loss"], again["eval_accuracy"]) == (full["eval_loss"], full["eval_accuracy"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["galore", "galore-is", "sumo", "q3r", "t-signsgd"])
 def test_an_optimizer_whose_own_update_would_touch_nothing_is_refused(tmp_path, optim):
     """LoRA r=2 on query and value of 2 blocks (8 factors) plus the head's weight and bias: none
@@ -159,6 +167,7 @@ def test_an_optimizer_whose_own_update_would_touch_nothing_is_refused(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_what_a_projected_optimizer_covers_is_printed_and_recorded(tmp_path):
     raw = json.loads(json.dumps(RUN))
     raw["method"] = {"name": "full"}
@@ -187,6 +196,7 @@ def test_list_shows_compressors():
     assert "compressors" in help_text and "methods and optimizers." not in help_text
 
 
+@pytest.mark.slow
 def test_generate_from_an_empty_prompts_file(tmp_path):
     raw = {"model": {"path": "tiny-gpt2", "task": "causal-lm"},
            "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 32,

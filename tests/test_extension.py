@@ -123,6 +123,7 @@ def test_a_new_method_passes_the_contract(registered, kind, tmp_path):
     check_method(registered, kind, tmp_path, spec={**DEFAULT, "lr": 0.1})
 
 
+@pytest.mark.slow
 def test_a_new_method_trains_resumes_and_exports(registered, tmp_path, docstrings_jsonl):
     from click.testing import CliRunner
 

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ("transformers", "safetensors", "flwr", "rich", "matplotlib", "peft", "datasets", "yaml", "click")
 
 
@@ -12,10 +14,12 @@ def _loaded_after(code: str) -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.integration
 def test_import_rankwise_loads_only_torch():
     assert _loaded_after("import rankwise") == []
 
 
+@pytest.mark.integration
 def test_registry_and_apply_on_a_plain_torch_model_stay_light():
     code = ("import torch, rankwise\n"
             "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
@@ -26,6 +30,7 @@ def test_registry_and_apply_on_a_plain_torch_model_stay_light():
     assert _loaded_after(code) == []
 
 
+@pytest.mark.integration
 def test_save_adapter_loads_safetensors_when_called(tmp_path):
     code = ("import torch, rankwise\n"
             "m = torch.nn.Sequential(torch.nn.Linear(8, 8))\n"

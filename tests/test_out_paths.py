@@ -1,8 +1,12 @@
 """Output folders are checked before any work: a file, a path under a file, an unwritable
 place, or a folder that holds somebody else's run end with one line and exit 2, untouched."""
+import contextlib
+import importlib
 import json
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -23,24 +27,87 @@ def _one_line(res, *needles):
         assert n in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("command", ["compare", "federated", "export"])
+def _args(command, run, configs):
+    """``rankwise COMMAND ...`` up to ``--out`` for each command that writes a folder."""
+    return {"train": ["train", configs / "run.yaml"],
+            "compare": ["compare", run / "config.yaml", "--methods", "lora", "--seeds", "1"],
+            "federated": ["federated", run / "config.yaml"],
+            "export": ["export", run, "--format", "merged"],
+            "compress": ["compress", configs / "c.yaml"]}[command]
+
+
+def _configs(folder):
+    """A valid train config and a valid compress config (tiny-bert on the demo data) in ``folder``."""
+    raw = {"model": {"path": "tiny-bert", "task": "classification"}, "data": {"source": "demo", "max_length": 16},
+           "method": {"name": "lora", "r": 2, "targets": ["query", "value"]},
+           "train": {"steps": 2, "batch_size": 4, "progress": False}}
+    (folder / "run.yaml").write_text(yaml.safe_dump(raw))
+    (folder / "c.yaml").write_text(yaml.safe_dump({**raw, "compress": {
+        "method": "magnitude", "sparsity": 0.5, "calibration": {"source": "data", "sequences": 2, "length": 8}}}))
+    return folder
+
+
+COMMANDS = ["train", "compare", "federated", "export", "compress"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_out_that_is_a_file_or_under_a_file(tmp_path, tiny_bert_run, command):
     blocker = tmp_path / "blocker"
     blocker.write_text("keep me")
-    args = {"compare": ["compare", tiny_bert_run / "config.yaml", "--methods", "lora", "--seeds", "1"],
-            "federated": ["federated", tiny_bert_run / "config.yaml"],
-            "export": ["export", tiny_bert_run, "--format", "merged"]}[command]
+    args = _args(command, tiny_bert_run, _configs(tmp_path))
     _one_line(_invoke(*args, "--out", blocker), "is an existing file")
     _one_line(_invoke(*args, "--out", blocker / "sub"), "which is a file")
     assert blocker.read_text() == "keep me"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
-def test_out_in_an_unwritable_folder(tmp_path, tiny_bert_run):
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
-    _one_line(_invoke("export", tiny_bert_run, "--format", "merged", "--out", locked / "x"),
-              "permission denied")
+def test_generate_paths_that_are_files(tmp_path, tiny_bert_run):
+    """generate writes no folder (no --out); the folders it reads, given as files, are one line."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("keep me")
+    _one_line(_invoke("generate", blocker, "--prompt", "hi"), "not a run folder")
+    _one_line(_invoke("generate", blocker / "sub", "--prompt", "hi"), "not a run folder")
+    _one_line(_invoke("generate", tiny_bert_run, "--prompt", "hi", "--adapter", blocker), "causal-lm")
+    assert blocker.read_text() == "keep me"
+
+
+@contextlib.contextmanager
+def _as_a_user():
+    """Run the block without root's right to write anywhere: as root (CI) drop real and
+    effective uid/gid to nobody (65534), keeping the saved uid 0 to come back; as a user, do
+    nothing."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setresgid(65534, 65534, 0)
+    os.setresuid(65534, 65534, 0)
+    try:
+        yield
+    finally:
+        os.setresuid(0, 0, 0)
+        os.setresgid(0, 0, 0)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_out_in_an_unwritable_or_unsearchable_folder(tiny_bert_run, command):
+    for module in ("rankwise.federated.run", "rankwise.recipes.compare", "rankwise.recipes.compress",
+                   "rankwise.recipes.export", "rankwise.recipes.train"):
+        importlib.import_module(module)  # while every file is readable
+    shared = Path(tempfile.mkdtemp())  # pytest's tmp_path is private to its owner (0700)
+    try:
+        shared.chmod(0o755)
+        args = _args(command, tiny_bert_run, _configs(shared))
+        (shared / "locked").mkdir(mode=0o555)   # readable, not writable
+        (shared / "hidden").mkdir(mode=0o000)   # not even searchable
+        with _as_a_user():
+            assert not os.access(shared / "locked", os.W_OK)
+            locked = _invoke(*args, "--out", shared / "locked" / "x")
+            hidden = _invoke(*args, "--out", shared / "hidden" / "x")
+        _one_line(locked, "permission denied", "choose a folder you can write to")
+        _one_line(hidden, "permission denied", "choose a folder you can write to")
+        assert sorted(p.name for p in (shared / "locked").iterdir()) == []
+    finally:
+        (shared / "hidden").chmod(0o700)
+        shutil.rmtree(shared)
 
 
 def test_federated_refuses_a_folder_holding_a_train_run(tmp_path, tiny_bert_run):
@@ -59,7 +126,9 @@ def test_compare_never_deletes_a_folder_it_did_not_create(tmp_path, tiny_bert_ru
     foreign = out / "lora" / "seed0"
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("mine")
-    _one_line(_invoke("compare", tiny_bert_run / "config.yaml", "--methods", "lora", "--seeds", "1",
-                      "--out", out), "not this comparison's")
+    args = ["compare", tiny_bert_run / "config.yaml", "--methods", "lora", "--seeds", "1", "--out", out]
+    _one_line(_invoke(*args), "not a comparison", "choose another --out")
+    (out / "rankwise.json").write_text('{"kind": "compare"}')  # an earlier comparison's folder
+    _one_line(_invoke(*args), "not this comparison's")
     assert (foreign / "notes.txt").read_text() == "mine"
     assert json.loads(json.dumps({"ok": True}))

@@ -83,6 +83,7 @@ GOOD = {"model": {"path": "tiny-bert", "task": "classification"},
         "train": {"steps": 2, "batch_size": 4, "progress": False}}
 
 
+@pytest.mark.slow
 def test_train_computes_with_the_auto_choice_and_restores(tmp_path, monkeypatch):
     import rankwise.recipes.train as train_mod
     seen, real = [], train_mod._train

@@ -118,7 +118,7 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--prompt", default=None, help="One prompt (for chat runs: the user message).")
+@click.option("--prompt", default=None, help="One prompt (for chat runs: the user message); \"\" starts from BOS.")
 @click.option("--file", "file", type=click.Path(path_type=Path), default=None,
               help="A JSONL file: one {\"prompt\": ...} (chat: {\"messages\": [...]}) per line.")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,

@@ -9,7 +9,7 @@ Kinds used by rankwise:
 * ``"strategy"`` - a federated strategy (registered by :mod:`rankwise.federated`).
 * ``"exporter"`` - an adapter file format beyond rankwise's own and the merged model:
   ``builder(model, out_dir, adapter_name, base_model_name_or_path) -> Path`` (the LoRA package
-  registers ``peft``).
+  registers ``peft``); its ``loader(model, folder)`` reads such a folder back onto a base model.
 * ``"task"`` - what a model is trained to do (``classification``, ``causal-lm``): the builder
   returns a :class:`rankwise.engine.task.Task`.
 * ``"compressor"`` - post-training compression of linear layers (pruning, low-rank,
@@ -56,6 +56,9 @@ class Entry:
             the method's own (``prompt-tuning``'s PEFT ``PROMPT_TUNING`` files under
             ``--format peft``); they take precedence over the ``exporter`` entry of that
             name and have its signature.
+        loader: For exporters: ``loader(model, folder, adapter_name="default")`` puts an
+            adapter saved in this format onto ``model`` in place (``rankwise generate
+            --adapter``); ``None`` when the format can only be written.
         grad_clip: For optimizers: the gradient-norm clip a run uses when ``train.grad_clip``
             is ``auto`` (its default): ``1.0``, or ``None`` (off) for optimizers that set their
             own step from the gradient's norm and that clipping would defeat (NGN-M's step
@@ -74,6 +77,7 @@ class Entry:
     state_floats: Callable[..., int] | None = None
     lr_grid: tuple[float, ...] = ()
     exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    loader: Callable[..., Any] | None = None
     grad_clip: float | None = 1.0
 
 
@@ -98,7 +102,7 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
         summary: One-line description.
         **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
             ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``,
-            ``grad_clip``).
+            ``loader``, ``grad_clip``).
 
     Returns:
         The entry.

@@ -13,7 +13,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from rankwise import registry
 from rankwise.cli import main
 from rankwise.data.text import build_data
 from rankwise.engine import evaluate, get_task
@@ -60,6 +59,7 @@ def run(raw: dict, out: Path, resume: bool = False) -> dict:
     return train(load_run_config(None, base=json.loads(json.dumps(raw))), out, resume=resume)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(METHODS))
 def test_trains_logs_saves_resumes_and_refuses_merging(name, tmp_path):
     raw = raw_config(name)
@@ -98,6 +98,7 @@ def test_trains_logs_saves_resumes_and_refuses_merging(name, tmp_path):
     assert ok.exit_code == 0, ok.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["prompt-tuning", "capt", "pt-moe", "moe-lora"])
 def test_causal_lm_trains_and_generates(name, tmp_path):
     raw = raw_config(name, task="causal-lm", steps=2)
@@ -110,6 +111,7 @@ def test_causal_lm_trains_and_generates(name, tmp_path):
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.slow
 def test_prompt_tuning_exports_to_peft_with_the_same_logits(tmp_path):
     peft = pytest.importorskip("peft")
     run(raw_config("prompt-tuning"), tmp_path / "run")
@@ -135,6 +137,7 @@ def test_prompt_tuning_exports_to_peft_with_the_same_logits(tmp_path):
     assert_user_error(res, "cannot be merged", "--format peft")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, suggested", [("moe-lora", ["rankwise"]), ("lowrank", ["rankwise", "merged"])])
 def test_peft_export_refusal_suggests_only_exports_that_work(name, suggested, tmp_path):
     """A non-LoRA adapter refuses ``--format peft`` naming the exports that work: ``merged`` only
@@ -153,6 +156,7 @@ def test_peft_export_refusal_suggests_only_exports_that_work(name, suggested, tm
         assert ok.exit_code == 0, ok.output
 
 
+@pytest.mark.slow
 def test_every_new_method_is_a_compare_row(tmp_path):
     from rankwise.recipes.compare import run_compare
     base = raw_config("moe-lora", steps=1)
@@ -192,8 +196,3 @@ def test_prompt_longer_than_the_positions_left_by_max_length(tmp_path):
     assert last == ("error: 120 virtual tokens + 20 tokens exceed the model's 128 positions; lower "
                     "data.max_length to 8 or method.num_virtual_tokens")
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
-
-
-def test_recipes_hold_no_method_specific_code():
-    source = (Path(registry.__file__).parent / "recipes" / "train.py").read_text()
-    assert not [n for n in METHODS if n in source]

@@ -18,6 +18,7 @@ from rankwise.benchmarks.llm_finetune import PRESETS, ROWS, run  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_tiny_run_compares_both_sides_from_the_same_weights(tmp_path):
     sizes = dataclasses.replace(PRESETS["tiny"], rows=("fp32", "bf16", "nf4+ckpt"))
     res = run(tmp_path, sizes)
@@ -39,6 +40,8 @@ def test_tiny_run_compares_both_sides_from_the_same_weights(tmp_path):
     assert "| nf4+ckpt |" in md and "cpu_live_tensors" in md
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "gpu"

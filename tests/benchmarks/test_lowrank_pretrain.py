@@ -88,6 +88,7 @@ def test_lowrank_rows_factorize_the_blocks_and_train_everything_else():
     assert frozen and all(n.endswith("base_layer.weight") for n in frozen)   # the released weights
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_gpu_script_runs_on_cpu_at_a_toy_size(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "ROWS": "adamw,galore-oja,lowrank-hb,nanoadam",

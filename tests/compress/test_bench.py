@@ -25,6 +25,18 @@ def test_rows_cover_every_method_at_both_patterns_and_bits():
         assert f"{m} int4" in labels and f"{m} int3" in labels
 
 
+def test_kv_rows_add_kivi_at_nsnquants_stored_bytes():
+    from rankwise.benchmarks.compress import kv_rows
+    from rankwise.compress.kv import bits_per_element
+    got = kv_rows(32, 16)
+    # NSNQuant at d=32, chunk 16 stores 1 + 1 + 1 = 3 and 4 bits/element; KIVI 2-bit and
+    # 3-bit with 32-token key groups store 2 (3) + (32/32 + 32/32)/2 = 3 (4): equal bytes
+    assert got[-2:] == [("kivi", 2, 32), ("kivi", 3, 32)]
+    for (_, nb, _), (kind, b, c) in zip([r for r in got if r[0] == "nsnquant"], got[-2:]):
+        assert bits_per_element(kind, b, 32, c) == bits_per_element("nsnquant", nb, 32, 16)
+
+
+@pytest.mark.integration
 def test_import_rankwise_compress_needs_only_torch():
     probe = ("import sys, rankwise.compress, rankwise.registry as r; r.names('compressor'); "
              "print([m for m in ('transformers', 'safetensors', 'yaml', 'rich') if m in sys.modules])")
@@ -42,4 +54,6 @@ def test_tiny_benchmark_writes_results_and_plot(tmp_path):
     assert not (tmp_path / "_work").exists()
     llama = json.loads((tmp_path / "results.json").read_text())["models"]["llama"]
     assert len(llama["rows"]) == len(res["models"]["llama"]["rows"]) == 20
-    assert [r["kind"] for r in llama["kv_cache"]] == ["fp", "nsnquant", "nsnquant", "kivi", "kivi", "kivi"]
+    assert [r["kind"] for r in llama["kv_cache"]] == ["fp", "nsnquant", "nsnquant", "kivi", "kivi", "kivi",
+                                                      "kivi", "kivi"]
+    assert "stored bits / element" in (tmp_path / "results.md").read_text()

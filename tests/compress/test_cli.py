@@ -45,6 +45,7 @@ json.dump(logits.tolist(), open(sys.argv[2], "w"))
 """
 
 
+@pytest.mark.integration
 def test_output_loads_without_rankwise_and_matches_the_compact_file(tmp_path):
     cfg = write(tmp_path, {"method": "wanda", "pattern": "2:4"})
     out = tmp_path / "out"
@@ -127,6 +128,8 @@ def test_model_folder_without_weights_is_one_line(tmp_path):
 def test_non_empty_output_folder_is_one_line(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    one_line_error(invoke("compress", write(tmp_path, {"method": "magnitude"}), "--out", tmp_path / "out"),
-                   "not empty")
+    cfg = write(tmp_path, {"method": "magnitude"})
+    for flags in ((), ("--overwrite",)):  # --overwrite replaces only an earlier compress output
+        one_line_error(invoke("compress", cfg, "--out", tmp_path / "out", *flags),
+                       "holds files that no rankwise command wrote")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"

@@ -173,6 +173,7 @@ def test_load_model_keeps_4bit_layers_in_training_layout(llama_dir, claims_avx51
     torch.testing.assert_close(got, logits(plain, batch()), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_generation_keeps_4bit_layers_in_training_layout(tmp_path, claims_avx512bf16, monkeypatch):
     """``rankwise generate`` of a QLoRA run: the model it decodes with was never repacked, and
     the tokens equal greedy decoding computed by hand from the same model in training layout."""

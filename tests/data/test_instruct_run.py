@@ -41,6 +41,7 @@ def run(tmp_path_factory):
     return out, metrics
 
 
+@pytest.mark.slow
 def test_eval_loss_is_the_mean_over_completion_tokens(run):
     out, metrics = run
     cfg, model, tok, _ = load_for_generation(out)
@@ -61,6 +62,7 @@ def test_eval_loss_is_the_mean_over_completion_tokens(run):
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_samples_at_every_evaluation_and_the_data_report(run):
     out, metrics = run
     lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
@@ -73,12 +75,14 @@ def test_samples_at_every_evaluation_and_the_data_report(run):
     assert 0 < metrics["packing_efficiency"] <= 1 and metrics["packed_blocks"] < metrics["train_examples"]
 
 
+@pytest.mark.slow
 def test_samples_do_not_change_training(run, tmp_path):
     _, with_samples = run
     plain = train(config(), tmp_path / "plain")
     assert plain["eval_loss"] == with_samples["eval_loss"]
 
 
+@pytest.mark.slow
 def test_tensorboard_has_train_and_eval_scalars(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out, metrics = run

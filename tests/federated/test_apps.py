@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import yaml
 
@@ -15,6 +16,7 @@ from rankwise.federated.task import load_run
 from fed_helpers import FakeGrid, toy_config, write_toy_data
 
 
+@pytest.mark.slow
 def test_fedlease_through_the_client_app(tmp_path):
     from flwr.app import ConfigRecord, Context, RecordDict
     raw = toy_config(write_toy_data(tmp_path / "toy.jsonl", n=96), strategy="fedlease", clients=3,

@@ -53,6 +53,7 @@ def test_majority_share_is_the_most_frequent_labels_share():
     assert majority_share(None) is None and majority_share([]) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["rolora", "leff", "fedlease"])
 def test_reruns_reproduce_whatever_the_node_ids(tmp_path, strategy):
     path = write_config(tmp_path, strategy=strategy, clients=3, rounds=3, local_steps=2,
@@ -71,6 +72,7 @@ def test_reruns_reproduce_whatever_the_node_ids(tmp_path, strategy):
     assert a["majority_accuracy"] == max(Counter(labels).values()) / len(labels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["rolora", "leff"])
 def test_a_node_served_by_another_process_ends_the_same(tmp_path, strategy, monkeypatch):
     monkeypatch.setattr(client_app, "_CLIENTS", {})

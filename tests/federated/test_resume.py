@@ -68,6 +68,7 @@ def test_resume_after_sigkill_ends_like_an_uninterrupted_run(tmp_path, strategy)
     assert [p.name for p in list_rounds(out)] == ["round-0003", "round-0004"]   # the newest two
 
 
+@pytest.mark.slow
 def test_resume_needs_a_checkpoint_of_the_same_strategy(tmp_path):
     raw = toy_config(write_toy_data(tmp_path / "toy.jsonl", n=48), strategy="fedit", clients=2,
                      rounds=1, local_steps=1, min_clients=2)

@@ -73,6 +73,7 @@ def test_ngn_step_size_uses_the_unclipped_norm_and_the_whole_objective_in_a_defa
     assert gamma_clipped == pytest.approx(0.5 / (1 + 0.5 * 0.01 / (2 * f)), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_config_yaml_shows_the_clip_in_force(tmp_path):
     from click.testing import CliRunner
 

@@ -9,7 +9,7 @@ in code):
 2. a ``state_dict`` saved mid-training (after a subspace refresh) and read back with
    ``torch.load(weights_only=True)`` resumes to bit-identical parameters;
 3. the optimizer's state bytes equal ``4 * state_floats(model, config)`` (fp32);
-4. ``rankwise train`` runs with it (tiny-bert, its spec's method) with finite losses;
+4. (slow) ``rankwise train`` runs with it (tiny-bert, its spec's method) with finite losses;
 5. (slow) 2 DDP processes (torchrun, gloo) on half batches end with the parameters of 1 process
    on the whole batch - one launch for every optimizer.
 """
@@ -96,6 +96,7 @@ def test_state_bytes_equal_the_registered_formula(name):
     assert floats > 0 and state_bytes(opt) == 4 * floats, (state_bytes(opt) // 4, floats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_rankwise_train_runs(tmp_path, name):
     cfg = contract.config(name)

@@ -1,7 +1,9 @@
 """``rankwise train`` from the command line with a low-rank optimizer, and a bad rank reported
 as one line with exit code 2. (Every optimizer's ``rankwise train`` run is in test_optimizer_contract.py.)"""
+import pytest
 
 
+@pytest.mark.slow
 def test_cli_train_with_a_low_rank_optimizer_and_bad_rank(tmp_path):
     import yaml
     from click.testing import CliRunner

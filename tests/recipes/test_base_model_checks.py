@@ -79,6 +79,7 @@ def test_an_encoder_is_refused_as_a_causal_lm(tmp_path, path, needle):
 
 # --- item 10: same shapes, other weights ---------------------------------------------------
 
+@pytest.mark.slow
 def test_export_onto_a_base_with_other_weights_is_refused(run, tmp_path):
     other = save_llama(tmp_path / "other", seed=1)   # tiny-llama's shapes, other weights
     one_line_error(invoke("export", run / "run", "--format", "merged", "--out", tmp_path / "m",
@@ -94,6 +95,7 @@ def test_export_onto_a_base_with_other_weights_is_refused(run, tmp_path):
 
 # --- item 11: --model on generate and compress ---------------------------------------------
 
+@pytest.mark.slow
 def test_generate_of_a_moved_run_names_and_takes_model(run, tmp_path):
     before = invoke("generate", run / "run", "--prompt", PROMPT, "--max-new-tokens", "5")
     assert before.exit_code == 0, before.output
@@ -105,6 +107,7 @@ def test_generate_of_a_moved_run_names_and_takes_model(run, tmp_path):
     assert after.stdout == before.stdout  # the same greedy completion from the same weights
 
 
+@pytest.mark.slow
 def test_compress_of_a_moved_run_names_and_takes_model(run, tmp_path):
     run_dir, base = moved(run, tmp_path)
     cfg = tmp_path / "c.yaml"

@@ -49,6 +49,7 @@ def test_rows_share_the_budget_and_keep_the_head_optimizer():
         row_config(BASE, "goraa")
 
 
+@pytest.mark.slow
 def test_two_methods_two_seeds_table(config, tmp_path):
     out = tmp_path / "cmp"
     result = run_compare(config, ["lora", "gora"], 2, ["train.steps=2"], out)
@@ -97,6 +98,7 @@ def test_markdown_perplexity_rows():
     assert "| lora | lora | adamw | - | 12.500 ± 0.000 | 2.5000 ± 0.0000 | 10 |" in markdown(summary, "t")
 
 
+@pytest.mark.slow
 def test_lr_sweep_chooses_on_validation_and_trains_seeds_at_the_best(config, tmp_path, monkeypatch):
     from rankwise.recipes import runs, sweep
 

@@ -54,6 +54,7 @@ def test_two_jobs_give_the_numbers_of_one(config, tmp_path):
             assert a["eval_loss"] == b["eval_loss"] and a["eval_accuracy"] == b["eval_accuracy"]
 
 
+@pytest.mark.slow
 def test_finished_runs_are_reused_from_their_small_files_on_another_checkout(config, tmp_path, monkeypatch):
     first = run_compare(config, ["lora"], 2, [], tmp_path / "cmp")
     # what a repository keeps of a comparison: the records, no weights, no checkpoints
@@ -78,6 +79,7 @@ def test_the_hash_is_of_the_resolved_config():
     assert runs.config_hash(changed) != runs.config_hash(plan)
 
 
+@pytest.mark.slow
 def test_a_changed_resolved_config_never_reuses_a_stale_run(config, tmp_path, monkeypatch):
     run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
     run_dir = tmp_path / "cmp" / "lora" / "seed0"
@@ -93,6 +95,7 @@ def test_a_changed_resolved_config_never_reuses_a_stale_run(config, tmp_path, mo
     assert runs.read_plan(run_dir) == (plan, digest) and not (run_dir / "metrics.json").exists()
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_continues_from_its_checkpoint(config, tmp_path, monkeypatch):
     from rankwise.recipes import train as train_mod
     run_compare(config, ["lora"], 1, ["train.save_every=1"], tmp_path / "cmp")
@@ -107,6 +110,9 @@ def test_an_interrupted_run_continues_from_its_checkpoint(config, tmp_path, monk
 def test_foreign_folders_and_bad_jobs_are_refused(config, tmp_path):
     (tmp_path / "cmp" / "lora" / "seed0").mkdir(parents=True)
     (tmp_path / "cmp" / "lora" / "seed0" / "notes.txt").write_text("mine")
+    with pytest.raises(RankwiseError, match="not a comparison"):  # no record: not compare's folder
+        run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
+    (tmp_path / "cmp" / "rankwise.json").write_text('{"kind": "compare"}')
     with pytest.raises(RankwiseError, match="not this comparison's"):
         run_compare(config, ["lora"], 1, [], tmp_path / "cmp")
     with pytest.raises(RankwiseError, match="--jobs: got 0"):

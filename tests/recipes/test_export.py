@@ -18,6 +18,8 @@ from rankwise.cli import main
 from rankwise.recipes.export import load_run
 
 peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.slow  # each module fixture trains a run through the CLI (the PEFT format
+# itself is unit-tested on models built in code in tests/adapters/test_lora_peft.py)
 TEXTS = ["Return a copy of the string with leading whitespace removed.",
          "Recursively delete a directory tree."]
 

@@ -52,6 +52,7 @@ def runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_greedy_cli_equals_argmax_loop_and_streams(runs):
     cfg, model, tok, enc = load_for_generation(runs / "lora")
     prompt = "Return the number of items in a container."
@@ -66,6 +67,7 @@ def test_greedy_cli_equals_argmax_loop_and_streams(runs):
     assert len(pieces) > 1 and "".join(pieces) == rows[0]["completion"] == want
 
 
+@pytest.mark.slow
 def test_file_of_prompts_and_a_peft_adapter_agree_with_the_run(runs, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Open a file."}\n"Close the loop."\n')
@@ -82,6 +84,7 @@ def test_file_of_prompts_and_a_peft_adapter_agree_with_the_run(runs, tmp_path):
     assert [json.loads(x) for x in result.output.splitlines()] == own
 
 
+@pytest.mark.slow
 def test_chat_run_with_a_non_mergeable_adapter_uses_the_template(runs):
     cfg, model, tok, enc = load_for_generation(runs / "moe")
     ids = enc.prompt_ids([{"role": "user", "content": "name function 3"}])
@@ -91,9 +94,31 @@ def test_chat_run_with_a_non_mergeable_adapter_uses_the_template(runs):
     assert got[0]["completion"] == want
 
 
-def test_sampling_is_seeded(runs):
-    kw = dict(prompt="Parse a header.", max_new_tokens=6, temperature=1.0, top_p=0.9, echo=lambda s: None)
-    assert run_generate(runs / "lora", seed=3, **kw) == run_generate(runs / "lora", seed=3, **kw)
+@pytest.mark.slow
+def test_temperature_and_top_p_change_what_is_sampled(runs):
+    """After 3 steps the model is close to uniform over its vocabulary, so a sample at
+    temperature 1 is almost never the argmax sequence; temperature -> 0 and top-p -> 0 each
+    collapse sampling onto the argmax (if either were ignored they would not)."""
+    cfg, model, tok, enc = load_for_generation(runs / "lora")
+    ids, eos, pad = enc.prompt_ids("Parse a header."), end_id(tok), tok.pad_token_id
+    want = greedy(model, ids, 6, eos)
+    assert len(want) == 6
+
+    def sample(seed: int, temperature: float, top_p: float) -> list[int]:
+        torch.manual_seed(seed)
+        return generate(model, ids, 6, eos, pad, temperature=temperature, top_p=top_p)
+    free = [sample(s, 1.0, 1.0) for s in range(4)]
+    assert all(x != want for x in free) and len({tuple(x) for x in free}) == 4
+    assert [sample(s, 1e-4, 1.0) for s in range(4)] == [want] * 4     # T -> 0: the argmax
+    assert [sample(s, 1.0, 1e-6) for s in range(4)] == [want] * 4     # nucleus of one token
+    assert sample(2, 1.0, 1.0) == free[2]                              # the seed fixes the draw
+
+
+@pytest.mark.slow
+def test_the_seed_option_seeds_sampling(runs):
+    kw = dict(prompt="Parse a header.", max_new_tokens=6, temperature=1.0, echo=lambda s: None)
+    a, b = (run_generate(runs / "lora", seed=s, **kw)[0]["completion"] for s in (3, 4))
+    assert run_generate(runs / "lora", seed=3, **kw)[0]["completion"] == a != b
 
 
 class VirtualTokens(nn.Module):
@@ -131,6 +156,7 @@ def test_generation_goes_through_input_adapters():
     assert generate(model, ids, 5, eos_id=-1, pad_id=tok.pad_token_id) == greedy(model, ids, 5, -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, match", [
     (["{tmp}", "--prompt", "x"], "is not a run folder"),
     (["{bert}", "--prompt", "x"], "generate needs a causal-lm run"),
@@ -145,6 +171,7 @@ def test_bad_generate_input_is_one_line(runs, tiny_bert_run, tmp_path, args, mat
     assert result.output.count("\n") == 1 and match in result.output, result.output
 
 
+@pytest.mark.slow
 def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
     import rankwise.compress.kv as kv
     made = []
@@ -160,6 +187,8 @@ def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
     assert isinstance(q[0]["completion"], str) and q[0]["prompt"] == fp[0]["prompt"]
     used = made[-1]  # the cache generation decoded with holds the prompt and the new tokens
     assert isinstance(used, kv.QuantizedKVCache) and used.get_seq_length() >= 16
+    # NSNQuant quantizes keys before RoPE: generation hands the cache the model's rotary module
+    assert all(layer.rotary is not None for layer in used.layers)
     result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--prompt", prompt,
                                        "--kv-cache", "nsnquant", "--kv-bits", "3"])
     assert result.exit_code == 2 and "supports 1 or 2" in result.output

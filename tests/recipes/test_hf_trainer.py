@@ -31,6 +31,7 @@ class Examples(torch.utils.data.Dataset):
         return self.data[i]
 
 
+@pytest.mark.slow
 def test_trainer_trains_saves_and_exports_to_peft(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
@@ -95,6 +96,7 @@ def examples(tmp_path_factory):
     return [train[i] for i in range(4)], tok.pad_token_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", rankwise.registry.names("method"))
 def test_trainer_trains_every_method_on_the_engine_objective(name, examples, tmp_path):
     """What ``Trainer`` optimises (``model(**batch).loss``) is the engine's task loss to 1e-6 (for

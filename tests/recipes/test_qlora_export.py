@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.slow  # a module fixture trains a QLoRA run through the recipe
 
 from rankwise.recipes.config import load_run_config  # noqa: E402
 from rankwise.recipes.export import export_run, load_run  # noqa: E402

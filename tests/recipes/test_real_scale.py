@@ -1,8 +1,10 @@
 """Real-scale settings through ``rankwise train``: bf16 / NF4 / int8 bases, gradient accumulation,
 activation checkpointing, exact resume under bf16, fp16 and accumulation, the optimizer-overflow
-stop, the memory meter in metrics.json, and the progress bar's tokens/s."""
+stop and the memory meter in metrics.json. Tests that train several runs are marked slow; the
+engine-level versions of accumulation, autocast and the overflow stop are in tests/engine/."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +18,10 @@ from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import prepare, train
 from rankwise.testing import randomize_trainable
 
-pytest.importorskip("bitsandbytes")
+# only the quantized bases need bitsandbytes; accumulation, checkpointing, bf16/fp16 resume and the
+# overflow stop run without it
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                               reason="NF4/int8 bases need bitsandbytes (pip install bitsandbytes)")
 
 
 def lm_config(source: Path, **train) -> dict:
@@ -43,11 +48,12 @@ def losses(run_dir: Path) -> list[float]:
             if "loss" in e]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, train_over", [
-    ({"dtype": "bfloat16"}, {"precision": "bf16"}),
-    ({"dtype": "bfloat16", "quantize": "nf4"}, {"precision": "bf16"}),
-    ({"quantize": "int8"}, {}),
-], ids=["bf16", "nf4", "int8"])
+    pytest.param({"dtype": "bfloat16"}, {"precision": "bf16"}, id="bf16"),
+    pytest.param({"dtype": "bfloat16", "quantize": "nf4"}, {"precision": "bf16"}, id="nf4", marks=needs_bnb),
+    pytest.param({"quantize": "int8"}, {}, id="int8", marks=needs_bnb),
+])
 def test_half_and_quantized_bases_train_with_float32_master_weights(tmp_path, docstrings_jsonl,
                                                                     model, train_over):
     raw = lm_config(docstrings_jsonl)
@@ -62,8 +68,11 @@ def test_half_and_quantized_bases_train_with_float32_master_weights(tmp_path, do
     assert got[-1] < got[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize, via_activations, dtype", [
-    (None, 0, "bfloat16"), ("nf4", 14, "bfloat16"), ("int8", 14, "float32")], ids=["bf16", "nf4", "int8"])
+    pytest.param(None, 0, "bfloat16", id="bf16"),
+    pytest.param("nf4", 14, "bfloat16", id="nf4", marks=needs_bnb),
+    pytest.param("int8", 14, "float32", id="int8", marks=needs_bnb)])
 def test_gora_trains_on_bf16_nf4_and_int8_bases(tmp_path, docstrings_jsonl, quantize, via_activations,
                                                 dtype):
     raw = lm_config(docstrings_jsonl, precision="bf16" if dtype == "bfloat16" else "fp32",
@@ -78,6 +87,7 @@ def test_gora_trains_on_bf16_nf4_and_int8_bases(tmp_path, docstrings_jsonl, quan
     assert got[-1] < got[0] and m["eval_loss"] < 11.0
 
 
+@pytest.mark.slow
 def test_grad_accum_1_2_4_give_the_same_run_on_variable_length_data(tmp_path, docstrings_jsonl):
     """transformers PR#34191: the loss is normalised by the targets of the whole step."""
     raw = lm_config(docstrings_jsonl, steps=3, save_every=0)
@@ -101,6 +111,7 @@ def test_grad_accum_1_2_4_give_the_same_run_on_variable_length_data(tmp_path, do
     assert abs(mean_of_means - token_mean) > 1e-3
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_same_loss_non_reentrant_no_input_grad_hack(tmp_path, docstrings_jsonl):
     """peft#1142: checkpointing with a frozen base must not need inputs that require grad."""
     raw = lm_config(docstrings_jsonl, steps=3, save_every=0)
@@ -121,6 +132,7 @@ def test_activation_checkpointing_same_loss_non_reentrant_no_input_grad_hack(tmp
     assert not emb._forward_hooks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train_over", [
     {"precision": "bf16", "grad_accum": 2},
     {"precision": "fp16"},
@@ -167,25 +179,6 @@ def test_optimizer_overflow_stops_the_run_and_keeps_the_last_checkpoint(tmp_path
     assert meta["step"] == 2
 
 
-def test_progress_bar_reports_tokens_per_second():
-    from io import StringIO
-
-    from rich.console import Console
-
-    from rankwise.engine.callbacks import ProgressBar
-    from rankwise.engine.loop import StepResult, TrainState
-    bar = ProgressBar("lora", Console(file=StringIO(), width=160), tokens=True)
-    state = TrainState(total_steps=4)
-    bar.on_fit_start(None, state)
-    state.began -= 2.0
-    state.step = 1
-    bar.on_step_end(None, state, StepResult(loss=1.0, examples=8, targets=900, tokens=1000))
-    fields = bar._bar.tasks[0].fields
-    assert fields["tok"] == pytest.approx(500.0, rel=0.01) and fields["ex"] == pytest.approx(4.0, rel=0.01)
-    bar.on_fit_exit(None, state)
-    assert "tok/s" in bar.console.file.getvalue()
-
-
 def test_ddp_with_checkpointing_marks_every_trainable_parameter_once(tmp_path, docstrings_jsonl):
     """peft#313, trl#921 ("Expected to mark a variable ready only once"): DDP without
     find_unused_parameters over a checkpointed LoRA model; every trainable parameter gets a
@@ -211,6 +204,7 @@ def test_ddp_with_checkpointing_marks_every_trainable_parameter_once(tmp_path, d
         dist.destroy_process_group()
 
 
+@needs_bnb
 def test_prepare_keeps_norms_and_embeddings_in_model_dtype(docstrings_jsonl):
     """peft#1149: prepare_model_for_kbit_training upcasts every non-4-bit tensor to fp32; rankwise
     keeps them in model.dtype (only the float32 adapter factors are added)."""
@@ -234,6 +228,7 @@ def test_prepare_keeps_norms_and_embeddings_in_model_dtype(docstrings_jsonl):
     assert ours_base == before
 
 
+@pytest.mark.slow
 def test_a_run_written_before_the_new_keys_resumes(tmp_path, docstrings_jsonl):
     """config.yaml of an older run lacks model.dtype, train.precision, ...: resuming it with its
     own config fills them with their defaults instead of refusing a 'different' config."""

@@ -1,4 +1,6 @@
-"""The training recipe: run folder contents, determinism, crash safety, resume."""
+"""The training recipe: run folder contents, determinism, crash safety, resume. Every test here
+trains through the recipe (12-step runs, several per test), so the module is in the slow tier;
+the engine's own step, stops and callbacks are unit-tested in tests/engine/."""
 from __future__ import annotations
 
 import json
@@ -25,6 +27,7 @@ TINY = {
               "progress": False},
 }
 RANKWISE = str(Path(sys.executable).with_name("rankwise"))
+pytestmark = pytest.mark.slow
 
 
 def _run(tmp: Path, name: str, **train_over) -> dict:
@@ -121,6 +124,7 @@ def _start_and_wait_for_checkpoint(cfg: Path, out: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     cfg = _write_cfg(tmp_path, steps=300)
@@ -139,6 +143,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     assert (a["eval_loss"], a["eval_accuracy"], a["steps"]) == (b["eval_loss"], b["eval_accuracy"], b["steps"])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ctrl_c_writes_checkpoint_and_exits_cleanly(tmp_path):
     cfg = _write_cfg(tmp_path, steps=400)

@@ -13,7 +13,8 @@ Rows: the dense reference; magnitude, Wanda, SparseGPT and 3BASiL-TM at 50% unst
 2:4 (3BASiL adds a rank-r part, and also runs without TM at 2:4); Wanda and SparseGPT at the
 unstructured sparsity that gives them 3BASiL's total parameter budget (nonzeros + factors);
 SVD (plain and whitened) at 50% of the parameters; RTN, GPTQ and GLVQ at 4 and 3 bits. On the
-Llama also the KV caches: float, NSNQuant and KIVI at 1 and 2 bits.
+Llama also the KV caches: float, NSNQuant and KIVI at 1 and 2 bits, and KIVI at each NSNQuant
+row's stored bits per element (equal total bytes, :func:`~rankwise.compress.kv.kivi_for_budget`).
 """
 from __future__ import annotations
 
@@ -213,16 +214,27 @@ def _run_rows(name: str, dense: torch.nn.Module, task, calib, heldout, s: Sizes,
     return out
 
 
+def kv_rows(head_dim: int, chunk: int) -> list[tuple[str, int, int]]:
+    """``[(kind, nominal bits, chunk)]``: :data:`KV_ROWS` at ``chunk``, then KIVI at the stored
+    bits per element of each NSNQuant row (equal total bytes)."""
+    from rankwise.compress.kv import bits_per_element, kivi_for_budget
+    out = [(kind, bits, chunk) for kind, bits in KV_ROWS]
+    for kind, bits in KV_ROWS:
+        if kind == "nsnquant":
+            out.append(("kivi", *kivi_for_budget(bits_per_element(kind, bits, head_dim, chunk), head_dim)))
+    return out
+
+
 def _kv_rows(model, heldout: Windows, s: Sizes, console) -> list[dict]:
     from rankwise.compress.kv import cache_perplexity
     out = []
-    for kind, bits in KV_ROWS:
+    for kind, bits, chunk in kv_rows(s.llama_hidden // s.llama_heads, s.kv_chunk):
         t0 = time.perf_counter()
-        r = cache_perplexity(model, heldout.ids, kind, bits, s.kv_chunk, s.kv_batch, seed=s.seed)
-        out.append({"kind": kind, "bits": bits, "chunk": s.kv_chunk, **r, "seconds": time.perf_counter() - t0})
+        r = cache_perplexity(model, heldout.ids, kind, bits, chunk, s.kv_batch, seed=s.seed)
+        out.append({"kind": kind, "bits": bits, "chunk": chunk, **r, "seconds": time.perf_counter() - t0})
         if console is not None:
-            console.print(f"llama | KV {kind} {bits} bits: perplexity {r['eval_perplexity']:.4f}, "
-                          f"{r['bytes_per_token']:.1f} B/token")
+            console.print(f"llama | KV {kind} {bits} bits, chunk {chunk}: perplexity {r['eval_perplexity']:.4f}, "
+                          f"{r['bytes_per_token']:.1f} B/token, {r['bits_per_element']:.2f} bits/element")
     return out
 
 
@@ -330,10 +342,15 @@ def _markdown(results: dict) -> str:
                f"calibration {s['calib_windows']} and held-out {s['heldout_windows']} windows of "
                f"{s['llama_seq']} bytes.", "", _table(res["rows"], "perplexity"), "",
                "### KV cache (dense model, token-by-token decoding)", "",
-               "| cache | bits | perplexity | bytes / token (all layers, K+V) | vs float16 |",
-               "|---|---:|---:|---:|---:|"]
+               "Nominal bits label the codes; stored bits per element include the float16 metadata "
+               "(scales, shifts, minima).", "",
+               "| cache | nominal bits | chunk | stored bits / element | perplexity | "
+               "bytes / token (all layers, K+V) | vs float16 |",
+               "|---|---:|---:|---:|---:|---:|---:|"]
         for r in res["kv_cache"]:
-            md.append(f"| {r['kind']} | {r['bits']} | {r['eval_perplexity']:.4f} | {r['bytes_per_token']:.1f} | "
+            stored = r.get("bits_per_element", 16 * r["bytes_per_token"] / r["fp16_bytes_per_token"])
+            md.append(f"| {r['kind']} | {r['bits']} | {r.get('chunk', '')} | {stored:.2f} | "
+                      f"{r['eval_perplexity']:.4f} | {r['bytes_per_token']:.1f} | "
                       f"{r['bytes_per_token'] / r['fp16_bytes_per_token']:.3f} |")
         md.append("")
     return "\n".join(md)

@@ -90,16 +90,21 @@ def check_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
         ``path`` as a ``Path``.
 
     Raises:
-        RankwiseError: If ``path`` is an existing file, lies under a file, or its nearest
-            existing folder is not writable (one line naming the fix).
+        RankwiseError: If ``path`` is an existing file, lies under a file, lies under a
+            folder this user may not search, or its nearest existing folder is not writable
+            (one line naming the fix).
     """
     from rankwise.errors import RankwiseError
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise RankwiseError(f"{flag} {path} is an existing file; choose a folder path")
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
+    try:
+        if path.exists() and not path.is_dir():
+            raise RankwiseError(f"{flag} {path} is an existing file; choose a folder path")
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+    except PermissionError:  # a folder above it that this user may not look into
+        raise RankwiseError(f"{flag} {path}: cannot look into a folder above it (permission "
+                            "denied); choose a folder you can write to") from None
     if not probe.is_dir():
         raise RankwiseError(f"{flag} {path} lies under {probe}, which is a file; choose another path")
     if not os.access(probe, os.W_OK | os.X_OK):

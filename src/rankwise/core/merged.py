@@ -10,7 +10,8 @@ from torch import nn
 
 from rankwise.core import atomic
 from rankwise.core.ops import check_mergeable, merge_and_unload
-from rankwise.core.protocol import adapter_modules
+from rankwise.core.inject import replace_module
+from rankwise.core.protocol import adapter_modules, merges_on_grid
 from rankwise.core.quant import dequantize_model, quantized_paths
 from rankwise.errors import RankwiseError
 
@@ -20,8 +21,12 @@ def merge_plain(model: nn.Module, adapter_name: str | None = None,
     """Fold the adapters into the base weights in place and strip the adapter layers: the
     model :func:`export_merged` writes (``rankwise compress`` of a run compresses this one).
 
-    A quantized base is dequantized first (bf16 unless ``dtype`` says otherwise), so the
-    adapter is added to exactly the weights it was trained against.
+    A layer whose merge is arithmetic on its own quantized base (the ``merges_on_grid``
+    capability: LoTA-QAF's integer merge ``q <- q + m``, ``z <- z - zp``) merges first, and the
+    merged grid is then dequantized (in the model's float dtype unless ``dtype`` says
+    otherwise). Any other quantized base (bitsandbytes) is dequantized first (bf16 unless
+    ``dtype`` says otherwise), so the adapter is added to exactly the weights it was trained
+    against.
 
     Args:
         model: An adapted model (changed in place).
@@ -36,8 +41,19 @@ def merge_plain(model: nn.Module, adapter_name: str | None = None,
         RankwiseError: If an adapter layer is not mergeable.
     """
     check_mergeable(model)
-    if quantized_paths(model):
-        dtype = dtype or torch.bfloat16
+    on_grid = []
+    for path, mod in list(adapter_modules(model)):
+        if merges_on_grid(mod):  # merged on its integer grid, dequantized below
+            for n in ([adapter_name] if adapter_name else mod.active_names()):
+                if n in mod.adapter_names():
+                    mod.merge(n)
+            replace_module(model, path, mod.base_layer)
+            on_grid.append(path)
+    quantized = quantized_paths(model)
+    if quantized:
+        floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+        own_grid_only = set(quantized) <= set(on_grid) and floats
+        dtype = dtype or (floats[0] if own_grid_only else torch.bfloat16)
         dequantize_model(model, dtype)
     model = merge_and_unload(model, adapter_name)
     if dtype is not None:

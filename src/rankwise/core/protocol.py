@@ -21,6 +21,9 @@ capability          meaning                                                     
                     folder by :class:`rankwise.engine.adapter_stats.AdapterStatistics`
 ``unmergeable_``    class attribute: one clause saying why ``merge`` is refused and   generic
 ``reason``          what to export instead (used by ``check_mergeable``)
+``merges_on_grid``  class attribute: ``merge`` works on the layer's own quantized     ``False``
+                    base (LoTA-QAF moves integer codes), so the merged export merges
+                    before it dequantizes (``core.merged``)
 ==================  =============================================================  ==========
 
 Whole-model input adapters (prompt tuning: virtual tokens in front of the sequence) implement
@@ -168,6 +171,11 @@ def adapter_modules(model: nn.Module) -> Iterator[tuple[str, AdapterModule]]:
 def is_mergeable(module: AdapterModule) -> bool:
     """The ``mergeable`` capability (default True)."""
     return bool(getattr(module, "mergeable", True))
+
+
+def merges_on_grid(module: AdapterModule) -> bool:
+    """The ``merges_on_grid`` capability (default False)."""
+    return bool(getattr(module, "merges_on_grid", False))
 
 
 def factors(module: AdapterModule, name: str) -> tuple[nn.Parameter, nn.Parameter] | None:

@@ -163,9 +163,10 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
     from rankwise.federated.checkpoint import list_rounds
     out = atomic.check_folder(out)
     cfg, fed = resolve(config_path, sets, base)
-    if out.is_dir() and any(out.iterdir()) and not (out / "rounds.jsonl").exists():
-        raise RankwiseError(f"{out} is not empty and holds no federated run (e.g. a train run); "
-                            "choose another --out")
+    from rankwise.recipes import folders
+    if folders.kind(out) not in (None, "federated"):
+        raise RankwiseError(f"{out} is not empty and holds no federated run (it holds "
+                            f"{folders.WHAT[folders.kind(out)]}); choose another --out")
     if (out / "metrics.json").exists():
         raise RankwiseError(f"run folder {out} already holds a finished run; choose another --out")
     if resume:
@@ -181,6 +182,7 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
         raise RankwiseError(f"{out} holds an interrupted federated run; continue it with --resume "
                             "or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+    folders.record(out, "federated")
     config_file = out / "config.yaml" if resume else write_config(cfg, fed, out)
     simulate(config_file, out, fed, resume=resume)
     write_results({fed.strategy_name(): out}, out, title=f"{fed.strategy_name()} ({fed.partition})")

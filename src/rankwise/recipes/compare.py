@@ -29,6 +29,7 @@ from pathlib import Path
 from rankwise import registry
 from rankwise.core import atomic
 from rankwise.engine.callbacks import EventLog
+from rankwise.recipes import folders as kinds
 from rankwise.recipes import runs, sweep
 from rankwise.errors import RankwiseError, closest
 
@@ -397,7 +398,10 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
     raw = read_yaml(config_path) if config_path is not None else copy.deepcopy(base or {})
     plans, grids, raw = plan_rows(raw, methods, sets)
     out = Path(out)
+    kinds.check_kind(out, "compare", "compare writes only into a new or empty folder or an earlier "
+                       "comparison: choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+    kinds.record(out, "compare")
     if lr_grid < 0:
         raise RankwiseError(f"--lr-grid: got {lr_grid}; expected 0 (off) or the number of points")
     if jobs < 1:

@@ -25,6 +25,7 @@ from rankwise.compress.config import RUN_DATA, STDLIB, STDLIB_HELDOUT, TextConfi
 from rankwise.compress.pipeline import Result, check_layers, compress_model
 from rankwise.configs import to_dict
 from rankwise.errors import RankwiseError
+from rankwise.recipes import folders
 from rankwise.recipes.config import RunConfig, apply_sets, build_run_config, read_yaml
 
 SKIP = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
@@ -278,6 +279,49 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
     return report, result
 
 
+def check_output(out: Path, inputs: dict[str, Any], overwrite: bool) -> None:
+    """Refuse an output folder that would lose data; ``--overwrite`` replaces only an earlier
+    compress output, and only when it holds nothing but the files that compress recorded.
+
+    Args:
+        out: The output folder.
+        inputs: ``{option: path or None}`` of the folders compress reads (``model.path``,
+            ``--model``).
+        overwrite: ``--overwrite``.
+
+    Raises:
+        RankwiseError: ``out`` is or contains an input (the model or run being compressed),
+            holds something other than a compress output, is a non-empty compress output
+            without ``--overwrite``, or holds files compress did not write.
+    """
+    target = out.expanduser().resolve()
+    for option, path in inputs.items():
+        source = Path(path).expanduser() if path is not None else None
+        if source is not None and source.is_dir():
+            source = source.resolve()
+            if source == target or target in source.parents:
+                raise RankwiseError(f"--out {out} contains {option} {path} (the model being "
+                                    "compressed); choose another --out, --overwrite or not")
+    found = folders.check_kind(out, "compress", "--overwrite replaces only an earlier compress "
+                               "output: choose another --out")
+    if found is None:
+        return
+    if not overwrite:
+        raise RankwiseError(f"output folder {out} is not empty; choose a new --out or pass --overwrite")
+    saved = folders.read_record(out) or {}
+    if not isinstance(saved.get("files"), list):
+        raise RankwiseError(f"--out {out} holds a compress output written before compress recorded "
+                            "its files, so --overwrite cannot tell them from yours; delete it yourself "
+                            "or choose another --out")
+    ours = {Path(f).parts[0] for f in saved["files"]} | {folders.RECORD}
+    extra = [n for n in folders.entries(out) if n not in ours]
+    if extra:
+        raise RankwiseError(f"--out {out} also holds {', '.join(extra[:3])}"
+                            f"{' ...' if len(extra) > 3 else ''}, which compress did not write; "
+                            "--overwrite replaces only compress's own files: move those away or "
+                            "choose another --out")
+
+
 def run_compress(config: Path, sets: list[str], out: Path, overwrite: bool = False,
                  console=None, progress: bool = True, model_path: Path | None = None) -> dict:
     """The ``rankwise compress`` command: load, measure, write the output folder atomically.
@@ -296,9 +340,8 @@ def run_compress(config: Path, sets: list[str], out: Path, overwrite: bool = Fal
     from rankwise.core import atomic
     from rankwise.data.text import build_data
     out = atomic.check_folder(out)
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise RankwiseError(f"output folder {out} is not empty; choose a new --out or pass --overwrite")
     run_cfg, ccfg, raw = load_config(config, sets)
+    check_output(out, {"model.path": run_cfg.model.path, "--model": model_path}, overwrite)
     model, tok, task, run_cfg = load_input(run_cfg, raw, model_path)
     if task.name not in ("causal-lm", "classification"):
         raise RankwiseError(f"rankwise compress evaluates causal-lm or classification models, not {task.name}")
@@ -315,6 +358,8 @@ def run_compress(config: Path, sets: list[str], out: Path, overwrite: bool = Fal
         save_compressed(tmp / "compression.safetensors", ccfg.method, to_dict(ccfg), result.layers)
         atomic.write_json(tmp / "report.json", report)
         (tmp / "report.md").write_text(to_markdown(report))
+        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        folders.record(tmp, "compress", files=written)  # what a later --overwrite may replace
     if console is not None:
         console.print(summary_line(report))
     return report

@@ -20,6 +20,7 @@ import yaml
 from rankwise.core import atomic
 from rankwise.engine.callbacks import EventLog
 from rankwise.data.demo import python_version
+from rankwise.recipes import folders
 from rankwise.recipes.config import load_run_config
 from rankwise.plots import plot_curves
 
@@ -57,6 +58,13 @@ def run_demo(out: Path, steps: int | None = None, console=None) -> dict:
 
     console = console or Console()
     out = Path(out)
+    folders.check_kind(out, "demo", "the demo writes only into a new or empty folder or an earlier "
+                       "demo output: choose another --out")
+    for name in demo_runs():
+        folders.check_kind(out / name, "train", "the demo replaces only its own runs there: move it "
+                           "away or choose another --out", flag="demo run folder")
+    out.mkdir(parents=True, exist_ok=True)
+    folders.record(out, "demo")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     began = time.perf_counter()
     results, curves = {}, {}

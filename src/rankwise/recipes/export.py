@@ -9,6 +9,7 @@ from rankwise.core import atomic
 from rankwise.core.io import load_adapter
 from rankwise.engine import get_task
 from rankwise.errors import RankwiseError
+from rankwise.recipes import folders
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.model import base_moved, demo_model_path, load_model, torch_dtype
 
@@ -35,6 +36,7 @@ def load_run(run_dir: Path, model_path: str | Path | None = None):
         RankwiseError: If the folder is not a finished run or its files are corrupt.
     """
     run_dir = Path(run_dir)
+    folders.check_run(run_dir, "this command")
     if not (run_dir / "config.yaml").is_file():
         raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
                             "of a finished 'rankwise train'")

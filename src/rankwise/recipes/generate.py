@@ -21,6 +21,7 @@ from rankwise.engine import get_task
 from rankwise.engine.generation import generate
 from rankwise.engine.reporting import Samples
 from rankwise.errors import RankwiseError
+from rankwise.recipes import folders
 from rankwise.recipes.config import RunConfig, load_run_config
 from rankwise.recipes.model import base_moved, load_model
 
@@ -63,6 +64,7 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
     """
     from rankwise.core.io import load_adapter
     run_dir = Path(run_dir)
+    folders.check_run(run_dir, "generate")
     if not (run_dir / "config.yaml").is_file():
         raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
                             "of a finished 'rankwise train'")
@@ -90,15 +92,29 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
         if full or "not found" not in str(err):
             raise
         raise base_moved(err) from None
-    if adapter is not None:
-        from rankwise.adapters.lora.peft import load_peft
-        load_peft(model, adapter)
+    if adapter is not None:  # the format's registered loader (the LoRA package's, for peft)
+        registry.get("exporter", "peft").loader(model, adapter)
     elif not full:
         load_adapter(model, run_dir / "adapter")
     if not m.quantize:
         model.to(device)
     model.eval()
     return cfg, model, tok, encoder_for(cfg.data, task, tok)
+
+
+def start_id(tokenizer, model) -> int:
+    """The token an empty prompt starts from: BOS, as ``transformers``' ``generate()`` starts
+    when given no input (the tokenizer's BOS, else the model's ``generation_config``'s).
+
+    Raises:
+        RankwiseError: If neither defines one.
+    """
+    gen = getattr(model, "generation_config", None)
+    for tid in (tokenizer.bos_token_id, getattr(gen, "bos_token_id", None)):
+        if isinstance(tid, int):
+            return tid
+    raise RankwiseError("an empty prompt starts from the BOS token, and neither the tokenizer nor "
+                        "the model defines one; give a non-empty prompt")
 
 
 def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
@@ -138,7 +154,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
 
     Args:
         run_dir: A finished causal-LM run.
-        prompt: One prompt (text; for chat runs, the user message).
+        prompt: One prompt (text; for chat runs, the user message). An empty prompt (here or
+            in ``file``) generates from the BOS token alone (:func:`start_id`).
         file: A JSONL file of prompts (:func:`read_prompts`).
         adapter: A PEFT adapter folder instead of the run's adapter.
         max_new_tokens: Tokens per completion.
@@ -164,7 +181,7 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise RankwiseError(f"got --max-new-tokens {max_new_tokens}, --temperature {temperature}, "
                             f"--top-p {top_p}; expected >= 1, >= 0 and a value in (0, 1]")
-    from rankwise.compress.kv import make_cache
+    from rankwise.compress.kv import find_rotary, make_cache
     make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
     if file is not None and Path(file).is_file() and not Path(file).read_text(errors="replace").strip():
         raise RankwiseError(f"prompts file {file} is empty; write one {{\"prompt\": ...}} object "
@@ -176,12 +193,16 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     else:
         items = list(read_prompts(file, enc))
     ids = [enc.prompt_ids(v) for v in items]  # every prompt is checked before generating
+    if not all(ids):  # an empty prompt: start from BOS, as transformers' generate() without input
+        bos = start_id(tok, model)
+        ids = [x or [bos] for x in ids]
     decode = _decoder(tok)
     torch.manual_seed(seed)
     out = []
     for value, prompt_ids in zip(items, ids):
         single = prompt is not None and stream is not None
-        cache = None if kv_cache == "fp" else make_cache(kv_cache, kv_bits, config=model.config)
+        cache = None if kv_cache == "fp" else make_cache(
+            kv_cache, kv_bits, config=model.config, rotary=find_rotary(model))  # NSNQuant: keys before RoPE
         new = generate(model, prompt_ids, max_new_tokens, end_id(tok), tok.pad_token_id, temperature,
                        top_p, device, decode=decode, on_text=stream if single else None, cache=cache)
         row = {"prompt": value, "completion": decode(new)}

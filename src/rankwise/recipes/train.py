@@ -32,7 +32,7 @@ from rankwise.engine.loop import precision_problem
 from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
-from rankwise.recipes import optim_scope, yamlfile
+from rankwise.recipes import folders, optim_scope, yamlfile
 from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 from rankwise.recipes.checkpoint import clean_incomplete
 from rankwise.recipes.config import RunConfig, build_run_config
@@ -186,11 +186,20 @@ def _check_not_the_base(out: Path, cfg: RunConfig) -> None:
 def _check_run_folder(out: Path, resume: bool, console, write: bool = True) -> bool:
     """Check ``out`` can take this run; return whether to resume.
 
-    A folder that holds a finished run (``metrics.json``) or a checkpoint needs ``--resume``. A
+    A folder that holds anything but a train run (a federated run, a compress output, an
+    export, the demo, a comparison, other files) is refused, with or without ``--resume``. A
+    folder that holds a finished run (``metrics.json``) or a checkpoint needs ``--resume``. A
     run that failed before its first checkpoint (only ``config.yaml`` and ``events.jsonl``) has
     nothing to continue from: a new run replaces it (said on the console), whatever its config;
     only the writing process (``write``, rank 0 under torchrun) removes its files.
     """
+    if folders.kind(out) == "federated":  # continued by its own command, never by train
+        fix = ("it is finished: choose another --out" if (out / "metrics.json").exists() else
+               f"continue it with: rankwise federated {out / 'config.yaml'} --out {out} --resume "
+               "(or choose another --out)")
+        raise RankwiseError(f"--out {out} holds {folders.WHAT['federated']}, not a train run; {fix}")
+    folders.check_kind(out, "train", "train writes only into a new or empty folder or its own run "
+                       "folder: choose another --out")
     if not (out / "config.yaml").exists() and not list_checkpoints(out):
         return resume
     if list_checkpoints(out) or (out / "metrics.json").exists():
@@ -375,7 +384,7 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
         cfg.train.distributed, cfg.train.distributed_timeout_s)
     main = dist.is_main  # under torchrun only rank 0 writes the run folder and talks
     console = console or Console(stderr=True, quiet=not main)
-    out = Path(out)
+    out = atomic.check_folder(out)  # a file, a path under a file, no permission: before the lock
     _check_not_the_base(out, cfg)
     # one process per run folder: a second `rankwise train --out` the same folder stops here,
     # before loading anything, instead of interleaving two runs' files
@@ -434,6 +443,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         console.print(f"no checkpoint in {out}; starting from step 0")
     if session.scope is not None:
         console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
+    if main and folders.read_record(out) is None:
+        folders.record(out, "train")
     if main and (old_steps is not None or not (out / "config.yaml").exists()):
         atomic.write_bytes(out / "config.yaml", yamlfile.dump(cfg.to_dict(), sort_keys=False).encode())
     if main and not ckpts and hasattr(session.method_result, "write_artifacts"):

@@ -101,5 +101,5 @@ def load_peft(*args, **kwargs):
 
 registry.register("method", "lora", LoraConfig, apply_lora, rebuild=rebuild_lora, factorized=True,
                   summary="LoRA / rsLoRA: W x + s B A x (Hu et al. 2021)")
-registry.register("exporter", "peft", dict, export_peft,
+registry.register("exporter", "peft", dict, export_peft, loader=load_peft,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

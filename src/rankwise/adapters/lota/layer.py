@@ -51,6 +51,8 @@ class LotaLayer(NamedAdapters, nn.Module):
     Attributes:
         ternary: Capability read by ``t-signsgd``: this layer's adapter tensors are ternary.
         mergeable: True: merging moves the integer codes (see the module docstring).
+        merges_on_grid: True: the merge is integer arithmetic on the quantized base itself, so
+            a merged export merges first and dequantizes after.
 
     Args:
         base_layer: The :class:`QuantLinear` base.
@@ -64,6 +66,7 @@ class LotaLayer(NamedAdapters, nn.Module):
 
     ternary = True
     mergeable = True
+    merges_on_grid = True
 
     def __init__(self, base_layer: nn.Module, fold_offsets: bool = True) -> None:
         super().__init__()

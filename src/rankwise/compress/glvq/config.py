@@ -7,6 +7,7 @@ from typing import Union
 from rankwise.compress.config import CompressConfig, Quantization
 
 BITS = (1, 2, 3, 4)
+ALLOCATIONS = ("salience", "uniform")
 
 
 @dataclass
@@ -22,7 +23,12 @@ class GLVQConfig(Quantization, CompressConfig):
         rounds: Alternations of Babai rounding and generator updates.
         steps: Adam steps on the generators and companding parameters per round.
         lr: Adam learning rate, relative to the generator's initial scale.
-        companding: Learn a per-group μ-law companding before the lattice.
+        companding: Learn a per-group μ-law companding before the lattice (μ in [10, 255]).
+        allocation: ``salience``: mix ``bits − 1``, ``bits`` and ``bits + 1`` across groups by
+            SliM-LLM's Hessian salience at an average of exactly ``bits`` (the paper's low-bit
+            setting; 2 and 3 bits only, 1 and 4 stay uniform); ``uniform``: every group ``bits``.
+        regularization: ``λ`` of the pull towards the initial generator,
+            ``λ · err_g⁽⁰⁾ · ‖G_g − G_g⁽⁰⁾‖² / ‖G_g⁽⁰⁾‖²`` (0 turns it off).
     """
 
     bits: int = 4
@@ -33,6 +39,8 @@ class GLVQConfig(Quantization, CompressConfig):
     steps: int = 10
     lr: float = 0.02
     companding: bool = True
+    allocation: str = "salience"
+    regularization: float = 0.1
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -48,6 +56,10 @@ class GLVQConfig(Quantization, CompressConfig):
             out.append(f"group_size: got {self.group_size}; expected a multiple of dim={self.dim}")
         if self.lr <= 0:
             out.append(f"lr: got {self.lr}; expected a positive number")
+        if self.allocation not in ALLOCATIONS:
+            out.append(f"allocation: got {self.allocation!r}; expected one of {list(ALLOCATIONS)}")
+        if self.regularization < 0:
+            out.append(f"regularization: got {self.regularization}; expected a number >= 0")
         return out
 
     def layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:

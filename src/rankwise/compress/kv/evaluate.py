@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.compress.kv.cache import cache_kwarg, make_cache
+from rankwise.compress.kv.cache import cache_kwarg, find_rotary, make_cache
 
 
 def fp16_bytes_per_token(config) -> int:
@@ -36,8 +36,10 @@ def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str, bits: i
         seed: NSNQuant's codebook seed.
 
     Returns:
-        ``{"eval_loss", "eval_perplexity", "bytes_per_token", "fp16_bytes_per_token"}``; the
-        bytes count the quantized part (the full-precision tail is at most ``chunk − 1`` tokens).
+        ``{"eval_loss", "eval_perplexity", "bytes_per_token", "fp16_bytes_per_token",
+        "bits_per_element"}``; the bytes count the quantized part (the full-precision tail is at
+        most ``chunk − 1`` tokens); ``bits_per_element`` is ``16 · bytes_per_token /
+        fp16_bytes_per_token``, metadata included (compare it with the nominal ``bits``).
 
     Raises:
         RankwiseError: See :func:`make_cache`.
@@ -45,11 +47,12 @@ def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str, bits: i
     was_training = model.training
     model.eval()
     arg = cache_kwarg(model)
+    rotary = find_rotary(model)
     total, count, per_token = 0.0, 0, []
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             ids = windows[start: start + batch_size]
-            cache = make_cache(kind, bits, chunk, config=model.config, seed=seed)
+            cache = make_cache(kind, bits, chunk, config=model.config, seed=seed, rotary=rotary)
             for t in range(0, ids.shape[1] - 1, step):
                 piece = ids[:, t: min(t + step, ids.shape[1] - 1)]
                 logits = model(input_ids=piece, use_cache=True, **{arg: cache}).logits
@@ -62,6 +65,6 @@ def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str, bits: i
     model.train(was_training)
     loss = total / max(count, 1)
     fp16 = fp16_bytes_per_token(model.config)
+    per = sum(per_token) / len(per_token) if per_token else float(fp16)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
-            "bytes_per_token": sum(per_token) / len(per_token) if per_token else float(fp16),
-            "fp16_bytes_per_token": fp16}
+            "bytes_per_token": per, "fp16_bytes_per_token": fp16, "bits_per_element": 16 * per / fp16}

@@ -27,29 +27,38 @@ def hadamard(n: int) -> torch.Tensor:
 
 @lru_cache(maxsize=4)
 def codebook(kind: str, seed: int = 0, samples: int = 1 << 15, iters: int = 20) -> torch.Tensor:
-    """The shared, calibration-free codebook: k-means (Lloyd, Euclidean) on synthetic
-    ``N(0, I_8)`` samples (``kind="signed"``, the 1-bit book) or on their absolute values
-    (``kind="magnitude"``, the 2-bit book used with a separate sign mask).
+    """The shared, calibration-free codebook on the unit sphere: spherical k-means (assign by
+    the largest cosine, centroid = normalized mean) of synthetic ``N(0, I_8)`` samples projected
+    onto the sphere (``kind="signed"``, the 1-bit book) or of their absolute values
+    (``kind="magnitude"``, the 2-bit book used with a separate sign mask, so its entries lie in
+    the positive orthant).
+
+    After the NSN transform every 8-dimensional subvector is a Gaussian direction times a norm
+    the decoder restores from ``‖token‖ = √d``; only the direction is coded, so the entries are
+    unit vectors and the match is by cosine (the unit-norm, cosine-matched codebook of NSNQuant as
+    the notes record it; the Euclidean k-means used before
+    this change spent codewords on the norm of a subvector).
 
     Returns:
-        ``(256, 8)`` float32 centroids (deterministic for a seed).
+        ``(256, 8)`` float32 unit-norm centroids (deterministic for a seed).
     """
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, SUBVECTOR, generator=g)
     if kind == "magnitude":
         x = x.abs()
+    x = x / x.norm(dim=1, keepdim=True).clamp(min=1e-12)
     cents = x[torch.randperm(samples, generator=g)[:CODEBOOK_SIZE]].clone()
     for _ in range(iters):
         assign = _nearest(x, cents)
         sums = torch.zeros_like(cents).index_add_(0, assign, x)
-        counts = torch.bincount(assign, minlength=CODEBOOK_SIZE)[:, None]
-        cents = torch.where(counts > 0, sums / counts.clamp(min=1), cents)
+        norms = sums.norm(dim=1, keepdim=True)
+        cents = torch.where(norms > 0, sums / norms.clamp(min=1e-12), cents)
     return cents
 
 
 def _nearest(x: torch.Tensor, cents: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centroid (Euclidean) for each row of ``x``."""
-    return torch.argmax(2 * x @ cents.T - (cents ** 2).sum(1), dim=1)
+    """Index of the centroid of largest cosine with each row of ``x`` (centroids unit norm)."""
+    return torch.argmax(x @ cents.T, dim=1)
 
 
 class NSNQuant:
@@ -66,16 +75,23 @@ class NSNQuant:
     undoes the shift and the two scales. ``s₁, s₂`` (per token) and ``o`` (per chunk, channel)
     are stored in float16.
 
-    Choices where the sources leave room (the paper's exact codebook training, RoPE handling and
-    metadata format were not available; see ``docs/compression.md``): codebooks are Euclidean
-    k-means centroids of synthetic Gaussian samples (not unit-norm cosine codebooks); keys are
-    quantized after RoPE, as a transformers ``Cache`` receives them (the paper quantizes before
-    RoPE); metadata stays float16 (no 4-bit double quantization).
+    Keys are quantized **before** RoPE, as in the paper: the cache (:class:`QuantizedKVLayer`)
+    undoes the rotation of the keys it receives, quantizes, and applies RoPE again to the
+    dequantized keys (``pre_rope``). The codebook lies on the unit sphere and is matched by
+    cosine (:func:`codebook`).
+
+    Choices where the sources leave room (see ``docs/compression.md``): the codebook is
+    spherical k-means of synthetic samples, not fine-tuned by gradient descent; metadata stays
+    float16 (no 4-bit double quantization), so the stored bits per element exceed the nominal
+    ``bits`` by ``32/d + 16/chunk`` (:meth:`bits_per_element`: 2.25 for "1 bit" at ``d = 128``,
+    chunk 16).
 
     Args:
         bits: 1 or 2.
         seed: Seed of the synthetic codebook samples.
     """
+
+    pre_rope = True
 
     def __init__(self, bits: int, seed: int = 0) -> None:
         assert bits in (1, 2)
@@ -125,6 +141,12 @@ class NSNQuant:
         """Bytes of the encoded chunk."""
         return sum(t.numel() * t.element_size() for t in q.values())
 
+    def bits_per_element(self, head_dim: int, chunk: int) -> float:
+        """Stored bits per cached element, metadata included: one 8-bit index (and at 2 bits an
+        8-bit sign mask) per 8 elements, ``s₁, s₂`` float16 per token and head, ``o`` float16
+        per channel and chunk: ``bits + 32/head_dim + 16/chunk``."""
+        return self.bits + 32 / head_dim + 16 / chunk
+
 
 class KIVI:
     """KIVI-style uniform quantization (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit
@@ -136,6 +158,8 @@ class KIVI:
         bits: 1 to 8.
         per_channel: ``True`` for keys, ``False`` for values.
     """
+
+    pre_rope = False
 
     def __init__(self, bits: int, per_channel: bool) -> None:
         self.bits, self.per_channel = bits, per_channel
@@ -156,3 +180,57 @@ class KIVI:
     def nbytes(self, q: dict[str, torch.Tensor]) -> int:
         """Codes at ``bits`` each plus the float16 minima and steps."""
         return math.ceil(q["codes"].numel() * self.bits / 8) + 2 * (q["min"].numel() + q["step"].numel())
+
+    def bits_per_element(self, head_dim: int, chunk: int) -> float:
+        """Stored bits per element: ``bits`` plus a float16 minimum and step per group, a group
+        being ``chunk`` tokens of one channel (keys) or the ``head_dim`` channels of one token
+        (values): ``bits + 32/chunk`` or ``bits + 32/head_dim``."""
+        return self.bits + 32 / (chunk if self.per_channel else head_dim)
+
+
+def bits_per_element(kind: str, bits: int, head_dim: int, chunk: int) -> float:
+    """Bits per cached element of a ``kind`` cache, keys and values averaged, metadata
+    included (the nominal ``bits`` is what the label says; this is what is stored).
+
+    Args:
+        kind: ``fp`` (float16: 16), ``nsnquant`` or ``kivi``.
+        bits: Nominal bits per element.
+        head_dim: The attention head dimension.
+        chunk: Tokens quantized together.
+
+    Returns:
+        ``(bits per key element + bits per value element) / 2``.
+    """
+    if kind == "fp":
+        return 16.0
+    if kind == "nsnquant":
+        return NSNQuant(bits).bits_per_element(head_dim, chunk)
+    return (KIVI(bits, True).bits_per_element(head_dim, chunk)
+            + KIVI(bits, False).bits_per_element(head_dim, chunk)) / 2
+
+
+def kivi_for_budget(budget: float, head_dim: int,
+                    chunks: tuple[int, ...] = (16, 32, 64, 128, 256)) -> tuple[int, int]:
+    """KIVI's ``(bits, chunk)`` for a budget of stored bits per element, so that KIVI can be
+    compared with another cache at equal *total* bytes: the most bits that fit, at the
+    smallest chunk (finest groups) that keeps :func:`bits_per_element` within the budget.
+
+    Args:
+        budget: Bits per element the KIVI cache may store (e.g. NSNQuant's
+            :func:`bits_per_element`).
+        head_dim: The attention head dimension.
+        chunks: Chunk sizes (tokens per key group) to choose from.
+
+    Returns:
+        ``(bits, chunk)``.
+
+    Raises:
+        ValueError: If not even 1-bit KIVI at the largest chunk fits.
+    """
+    for b in range(8, 0, -1):
+        for c in sorted(chunks):
+            if bits_per_element("kivi", b, head_dim, c) <= budget + 1e-9:
+                return b, c
+    raise ValueError(f"KIVI budget: got {budget} bits per element; 1-bit KIVI needs at least "
+                     f"{bits_per_element('kivi', 1, head_dim, max(chunks)):.3f} at head_dim={head_dim}; "
+                     "raise the budget or allow larger chunks")

@@ -1,4 +1,5 @@
-"""The shared memory meter: exact live-tensor peaks on CPU, across flushes and nested blocks."""
+"""The shared memory meter: exact live-tensor peaks on CPU, across flushes, nested blocks and
+the per-step folds of a fit."""
 from __future__ import annotations
 
 import torch
@@ -31,3 +32,24 @@ def test_tensor_bytes_counts_each_storage_once():
     t = torch.ones(100)
     assert tensor_bytes(lin) == (100 + 10) * 4
     assert tensor_bytes(t, t[10:], {"state": {"m": t}}) == 400
+
+
+def test_a_fit_folds_the_meter_after_every_step_and_peaks_at_one_steps_transient(monkeypatch):
+    """Each step allocates and frees 4 MB (a loss hook); the toy model, its gradients and
+    activations add a few KB. Folding after every step (MeasureMemory) carries the live level
+    over, so the peak is one step's 4 MB, not the three steps' 12 MB."""
+    from engine_helpers import engine
+
+    from rankwise import memory
+    from rankwise.engine.callbacks import MeasureMemory
+    folds = []
+    fold = memory._fold
+    monkeypatch.setattr(memory, "_fold", lambda restart: (folds.append(restart), fold(restart))[1])
+
+    def transient(model, step):
+        big = torch.ones(1000, 1000)                 # 4 MB, freed when the step ends
+        return big.sum() * 0
+    with PeakMemory("cpu") as meter:
+        engine(loss_hooks={"big": transient}, callbacks=[MeasureMemory(meter)], grad_accum=2).fit(3)
+    assert folds == [True, True, True, False]        # one fold per step, then the final one
+    assert MB4 <= meter.peak_bytes < MB4 + 64 * 1024
