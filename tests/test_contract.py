@@ -112,11 +112,7 @@ def _train_loss(model, kind, seed):
 def _apply(name, model, kind, spec=None):
     entry = registry.get("method", name)
     cfg = from_dict(entry.config_cls, {"name": name, **(spec or _spec(name))["config"]}, "method")
-    if entry.needs_batches:
-        batches = iter([tiny_batch(kind, seed=20 + i) for i in range(8)])
-        entry.builder(model, cfg, "default", batches=batches)
-    else:
-        entry.builder(model, cfg, "default")
+    entry.apply(model, cfg, "default", (tiny_batch(kind, seed=20 + i) for i in range(8)))
     return entry, cfg
 
 

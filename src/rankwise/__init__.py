@@ -78,11 +78,7 @@ def apply(model: nn.Module, method: str | Any = "lora", adapter_name: str = "def
         RankwiseError: Unknown method, bad settings, or a data-driven method without batches.
     """
     cfg = method_config(method, **overrides) if isinstance(method, str) else method
-    entry = registry.get("method", cfg.name)
-    if entry.needs_batches:
-        entry.builder(model, cfg, adapter_name, batches=batches)
-    else:
-        entry.builder(model, cfg, adapter_name)
+    registry.get("method", cfg.name).apply(model, cfg, adapter_name, batches)
     return cfg
 
 

@@ -80,6 +80,25 @@ class Entry:
     loader: Callable[..., Any] | None = None
     grad_clip: float | None = 1.0
 
+    def apply(self, model: Any, config: Any, adapter_name: str = "default", batches: Any = None,
+              **calibration: Any) -> Any:
+        """Run a method's builder; only a method that ``needs_batches`` is handed ``batches``
+        and ``calibration`` (``loss_fn``), so callers need not branch on it.
+
+        Args:
+            model: The model to adapt.
+            config: The method config.
+            adapter_name: Name of the adapter.
+            batches: Calibration batches (a lazy iterable: other methods never read it).
+            **calibration: Further keywords for a data-driven builder (``loss_fn``).
+
+        Returns:
+            What the builder returns.
+        """
+        if self.needs_batches:
+            return self.builder(model, config, adapter_name, batches=batches, **calibration)
+        return self.builder(model, config, adapter_name)
+
 
 _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import

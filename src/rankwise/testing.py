@@ -64,6 +64,25 @@ def tiny_llama_lm(seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_llama64(vocab_size: int = 128, seed: int = 0, **config) -> nn.Module:
+    """Return a 2-layer, 64-wide ``LlamaForCausalLM``: the smallest Llama whose linear layers
+    bitsandbytes' CPU 4-bit kernels take (dimensions >= 64), for the quantized-base tests.
+
+    Args:
+        vocab_size: Vocabulary size.
+        seed: Torch seed for the random weights.
+        **config: Further ``LlamaConfig`` fields (``pad_token_id``, ``tie_word_embeddings``).
+
+    Returns:
+        The model as constructed (training mode).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **config)
+    return LlamaForCausalLM(cfg)
+
+
 TINY_MODELS = {"bert": tiny_bert_cls, "gpt2": tiny_gpt2_lm, "llama": tiny_llama_lm}
 
 

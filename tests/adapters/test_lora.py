@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora, lora_scale
+from rankwise.adapters.common.factors import lora_scale
+from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
 from rankwise.configs import from_dict
 from rankwise.errors import RankwiseError
 from rankwise.testing import tiny_bert_cls, tiny_gpt2_lm

@@ -13,12 +13,12 @@ peft = pytest.importorskip("peft")
 
 from rankwise.adapters.gora import GoraConfig, accumulate_gradients, apply_gora, gora_report  # noqa: E402
 from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora, export_peft  # noqa: E402
-from rankwise.core import quant, weights as W  # noqa: E402
+from rankwise.core import quant, weights as layer_weights  # noqa: E402
 from rankwise.core.ops import count_parameters, merge_adapters  # noqa: E402
 from rankwise.core.protocol import adapter_modules  # noqa: E402
 from rankwise.errors import RankwiseError  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
-from rankwise.testing import randomize_trainable  # noqa: E402
+from rankwise.testing import randomize_trainable, tiny_llama64  # noqa: E402
 
 VOCAB = 128
 
@@ -26,12 +26,8 @@ VOCAB = 128
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A 64-wide, 2-layer Llama (dims >= 64, as bitsandbytes' CPU kernels want) saved to disk."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     folder = tmp_path_factory.mktemp("llama64")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tiny_llama64(VOCAB).save_pretrained(folder)
     return folder
 
 
@@ -137,7 +133,7 @@ def test_gora_on_a_4bit_base_and_its_gradient_phase_memory(llama_dir):
     assert mem["via_activations"] == 14 and mem["memory_meter"] == "cpu_live_tensors"
     assert mem["accumulator_bytes"] == dense_bytes
     assert mem["accumulator_bytes"] <= mem["peak_bytes"] < mem["accumulator_bytes"] + dense_bytes
-    assert all(W.is_quantized(m) for m in layers.values())
+    assert all(layer_weights.is_quantized(m) for m in layers.values())
     assert {p for p, _ in adapter_modules(model)} == set(layers)
     before = model(**batch(5)).loss.item()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
@@ -160,7 +156,7 @@ def test_qlora_merges_into_the_dequantized_base_not_the_original(llama_dir, tmp_
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     original = load(llama_dir, None)
     layer = model.model.layers[0].self_attn.q_proj
-    want = W.dense_weight(layer).float() + layer.delta_weight("default")
+    want = layer_weights.dense_weight(layer).float() + layer.delta_weight("default")
     got = merged.model.layers[0].self_attn.q_proj.weight
     wrong = original.model.layers[0].self_attn.q_proj.weight + layer.delta_weight("default")
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()

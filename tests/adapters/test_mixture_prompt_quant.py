@@ -14,6 +14,7 @@ from rankwise.core import quant  # noqa: E402
 from rankwise.core.ops import disable_adapters  # noqa: E402
 from rankwise.core.protocol import adapter_modules, aux_losses, transform_inputs  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
+from rankwise.testing import tiny_llama64  # noqa: E402
 
 VOCAB = 128
 CONFIGS = {  # small settings; every method here starts at the base output except the prompts
@@ -30,12 +31,8 @@ CONFIGS = {  # small settings; every method here starts at the base output excep
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A 64-wide, 2-layer Llama (dims >= 64, as bitsandbytes' CPU kernels want) saved to disk."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     folder = tmp_path_factory.mktemp("llama64")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tiny_llama64(VOCAB).save_pretrained(folder)
     return folder
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from rankwise.adapters.mixture import (MixtureLoraLayer, MoeLoraConfig, RouterStats, ThresholdGate,
-                                       TopKGate, apply_moe_lora, switch_balance_loss)
+from rankwise.adapters.common.routing import RouterStats, switch_balance_loss
+from rankwise.adapters.mixture import (MixtureLoraLayer, MoeLoraConfig, ThresholdGate, TopKGate,
+                                       apply_moe_lora)
 from rankwise.configs import from_dict
 from rankwise.core.protocol import aux_losses, statistics
 from rankwise.engine import Engine, get_task

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from rankwise.adapters.mixture.gates import switch_balance_loss
+from rankwise.adapters.common.routing import switch_balance_loss
 from rankwise.adapters.smore import SmoreConfig, SmoreLayer, apply_smore
 from rankwise.configs import from_dict
 from rankwise.errors import RankwiseError

@@ -10,9 +10,10 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from rankwise.core import quant, weights as W  # noqa: E402
+from rankwise.core import quant, weights as layer_weights  # noqa: E402
 from rankwise.core.io import fingerprint  # noqa: E402
 from rankwise.core.ops import count_parameters  # noqa: E402
+from rankwise.testing import tiny_llama64  # noqa: E402
 
 
 def _linear4(out_f: int = 128, in_f: int = 64, quant_type: str = "nf4", nested: bool = True,
@@ -30,8 +31,8 @@ def _linear4(out_f: int = 128, in_f: int = 64, quant_type: str = "nf4", nested: 
 @pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["uint8", "bf16-storage"])
 def test_dequantized_4bit_weight_is_what_the_layer_computes_with(quant_type, storage):
     dense, q = _linear4(quant_type=quant_type, storage=storage)
-    w = W.dense_weight(q)
-    assert W.is_quantized(q) and tuple(w.shape) == W.shape(q) == (128, 64)
+    w = layer_weights.dense_weight(q)
+    assert layer_weights.is_quantized(q) and tuple(w.shape) == layer_weights.shape(q) == (128, 64)
     x = torch.randn(5, 64)
     q.train()  # the training path: dequantize + F.linear
     assert torch.allclose(q(x), x @ w.float().T + q.bias, atol=1e-5)
@@ -47,12 +48,12 @@ def test_cpu_inference_layout_is_read_through_bitsandbytes_inverse():
     forward (this machine may lack the instructions, so the repacking is applied directly)."""
     import bitsandbytes.functional as F
     _, q = _linear4(out_f=128, in_f=128)
-    before = W.dense_weight(q).float()
+    before = layer_weights.dense_weight(q).float()
     training_state = copy.deepcopy(q.weight.quant_state)
     data, state = F._convert_weight_packed_for_cpu(q.weight.data, q.weight.quant_state)
     q.weight.data, q.weight.quant_state = data, state
     assert quant.is_packed_for_cpu(q)
-    after = W.dense_weight(q).float()
+    after = layer_weights.dense_weight(q).float()
     scale = before.reshape(-1, 64).abs().max(1).values.repeat_interleave(64).reshape(128, 128)
     # the packed layout keeps the block scales in bf16: within bf16 rounding of each scale
     assert torch.all((after - before).abs() <= scale * 2 ** -7 + 1e-8)
@@ -62,7 +63,7 @@ def test_cpu_inference_layout_is_read_through_bitsandbytes_inverse():
     # keep_training_layout unpacks it and stops bitsandbytes from repacking again
     assert quant.keep_training_layout(torch.nn.Sequential(q)) == 1
     assert not quant.is_packed_for_cpu(q) and q.support_avx512bf16_for_cpu is False
-    assert torch.allclose(W.dense_weight(q).float(), after, atol=1e-2 * float(after.abs().max()))
+    assert torch.allclose(layer_weights.dense_weight(q).float(), after, atol=1e-2 * float(after.abs().max()))
     x = torch.randn(3, 128, requires_grad=True)
     q.train()(x).sum().backward()  # the training kernel again: gradients reach the input
     assert x.grad is not None and x.grad.abs().sum() > 0
@@ -74,7 +75,7 @@ def test_8bit_weight_is_rows_times_scale_over_127():
     q = bnb.nn.Linear8bitLt(64, 96, bias=False, has_fp16_weights=False)
     q.load_state_dict(dense.state_dict())
     q = q.to("cpu")
-    w = W.dense_weight(q)
+    w = layer_weights.dense_weight(q)
     assert tuple(w.shape) == (96, 64) and w.dtype == torch.float32
     row_max = dense.weight.detach().abs().max(1, keepdim=True).values
     # half a code step, plus the fp16 rounding bitsandbytes applies before quantizing
@@ -84,13 +85,10 @@ def test_8bit_weight_is_rows_times_scale_over_127():
 @pytest.fixture(scope="module")
 def llama_pair(tmp_path_factory):
     """A 64-wide Llama in float32 and the same weights loaded in NF4 (bf16 storage + compute)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from rankwise.recipes.model import bnb_config
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    dense = LlamaForCausalLM(cfg).eval()
+    dense = tiny_llama64(128).eval()
     folder = tmp_path_factory.mktemp("llama64")
     dense.save_pretrained(folder)
     q = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb_config("nf4", "bfloat16"),
@@ -103,7 +101,7 @@ def test_logical_shapes_fingerprint_and_counts_match_the_float_model(llama_pair)
     assert fingerprint(q) == fingerprint(dense)
     assert count_parameters(q)[1] == count_parameters(dense)[1]
     paths = quant.quantized_paths(q)
-    assert len(paths) == 2 * 7 and all(W.is_quantized(q.get_submodule(p)) for p in paths)
+    assert len(paths) == 2 * 7 and all(layer_weights.is_quantized(q.get_submodule(p)) for p in paths)
 
 
 def test_float_storage_keeps_every_parameter_a_float_tensor(llama_pair):

@@ -27,7 +27,7 @@ from rankwise.core.ops import disable_adapters  # noqa: E402
 from rankwise.core.protocol import aux_losses, transform_inputs  # noqa: E402
 from rankwise.errors import RankwiseError  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
-from rankwise.testing import pack_4bit_for_cpu, randomize_trainable  # noqa: E402
+from rankwise.testing import pack_4bit_for_cpu, randomize_trainable, tiny_llama64  # noqa: E402
 
 VOCAB = 128
 SMALL = {  # small settings per method; the rest take their defaults
@@ -47,14 +47,11 @@ DENSE_ONLY = ("lota-qaf", "lowrank")  # quantize or factor a dense base themselv
 def llama_dir(tmp_path_factory):
     """A 64-wide, 2-layer Llama (dims >= 64, as bitsandbytes' CPU kernels want) saved to disk
     with the packaged MiniLM tokenizer (ids >= VOCAB are never fed)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from rankwise.recipes.model import demo_model_path
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     folder = tmp_path_factory.mktemp("llama64")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tiny_llama64(VOCAB).save_pretrained(folder)
     AutoTokenizer.from_pretrained(str(demo_model_path())).save_pretrained(folder)
     return folder
 

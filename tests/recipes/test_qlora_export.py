@@ -18,19 +18,17 @@ from rankwise.recipes.config import load_run_config  # noqa: E402
 from rankwise.recipes.export import export_run, load_run  # noqa: E402
 from rankwise.recipes.model import bnb_config, demo_model_path  # noqa: E402
 from rankwise.recipes.train import prepare, train  # noqa: E402
+from rankwise.testing import tiny_llama64  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def llama64(tmp_path_factory):
     """A local model folder: a 64-wide, 2-layer Llama with the packaged MiniLM tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
     folder = tmp_path_factory.mktemp("llama64")
     tok = AutoTokenizer.from_pretrained(str(demo_model_path()))
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                                 tie_word_embeddings=False)).save_pretrained(folder)
+    model = tiny_llama64(len(tok), pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

@@ -11,8 +11,7 @@ from typing import Union
 from torch import nn
 
 from rankwise import registry
-from rankwise.core.inject import default_heads
-from rankwise.core.ops import mark_trainable, set_modules_to_save
+from rankwise.adapters.common.build import train_only
 
 
 @dataclass
@@ -47,9 +46,7 @@ def apply_full(model: nn.Module, config: FullConfig, adapter_name: str = "defaul
 
 def apply_frozen(model: nn.Module, config: FrozenConfig, adapter_name: str = "default") -> None:
     """Freeze the model except the task head (or ``config.modules_to_save``)."""
-    heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
-    set_modules_to_save(model, heads)
-    mark_trainable(model, adapter_name)
+    train_only(model, config, adapter_name)
 
 
 registry.register("method", "full", FullConfig, apply_full,

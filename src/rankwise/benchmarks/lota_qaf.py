@@ -33,7 +33,7 @@ from rankwise.adapters.lota import LotaLayer, QuantLinear, quantize_linears
 from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, accuracy, markdown_table, memory_record,
                                            mib, pct, run_row, summarise, with_settings, write)
 from rankwise.core import merge_adapters
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.inject import replace_module
 from rankwise.core.protocol import adapter_modules
 from rankwise.errors import RankwiseError
@@ -68,10 +68,10 @@ def _nf4_roundtrip(w: torch.Tensor) -> torch.Tensor:
 def _merge_requantized(model: nn.Module, requantize) -> None:
     """Replace every LoRA layer by ``requantize(W_deq + s B A)`` (in place)."""
     for path, mod in list(adapter_modules(model)):
-        dense = W.dense_weight(mod).detach().float()
+        dense = layer_weights.dense_weight(mod).detach().float()
         for name in mod.active_names():
             dense = dense + mod.delta_weight(name).float()
-        base = W.base_layer(mod)
+        base = layer_weights.base_layer(mod)
         bias = getattr(base, "bias", None)
         new = requantize(dense, bias)
         replace_module(model, path, new)

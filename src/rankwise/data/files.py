@@ -20,7 +20,7 @@ import mmap
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rankwise.errors import RankwiseError
 
@@ -43,18 +43,38 @@ def quiet_datasets(progress: bool = False) -> None:
         datasets.disable_progress_bars()
 
 
-def _first_bad_json_line(path: Path) -> str:
-    """Locate the first line of ``path`` that is not a JSON object (read line by line)."""
-    with path.open(encoding="utf-8", errors="replace") as f:
+def json_lines(path: Path, where: str = "", errors: str = "strict") -> Iterator[tuple[int, Any]]:
+    """The JSON value of every non-blank line of a JSONL file, read line by line.
+
+    Args:
+        path: The file.
+        where: Prefix of the error message (``f"{path} "`` to name the file).
+        errors: How undecodable UTF-8 bytes are handled (:func:`open`'s ``errors``).
+
+    Yields:
+        ``(line number, value)``, lines counted from 1.
+
+    Raises:
+        RankwiseError: ``"{where}line {n} is not valid JSON (...)"`` at the first line that is not.
+    """
+    with Path(path).open(encoding="utf-8", errors=errors) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield n, json.loads(line)
             except json.JSONDecodeError as err:
-                return f"line {n} is not valid JSON ({err.msg})"
+                raise RankwiseError(f"{where}line {n} is not valid JSON ({err.msg})") from None
+
+
+def _first_bad_json_line(path: Path) -> str:
+    """Locate the first line of ``path`` that is not a JSON object (read line by line)."""
+    try:
+        for n, obj in json_lines(path, errors="replace"):
             if not isinstance(obj, dict):
                 return f"line {n} is not a JSON object"
+    except RankwiseError as err:
+        return str(err)
     return "its records do not share one schema (a field changes type between lines)"
 
 

@@ -111,6 +111,32 @@ def split(items: list, parts: int) -> list[list]:
     return [c for c in out if c]
 
 
+def draw_batches(dataset: Any, task: Task, step: int, batch_size: int, seed: int, device: str,
+                 grad_accum: int = 1, dist: Any = None) -> list[dict[str, torch.Tensor]]:
+    """The collated micro-batches of step ``step``: its examples (:func:`batch_indices`), this
+    process's share of them under ``dist``, split into ``grad_accum`` micro-batches.
+
+    Args:
+        dataset: Indexable examples with ``pad_id``.
+        task: Collates them.
+        step: The step (1-based for training; calibration uses its own range).
+        batch_size: Examples of the whole step (capped at the dataset's size).
+        seed: The run's seed (the draw is a pure function of seed and step).
+        device: Where the tensors go.
+        grad_accum: Micro-batches per step.
+        dist: A ``Distributed`` whose ``shard`` picks this process's examples, or ``None``.
+
+    Returns:
+        The micro-batches (dicts of tensors on ``device``).
+    """
+    n = len(dataset)
+    idx = batch_indices(step, n, min(batch_size, n), seed)
+    if dist is not None:
+        idx = dist.shard(idx)  # this process's share of the global batch
+    micro = split([dataset[i] for i in idx], grad_accum)
+    return [{k: v.to(device) for k, v in task.collate(m, dataset.pad_id).items()} for m in micro]
+
+
 class NonFiniteLoss(RankwiseError):
     """The loss, or the optimizer's arithmetic, left the finite range at ``step`` (1-based).
 
@@ -227,13 +253,8 @@ class Engine:
 
     def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The collated micro-batches of optimizer step ``step``, on the engine's device."""
-        n = len(self.dataset)
-        idx = batch_indices(step, n, min(self.batch_size, n), self.seed)
-        if self.dist is not None:
-            idx = self.dist.shard(idx)  # this process's share of the global batch
-        micro = split([self.dataset[i] for i in idx], self.grad_accum)
-        return [{k: v.to(self.device) for k, v in self.task.collate(m, self.dataset.pad_id).items()}
-                for m in micro]
+        return draw_batches(self.dataset, self.task, step, self.batch_size, self.seed, self.device,
+                            self.grad_accum, self.dist)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step on the examples of ``step`` (see the module docstring).

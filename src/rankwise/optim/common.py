@@ -1,5 +1,6 @@
 """Pieces every low-rank optimizer shares: which parameters are projected, the one AdamW body the
-matrix optimizers extend (:class:`MatrixAdamW`), and counting optimizer state (measured, and
+matrix optimizers extend (:class:`MatrixAdamW`), the step skeleton of the optimizers that run
+their own rule on some groups and AdamW on the rest (:class:`FlaggedGroupsAdamW`), and counting optimizer state (measured, and
 predicted by a formula). Adam's arithmetic lives in :mod:`rankwise.optim.adam` and is
 re-exported here.
 
@@ -204,6 +205,63 @@ class MatrixAdamW(torch.optim.Optimizer):
             group: Its param group.
             step: 1-based step count.
             place: Where it sits in the optimizer.
+        """
+        raise NotImplementedError
+
+
+class FlaggedGroupsAdamW(torch.optim.Optimizer):
+    """The step NanoAdam, t-SignSGD and the low-rank momentum methods share: a param group whose
+    :attr:`group_flag` option is true is handed to the subclass's rule, every other group gets
+    ``torch.optim.AdamW``'s update (:func:`adamw_update`), parameter by parameter.
+
+    Subclasses set :attr:`group_flag` (a param-group option their ``__init__`` defaults to
+    ``False``) and implement :meth:`param_step` (called for each parameter with a gradient of a
+    flagged group, its ``step`` already counted) or, for a rule over a whole group (the
+    ``[U, S, V]`` of a factorized layer), :meth:`group_step`; :meth:`begin_step` sees every
+    group before any parameter moves (t-SignSGD's global gradient norm).
+    """
+
+    group_flag: ClassVar[str] = ""
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        """One step: :meth:`begin_step`, then each group by its rule.
+
+        Args:
+            closure: Optional closure re-evaluating the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = run_closure(closure)
+        self.begin_step()
+        for group in self.param_groups:
+            if group[self.group_flag]:
+                self.group_step(group)
+                continue
+            for p in group["params"]:
+                if p.grad is not None:
+                    adamw_update(p, self.state[p], group, next_step(self.state[p]))
+        return loss
+
+    def begin_step(self) -> None:
+        """Called once per step before any update (nothing by default)."""
+
+    def group_step(self, group: dict) -> None:
+        """Update a flagged group: :meth:`param_step` for each parameter with a gradient."""
+        for p in group["params"]:
+            if p.grad is not None:
+                state = self.state[p]
+                self.param_step(p, state, group, next_step(state))
+
+    def param_step(self, param: torch.Tensor, state: dict, group: dict, step: int) -> None:
+        """Update one parameter of a flagged group from ``param.grad``.
+
+        Args:
+            param: The parameter (changed in place).
+            state: Its optimizer state (``step`` already counted).
+            group: Its param group.
+            step: 1-based step count.
         """
         raise NotImplementedError
 

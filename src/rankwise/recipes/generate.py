@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from rankwise import registry
+from rankwise.data.files import json_lines
 from rankwise.data.formats import Encoder, end_id, split_example
 from rankwise.data.text import encoder_for
 from rankwise.engine import get_task
@@ -129,20 +130,13 @@ def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
         raise RankwiseError(f"prompts file {path} not found; pass a .jsonl file with one "
                             "{\"prompt\": ...} object per line")
     field = enc.messages_field if enc.fmt == "chat" else enc.prompt_field
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise RankwiseError(f"{path} line {n} is not valid JSON ({err.msg})") from None
-            if isinstance(obj, str) and enc.fmt != "chat":
-                yield obj
-            elif isinstance(obj, dict) and obj.get(field) is not None:
-                yield obj[field]
-            else:
-                raise RankwiseError(f"{path} line {n} has no {field!r} field; each line needs one")
+    for n, obj in json_lines(path, f"{path} "):
+        if isinstance(obj, str) and enc.fmt != "chat":
+            yield obj
+        elif isinstance(obj, dict) and obj.get(field) is not None:
+            yield obj[field]
+        else:
+            raise RankwiseError(f"{path} line {n} has no {field!r} field; each line needs one")
 
 
 def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = None,

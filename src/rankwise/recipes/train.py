@@ -24,7 +24,8 @@ from rankwise.core.io import rebuild, save_adapter, structure
 from rankwise.core.ops import count_parameters, modules_to_save
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
-from rankwise.engine import Engine, NonFiniteLoss, Task, batch_indices, get_task, linear_schedule
+from rankwise.engine import Engine, NonFiniteLoss, Task, get_task, linear_schedule
+from rankwise.engine.loop import draw_batches
 from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
@@ -60,12 +61,11 @@ class Session:
     schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
-        """The collated training batch of ``step`` on the session's device."""
+        """The collated training batch of ``step`` on the session's device (one batch, every
+        process's examples: the calibration of data-driven methods)."""
         t = self.cfg.train
-        n = len(self.train_data)
-        idx = batch_indices(step, n, min(t.batch_size, n), t.seed + seed_offset)
-        items = [self.train_data[i] for i in idx]
-        return {k: v.to(self.device) for k, v in self.task.collate(items, self.train_data.pad_id).items()}
+        return draw_batches(self.train_data, self.task, step, t.batch_size, t.seed + seed_offset,
+                            self.device)[0]
 
     def engine(self, callbacks: list | None = None) -> Engine:
         """The :class:`~rankwise.engine.Engine` configured by ``cfg.train``."""
@@ -143,12 +143,9 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device, dist)  # type: ignore[arg-type]
     if saved is not None:
         rebuild(model, cfg.method, "default", saved.get("layers") or {}, saved.get("modules_to_save"))
-    elif entry.needs_batches:
-        batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
-        session.method_result = entry.builder(model, cfg.method, "default", batches=batches,
-                                              loss_fn=task.mean_loss)
     else:
-        session.method_result = entry.builder(model, cfg.method, "default")
+        batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
+        session.method_result = entry.apply(model, cfg.method, "default", batches, loss_fn=task.mean_loss)
     if not m.quantize:
         model.to(device)
     if not any(p.requires_grad for p in model.parameters()):

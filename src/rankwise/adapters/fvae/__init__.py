@@ -1,4 +1,5 @@
-"""FVAE-LoRA (ROADMAP A4): config, layer, and the registration."""
+"""FVAE-LoRA (arXiv 2510.19640; docs/adapters-mixture-prompt.md): config, layer, and the
+registration."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -6,12 +7,9 @@ from dataclasses import asdict
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
 from rankwise.adapters.fvae.config import FvaeLoraConfig
 from rankwise.adapters.fvae.layer import AUX_NAMES, FactorizedVae, FvaeLoraLayer
-from rankwise.adapters.targets import rebuild_at_paths
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
 
 __all__ = ["FvaeLoraConfig", "FvaeLoraLayer", "FactorizedVae", "AUX_NAMES", "apply_fvae_lora"]
 
@@ -37,8 +35,7 @@ def apply_fvae_lora(model: nn.Module, config: FvaeLoraConfig, adapter_name: str 
     Raises:
         RankwiseError: If the targets match nothing or ``r`` does not fit a layer.
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
+    paths = target_paths(model, config)
     settings = {k: v for k, v in asdict(config).items() if k in _VAE_KEYS}
     aux_scale = 1.0 / (config.lambda_task * len(paths))
 
@@ -47,11 +44,7 @@ def apply_fvae_lora(model: nn.Module, config: FvaeLoraConfig, adapter_name: str 
         layer.add(adapter_name, config.r, config.alpha, settings, aux_scale)
         return layer
 
-    layers = inject(model, paths, wrap)
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap, paths)
 
 
 registry.register("method", "fvae-lora", FvaeLoraConfig, apply_fvae_lora,

@@ -1,13 +1,15 @@
 """FVAE-LoRA configuration: the one place its defaults live."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Union
+from dataclasses import dataclass
+
+from rankwise.adapters.common.config import TargetedConfig
 
 
 @dataclass
-class FvaeLoraConfig:
-    """Factorized-VAE LoRA (Kumar et al., NeurIPS 2025, arXiv 2510.19640; ROADMAP A4).
+class FvaeLoraConfig(TargetedConfig):
+    """Factorized-VAE LoRA (Kumar et al., NeurIPS 2025, arXiv 2510.19640;
+    docs/adapters-mixture-prompt.md).
 
     Per target layer a VAE with two encoders ``q(z1|x)``, ``q(z2|x)`` and a decoder
     reconstructing the layer input replaces LoRA's A; ``B`` reads ``z1`` only. Trainable
@@ -71,13 +73,10 @@ class FvaeLoraConfig:
     lambda_kl: float = 1.0
     lambda_z2: float = 1.0
     lambda_z1: float = 1.0
-    targets: Union[list[str], str] = "all-linear"
-    exclude: list[str] = field(default_factory=list)
-    modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
+        out = super().problems()
         for key in ("r", "enc_hidden", "dec_hidden"):
             if getattr(self, key) < 1:
                 out.append(f"{key}: got {getattr(self, key)}; expected an integer >= 1")

@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rankwise.adapters.lora.layer import lora_scale
-from rankwise.core import weights as W
-from rankwise.core.protocol import Unmergeable
+from rankwise.adapters.common.factors import lora_scale
+from rankwise.adapters.common.layers import UnmergeableLayer
 from rankwise.errors import RankwiseError
 
 AUX_NAMES = ("fvae_reconstruction", "fvae_kl_z1", "fvae_z2_prior", "fvae_z1_repulsion")
@@ -116,7 +115,7 @@ class FactorizedVae(nn.Module):
         return (z1 @ self.lora_B.T) * self.scaling
 
 
-class FvaeLoraLayer(Unmergeable, nn.Module):
+class FvaeLoraLayer(UnmergeableLayer):
     """A linear-like layer with named FVAE-LoRA adapters (``AdapterModule``, not mergeable).
 
     Args:
@@ -127,16 +126,6 @@ class FvaeLoraLayer(Unmergeable, nn.Module):
     adapter_kind = "FVAE-LoRA"
     unmergeable_reason = ("its latent z1 comes from a non-linear encoder of the input; keep it as "
                           "an adapter: export with --format rankwise")
-
-    def __init__(self, base_layer: nn.Module) -> None:
-        super().__init__()
-        self.base_layer = base_layer
-        self.out_features, self.in_features = W.shape(base_layer)
-        self.vaes = nn.ModuleDict()
-        self.settings: dict[str, dict[str, Any]] = {}
-        self._active: list[str] = []
-        self._aux: dict[str, torch.Tensor] = {}
-        self.train(base_layer.training)  # a new layer follows the model's mode
 
     def add(self, name: str, r: int, alpha: float, settings: dict[str, Any], aux_scale: float) -> FactorizedVae:
         """Add adapter ``name`` (latent size ``r``) and make it active.
@@ -149,47 +138,22 @@ class FvaeLoraLayer(Unmergeable, nn.Module):
             raise RankwiseError(f"latent size r={r} is invalid for a {self.in_features}->"
                                 f"{self.out_features} layer; choose r in [1, {limit}]")
         device = next(self.base_layer.parameters()).device
-        self.vaes[name] = FactorizedVae(self.in_features, self.out_features, r,
-                                        lora_scale(r, alpha, False), settings, aux_scale).to(device)
-        self.vaes[name].train(self.training)
-        self.settings[name] = {"r": r, "alpha": alpha}
-        if name not in self._active:
-            self._active.append(name)
-        return self.vaes[name]
+        vae = FactorizedVae(self.in_features, self.out_features, r,
+                            lora_scale(r, alpha, False), settings, aux_scale).to(device)
+        return self.hold(name, vae, {"r": r, "alpha": alpha})
 
     # ----- AdapterModule protocol -----------------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Every parameter of VAE ``name`` by its path (``enc_z1.mean.weight``, ``lora_B``...)."""
         return dict(self.vaes[name].named_parameters())
 
-    def delete(self, name: str) -> None:
-        """Remove adapter ``name``."""
-        del self.vaes[name]
-        self.settings.pop(name, None)
-        self._forget(name)
-
     def describe(self, name: str) -> dict[str, Any]:
         """Protocol capability: ``{"r", "alpha"}`` of adapter ``name``."""
         return dict(self.settings[name])
 
-    def aux_losses(self) -> dict[str, torch.Tensor]:
-        """Protocol capability: the four weighted ELBO terms of the last training forward."""
-        return dict(self._aux)
-
     # ----- compute ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``W x`` plus every active adapter's ``s B z1``."""
-        out = self.base_layer(x)
-        self._aux = {}
-        if not self._active:
-            return out
-        flat = x.reshape(-1, self.in_features).float()                         # (N, in)
-        for name in self._active:
-            vae = self.vaes[name]
-            out = out + vae(flat).reshape(out.shape).to(out.dtype)
-            for key, value in vae.last_aux.items():
-                self._aux[key] = self._aux[key] + value if key in self._aux else value
-        return out
+    # forward: UnmergeableLayer's, W x plus every active adapter's s B z1; its last_aux holds
+    # the four weighted ELBO terms of a training forward
 
     def extra_repr(self) -> str:
         return ", ".join(f"{n}: r={s['r']}" for n, s in self.settings.items())

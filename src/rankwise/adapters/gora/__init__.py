@@ -1,4 +1,5 @@
-"""GoRA (ROADMAP A2): gradient-driven adaptive rank and initialisation; one registration.
+"""GoRA (arXiv 2502.12171, NeurIPS 2025; docs/adaptive-rank.md): gradient-driven adaptive rank
+and initialisation; one registration.
 
 The builder returns a :class:`GoraResult`; ``rankwise train`` calls its
 ``write_artifacts(run_dir)``, which writes ``ranks.json`` and ``ranks.png``. Elsewhere::

@@ -1,14 +1,16 @@
 """GoRA configuration: the one place its defaults live."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from rankwise.adapters.common.config import LoraPairConfig
 
 IMPORTANCES = ("union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv", "union_log_sv")
 
 
 @dataclass
-class GoraConfig:
+class GoraConfig(LoraPairConfig):
     """GoRA settings ("GoRA: Gradient-driven Adaptive Low Rank Adaptation", NeurIPS 2025,
     arXiv 2502.12171).
 
@@ -54,13 +56,7 @@ class GoraConfig:
     """
 
     name: str = "gora"
-    r: int = 8
-    alpha: float = 16.0
     use_rslora: bool = True
-    targets: Union[list[str], str] = "all-linear"
-    exclude: list[str] = field(default_factory=list)
-    dropout: float = 0.0
-    modules_to_save: Union[list[str], None] = None
     r_min: Optional[int] = None
     r_max: Optional[int] = None
     importance: Literal["union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv",
@@ -88,18 +84,12 @@ class GoraConfig:
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
-        if self.r < 1:
-            out.append(f"r: got {self.r}; expected an integer >= 1 (the reference rank r0)")
+        out = super().problems()
         if self.min_rank < 0:
             out.append(f"r_min: got {self.r_min}; expected an integer >= 0 or null")
         if self.max_rank < max(1, self.min_rank):
             out.append(f"r_max: got {self.r_max}; expected an integer >= max(1, r_min={self.min_rank}) "
                        "or null (4 r)")
-        if self.alpha <= 0:
-            out.append(f"alpha: got {self.alpha}; expected a positive number")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
         if self.n_batches < 1:
             out.append(f"n_batches: got {self.n_batches}; expected an integer >= 1")
         if self.min_batches < 1:

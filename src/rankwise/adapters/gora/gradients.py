@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.inject import is_conv1d
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
@@ -95,7 +95,7 @@ def _activation_hook(path: str, module: nn.Module, acc: dict[str, torch.Tensor])
     ``.grad`` (no float32 copies of the activations), and the input is released as soon as it
     has been used.
     """
-    conv1d = is_conv1d(W.base_layer(module))
+    conv1d = is_conv1d(layer_weights.base_layer(module))
 
     def hook(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         held = [args[0].detach()]
@@ -154,8 +154,8 @@ def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter | nn.
     meter = PeakMemory(device).__enter__()  # the whole phase: accumulators included
     acc = {p: torch.zeros(w.shape, dtype=torch.float32, device=device) for p, w in grads_of.items()}
     for p, m in layers.items():
-        out_f, in_f = W.shape(m)
-        acc[p] = torch.zeros((in_f, out_f) if is_conv1d(W.base_layer(m)) else (out_f, in_f),
+        out_f, in_f = layer_weights.shape(m)
+        acc[p] = torch.zeros((in_f, out_f) if is_conv1d(layer_weights.base_layer(m)) else (out_f, in_f),
                              dtype=torch.float32, device=device)
     targets = list(grads_of.values())
     target_ids = {id(w) for w in targets}

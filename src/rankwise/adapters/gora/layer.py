@@ -18,7 +18,7 @@ from rankwise.adapters.gora.allocate import allocate_ranks, importance, normalis
 from rankwise.adapters.gora.config import GoraConfig
 from rankwise.adapters.gora.gradients import accumulate_gradients, model_loss
 from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.inject import find_targets
 from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError
@@ -121,15 +121,15 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
                             "rankwise train uses train.calibration_batches of its training data")
     paths = find_targets(model, config.targets, config.exclude, "method.targets")
     modules = {p: model.get_submodule(p) for p in paths}
-    dims = {p: W.shape(m) for p, m in modules.items()}  # (out, in)
+    dims = {p: layer_weights.shape(m) for p, m in modules.items()}  # (out, in)
 
     def score(grads: dict[str, torch.Tensor]) -> dict[str, float]:  # grads in storage layout
-        return {p: importance(config.importance, W.dense_weight(modules[p]),
-                              W.to_storage_layout(modules[p], g), config.r) for p, g in grads.items()}
+        return {p: importance(config.importance, layer_weights.dense_weight(modules[p]),
+                              layer_weights.to_storage_layout(modules[p], g), config.r) for p, g in grads.items()}
 
     keep_training_layout(model)  # 4-bit layers must keep their training layout (core/quant.py)
     # a packed (quantized) weight cannot hold a gradient: its layer's G comes from activations
-    targets = {p: m if W.is_quantized(m) else W.storage_param(m) for p, m in modules.items()}
+    targets = {p: m if layer_weights.is_quantized(m) else layer_weights.storage_param(m) for p, m in modules.items()}
     stats = accumulate_gradients(model, targets,
                                  batches, config.n_batches,
                                  score=score if config.early_stop else None,
@@ -137,7 +137,7 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
                                  min_batches=config.min_batches, loss_fn=loss_fn)
     scores = stats.history[-1] if stats.history else score(stats.grads)
     # accumulated in storage layout; B's init reads (out, in)
-    grads = {p: W.to_storage_layout(modules[p], g) for p, g in stats.grads.items()}
+    grads = {p: layer_weights.to_storage_layout(modules[p], g) for p, g in stats.grads.items()}
     shares = normalise(scores, config.sqrt_importance, config.softmax_temperature)
     r_min, r_max = config.min_rank, config.max_rank
     ranks = allocate_ranks(shares, dims, config.r, r_min, r_max, config.allocation)

@@ -1,16 +1,14 @@
-"""LoPE (ROADMAP A6): config, layer, and the registration."""
+"""LoPE (arXiv 2505.23868; docs/adapters-mixture-prompt.md): config, layer, and the registration."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt, rebuild_at_paths
 from rankwise.adapters.lope.config import LopeConfig
 from rankwise.adapters.lope.layer import LopeLayer, NoiseInjection, PoisonedExperts, discrete_noise
-from rankwise.adapters.targets import rebuild_at_paths
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, modules_to_save, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
+from rankwise.core.ops import modules_to_save
 from rankwise.core.token_mask import track_token_mask
 
 __all__ = ["LopeConfig", "LopeLayer", "NoiseInjection", "PoisonedExperts", "apply_lope",
@@ -34,8 +32,6 @@ def apply_lope(model: nn.Module, config: LopeConfig, adapter_name: str = "defaul
     Raises:
         RankwiseError: If the targets match nothing or the rank does not fit a layer.
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         layer = module if isinstance(module, LopeLayer) else LopeLayer(module)
@@ -43,11 +39,8 @@ def apply_lope(model: nn.Module, config: LopeConfig, adapter_name: str = "defaul
                   config.dropout, config.use_rslora, config.renormalize)
         return layer
 
-    layers = inject(model, paths, wrap)
+    layers = adapt(model, config, adapter_name, wrap)
     track_token_mask(model)  # padding stays out of the router load
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
     if config.poison_steps > 0 and not hasattr(model, NOISE_CHILD):   # stage 1 on generated noise
         injection = NoiseInjection(config.poison_steps, config.noise_rate, torch.initial_seed() % 2**31)
         injection.hold_heads([model.get_submodule(p) for p in modules_to_save(model)])

@@ -1,13 +1,15 @@
 """LoPE configuration: the one place its defaults live."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Union
+from dataclasses import dataclass
+
+from rankwise.adapters.common.config import LoraPairConfig
 
 
 @dataclass
-class LopeConfig:
-    """Asymmetric LoRA with a poisoning expert (LoPE, arXiv 2505.23868; ROADMAP A6).
+class LopeConfig(LoraPairConfig):
+    """Asymmetric LoRA with a poisoning expert (LoPE, arXiv 2505.23868;
+    docs/adapters-mixture-prompt.md).
 
     Per target layer: one shared ``A (r, in)``, ``num_experts`` normal ``B_i (out, r)``, one
     poisoning ``B_p (out, r)`` and a router over the ``num_experts + 1`` B experts. Trainable
@@ -43,35 +45,22 @@ class LopeConfig:
     """
 
     name: str = "lope"
-    r: int = 8
     num_experts: int = 3
-    alpha: float = 16.0
     poison_steps: int = 20
     noise_rate: float = 0.3
     renormalize: bool = True
     noise_std: float = 0.0
-    targets: Union[list[str], str] = "all-linear"
-    exclude: list[str] = field(default_factory=list)
-    dropout: float = 0.0
-    use_rslora: bool = False
-    modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
-        if self.r < 1:
-            out.append(f"r: got {self.r}; expected an integer >= 1")
+        out = super().problems()
         if self.num_experts < 1:
             out.append(f"num_experts: got {self.num_experts}; expected an integer >= 1 (normal "
                        "experts; the poisoning expert is added on top)")
-        if self.alpha <= 0:
-            out.append(f"alpha: got {self.alpha}; expected a positive number")
         if self.poison_steps < 0:
             out.append(f"poison_steps: got {self.poison_steps}; expected an integer >= 0")
         if not 0.0 <= self.noise_rate <= 1.0:
             out.append(f"noise_rate: got {self.noise_rate}; expected a probability in [0, 1]")
         if self.noise_std < 0:
             out.append(f"noise_std: got {self.noise_std}; expected a number >= 0")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
         return out

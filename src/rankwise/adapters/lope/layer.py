@@ -41,12 +41,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.lora.layer import lora_scale
-from rankwise.adapters.mixture.gates import RouterStats
-from rankwise.core import weights as W
-from rankwise.core.protocol import Unmergeable
+from rankwise.adapters.common.factors import check_rank, lora_scale
+from rankwise.adapters.common.layers import UnmergeableLayer
+from rankwise.adapters.common.routing import RouterStats
 from rankwise.core.token_mask import valid_tokens
-from rankwise.errors import RankwiseError
 
 
 class PoisonedExperts(nn.Module):
@@ -123,7 +121,7 @@ class PoisonedExperts(nn.Module):
         return y * self.scaling
 
 
-class LopeLayer(Unmergeable, nn.Module):
+class LopeLayer(UnmergeableLayer):
     """A linear-like layer with named LoPE adapters (``AdapterModule``, not mergeable).
 
     Args:
@@ -135,15 +133,6 @@ class LopeLayer(Unmergeable, nn.Module):
     unmergeable_reason = ("its router weighs the experts per token, and its poisoning expert is "
                           "masked only at inference; keep it as an adapter: export with --format rankwise")
 
-    def __init__(self, base_layer: nn.Module) -> None:
-        super().__init__()
-        self.base_layer = base_layer
-        self.out_features, self.in_features = W.shape(base_layer)
-        self.experts = nn.ModuleDict()
-        self.settings: dict[str, dict[str, Any]] = {}
-        self._active: list[str] = []
-        self.train(base_layer.training)  # a new layer follows the model's mode
-
     def add(self, name: str, r: int, num_experts: int, alpha: float, noise_std: float,
             dropout: float = 0.0, use_rslora: bool = False, renormalize: bool = True) -> PoisonedExperts:
         """Add LoPE adapter ``name`` and make it active.
@@ -151,20 +140,13 @@ class LopeLayer(Unmergeable, nn.Module):
         Raises:
             RankwiseError: If ``r`` is outside [1, min(in, out)].
         """
-        limit = min(self.in_features, self.out_features)
-        if not 1 <= r <= limit:
-            raise RankwiseError(f"rank {r} is invalid for a {self.in_features}->{self.out_features} "
-                                f"layer; choose r in [1, {limit}]")
+        check_rank(r, self.in_features, self.out_features)
         device = next(self.base_layer.parameters()).device
-        self.experts[name] = PoisonedExperts(self.in_features, self.out_features, r, num_experts,
-                                             lora_scale(r, alpha, use_rslora), noise_std, dropout, device,
-                                             renormalize)
-        self.experts[name].train(self.training)
-        self.settings[name] = {"r": r, "num_experts": num_experts, "alpha": alpha,
-                               "use_rslora": use_rslora}
-        if name not in self._active:
-            self._active.append(name)
-        return self.experts[name]
+        experts = PoisonedExperts(self.in_features, self.out_features, r, num_experts,
+                                  lora_scale(r, alpha, use_rslora), noise_std, dropout, device,
+                                  renormalize)
+        return self.hold(name, experts, {"r": r, "num_experts": num_experts, "alpha": alpha,
+                                         "use_rslora": use_rslora})
 
     # ----- AdapterModule protocol -----------------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
@@ -172,12 +154,6 @@ class LopeLayer(Unmergeable, nn.Module):
         e = self.experts[name]
         return {"lora_A": e.lora_A, "lora_B": e.lora_B, "lora_B_poison": e.lora_B_poison,
                 "router.weight": e.router.weight}
-
-    def delete(self, name: str) -> None:
-        """Remove adapter ``name``."""
-        del self.experts[name]
-        self.settings.pop(name, None)
-        self._forget(name)
 
     def describe(self, name: str) -> dict[str, Any]:
         """Protocol capability: ``{"r", "num_experts", "alpha", "use_rslora", "batches_seen"}``

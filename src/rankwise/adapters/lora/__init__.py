@@ -1,20 +1,17 @@
-"""LoRA (ROADMAP A1): config, layer, the PEFT file format, and the registrations."""
+"""LoRA (Hu et al. 2021; rsLoRA, Kalajdzievski 2023): config, layer, the PEFT file format, and
+the registrations."""
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
 from rankwise.adapters.lora.config import LoraConfig
-from rankwise.adapters.lora.layer import LORA_INITS, LoraLayer, lora_scale
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
+from rankwise.adapters.lora.layer import LoraLayer
 
-__all__ = ["LoraConfig", "LoraLayer", "LORA_INITS", "apply_lora", "rebuild_lora", "lora_scale",
-           "pattern_value", "export_peft", "load_peft"]
+__all__ = ["LoraConfig", "LoraLayer", "apply_lora", "pattern_value", "export_peft", "load_peft"]
 
 
 def pattern_value(path: str, pattern: dict, default):
@@ -44,8 +41,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     Raises:
         RankwiseError: On targets matching nothing or ranks outside [1, min(in, out)].
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit layers: no CPU inference repacking while adapted
+    paths = target_paths(model, config)
     structure = structure or {}
     settings = {}
     for p in paths:
@@ -61,30 +57,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         layer.add(adapter_name, r, alpha, config.dropout, rslora, config.init)
         return layer
 
-    layers = inject(model, paths, wrap)
-    heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
-    set_modules_to_save(model, heads)
-    mark_trainable(model, adapter_name)
-    return layers
-
-
-def rebuild_lora(model: nn.Module, config: LoraConfig, adapter_name: str,
-                 layers: dict[str, dict]) -> dict[str, LoraLayer]:
-    """Recreate LoRA layers exactly as saved: ``layers`` is ``{path: {"r", "alpha", "use_rslora"}}``
-    (what :meth:`LoraLayer.describe` wrote); the targets are those paths.
-
-    Args:
-        model: The base model.
-        config: The saved LoRA config (dropout, init, modules to save).
-        adapter_name: Name of the adapter.
-        layers: The saved per-layer structure; empty means "as the config says".
-
-    Returns:
-        ``{path: LoraLayer}``.
-    """
-    if layers:
-        config = dataclasses.replace(config, targets=list(layers), exclude=[])
-    return apply_lora(model, config, adapter_name, structure=layers or None)
+    return adapt(model, config, adapter_name, wrap, paths)
 
 
 def export_peft(*args, **kwargs):
@@ -99,7 +72,9 @@ def load_peft(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-registry.register("method", "lora", LoraConfig, apply_lora, rebuild=rebuild_lora, factorized=True,
+# rebuild: the saved {path: {"r", "alpha", "use_rslora"}} (LoraLayer.describe) at those paths
+registry.register("method", "lora", LoraConfig, apply_lora,
+                  rebuild=rebuild_at_paths(apply_lora, structure=True), factorized=True,
                   summary="LoRA / rsLoRA: W x + s B A x (Hu et al. 2021)")
 registry.register("exporter", "peft", dict, export_peft, loader=load_peft,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

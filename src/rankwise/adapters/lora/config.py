@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+
+from rankwise.adapters.common.config import LoraPairConfig
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(LoraPairConfig):
     """LoRA / rsLoRA settings (Hu et al. 2021; Kalajdzievski 2023 for rsLoRA).
 
     Attributes:
@@ -26,27 +27,14 @@ class LoraConfig:
     """
 
     name: str = "lora"
-    r: int = 8
-    alpha: float = 16.0
-    targets: Union[list[str], str] = "all-linear"
-    exclude: list[str] = field(default_factory=list)
-    dropout: float = 0.0
-    use_rslora: bool = False
     init: str = "kaiming"
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
-    modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
-        if self.r < 1:
-            out.append(f"r: got {self.r}; expected an integer >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
-        if self.alpha <= 0:
-            out.append(f"alpha: got {self.alpha}; expected a positive number")
-        from rankwise.adapters.lora.layer import LORA_INITS
+        out = super().problems()
+        from rankwise.adapters.common.factors import LORA_INITS
         if self.init not in LORA_INITS:
             out.append(f"init: got {self.init!r}; expected one of {sorted(LORA_INITS)}")
         return out

@@ -7,39 +7,15 @@ number of named adapters. The factors are float32 whatever the base's dtype (bf1
 """
 from __future__ import annotations
 
-import math
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rankwise.adapters.common.factors import LORA_INITS, check_rank, lora_scale
 from rankwise.core.inject import is_conv1d
 from rankwise.core.protocol import NamedAdapters
 from rankwise.core.weights import is_quantized
 from rankwise.errors import RankwiseError
-
-
-def _init_kaiming(a: nn.Linear, b: nn.Linear) -> None:
-    nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
-    nn.init.zeros_(b.weight)
-
-
-def _init_gaussian(a: nn.Linear, b: nn.Linear) -> None:
-    nn.init.normal_(a.weight, std=1.0 / a.out_features)
-    nn.init.zeros_(b.weight)
-
-
-# name -> fn(A, B) initialising the two factors in place; methods may register more.
-LORA_INITS: dict[str, Callable[[nn.Linear, nn.Linear], None]] = {
-    "kaiming": _init_kaiming,
-    "gaussian": _init_gaussian,
-}
-
-
-def lora_scale(r: int, alpha: float, use_rslora: bool) -> float:
-    """Return s = alpha / r, or alpha / sqrt(r) for rsLoRA (Kalajdzievski 2023)."""
-    return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
 class LoraLayer(NamedAdapters, nn.Module):
@@ -84,10 +60,7 @@ class LoraLayer(NamedAdapters, nn.Module):
         Raises:
             RankwiseError: If ``r`` is outside [1, min(in, out)] or ``init`` is unknown.
         """
-        limit = min(self.in_features, self.out_features)
-        if not 1 <= r <= limit:
-            raise RankwiseError(f"rank {r} is invalid for a {self.in_features}->{self.out_features} "
-                                f"layer; choose r in [1, {limit}]")
+        check_rank(r, self.in_features, self.out_features)
         if init not in LORA_INITS:
             raise RankwiseError(f"unknown LoRA init {init!r}; expected one of {sorted(LORA_INITS)}")
         device = self.base_layer.weight.device

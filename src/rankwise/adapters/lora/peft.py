@@ -22,26 +22,21 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from rankwise.adapters.common.peft import CONFIG, WEIGHTS, peft_task_type, write_peft_folder
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
-from rankwise.core import atomic
 from rankwise.core.inject import is_linear_like, is_wrapped, matches
 from rankwise.core.ops import load_adapter_state_dict, modules_to_save
 from rankwise.core.protocol import adapter_modules, is_mergeable
 from rankwise.errors import RankwiseError
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
 PICKLE_WEIGHTS = "adapter_model.bin"
 PREFIX = "base_model.model."
 
 # transformers class-name suffix -> PEFT task_type
-_TASKS = (("ForSequenceClassification", "SEQ_CLS"), ("ForCausalLM", "CAUSAL_LM"),
-          ("LMHeadModel", "CAUSAL_LM"), ("ForTokenClassification", "TOKEN_CLS"),
-          ("ForQuestionAnswering", "QUESTION_ANS"), ("ForConditionalGeneration", "SEQ_2_SEQ_LM"))
 
 # PEFT config keys rankwise understands or can safely ignore at these values. A key whose
 # value differs from every listed neutral value is an unsupported feature (RankwiseError).
@@ -60,11 +55,6 @@ _HARMLESS = {"inference_mode", "init_lora_weights", "revision", "peft_version", 
              "exclude_modules", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
              "kasa_config", "velora_config", "monteclora_config", "megatron_core",
              "qalora_group_size", "ensure_weight_tying"}
-
-
-def _task_type(model: nn.Module) -> str | None:
-    name = type(model).__name__
-    return next((task for suffix, task in _TASKS if name.endswith(suffix)), None)
 
 
 def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
@@ -139,7 +129,7 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     saved = modules_to_save(model)
     cfg_name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
     config = {
-        "peft_type": "LORA", "task_type": task_type or _task_type(model),
+        "peft_type": "LORA", "task_type": task_type or peft_task_type(model),
         "base_model_name_or_path": base_model_name_or_path or cfg_name,
         "r": r0, "lora_alpha": a0, "use_rslora": rslora,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
@@ -153,14 +143,7 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     for path, layer in layers.items():
         for key, p in layer.adapter_params(adapter_name).items():
             tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
-    for path in saved:
-        for key, p in model.get_submodule(path).named_parameters():
-            tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
-    out_dir = Path(out_dir)
-    with atomic.folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        atomic.write_json(tmp / CONFIG, config)
-    return out_dir
+    return write_peft_folder(out_dir, config, tensors, model, saved, PREFIX)
 
 
 def read_peft_config(peft_dir: str | Path) -> dict[str, Any]:

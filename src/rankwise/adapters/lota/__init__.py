@@ -1,22 +1,21 @@
-"""LoTA-QAF (ROADMAP A9): a b-bit integer-grid base of our own, ternary adapters merged by
+"""LoTA-QAF (arXiv 2505.18724; docs/lota-qaf.md): a b-bit integer-grid base of our own, ternary
+adapters merged by
 integer arithmetic, and the registration of ``lota-qaf`` (its optimizer is ``t-signsgd``)."""
 from __future__ import annotations
-
-import dataclasses
 
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
 from rankwise.adapters.lota.config import SUPPORTED_BITS, LotaConfig
 from rankwise.adapters.lota.layer import LotaLayer, ternarize, weight_bytes
 from rankwise.adapters.lota.quant import QuantLinear, pack, quantize_linears, rtn_quantize, unpack
-from rankwise.core import weights as W
-from rankwise.core.inject import default_heads, find_targets, inject, is_conv1d
-from rankwise.core.ops import mark_trainable, set_modules_to_save
+from rankwise.core import weights as layer_weights
+from rankwise.core.inject import is_conv1d
 from rankwise.errors import RankwiseError
 
 __all__ = ["LotaConfig", "LotaLayer", "QuantLinear", "SUPPORTED_BITS", "apply_lota", "pack",
-           "quantize_linears", "rebuild_lota", "rtn_quantize", "ternarize", "unpack", "weight_bytes"]
+           "quantize_linears", "rtn_quantize", "ternarize", "unpack", "weight_bytes"]
 
 
 def apply_lota(model: nn.Module, config: LotaConfig, adapter_name: str = "default",
@@ -40,20 +39,20 @@ def apply_lota(model: nn.Module, config: LotaConfig, adapter_name: str = "defaul
             model's fingerprint, which records Conv1D weights as ``(in, out)``), or a group size that does not divide a layer's input size (all such layers
             are named in one message).
     """
-    paths = find_targets(model, config.targets, None, "method.targets")
+    paths = target_paths(model, config)
     structure = structure or {}
     bad = []
     for path in paths:
         module = model.get_submodule(path)
         if isinstance(module, LotaLayer):
             continue
-        if W.is_quantized(module):
-            raise RankwiseError(f"{path} is already quantized ({type(W.base_layer(module)).__name__}); "
+        if layer_weights.is_quantized(module):
+            raise RankwiseError(f"{path} is already quantized ({type(layer_weights.base_layer(module)).__name__}); "
                                 "lota-qaf quantizes a dense model itself: load it without model.quantize")
-        if is_conv1d(W.base_layer(module)):
+        if is_conv1d(layer_weights.base_layer(module)):
             raise RankwiseError(f"{path} is a GPT-2 Conv1D layer; lota-qaf quantizes nn.Linear layers "
                                 "(Llama, Qwen, BERT-style models)")
-        n_in = W.shape(module)[1]
+        n_in = layer_weights.shape(module)[1]
         group = min(config.group_size, n_in)
         if n_in % group or n_in % (8 // config.bits):
             bad.append(f"{path} (in={n_in})")
@@ -65,37 +64,17 @@ def apply_lota(model: nn.Module, config: LotaConfig, adapter_name: str = "defaul
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         if not isinstance(module, LotaLayer):
-            base = QuantLinear.from_linear(module, config.bits, min(config.group_size, W.shape(module)[1]))
+            base = QuantLinear.from_linear(module, config.bits, min(config.group_size, layer_weights.shape(module)[1]))
             module = LotaLayer(base, config.fold_offsets)
         s = structure.get(path, {})
         module.add(adapter_name, int(s.get("r", config.r)), float(s.get("threshold_ratio", config.threshold_ratio)))
         return module
 
-    layers = inject(model, paths, wrap)
-    heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
-    set_modules_to_save(model, heads)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap, paths)
 
 
-def rebuild_lota(model: nn.Module, config: LotaConfig, adapter_name: str,
-                 layers: dict[str, dict]) -> dict[str, LotaLayer]:
-    """Recreate the quantized layers and adapters as saved; the quantization is deterministic,
-    so the same dense base gives the same codes.
-
-    Args:
-        model: The dense base model.
-        config: The saved method config.
-        adapter_name: Name of the adapter.
-        layers: ``{path: {"r", "threshold_ratio"}}`` as ``describe`` wrote it; empty: from the config.
-
-    Returns:
-        ``{path: LotaLayer}``.
-    """
-    if layers:
-        config = dataclasses.replace(config, targets=list(layers))
-    return apply_lota(model, config, adapter_name, structure=layers or None)
-
-
-registry.register("method", "lota-qaf", LotaConfig, apply_lota, rebuild=rebuild_lota,
+# rebuild: the quantization is deterministic, so the same dense base gives the same codes; the
+# saved {path: {"r", "threshold_ratio"}} restores each adapter
+registry.register("method", "lota-qaf", LotaConfig, apply_lota,
+                  rebuild=rebuild_at_paths(apply_lota, structure=True),
                   summary="LoTA-QAF: ternary adapters on a b-bit integer grid, lossless merge")

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+
+from rankwise.adapters.common.config import TargetedConfig
 
 SUPPORTED_BITS = (2, 4, 8)  # codes are packed 8 / bits per byte
 
 
 @dataclass
-class LotaConfig:
+class LotaConfig(TargetedConfig):
     """LoTA-QAF: lossless ternary adaptation of a quantized base (arXiv 2505.18724).
 
     Defaults follow the authors' scripts (``r`` 64 for 8B/14B models, ``interval_point`` 48,
@@ -26,6 +27,7 @@ class LotaConfig:
             model's output equals the adapted one's); ``false`` keeps the integer zero points
             and drops them (the documented difference ``s * zp`` per group).
         targets: ``"all-linear"``, ``"block-linear"``, a regex over module paths, or names.
+        exclude: Name suffixes never adapted.
         modules_to_save: Whole modules trained and saved with the adapter; ``None`` means the
             task head for classification models.
     """
@@ -36,12 +38,10 @@ class LotaConfig:
     group_size: int = 128
     threshold_ratio: float = 0.75
     fold_offsets: bool = True
-    targets: Union[list[str], str] = "all-linear"
-    modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
+        out = super().problems()
         if self.bits not in SUPPORTED_BITS:
             out.append(f"bits: got {self.bits}; expected one of {list(SUPPORTED_BITS)} (the integer "
                        "grid packs 8/bits codes per byte)")

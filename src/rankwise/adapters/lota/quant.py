@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.errors import RankwiseError
 
 
@@ -98,14 +98,14 @@ class QuantLinear(nn.Linear):
         Raises:
             RankwiseError: If ``group_size`` does not divide the input size.
         """
-        out_f, in_f = W.shape(layer)
+        out_f, in_f = layer_weights.shape(layer)
         if in_f % group_size:
             raise RankwiseError(f"group size {group_size} does not divide the input size {in_f} of "
                                 f"{type(layer).__name__}; choose a group_size that divides it")
         if in_f % (8 // bits):
             raise RankwiseError(f"{bits}-bit codes pack {8 // bits} per byte, which does not divide "
                                 f"the input size {in_f}; use bits: 8")
-        dense = W.dense_weight(layer).detach()
+        dense = layer_weights.dense_weight(layer).detach()
         bias = getattr(layer, "bias", None)
         new = cls(in_f, out_f, bits, group_size, bias is not None, dense.device, dense.dtype)
         codes, scale, zero = rtn_quantize(dense, bits, group_size)
@@ -154,7 +154,7 @@ class QuantLinear(nn.Linear):
                 f"group_size={self.group_size}, bias={self.bias is not None}")
 
 
-W.DEQUANTIZERS[QuantLinear] = QuantLinear.dequantize
+layer_weights.DEQUANTIZERS[QuantLinear] = QuantLinear.dequantize
 
 
 def quantize_linears(model: nn.Module, targets, bits: int, group_size: int) -> dict[str, QuantLinear]:
@@ -175,4 +175,4 @@ def quantize_linears(model: nn.Module, targets, bits: int, group_size: int) -> d
     """
     from rankwise.core.inject import find_targets, inject
     paths = find_targets(model, targets, None, "targets")
-    return inject(model, paths, lambda _, m: QuantLinear.from_linear(m, bits, min(group_size, W.shape(m)[1])))
+    return inject(model, paths, lambda _, m: QuantLinear.from_linear(m, bits, min(group_size, layer_weights.shape(m)[1])))

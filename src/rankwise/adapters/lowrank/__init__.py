@@ -1,18 +1,16 @@
-"""The ``lowrank`` method (ROADMAP B5): factorized ``U S V^T`` layers, trained by the geometric
+"""The ``lowrank`` method (Schotthoefer et al., NeurIPS 2025; docs/optimizers.md): factorized
+``U S V^T`` layers, trained by the geometric
 optimizers ``lowrank-hb`` / ``lowrank-adam`` (or any optimizer on the factors)."""
 from __future__ import annotations
-
-import dataclasses
 
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt, rebuild_at_paths
 from rankwise.adapters.lowrank.config import LowRankConfig
 from rankwise.adapters.lowrank.layer import LowRankLayer, released_weight
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
 
-__all__ = ["LowRankConfig", "LowRankLayer", "apply_lowrank", "rebuild_lowrank", "released_weight"]
+__all__ = ["LowRankConfig", "LowRankLayer", "apply_lowrank", "released_weight"]
 
 
 def apply_lowrank(model: nn.Module, config: LowRankConfig, adapter_name: str = "default",
@@ -31,7 +29,6 @@ def apply_lowrank(model: nn.Module, config: LowRankConfig, adapter_name: str = "
     Raises:
         RankwiseError: On targets matching nothing or a rank larger than a layer.
     """
-    paths = find_targets(model, config.targets, None, "method.targets")
     structure = structure or {}
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
@@ -40,30 +37,10 @@ def apply_lowrank(model: nn.Module, config: LowRankConfig, adapter_name: str = "
         layer.add(adapter_name, int(s.get("rank", config.rank)), str(s.get("mode", config.mode)))
         return layer
 
-    layers = inject(model, paths, wrap)
-    heads = default_heads(model) if config.modules_to_save is None else config.modules_to_save
-    set_modules_to_save(model, heads)
-    mark_trainable(model, adapter_name)
-    return layers
+    return adapt(model, config, adapter_name, wrap)
 
 
-def rebuild_lowrank(model: nn.Module, config: LowRankConfig, adapter_name: str,
-                    layers: dict[str, dict]) -> dict[str, LowRankLayer]:
-    """Recreate the factorized layers as saved.
-
-    Args:
-        model: The base model.
-        config: The saved method config.
-        adapter_name: Name of the factorization.
-        layers: ``{path: {"rank", "mode"}}`` as ``describe`` wrote it; empty: from the config.
-
-    Returns:
-        ``{path: LowRankLayer}``.
-    """
-    if layers:
-        config = dataclasses.replace(config, targets=list(layers))
-    return apply_lowrank(model, config, adapter_name, structure=layers or None)
-
-
-registry.register("method", "lowrank", LowRankConfig, apply_lowrank, rebuild=rebuild_lowrank,
+# rebuild: the saved {path: {"rank", "mode"}} at those paths
+registry.register("method", "lowrank", LowRankConfig, apply_lowrank,
+                  rebuild=rebuild_at_paths(apply_lowrank, structure=True),
                   summary="factorized U S V^T layers (adapter W0 + USV^T, or factorized USV^T)")

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
+
+from rankwise.adapters.common.config import TargetedConfig
 
 
 @dataclass
-class LowRankConfig:
-    """Factorized low-rank layers ``U S V^T`` (ROADMAP B5; trained by ``lowrank-hb`` /
+class LowRankConfig(TargetedConfig):
+    """Factorized low-rank layers ``U S V^T`` (Schotthoefer et al., NeurIPS 2025; trained by ``lowrank-hb`` /
     ``lowrank-adam``, or any optimizer on the factors).
 
     Attributes:
@@ -18,6 +20,7 @@ class LowRankConfig:
             replaces the dense weight, initialised from its truncated SVD (low-rank training
             from scratch, or compressing a trained layer); the dense weight is released.
         targets: ``"all-linear"``, ``"block-linear"``, a regex over module paths, or names.
+        exclude: Name suffixes never adapted.
         modules_to_save: Whole modules trained and saved with the factors; ``None`` means the
             task head for classification models.
     """
@@ -25,11 +28,10 @@ class LowRankConfig:
     name: str = "lowrank"
     rank: int = 8
     mode: Literal["adapter", "factorized"] = "adapter"
-    targets: Union[list[str], str] = "all-linear"
-    modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        out = super().problems()
         if self.rank < 1:
-            return [f"rank: got {self.rank}; expected an integer >= 1"]
-        return []
+            out.append(f"rank: got {self.rank}; expected an integer >= 1")
+        return out

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.protocol import NamedAdapters
 from rankwise.errors import RankwiseError
 
@@ -52,10 +52,10 @@ class LowRankLayer(NamedAdapters, nn.Module):
 
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
-        if W.is_quantized(base_layer) or not hasattr(base_layer, "weight"):
+        if layer_weights.is_quantized(base_layer) or not hasattr(base_layer, "weight"):
             raise RankwiseError(f"lowrank needs a dense nn.Linear or Conv1D, got {type(base_layer).__name__}")
         self.base_layer = base_layer
-        self.out_features, self.in_features = W.shape(base_layer)
+        self.out_features, self.in_features = layer_weights.shape(base_layer)
         self.lowrank_U = nn.ParameterDict()
         self.lowrank_S = nn.ParameterDict()
         self.lowrank_V = nn.ParameterDict()
@@ -86,11 +86,11 @@ class LowRankLayer(NamedAdapters, nn.Module):
         if "factorized" in self.modes.values() or (mode == "factorized" and self.modes):
             raise RankwiseError("a factorized low-rank layer holds exactly one factorization; "
                                 "use mode: adapter for several named adapters")
-        dense = W.dense_weight(self.base_layer).detach().float()          # (out, in)
+        dense = layer_weights.dense_weight(self.base_layer).detach().float()          # (out, in)
         if mode == "factorized":
             u, s, vh = torch.linalg.svd(dense, full_matrices=False)
             u, s, v = u[:, :rank], torch.diag(s[:rank]), vh[:rank].T
-            base = W.base_layer(self.base_layer)
+            base = layer_weights.base_layer(self.base_layer)
             base.weight = released_weight(*base.weight.shape, base.weight)
         else:
             gen_dev = dense.device
@@ -128,8 +128,8 @@ class LowRankLayer(NamedAdapters, nn.Module):
         weight (skips a factorization that is already merged)."""
         if name in self._merged:
             return
-        base = W.base_layer(self.base_layer)
-        delta = W.to_storage_layout(self.base_layer, self.delta_weight(name))
+        base = layer_weights.base_layer(self.base_layer)
+        delta = layer_weights.to_storage_layout(self.base_layer, self.delta_weight(name))
         with torch.no_grad():
             if self.modes[name] == "factorized":
                 base.weight = nn.Parameter(delta.to(base.weight.dtype).contiguous(), requires_grad=False)
@@ -140,13 +140,13 @@ class LowRankLayer(NamedAdapters, nn.Module):
 
     def unmerge(self) -> None:
         """Undo every merge, newest first (a factorized layer releases its dense weight again)."""
-        base = W.base_layer(self.base_layer)
+        base = layer_weights.base_layer(self.base_layer)
         while self._merged:
             name = self._merged.pop()
             if self.modes[name] == "factorized":
                 base.weight = released_weight(*base.weight.shape, base.weight)
                 continue
-            delta = W.to_storage_layout(self.base_layer, self.delta_weight(name))
+            delta = layer_weights.to_storage_layout(self.base_layer, self.delta_weight(name))
             with torch.no_grad():
                 base.weight.copy_((base.weight.float() - delta).to(base.weight.dtype))
 
@@ -164,7 +164,7 @@ class LowRankLayer(NamedAdapters, nn.Module):
         """``base(x) + sum_active ((x V) S^T) U^T``; a factorized layer's base weight is zero, so
         only its bias enters (merged factorizations are already in the base weight)."""
         pending = [n for n in self._active if n not in self._merged]
-        base = W.base_layer(self.base_layer)
+        base = layer_weights.base_layer(self.base_layer)
         if any(self.modes[n] == "factorized" for n in pending):
             bias = getattr(base, "bias", None)
             out = None if bias is None else bias.to(x.dtype)

@@ -1,25 +1,23 @@
 """Mixtures of LoRA experts behind a router: the layer, gates, model glue, and method ``moe-lora``.
 
 FedLEASE builds its client models from the same layer (:func:`factorized_to_mixture` with its
-slot layout); ``moe-lora`` (ROADMAP A7) injects fresh mixtures into the target layers.
+slot layout); ``moe-lora`` (docs/adapters-mixture-prompt.md) injects fresh mixtures into the
+target layers.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt
 from rankwise.adapters.mixture.config import MoeLoraConfig
-from rankwise.adapters.mixture.gates import (RouterStats, ThresholdGate, TopKGate, own_expert_slots,
-                                             switch_balance_loss)
+from rankwise.adapters.mixture.gates import ThresholdGate, TopKGate, own_expert_slots
 from rankwise.adapters.mixture.layer import Gate, LoraExpert, LoraMixture, MixtureLoraLayer
 from rankwise.adapters.mixture.model import factorized_to_mixture
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
 from rankwise.core.token_mask import track_token_mask
 
 __all__ = ["Gate", "LoraExpert", "LoraMixture", "MixtureLoraLayer", "TopKGate", "ThresholdGate",
-           "RouterStats", "own_expert_slots", "switch_balance_loss", "factorized_to_mixture",
+           "own_expert_slots", "factorized_to_mixture",
            "MoeLoraConfig", "apply_moe_lora"]
 
 
@@ -45,8 +43,6 @@ def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = 
     Raises:
         RankwiseError: On targets matching nothing or a rank outside [1, min(in, out)].
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         layer = module if isinstance(module, MixtureLoraLayer) else MixtureLoraLayer(module)
@@ -56,11 +52,8 @@ def apply_moe_lora(model: nn.Module, config: MoeLoraConfig, adapter_name: str = 
                   entropy_weight=config.entropy_weight if config.mass_threshold > 0 else 0.0)
         return layer
 
-    layers = inject(model, paths, wrap)
+    layers = adapt(model, config, adapter_name, wrap)
     track_token_mask(model)  # padding stays out of the balance loss and the load
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
     return layers
 
 

@@ -1,13 +1,15 @@
 """``moe-lora`` configuration: the one place its defaults live."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Union
+from dataclasses import dataclass
+
+from rankwise.adapters.common.config import LoraPairConfig
 
 
 @dataclass
-class MoeLoraConfig:
-    """Mixture of LoRA experts with a token-level router (ROADMAP A7).
+class MoeLoraConfig(LoraPairConfig):
+    """Mixture of LoRA experts with a token-level router (MixLoRA-style top-k, top-p routing of
+    Huang et al. 2024; docs/adapters-mixture-prompt.md).
 
     Every target linear layer gets ``num_experts`` LoRA experts of rank ``r`` and a router
     (``nn.Linear(in, num_experts)``). A token uses its ``top_k`` most probable experts, or,
@@ -53,18 +55,13 @@ class MoeLoraConfig:
     mass_threshold: float = 0.0
     r: int = 2
     alpha: float = 4.0
-    targets: Union[list[str], str] = "all-linear"
-    exclude: list[str] = field(default_factory=list)
-    dropout: float = 0.0
-    use_rslora: bool = False
     balance_weight: float = 0.01
     entropy_weight: float = 1e-4
     router_init: str = "kaiming"
-    modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
+        out = super().problems()
         if self.num_experts < 1:
             out.append(f"num_experts: got {self.num_experts}; expected an integer >= 1")
         if self.top_k < 1:
@@ -75,12 +72,6 @@ class MoeLoraConfig:
         if not 0.0 <= self.mass_threshold <= 1.0:
             out.append(f"mass_threshold: got {self.mass_threshold}; expected 0 (fixed top-k) or "
                        "a value in (0, 1]")
-        if self.r < 1:
-            out.append(f"r: got {self.r}; expected an integer >= 1")
-        if self.alpha <= 0:
-            out.append(f"alpha: got {self.alpha}; expected a positive number")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
         if self.balance_weight < 0:
             out.append(f"balance_weight: got {self.balance_weight}; expected a number >= 0")
         if self.entropy_weight < 0:

@@ -28,11 +28,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.lora.layer import LORA_INITS, lora_scale
-from rankwise.adapters.mixture.gates import (RouterStats, TopKGate, entropy_loss, expert_probs,
-                                             own_expert_slots, switch_balance_loss)
-from rankwise.core import weights as W
-from rankwise.core.protocol import Unmergeable
+from rankwise.adapters.common.factors import LORA_INITS, check_rank, lora_scale
+from rankwise.adapters.common.layers import UnmergeableLayer
+from rankwise.adapters.common.routing import RouterStats, entropy_loss, switch_balance_loss
+from rankwise.adapters.mixture.gates import TopKGate, expert_probs, own_expert_slots
+from rankwise.core import weights as layer_weights
 from rankwise.core.token_mask import valid_tokens
 from rankwise.errors import RankwiseError
 
@@ -62,7 +62,7 @@ class LoraMixture(nn.Module):
         n_out: Output features.
         num_experts: M.
         r: Rank of every expert.
-        scaling: ``s`` (see :func:`rankwise.adapters.lora.lora_scale`).
+        scaling: ``s`` (see :func:`rankwise.adapters.common.factors.lora_scale`).
         gate: Router logits -> expert weights; a module (e.g. :class:`TopKGate`) is registered
             as a submodule so its buffers follow ``.to()``.
         slots: Router outputs S.
@@ -118,7 +118,7 @@ class LoraMixture(nn.Module):
         return out + (F.linear(low, b) * self.scaling).to(out.dtype)           # (..., out)
 
 
-class MixtureLoraLayer(Unmergeable, nn.Module):
+class MixtureLoraLayer(UnmergeableLayer):
     """A linear-like layer with named mixtures of LoRA experts (``AdapterModule``).
 
     Args:
@@ -133,17 +133,6 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
     adapter_kind = "mixture"
     unmergeable_reason = ("its experts are weighted per token by a router; keep it as an adapter: "
                           "export with --format rankwise")
-
-    def __init__(self, base_layer: nn.Module) -> None:
-        super().__init__()
-        self.base_layer = base_layer
-        self.out_features, self.in_features = W.shape(base_layer)
-        self.mixtures = nn.ModuleDict()
-        self.alphas: dict[str, float] = {}
-        self.rslora: dict[str, bool] = {}
-        self._active: list[str] = []
-        self._aux: dict[str, torch.Tensor] = {}
-        self.train(base_layer.training)  # a new layer follows the model's mode
 
     # ----- construction -------------------------------------------------------------------
     def add(self, name: str, num_experts: int, r: int, alpha: float, gate: Gate | None = None,
@@ -162,7 +151,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
             slots: Router outputs (default: ``gate.slots``, else M).
             dropout: Dropout on the experts' input.
             use_rslora: rsLoRA scale.
-            init: Expert initialisation from ``rankwise.adapters.lora.LORA_INITS`` (B = 0: the
+            init: Expert initialisation from ``rankwise.adapters.common.factors.LORA_INITS`` (B = 0: the
                 mixture starts at the base layer's output).
             router_init: ``zeros`` or ``kaiming`` (see :class:`LoraMixture`).
             balance_weight: Switch balance-loss coefficient (0 = none).
@@ -174,10 +163,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
         Raises:
             RankwiseError: On a bad rank, expert count, init or router init name.
         """
-        limit = min(self.in_features, self.out_features)
-        if not 1 <= r <= limit:
-            raise RankwiseError(f"rank {r} is invalid for a {self.in_features}->{self.out_features} "
-                                f"layer; choose r in [1, {limit}]")
+        check_rank(r, self.in_features, self.out_features)
         if num_experts < 1:
             raise RankwiseError(f"num_experts: got {num_experts}; expected an integer >= 1")
         if init not in LORA_INITS:
@@ -190,14 +176,9 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
         mix = LoraMixture(self.in_features, self.out_features, num_experts, r,
                           lora_scale(r, alpha, use_rslora), gate, slots, dropout, device,
                           router_init, balance_weight, entropy_weight)
-        mix.train(self.training)
         for e in mix.experts:
             LORA_INITS[init](e.lora_A, e.lora_B)
-        self.mixtures[name] = mix
-        self.alphas[name], self.rslora[name] = alpha, use_rslora
-        if name not in self._active:
-            self._active.append(name)
-        return mix
+        return self.hold(name, mix, {"alpha": alpha, "use_rslora": use_rslora})
 
     # ----- AdapterModule protocol -----------------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
@@ -209,13 +190,6 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
             out[f"experts.{m}.lora_B.weight"] = e.lora_B.weight
         out["router.weight"] = mix.router.weight
         return out
-
-    def delete(self, name: str) -> None:
-        """Remove mixture ``name``."""
-        del self.mixtures[name]
-        self.alphas.pop(name, None)
-        self.rslora.pop(name, None)
-        self._forget(name)
 
     def factors(self, name: str) -> None:
         """Protocol capability: a mixture has no single ``(A, B)`` pair, so ``None``; the
@@ -240,13 +214,9 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
         of mixture ``name`` (``gate`` is the gate's own ``describe()``, or its class name)."""
         mix = self.mixtures[name]
         gate = getattr(mix.gate, "describe", None)
-        return {"num_experts": len(mix.experts), "r": mix.r, "alpha": self.alphas[name],
-                "use_rslora": self.rslora[name], "slots": mix.router.out_features,
+        return {"num_experts": len(mix.experts), "r": mix.r, "alpha": self.settings[name]["alpha"],
+                "use_rslora": self.settings[name]["use_rslora"], "slots": mix.router.out_features,
                 "gate": gate() if callable(gate) else {"kind": type(mix.gate).__name__}}
-
-    def aux_losses(self) -> dict[str, torch.Tensor]:
-        """Protocol capability: the active mixtures' balance losses of the last forward."""
-        return dict(self._aux)
 
     def statistics(self) -> dict[str, Any]:
         """Protocol capability: ``{mixture name: RouterStats.as_dict()}`` (expert load)."""
@@ -261,7 +231,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The base weight as stored (so code that reads ``layer.weight`` keeps working)."""
-        return W.storage_param(self.base_layer)
+        return layer_weights.storage_param(self.base_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``W0 x`` plus every active mixture's routed experts."""
@@ -270,8 +240,7 @@ class MixtureLoraLayer(Unmergeable, nn.Module):
         for name in self._active:
             mix = self.mixtures[name]
             out = mix(x, out)
-            for key, value in mix.last_aux.items():
-                self._aux[key] = self._aux[key] + value if key in self._aux else value
+            self.add_aux(mix.last_aux)  # the balance loss (training forwards)
         return out
 
     def extra_repr(self) -> str:

@@ -1,4 +1,5 @@
-"""Prompt methods (ROADMAP A8): prompt tuning, PT-MoE and CaPT, registered here.
+"""Prompt methods (Lester et al. 2021; PT-MoE, arXiv 2505.09519; CaPT, arXiv 2510.16670): prompt
+tuning, PT-MoE and CaPT, registered here.
 
 All three wrap the model's input embeddings in a :class:`PromptLayer` (the ``InputAdapter``
 seam: the engine and evaluation see the prefix through
@@ -13,11 +14,11 @@ from typing import Callable
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import train_only
 from rankwise.adapters.prompt.config import CaptConfig, PromptTuningConfig, PtMoeConfig
 from rankwise.adapters.prompt.generators import CapsulePrompt, PromptMixture, SoftPrompt
 from rankwise.adapters.prompt.layer import PromptLayer, input_embeddings, max_positions
-from rankwise.core.inject import default_heads, replace_module
-from rankwise.core.ops import mark_trainable, set_modules_to_save
+from rankwise.core.inject import replace_module
 from rankwise.core.protocol import attach_input_hook
 from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError
@@ -57,9 +58,7 @@ def apply_prompt(model: nn.Module, config, adapter_name: str,
         replace_module(model, path, layer)
     layer.add(adapter_name, generator)
     attach_input_hook(model)  # a plain model(...) / generate carries the virtual tokens too
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
+    train_only(model, config, adapter_name)
     return layer
 
 

@@ -1,4 +1,5 @@
-"""Prompt methods' configurations (ROADMAP A8): the one place their defaults live.
+"""Prompt methods' configurations (docs/adapters-mixture-prompt.md): the one place their
+defaults live.
 
 All three put trainable vectors in front of the input sequence (virtual tokens) instead of
 changing weights; only those vectors (and the task head, for classification) train.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rankwise.adapters.mixture.gates import RouterStats
+from rankwise.adapters.common.routing import RouterStats
 from rankwise.errors import RankwiseError
 
 IGNORE_INDEX = -100

@@ -15,20 +15,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
+from rankwise.adapters.common.peft import peft_task_type, write_peft_folder
 from rankwise.adapters.prompt.generators import SoftPrompt
 from rankwise.adapters.prompt.layer import PromptLayer
-from rankwise.core import atomic
 from rankwise.core.ops import modules_to_save
 from rankwise.core.protocol import adapter_modules
 from rankwise.errors import RankwiseError
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
-_TASKS = (("ForSequenceClassification", "SEQ_CLS"), ("ForCausalLM", "CAUSAL_LM"),
-          ("LMHeadModel", "CAUSAL_LM"))
 
 
 def _soft_prompt(model: nn.Module, adapter_name: str) -> SoftPrompt:
@@ -66,14 +61,11 @@ def export_prompt_peft(model: nn.Module, out_dir: str | Path, adapter_name: str 
         RankwiseError: If the model has no prompt-tuning adapter of that name (PT-MoE and CaPT
             have no PEFT format).
     """
-    from safetensors.torch import save_file
-
     gen = _soft_prompt(model, adapter_name)
-    name = type(model).__name__
     saved = modules_to_save(model)
     config = {
         "peft_type": "PROMPT_TUNING",
-        "task_type": task_type or next((t for suffix, t in _TASKS if name.endswith(suffix)), None),
+        "task_type": task_type or peft_task_type(model),
         "base_model_name_or_path": base_model_name_or_path
         or getattr(getattr(model, "config", None), "_name_or_path", None) or None,
         "num_virtual_tokens": gen.num_tokens, "token_dim": int(gen.prompt_embeddings.shape[1]),
@@ -83,12 +75,5 @@ def export_prompt_peft(model: nn.Module, out_dir: str | Path, adapter_name: str 
         "prompt_tuning_init": "RANDOM", "prompt_tuning_init_text": None,
         "tokenizer_name_or_path": None, "modules_to_save": saved or None, "inference_mode": True,
     }
-    tensors: dict[str, torch.Tensor] = {"prompt_embeddings": gen.prompt_embeddings.detach().cpu().contiguous()}
-    for path in saved:
-        for key, p in model.get_submodule(path).named_parameters():
-            tensors[f"base_model.{path}.{key}"] = p.detach().cpu().contiguous()
-    out_dir = Path(out_dir)
-    with atomic.folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        atomic.write_json(tmp / CONFIG, config)
-    return out_dir
+    tensors = {"prompt_embeddings": gen.prompt_embeddings.detach().cpu().contiguous()}
+    return write_peft_folder(out_dir, config, tensors, model, saved, "base_model.")

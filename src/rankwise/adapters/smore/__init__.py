@@ -1,4 +1,5 @@
-"""S'MoRE (ROADMAP A5): config, layer, and the registration."""
+"""S'MoRE (Zeng et al., NeurIPS 2025; docs/adapters-mixture-prompt.md): config, layer, and the
+registration."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -6,12 +7,9 @@ from dataclasses import asdict
 from torch import nn
 
 from rankwise import registry
+from rankwise.adapters.common.build import adapt, rebuild_at_paths
 from rankwise.adapters.smore.config import SmoreConfig
 from rankwise.adapters.smore.layer import SmoreLayer, SmoreTree
-from rankwise.adapters.targets import rebuild_at_paths
-from rankwise.core.inject import default_heads, find_targets, inject
-from rankwise.core.ops import mark_trainable, set_modules_to_save
-from rankwise.core.quant import keep_training_layout
 from rankwise.core.token_mask import track_token_mask
 
 __all__ = ["SmoreConfig", "SmoreLayer", "SmoreTree", "apply_smore"]
@@ -36,8 +34,6 @@ def apply_smore(model: nn.Module, config: SmoreConfig, adapter_name: str = "defa
     Raises:
         RankwiseError: If the targets match no linear layer.
     """
-    paths = find_targets(model, config.targets, config.exclude, "method.targets")
-    keep_training_layout(model)  # 4-bit bases: no CPU inference repacking while adapted
     settings = {k: v for k, v in asdict(config).items() if k in _LAYER_KEYS}
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
@@ -45,11 +41,8 @@ def apply_smore(model: nn.Module, config: SmoreConfig, adapter_name: str = "defa
         layer.add(adapter_name, settings)
         return layer
 
-    layers = inject(model, paths, wrap)
+    layers = adapt(model, config, adapter_name, wrap)
     track_token_mask(model)  # padding stays out of the balance loss and the load
-    set_modules_to_save(model, default_heads(model) if config.modules_to_save is None
-                        else config.modules_to_save)
-    mark_trainable(model, adapter_name)
     return layers
 
 

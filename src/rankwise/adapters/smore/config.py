@@ -4,13 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from rankwise.adapters.common.config import TargetedConfig
+
 EXPERT_ACTS = ("tanh", "relu", "identity")
 GATE_ACTS = ("relu", "tanh", "identity")
 
 
 @dataclass
-class SmoreConfig:
-    """Structural Mixture of Residual Experts (Zeng et al., NeurIPS 2025; ROADMAP A5).
+class SmoreConfig(TargetedConfig):
+    """Structural Mixture of Residual Experts (Zeng et al., NeurIPS 2025;
+    docs/adapters-mixture-prompt.md).
 
     Per target linear layer, ``L = len(ranks)`` levels of residual experts: level ``l`` has
     ``experts[l]`` experts of rank ``ranks[l]`` and every selected parent picks ``fanout[l]``
@@ -52,13 +55,10 @@ class SmoreConfig:
     expert_act: str = "tanh"
     gate_act: str = "relu"
     balance_weight: float = 0.01
-    targets: Union[list[str], str] = "all-linear"
-    exclude: list[str] = field(default_factory=list)
-    modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
+        out = super().problems()
         levels = len(self.experts)
         if levels == 0:
             out.append("experts: got []; expected one expert count per level, e.g. [4]")

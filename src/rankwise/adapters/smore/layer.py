@@ -28,9 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.adapters.mixture.gates import RouterStats, switch_balance_loss
-from rankwise.core import weights as W
-from rankwise.core.protocol import Unmergeable
+from rankwise.adapters.common.layers import UnmergeableLayer
+from rankwise.adapters.common.routing import RouterStats, switch_balance_loss
 from rankwise.core.token_mask import valid_tokens
 
 _ACTS = {"tanh": torch.tanh, "relu": F.relu, "identity": lambda t: t}
@@ -148,7 +147,7 @@ class SmoreTree(nn.Module):
         return x_prev[:, 0] @ self.W_final.T + self.b_final                # (N, out)
 
 
-class SmoreLayer(Unmergeable, nn.Module):
+class SmoreLayer(UnmergeableLayer):
     """A linear-like layer with named S'MoRE adapters (``AdapterModule``, not mergeable).
 
     Args:
@@ -160,49 +159,25 @@ class SmoreLayer(Unmergeable, nn.Module):
     unmergeable_reason = ("routed, non-linear residual experts; keep it as an adapter: export with "
                           "--format rankwise")
 
-    def __init__(self, base_layer: nn.Module) -> None:
-        super().__init__()
-        self.base_layer = base_layer
-        self.out_features, self.in_features = W.shape(base_layer)
-        self.trees = nn.ModuleDict()
-        self.settings: dict[str, dict[str, Any]] = {}
-        self._active: list[str] = []
-        self._aux: dict[str, torch.Tensor] = {}
-        self.train(base_layer.training)  # a new layer follows the model's mode
-
     def add(self, name: str, settings: dict[str, Any]) -> SmoreTree:
         """Add adapter ``name`` built from ``settings`` (the :meth:`describe` keys) and activate it."""
         s = dict(settings)
         alpha = s.get("alpha")
         scales = [1.0] * len(s["ranks"]) if alpha is None else [a / r for a, r in zip(alpha, s["ranks"])]
         device = next(self.base_layer.parameters()).device
-        self.trees[name] = SmoreTree(self.in_features, self.out_features, s["ranks"], s["experts"],
-                                     s["fanout"], s["gate_dims"], s["down_dim"], scales,
-                                     s["expert_act"], s["gate_act"], s["balance_weight"], device)
-        self.trees[name].train(self.training)
-        self.settings[name] = s
-        if name not in self._active:
-            self._active.append(name)
-        return self.trees[name]
+        tree = SmoreTree(self.in_features, self.out_features, s["ranks"], s["experts"],
+                         s["fanout"], s["gate_dims"], s["down_dim"], scales,
+                         s["expert_act"], s["gate_act"], s["balance_weight"], device)
+        return self.hold(name, tree, s)
 
     # ----- AdapterModule protocol -----------------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Every parameter of tree ``name`` by its path in the tree (``levels.0.A``, ``W_final``...)."""
         return dict(self.trees[name].named_parameters())
 
-    def delete(self, name: str) -> None:
-        """Remove adapter ``name``."""
-        del self.trees[name]
-        self.settings.pop(name, None)
-        self._forget(name)
-
     def describe(self, name: str) -> dict[str, Any]:
         """Protocol capability: the level settings that rebuild tree ``name`` and its widths ``d``."""
         return {**self.settings[name], "d": list(self.trees[name].d)}
-
-    def aux_losses(self) -> dict[str, torch.Tensor]:
-        """Protocol capability: the balance loss of the last training forward."""
-        return dict(self._aux)
 
     def statistics(self) -> dict[str, Any]:
         """Protocol capability: expert load per level, ``{"<name>/level<l>": ...}``."""
@@ -216,19 +191,8 @@ class SmoreLayer(Unmergeable, nn.Module):
                 lev.stats.reset(modes)
 
     # ----- compute ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``W0 x`` plus every active tree's output."""
-        out = self.base_layer(x)
-        self._aux = {}
-        if not self._active:
-            return out
-        flat = x.reshape(-1, self.in_features).float()                     # (N, in)
-        for name in self._active:
-            tree = self.trees[name]
-            out = out + tree(flat).reshape(out.shape).to(out.dtype)
-            for key, value in tree.last_aux.items():
-                self._aux[key] = self._aux[key] + value if key in self._aux else value
-        return out
+    # forward: UnmergeableLayer's, W0 x plus every active tree's output; its last_aux holds the
+    # balance loss of a training forward
 
     def extra_repr(self) -> str:
         return ", ".join(f"{n}: experts={s['experts']}, ranks={s['ranks']}, fanout={s['fanout']}"

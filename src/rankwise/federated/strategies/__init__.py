@@ -1,4 +1,5 @@
-"""Federated strategies (ROADMAP C1-C5), each registered once as kind ``"strategy"``.
+"""Federated strategies (FedIT, FFA-LoRA, RoLoRA, FedLEASE, YOCO, LEFF; papers and readings in
+docs/federated.md), each registered once as kind ``"strategy"``.
 
 The registered builder is the strategy class: on the server
 ``cls(config, fed, initial_state, train_config, roles=...)``; on a client its class-level hooks

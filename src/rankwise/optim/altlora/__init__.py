@@ -1,4 +1,5 @@
-"""AltLoRA and AltLoRA+ (ROADMAP A3): optimizers for low-rank adapter pairs; one registration
+"""AltLoRA and AltLoRA+ (arXiv 2505.12455; docs/adaptive-rank.md): optimizers for low-rank
+adapter pairs; one registration
 each."""
 from __future__ import annotations
 

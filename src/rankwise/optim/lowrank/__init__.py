@@ -1,4 +1,5 @@
-"""Geometric low-rank momentum (ROADMAP B5); importing registers ``lowrank-hb`` and
+"""Geometric low-rank momentum (Schotthoefer et al., NeurIPS 2025; docs/optimizers.md);
+importing registers ``lowrank-hb`` and
 ``lowrank-adam`` (for layers of the ``lowrank`` method)."""
 from rankwise import registry
 from rankwise.optim.lowrank import geometry

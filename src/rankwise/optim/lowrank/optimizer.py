@@ -8,7 +8,7 @@ from torch import nn
 
 from rankwise.core.protocol import adapter_modules
 from rankwise.errors import RankwiseError
-from rankwise.optim.common import adamw_update, next_step, run_closure
+from rankwise.optim.common import FlaggedGroupsAdamW, next_step
 from rankwise.optim.lowrank import geometry as geo
 from rankwise.optim.lowrank.config import LowRankAdamConfig, LowRankHBConfig
 
@@ -28,7 +28,7 @@ def _zeros(u: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> geo.Tangent:
     return torch.zeros_like(s), torch.zeros_like(u), torch.zeros_like(v)
 
 
-class LowRankMomentum(torch.optim.Optimizer):
+class LowRankMomentum(FlaggedGroupsAdamW):
     """Heavy-ball (``adam=False``) or Adam (``adam=True``) on the manifold of rank-``r``
     matrices, for layers ``W = U S V^T`` (Schotthoefer, Klein, Kusch; NeurIPS 2025,
     "A geometric framework for momentum-based optimizers for low-rank training").
@@ -78,6 +78,8 @@ class LowRankMomentum(torch.optim.Optimizer):
         RankwiseError: If a low-rank group does not hold three factors ``(m, r), (r, r), (n, r)``.
     """
 
+    group_flag = "lowrank"
+
     def __init__(self, params: Iterable[dict[str, Any]], lr: float = 1e-3, momentum: float = 0.9,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  adam: bool = False) -> None:
@@ -90,27 +92,8 @@ class LowRankMomentum(torch.optim.Optimizer):
                 if len(shapes) != 3 or shapes[1] != (shapes[0][1],) * 2 or shapes[2][1] != shapes[0][1]:
                     raise RankwiseError(f"a low-rank group needs [U (m, r), S (r, r), V (n, r)]; got {shapes}")
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """One step (see the class docstring).
-
-        Args:
-            closure: Optional closure re-evaluating the loss.
-
-        Returns:
-            The closure's loss, or ``None``.
-        """
-        loss = run_closure(closure)
-        for group in self.param_groups:
-            if group["lowrank"]:
-                self._lowrank_step(group)
-                continue
-            for p in group["params"]:
-                if p.grad is not None:
-                    adamw_update(p, self.state[p], group, next_step(self.state[p]))
-        return loss
-
-    def _lowrank_step(self, group: dict) -> None:
+    def group_step(self, group: dict) -> None:
+        """One step of a factorized layer's ``[U, S, V]`` (see the class docstring)."""
         u_p, s_p, v_p = group["params"]
         if u_p.grad is None or s_p.grad is None or v_p.grad is None:
             return

@@ -1,4 +1,4 @@
-"""NanoAdam (ROADMAP A10); importing registers ``nanoadam``."""
+"""NanoAdam (Zhou et al., NeurIPS 2025; docs/optimizers.md); importing registers ``nanoadam``."""
 from rankwise import registry
 from rankwise.optim.nanoadam.config import NanoAdamConfig
 from rankwise.optim.nanoadam.optimizer import (NanoAdam, build_nanoadam, nanoadam_param_groups,

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from rankwise.core.inject import default_heads, head_paths
-from rankwise.optim.common import adamw_update, next_step, run_closure
+from rankwise.optim.common import FlaggedGroupsAdamW
 from rankwise.optim.nanoadam.config import NanoAdamConfig
 
 
@@ -40,7 +40,7 @@ def smallest_indices(param: torch.Tensor, k: int) -> torch.Tensor:
     return idx.to(torch.int32 if flat.numel() < 2**31 else torch.int64)
 
 
-class NanoAdam(torch.optim.Optimizer):
+class NanoAdam(FlaggedGroupsAdamW):
     """NanoAdam (Zhou, Jacobs, Gadhikar, Burkholz; NeurIPS 2025, Algorithm 1).
 
     For every tensor of a group with ``"masked": True``, at step ``t`` (1-based):
@@ -76,6 +76,8 @@ class NanoAdam(torch.optim.Optimizer):
         weight_decay: Decoupled weight decay.
     """
 
+    group_flag = "masked"
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, masked=False,
@@ -101,30 +103,8 @@ class NanoAdam(torch.optim.Optimizer):
                 if key in saved.get(i, {}):
                     self.state[p][key] = saved[i][key].to(device=p.device)
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """One step (see the class docstring).
-
-        Args:
-            closure: Optional closure re-evaluating the loss.
-
-        Returns:
-            The closure's loss, or ``None``.
-        """
-        loss = run_closure(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                step = next_step(state)
-                if group["masked"]:
-                    self._masked_step(p, state, group, step)
-                else:
-                    adamw_update(p, state, group, step)
-        return loss
-
-    def _masked_step(self, p: torch.Tensor, state: dict, group: dict, step: int) -> None:
+    def param_step(self, p: torch.Tensor, state: dict, group: dict, step: int) -> None:
+        """Adam on the bottom-k entries of ``p`` (see the class docstring)."""
         density = scheduled_density(group["density"], group["final_density"], step,
                                     group["total_steps"], group["density_interval"])
         k = max(1, round(density * p.numel()))

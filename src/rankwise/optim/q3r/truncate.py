@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rankwise.core import weights as W
+from rankwise.core import weights as layer_weights
 from rankwise.core.inject import find_targets, replace_module
 from rankwise.errors import RankwiseError
 from rankwise.optim.common import DEFAULT_TARGETS
@@ -77,12 +77,12 @@ def truncate_to_factorized(model: nn.Module, rank: float,
     report = {"layers": 0, "params_before": 0, "params_after": 0}
     for path in find_targets(model, targets or DEFAULT_TARGETS, what="optim.targets"):
         module = model.get_submodule(path)
-        dense = W.dense_weight(module)  # (m, n) = (out, in)
+        dense = layer_weights.dense_weight(module)  # (m, n) = (out, in)
         m, n = dense.shape
         r = target_rank(rank, (m, n), scale_rank)
         if r * (m + n) >= m * n:
             continue
-        bias = getattr(W.base_layer(module), "bias", None)
+        bias = getattr(layer_weights.base_layer(module), "bias", None)
         new = LowRankLinear(n, m, r, bias=bias is not None).to(dtype=dense.dtype, device=dense.device)
         up, down = _factor(dense, r)
         new.up.weight.copy_(up)

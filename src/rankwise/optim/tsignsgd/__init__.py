@@ -1,4 +1,5 @@
-"""t-SignSGD, LoTA-QAF's optimizer (ROADMAP A9); importing registers ``t-signsgd``."""
+"""t-SignSGD, LoTA-QAF's optimizer (arXiv 2505.18724; docs/lota-qaf.md); importing registers
+``t-signsgd``."""
 from rankwise import registry
 from rankwise.optim.tsignsgd.config import TSignSGDConfig
 from rankwise.optim.tsignsgd.optimizer import (TSignSGD, build_tsignsgd, quantile_at,

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from rankwise.core.protocol import adapter_modules
 from rankwise.errors import RankwiseError
-from rankwise.optim.common import adamw_update, next_step, run_closure
+from rankwise.optim.common import FlaggedGroupsAdamW
 from rankwise.optim.tsignsgd.config import TSignSGDConfig
 
 
@@ -30,7 +30,7 @@ def kth_largest_threshold(values: torch.Tensor, q: float) -> torch.Tensor:
     return flat.kthvalue(k).values
 
 
-class TSignSGD(torch.optim.Optimizer):
+class TSignSGD(FlaggedGroupsAdamW):
     """t-SignSGD (LoTA-QAF, arXiv 2505.18724, Sec. 3.3; the authors' ``tSignSGD.step``).
 
     For each ternary tensor ``p`` of a group with ``"ternary": True`` and its gradient ``g``::
@@ -54,6 +54,8 @@ class TSignSGD(torch.optim.Optimizer):
             spike_quantile: See :class:`rankwise.optim.tsignsgd.TSignSGDConfig`.
     """
 
+    group_flag = "ternary"
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, total_steps: int = 300, start_quantile: float = 0.95,
                  mid_quantile: float = 0.999, end_quantile: float = 0.9999, phase_split: float = 0.8,
@@ -64,34 +66,15 @@ class TSignSGD(torch.optim.Optimizer):
                         phase_split=phase_split, spike_norm=spike_norm, spike_quantile=spike_quantile)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """One step (see the class docstring).
-
-        Args:
-            closure: Optional closure re-evaluating the loss.
-
-        Returns:
-            The closure's loss, or ``None``.
-        """
-        loss = run_closure(closure)
+    def begin_step(self) -> None:
+        """The global gradient norm of every ternary tensor (the spike test reads it)."""
         ternary = [p for g in self.param_groups if g["ternary"] for p in g["params"] if p.grad is not None]
-        norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ternary]))
-                if ternary else None)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                step = next_step(state)
-                if group["ternary"]:
-                    self._ternary_step(p, group, step, norm)
-                else:
-                    adamw_update(p, state, group, step)
-        return loss
+        self._norm = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ternary]))
+                      if ternary else None)
 
-    @staticmethod
-    def _ternary_step(p: torch.Tensor, group: dict, step: int, norm: torch.Tensor) -> None:
+    def param_step(self, p: torch.Tensor, state: dict, group: dict, step: int) -> None:
+        """One grid step of the largest gradient entries of ternary ``p`` (see the class docstring)."""
+        norm = self._norm
         g = p.grad
         mag = g.abs()
         q = quantile_at(step, group["total_steps"], group["start_quantile"], group["mid_quantile"],

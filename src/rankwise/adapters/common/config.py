@@ -1,0 +1,63 @@
+"""The config fields that layer-wrapping methods share, with their checks written once.
+
+A method's config dataclass subclasses :class:`TargetedConfig` (where the adapters go) or
+:class:`LoraPairConfig` (a LoRA-shaped pair on top: ``r``, ``alpha``, ``dropout``,
+``use_rslora``), re-declares ``name`` and any default of its own (``r: int = 2``), and extends
+``problems()`` with ``super().problems()``. Defaults stay in the dataclasses, as everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+@dataclass
+class TargetedConfig:
+    """Which layers a method adapts, and what trains beside it.
+
+    Attributes:
+        name: Registry name (each method re-declares it).
+        targets: ``"all-linear"``, ``"block-linear"``, a regex over module paths, or a list of
+            name suffixes (see :mod:`rankwise.core.inject`).
+        exclude: Name suffixes never adapted.
+        modules_to_save: Whole modules trained and saved with the adapter; ``None`` means the
+            task head for classification models (``classifier`` / ``score``), else none.
+    """
+
+    name: str = ""
+    targets: Union[list[str], str] = "all-linear"
+    exclude: list[str] = field(default_factory=list)
+    modules_to_save: Union[list[str], None] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        return []
+
+
+@dataclass
+class LoraPairConfig(TargetedConfig):
+    """A LoRA-shaped pair per target layer, ``s B A x`` with ``s = alpha / r`` (Hu et al. 2021,
+    eq. 3) or ``alpha / sqrt(r)`` (rsLoRA, Kalajdzievski 2023).
+
+    Attributes:
+        r: Rank.
+        alpha: Scale numerator.
+        dropout: Dropout on the adapter input.
+        use_rslora: s = alpha / sqrt(r).
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    use_rslora: bool = False
+
+    def problems(self) -> list[str]:
+        """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        out = super().problems()
+        if self.r < 1:
+            out.append(f"r: got {self.r}; expected an integer >= 1")
+        if self.alpha <= 0:
+            out.append(f"alpha: got {self.alpha}; expected a positive number")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
+        return out

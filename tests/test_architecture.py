@@ -1,0 +1,173 @@
+"""The import map of ``docs/architecture.md``, held by parsing ``src/`` (no import is run).
+
+Every ``import`` / ``from ... import`` in ``src/rankwise``, at module level or inside a function,
+is an arrow between two modules; :func:`forbidden` names the arrows the map forbids. The last
+tests feed it one arrow of each forbidden kind, so a rule that stopped matching would fail
+here rather than pass silently.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+BASE = {"registry", "configs", "errors", "memory", "plots", "testing"}
+METHOD_KINDS = {"adapters", "optim", "compress"}
+WIRING = {"recipes", "benchmarks", "cli"}
+# What a federated strategy may import beside core, the base and the engine (the map's row).
+STRATEGY_MAY = {"federated.strategies", "federated.keys", "federated.payload", "federated.config",
+                "federated.wire", "federated.moe", "adapters.mixture"}
+# Method families allowed to import another family: one method defined as another.
+FAMILY_EXCEPTIONS = {("adapters.gora", "adapters.lora")}
+SHARED_FAMILY = "common"  # adapters/common: what the adapter families share
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    p = SRC.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def import_arrows(src: Path = SRC) -> list[tuple[str, str, str]]:
+    """Every ``(importer, imported module, "file:line")`` inside ``rankwise``."""
+    arrows = []
+    for path in sorted((src / "rankwise").rglob("*.py")):
+        name, is_pkg = _module_name(path), path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(src)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                arrows += [(name, a.name, where) for a in node.names if a.name.split(".")[0] == "rankwise"]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parent = name.split(".") if is_pkg else name.split(".")[:-1]
+                    parent = parent[:len(parent) - node.level + 1]
+                    mod = ".".join(parent + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                if mod.split(".")[0] != "rankwise":
+                    continue
+                for a in node.names:  # `from rankwise.adapters import lora` imports a module
+                    sub = f"{mod}.{a.name}"
+                    arrows.append((name, sub if _is_module(sub) else mod, where))
+    return arrows
+
+
+def _family(parts: list[str]) -> str | None:
+    """``adapters.lora`` for any module inside ``adapters/lora/``; ``None`` outside a family
+    (the kind's own ``__init__`` and its shared top-level modules such as ``optim/common.py``).
+    ``adapters/full.py`` is a one-file family."""
+    if len(parts) < 2 or parts[0] not in METHOD_KINDS:
+        return None
+    if (SRC / "rankwise" / parts[0] / parts[1]).is_dir() or parts[:2] == ["adapters", "full"]:
+        return f"{parts[0]}.{parts[1]}"
+    return None
+
+
+def forbidden(importer: str, imported: str) -> str | None:
+    """The rule of the map that ``importer -> imported`` breaks, or ``None``.
+
+    Args:
+        importer: A dotted module name inside ``rankwise``.
+        imported: The dotted module it imports.
+
+    Returns:
+        A short description of the broken rule.
+    """
+    a, b = importer.split(".")[1:], imported.split(".")[1:]
+    if not a or not b:  # the package root (the public API) and `import rankwise`
+        return None
+    top_a, top_b = a[0], b[0]
+    if top_a == "__main__":
+        return None
+    if top_b == "cli":
+        return "nothing imports the CLI (only `python -m rankwise`)"
+    if top_a == "testing" and top_b == "core":
+        return None  # test models' helpers may read core (the 4-bit layout of a test model)
+    if top_a in BASE:
+        return None if top_b in BASE else "the base imports nothing else of rankwise"
+    if top_a == "core":
+        return None if top_b in BASE | {"core"} else "core imports only core and the base"
+    if top_a in {"engine", "data"}:
+        if top_b in METHOD_KINDS | WIRING | {"federated"}:
+            return f"{top_a} never imports methods, federated or recipes"
+        return None
+    if top_a in METHOD_KINDS:
+        if top_b in WIRING | {"engine", "data", "federated"}:
+            return "methods never import the engine, data, federated or recipes"
+        if top_b in METHOD_KINDS and top_b != top_a:
+            return "a kind of method never imports another (adapters, optim, compress)"
+        fam_a, fam_b = _family(a), _family(b)
+        if top_b in METHOD_KINDS and fam_b is not None and fam_b != fam_a:
+            if fam_b == f"{top_b}.{SHARED_FAMILY}" and fam_a is not None and top_a == top_b:
+                return None  # a family -> its kind's common module
+            if (fam_a, fam_b) in FAMILY_EXCEPTIONS:
+                return None
+            if fam_a is None and len(a) == 1:
+                return None  # the kind's __init__ imports its families to register them
+            return "method families never import each other (GoRA -> LoRA the one exception)"
+        return None
+    if a[:2] == ["federated", "strategies"]:
+        allowed = top_b in BASE | {"core", "engine"} or any(
+            imported.startswith(f"rankwise.{m}") for m in STRATEGY_MAY)
+        return None if allowed else "strategies import core, the base, the engine and federated's own modules"
+    return None
+
+
+def test_src_breaks_no_rule_of_the_map():
+    arrows = import_arrows()
+    assert len(arrows) > 300  # the parse found the tree (about 600 arrows today)
+    broken = [f"{where}: {a} -> {b} ({rule})" for a, b, where in arrows
+              if (rule := forbidden(a, b)) is not None]
+    assert broken == []
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("rankwise.core.io", "rankwise.adapters.lora"),                # core -> methods
+    ("rankwise.core.ops", "rankwise.recipes.train"),               # core -> recipes
+    ("rankwise.core.inject", "rankwise.engine.loop"),              # core -> engine
+    ("rankwise.registry", "rankwise.core.io"),                     # base -> core
+    ("rankwise.adapters.lora.layer", "rankwise.recipes.config"),   # methods -> recipes
+    ("rankwise.optim.galore.optimizer", "rankwise.engine"),        # methods -> engine
+    ("rankwise.compress.prune.prune", "rankwise.benchmarks.compress"),
+    ("rankwise.adapters.lope.layer", "rankwise.adapters.lora.layer"),     # family -> family
+    ("rankwise.adapters.smore.layer", "rankwise.adapters.mixture.gates"),
+    ("rankwise.adapters.lora", "rankwise.adapters.gora"),          # the exception is one way
+    ("rankwise.adapters.common.build", "rankwise.adapters.lora"),  # common -> a family
+    ("rankwise.adapters.mixture", "rankwise.adapters.full"),
+    ("rankwise.optim.sumo.optimizer", "rankwise.optim.galore.optimizer"),
+    ("rankwise.compress.glvq.lattice", "rankwise.compress.scalar.quant"),
+    ("rankwise.compress.prune.prune", "rankwise.adapters.lora.layer"),    # kind -> kind
+    ("rankwise.optim.altlora.optimizer", "rankwise.adapters.lora"),
+    ("rankwise.testing", "rankwise.engine.loop"),                  # base -> above core
+    ("rankwise.engine.loop", "rankwise.adapters.gora"),            # engine -> methods
+    ("rankwise.engine.task", "rankwise.optim.common"),
+    ("rankwise.data.text", "rankwise.recipes.config"),
+    ("rankwise.federated.strategies.base", "rankwise.recipes.config"),
+    ("rankwise.federated.strategies.yoco", "rankwise.federated.client_app"),
+    ("rankwise.recipes.train", "rankwise.cli"),
+])
+def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
+    assert forbidden(importer, imported) is not None
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("rankwise.adapters.gora.layer", "rankwise.adapters.lora"),
+    ("rankwise.adapters.lope.layer", "rankwise.adapters.common.routing"),
+    ("rankwise.adapters", "rankwise.adapters.lora"),
+    ("rankwise.optim.galore.optimizer", "rankwise.optim.projector"),
+    ("rankwise.federated.strategies.fedlease", "rankwise.adapters.mixture"),
+    ("rankwise.recipes.generate", "rankwise.adapters.lora.peft"),
+    ("rankwise.engine.loop", "rankwise.core.ops"),
+    ("rankwise.testing", "rankwise.core.quant"),
+])
+def test_arrows_the_map_allows_pass(importer, imported):
+    assert forbidden(importer, imported) is None
