@@ -164,7 +164,7 @@ def test_existing_run_folder_is_untouched(tmp_path, tiny_bert_run):
     assert_user_error(invoke("train", run / "config.yaml", "--out", run, "--set", "train.steps=x"),
                       "train.steps")
     assert_user_error(invoke("train", run / "config.yaml", "--out", run, "--resume",
-                             "--set", "data.source=nope.csv"), "config differs", "section(s) ['data']")
+                             "--set", "data.source=nope.csv"), "config differs", "data.source ('nope.csv' here")
     assert snapshot(run) == before
 
 

@@ -83,12 +83,24 @@ def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -
     """
     from rankwise.engine.distributed import teardown
     from rankwise.recipes.config import load_run_config
+    from rankwise.recipes.train import RunFinished
     from rankwise.recipes.train import train as run_train
     cfg = load_run_config(config, list(sets))
+    out = out or Path("runs") / config.stem
+    main_rank = os.environ.get("RANK", "0") in ("", "0")  # under torchrun only rank 0 reports
     try:
-        run_train(cfg, out or Path("runs") / config.stem, resume=resume)  # under torchrun: one process each
+        metrics = run_train(cfg, out, resume=resume)  # under torchrun: one process each
+    except RunFinished as done:
+        if main_rank:
+            click.echo(str(done), err=True)
+        return
     finally:
         teardown()
+    if main_rank:
+        shown = [k for k in metrics if k.startswith("eval_")] + ["steps", "train_time_s"]
+        click.echo("  ".join(f"{k} {metrics[k]:.4g}" if isinstance(metrics[k], float) else
+                             f"{k} {metrics[k]}" for k in shown if k in metrics))
+        click.echo(f"wrote {out}")
 
 
 @main.command()
@@ -202,11 +214,11 @@ def bench(name: str, out: Path | None) -> None:
 
 @main.command(name="list")
 def list_() -> None:
-    """List the registered methods and optimizers."""
+    """List what is registered: methods, optimizers, compressors, strategies, exporters, tasks."""
     from rankwise import registry
-    for kind in ("method", "optimizer", "strategy", "exporter", "task"):
+    for kind in ("method", "optimizer", "compressor", "strategy", "exporter", "task"):
         for name in registry.names(kind):
-            click.echo(f"{kind:9s} {name:12s} {registry.get(kind, name).summary}")
+            click.echo(f"{kind:10s} {name:12s} {registry.get(kind, name).summary}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,7 @@ which never runs pickled code.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from rankwise.core import atomic
 from rankwise.errors import RankwiseError
 
 PREFIX = "step-"
+FILES = ("trainable.safetensors", "state.pt", "meta.json")  # what a complete checkpoint holds
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -50,16 +52,60 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, kee
         torch.save(state, tmp / "state.pt")  # tensors and plain containers only
         atomic.write_json(tmp / "meta.json", {**(meta or {}), "step": step})
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return folder
 
 
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder: renamed out of the ``step-*`` namespace first, so a kill in
+    the middle of the deletion leaves a ``.step-*.old`` folder for :func:`clean_incomplete`,
+    never a ``step-*`` folder that holds only part of a checkpoint."""
+    trash = folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.replace(folder, trash)
+    except OSError:
+        trash = folder
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in FILES)
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Return complete checkpoint folders, oldest first."""
+    """Return complete checkpoint folders (each of :data:`FILES` present), oldest first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "meta.json").is_file())
+    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and _complete(p))
+
+
+def clean_incomplete(run_dir: Path) -> list[Path]:
+    """Delete what a kill left half-done in ``run_dir/checkpoints``: ``step-*`` folders that lack
+    one of :data:`FILES` (a kill during rotation, before :func:`_remove` renamed first), and the
+    hidden ``.step-*`` folders of an interrupted write or deletion. Complete checkpoints, and
+    anything else in the folder, are left alone; resuming from the newest stays exact.
+
+    Args:
+        run_dir: The run folder.
+
+    Returns:
+        The ``step-*`` folders removed (hidden leftovers are removed silently).
+    """
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        if not p.is_dir():
+            continue
+        if p.name.startswith(f".{PREFIX}") and p.name.endswith((".tmp", ".old")):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(PREFIX) and not _complete(p):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def read_meta(path: Path) -> dict:

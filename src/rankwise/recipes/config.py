@@ -18,6 +18,7 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
+from rankwise.recipes import yamlfile
 
 MAX_TOKENS = 2**24  # data.max_length's ceiling: beyond any model's positions, within tokenizers' range
 
@@ -266,18 +267,26 @@ SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "c
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
-    """Parse ``a.b=value`` (value read as YAML) into ``(["a", "b"], value)``.
+    """Parse ``a.b=value`` (value read as YAML, as a config file is) into ``(["a", "b"], value)``.
 
     Raises:
-        RankwiseError: If there is no ``=`` or the value is not valid YAML.
+        RankwiseError: If there is no ``=``, the value is not valid YAML (saying how to quote
+            it) or repeats a key.
     """
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise RankwiseError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=100")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yamlfile.load(raw) if raw.strip() else ""
+    except yamlfile.DuplicateKeyError as err:
+        raise RankwiseError(f"--set {item!r}: {err.problem}") from None
     except yaml.YAMLError as err:
-        raise RankwiseError(f"--set {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+        hint = ("; a Jinja template must be quoted as a YAML string: --set "
+                f"\"{key.strip()}='...'\" (or put it in a file and set the file's path)"
+                if "{%" in raw or "{{" in raw else
+                f"; to pass it as text, quote it: --set \"{key.strip()}='...'\"")
+        raise RankwiseError(f"--set {item!r}: the value is not valid YAML "
+                            f"({str(err).splitlines()[0]}){hint}") from None
     return key.strip().split("."), value
 
 
@@ -298,26 +307,30 @@ def apply_sets(data: dict, sets: list[str]) -> dict:
 
 
 def read_yaml(path: Path) -> dict:
-    """Read a YAML mapping from ``path``.
+    """Read a YAML mapping from ``path`` (YAML 1.2 numbers, no duplicate keys: :mod:`.yamlfile`).
 
     Raises:
-        RankwiseError: Missing/unreadable file, malformed YAML, or not a mapping.
+        RankwiseError: Missing/unreadable/empty file, malformed YAML, a duplicate key (naming
+            its line), or not a mapping.
     """
     path = Path(path)
     if not path.is_file():
         raise RankwiseError(f"config file {path} not found; pass the path of a YAML run config "
                             "(see examples/ in the repository)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yamlfile.load(path.read_text())
     except OSError as err:
         raise RankwiseError(f"cannot read config {path}: {err.strerror}") from None
+    except yamlfile.DuplicateKeyError as err:
+        raise RankwiseError(f"config {path} line {err.second.line + 1}: {err.problem}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise RankwiseError(f"config {path} is not valid YAML{where}: "
                             f"{getattr(err, 'problem', None) or err}") from None
-    if data is None:
-        data = {}
+    if data is None:  # an empty file would silently run every default (a 200-step job)
+        raise RankwiseError(f"config {path} is empty; write at least the sections it changes, "
+                            "e.g. model: {path: demo} (see examples/)")
     if not isinstance(data, dict):
         raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
     return data

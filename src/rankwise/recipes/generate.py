@@ -177,6 +177,9 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                             f"--top-p {top_p}; expected >= 1, >= 0 and a value in (0, 1]")
     from rankwise.compress.kv import find_rotary, make_cache
     make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
+    if file is not None and Path(file).is_file() and not Path(file).read_text(errors="replace").strip():
+        raise RankwiseError(f"prompts file {file} is empty; write one {{\"prompt\": ...}} object "
+                            "per line (or pass --prompt TEXT)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, model, tok, enc = load_for_generation(run_dir, adapter, device, model_path)
     if prompt is not None:

@@ -9,6 +9,7 @@ optimizer); the loop itself is :class:`rankwise.engine.Engine`, and everything a
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,13 @@ from rankwise.engine.loop import precision_problem
 from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
+from rankwise.recipes import folders, optim_scope, yamlfile
 from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
-from rankwise.recipes import folders
+from rankwise.recipes.checkpoint import clean_incomplete
 from rankwise.recipes.config import RunConfig, build_run_config
 from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer
 from rankwise.recipes.reports import data_info, report_callbacks
+from rankwise.recipes.resume import dotted_diff, schedule_factor, set_schedule
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Session:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     device: str
     dist: Distributed = field(default_factory=Distributed)
+    scope: optim_scope.Scope | None = None  # what the optimizer updates its own way
+    schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device (one batch, every
@@ -158,6 +163,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         session.train_data = packed_training_data(model, train_data, cfg.data.max_length, device)
     session.model = model = dist.prepare_model(model)
     session.optimizer = registry.get("optimizer", cfg.optim.name).builder(model, cfg.optim)
+    session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
     return session
 
@@ -205,10 +211,13 @@ def _check_run_folder(out: Path, resume: bool, console, write: bool = True) -> b
     return False
 
 
-def _check_same_config(out: Path, cfg: RunConfig) -> None:
+def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
+    """Refuse a config that differs from the run's own, naming each differing key; only
+    ``train.steps`` may change (:mod:`rankwise.recipes.resume`). Return the run's own
+    ``train.steps`` when it changes, else ``None``."""
     cfg_file = out / "config.yaml"
     if cfg_file.exists():
-        saved = yaml.safe_load(cfg_file.read_text()) or {}
+        saved = yamlfile.load(cfg_file.read_text()) or {}
         try:  # fill keys added since the run was written with their defaults
             saved = yaml.safe_load(yaml.safe_dump(build_run_config(saved).to_dict()))
         except RankwiseError:
@@ -219,10 +228,24 @@ def _check_same_config(out: Path, cfg: RunConfig) -> None:
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
             now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
-        if saved != now:
-            diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-            raise RankwiseError(f"the config differs from {cfg_file} in section(s) {diff}; resume "
-                                f"with the run's own config: rankwise train {cfg_file} --resume --out {out}")
+        diff = [k for k in dotted_diff(saved, now) if k != "train.steps"]
+        if diff:
+            raise RankwiseError(f"the config differs from {cfg_file} in {_keys(diff, saved, now)} "
+                                "(only train.steps may change on --resume); resume with the run's "
+                                f"own config: rankwise train {cfg_file} --resume --out {out}")
+        if saved.get("train", {}).get("steps") != now["train"]["steps"]:
+            return int(saved["train"]["steps"])
+    return None
+
+
+def _keys(diff: list[str], saved: dict, now: dict, shown: int = 4) -> str:
+    """``optim.lr (0.1 here, 0.005 in the run), ...`` for the first ``shown`` keys."""
+    def get(d, key):
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+    parts = [f"{k} ({get(now, k)!r} here, {get(saved, k)!r} in the run)" for k in diff[:shown]]
+    return ", ".join(parts) + (f" and {len(diff) - shown} more" if len(diff) > shown else "")
 
 
 def save_result(session: Session, out: Path) -> Path:
@@ -252,6 +275,8 @@ def _saver(session: Session, out: Path):
                 meta = {"train_time_s": state.elapsed, "world_size": dist.world,
                         "structure": {"layers": structure(session.model),
                                       "modules_to_save": modules_to_save(session.model)}}
+                if session.schedule_extensions:  # a later resume rebuilds the same schedule
+                    meta["schedule_extensions"] = session.schedule_extensions
                 save_checkpoint(out, state.step, session.model, engine_state,
                                 session.cfg.train.keep_checkpoints, meta)
     return save
@@ -269,6 +294,63 @@ def _resume(ckpt: Path, meta: dict, session: Session, engine: Engine) -> None:
     dist.reshard_optimizer(engine.optimizer)
     if dist.active:
         torch.set_rng_state(torch.load(ckpt / "state.pt", weights_only=True)["torch_rng_ranks"][dist.rank])
+
+
+class RunFinished(RankwiseError):
+    """``--resume`` of a run that has finished (its ``metrics.json`` exists) with the same
+    ``train.steps`` and an intact result: there is nothing to do (the CLI says so, exit 0)."""
+
+
+def _result_intact(out: Path, cfg: RunConfig) -> bool:
+    """Whether the run's ``adapter/`` (or ``model/``) reads back."""
+    from safetensors import safe_open
+
+    from rankwise.core.io import read_adapter
+    try:
+        if registry.get("method", cfg.method.name).trains == "full":
+            files = list((out / "model").glob("*.safetensors"))
+            for f in files:
+                with safe_open(str(f), "pt") as handle:
+                    handle.keys()
+            return bool(files) and (out / "model" / "config.json").is_file()
+        read_adapter(out / "adapter")
+        return True
+    except Exception:  # noqa: BLE001 - any unreadable result is rewritten from the checkpoint
+        return False
+
+
+def _check_extension(out: Path, cfg: RunConfig, resume: bool, old_steps: int | None,
+                     meta: dict | None) -> bool:
+    """Refuse resuming a finished run without raising ``train.steps`` (nothing would be
+    trained; the final evaluation would be appended again), or lowering it below the steps
+    already done. Return whether the run is finished but its result must be written again
+    from the checkpoint (what ``export`` suggests for a corrupt adapter)."""
+    done = int(meta["step"]) if meta else 0
+    if resume and old_steps is None and (out / "metrics.json").exists():
+        if meta is not None and not _result_intact(out, cfg):
+            return True
+        raise RunFinished(f"{out} is a finished run ({done} of {cfg.train.steps} steps, metrics.json); "
+                          "nothing to resume. To train it further, raise train.steps: --resume "
+                          f"--out {out} --set train.steps={2 * cfg.train.steps}")
+    if old_steps is not None and cfg.train.steps < done:
+        raise RankwiseError(f"train.steps {cfg.train.steps} is below the {done} steps {out} has done; "
+                            f"set train.steps to at least {done}")
+    return False
+
+
+def _continue_schedule(session: Session, engine: Engine, meta: dict, old_steps: int | None,
+                       console) -> None:
+    """Give the resumed scheduler the run's learning-rate schedule when ``train.steps`` changed,
+    now or on an earlier resume (:mod:`rankwise.recipes.resume`)."""
+    t = session.cfg.train
+    session.schedule_extensions = [tuple(e) for e in meta.get("schedule_extensions", [])]
+    if old_steps is not None:
+        session.schedule_extensions.append((old_steps, int(meta["step"])))
+        console.print(f"train.steps {old_steps} -> {t.steps}: lr ramps to the new schedule in "
+                      f"{max(1, int(t.steps * t.warmup_fraction))} step(s)", soft_wrap=True)
+    if session.schedule_extensions:
+        set_schedule(engine.scheduler, schedule_factor(t.steps, t.warmup_fraction,
+                                                       session.schedule_extensions))
 
 
 def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | None = None,
@@ -290,6 +372,7 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     Raises:
         RankwiseError: Bad config/data/model, a run folder conflict, or a non-finite loss
             (the last good checkpoint is kept).
+        RunFinished: ``resume`` of a finished run whose ``train.steps`` is unchanged.
         KeyboardInterrupt: After writing a checkpoint, on Ctrl-C.
     """
     from rich.console import Console
@@ -311,11 +394,15 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
            summary: bool, dist) -> dict:
     """:func:`train` once the run folder is this process's."""
     main = dist.is_main
+    is_run = (out / "config.yaml").exists()
     resume = _check_run_folder(out, resume, console, write=main)
-    if resume:
-        _check_same_config(out, cfg)
+    if main and (resume or is_run):
+        for partial in clean_incomplete(out):  # a kill during checkpoint rotation
+            console.print(f"removed the incomplete checkpoint {partial}")
+    old_steps = _check_same_config(out, cfg) if resume else None
     ckpts = list_checkpoints(out) if resume else []
     meta = read_meta(ckpts[-1]) if ckpts else None
+    rewrite = _check_extension(out, cfg, resume, old_steps, meta)
     dist.barrier()  # every process has checked the folder before rank 0 writes to it
     session = session or prepare(cfg, saved=(meta or {}).get("structure"), dist=dist)
     if summary and cfg.train.progress:
@@ -348,14 +435,23 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         _resume(ckpts[-1], meta, session, engine)
         start_step, prior_time = int(meta["step"]), float(meta.get("train_time_s", 0.0))
         console.print(f"resuming {out} from step {start_step}")
+        _continue_schedule(session, engine, meta, old_steps, console)
     elif resume:
         console.print(f"no checkpoint in {out}; starting from step 0")
+    if session.scope is not None:
+        console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
     if main and folders.read_record(out) is None:
         folders.record(out, "train")
-    if main and not (out / "config.yaml").exists():
-        atomic.write_bytes(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode())
+    if main and (old_steps is not None or not (out / "config.yaml").exists()):
+        atomic.write_bytes(out / "config.yaml", yamlfile.dump(cfg.to_dict(), sort_keys=False).encode())
     if main and not ckpts and hasattr(session.method_result, "write_artifacts"):
         session.method_result.write_artifacts(out)
+    if rewrite:  # a finished run whose adapter/ (model/) is unreadable: write it again, only that
+        with dist.guard(), dist.full_params(session.model):
+            if main:
+                console.print(f"{out} is finished; wrote {save_result(session, out)} again from "
+                              f"the checkpoint of step {start_step}")
+        return json.loads((out / "metrics.json").read_text())
     mem = PeakMemory(session.device)
     engine.callbacks.append(cb.MeasureMemory(mem))
     try:
@@ -374,7 +470,8 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     metrics = {**{k: round(v, 6) for k, v in state.last_eval.items()}, "trainable_params": trainable,
                "total_params": total, "steps": state.step, "train_time_s": round(state.elapsed, 3),
                "peak_memory_mb": round(mem.peak_mb, 1), "memory_meter": mem.meter,
-               "method": cfg.method.name, "optim": cfg.optim.name, **data_info(session)}
+               "method": cfg.method.name, "optim": cfg.optim.name, **data_info(session),
+               **optim_scope.metrics(session.scope)}
     if main:
         atomic.write_json(out / "metrics.json", metrics)
     return metrics
