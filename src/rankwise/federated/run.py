@@ -18,13 +18,13 @@ import json
 import os
 from pathlib import Path
 
-import yaml
 
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.core import atomic
 from rankwise.errors import RankwiseError
 from rankwise.federated.config import FederatedConfig
+from rankwise.recipes import yamlfile
 
 
 def resolve(config_path: Path | None, sets: list[str], base: dict | None = None):
@@ -56,7 +56,7 @@ def write_config(cfg, fed: FederatedConfig, out: Path) -> Path:
     data = cfg.to_dict()
     data["federated"] = dataclasses.asdict(fed)
     path = out / "config.yaml"
-    atomic.write_bytes(path, yaml.safe_dump(data, sort_keys=False).encode())
+    atomic.write_bytes(path, yamlfile.dump(data, sort_keys=False).encode())  # reads back as written
     return path
 
 
@@ -172,8 +172,8 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
     if resume:
         if not list_rounds(out):
             raise RankwiseError(f"{out} has no completed round to resume from; run without --resume")
-        saved = yaml.safe_load((out / "config.yaml").read_text()) if (out / "config.yaml").is_file() else None
-        now = yaml.safe_load(yaml.safe_dump({**cfg.to_dict(), "federated": dataclasses.asdict(fed)}))
+        saved = yamlfile.load((out / "config.yaml").read_text()) if (out / "config.yaml").is_file() else None
+        now = yamlfile.load(yamlfile.dump({**cfg.to_dict(), "federated": dataclasses.asdict(fed)}))
         if saved != now:
             diff = sorted(k for k in set(saved or {}) | set(now) if (saved or {}).get(k) != now.get(k))
             raise RankwiseError(f"the config differs from {out / 'config.yaml'} in {diff}; resume with "
