@@ -62,9 +62,9 @@ def test_capt_sets_one_capsule_per_layer_at_position_zero():
     assert len(seen) == 2 and hidden.shape[1] == 1 + 8
 
 
-def test_capt_on_a_causal_lm_pools_only_tokens_without_loss():
-    model = tiny_gpt2_lm()
-    apply_capt(model, CaptConfig())
+def logits_before_and_after_a_later_target_changes(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a 4-token prompt + 4 target tokens, and of the same with target token 6
+    changed (the leakage probe of the prompt methods on a causal LM)."""
     batch = tiny_batch("gpt2", batch=1, seed=6)
     batch["labels"][:, :4] = IGNORE                       # a 4-token prompt, then 4 target tokens
 
@@ -72,11 +72,16 @@ def test_capt_on_a_causal_lm_pools_only_tokens_without_loss():
         with torch.no_grad():
             return model(**{k: v for k, v in transform_inputs(model, b).items() if k != "labels"}).logits
 
-    before = logits(batch)
     changed = {k: v.clone() for k, v in batch.items()}
     changed["input_ids"][0, 6] = (changed["input_ids"][0, 6] + 1) % 64
     changed["labels"][0, 6] = changed["input_ids"][0, 6]
-    after = logits(changed)
+    return logits(batch), logits(changed)
+
+
+def test_capt_on_a_causal_lm_pools_only_tokens_without_loss():
+    model = tiny_gpt2_lm()
+    apply_capt(model, CaptConfig())
+    before, after = logits_before_and_after_a_later_target_changes(model)
     # positions before the changed target (capsule + tokens 0..5) do not see it
     torch.testing.assert_close(after[:, :7], before[:, :7], atol=1e-6, rtol=0)
     assert not torch.allclose(after[:, 7:], before[:, 7:])
@@ -87,24 +92,16 @@ def test_pt_moe_on_a_causal_lm_routes_on_the_prompt_only():
     torch.manual_seed(0)
     apply_pt_moe(model, PtMoeConfig(num_virtual_tokens=3, num_experts=4, rank=5, top_k=2))
     model.eval()                                          # no router noise
-    batch = tiny_batch("gpt2", batch=1, seed=6)
-    batch["labels"][:, :4] = IGNORE                       # a 4-token prompt, then 4 target tokens
-
-    def logits(b):
-        with torch.no_grad():
-            return model(**{k: v for k, v in transform_inputs(model, b).items() if k != "labels"}).logits
-
-    before = logits(batch)
-    changed = {k: v.clone() for k, v in batch.items()}
-    changed["input_ids"][0, 6] = (changed["input_ids"][0, 6] + 1) % 64
-    changed["labels"][0, 6] = changed["input_ids"][0, 6]
-    after = logits(changed)
+    before, after = logits_before_and_after_a_later_target_changes(model)
     # the 3 virtual positions and tokens 0..5 do not see target token 6 (pooling it: 7e-4 here)
     assert torch.equal(after[:, :3 + 6], before[:, :3 + 6])
     assert not torch.allclose(after[:, 3 + 6:], before[:, 3 + 6:])
     # generation sees only the prompt: its logits equal the training forward's prompt positions
+    batch = tiny_batch("gpt2", batch=1, seed=6)
     prompt = {"input_ids": batch["input_ids"][:, :4], "attention_mask": batch["attention_mask"][:, :4]}
-    torch.testing.assert_close(logits(prompt), before[:, :3 + 4], atol=1e-6, rtol=0)
+    with torch.no_grad():
+        got = model(**transform_inputs(model, prompt)).logits
+    torch.testing.assert_close(got, before[:, :3 + 4], atol=1e-6, rtol=0)
 
 
 def test_pt_moe_noise_keeps_one_plus_eps_positive():
