@@ -141,6 +141,19 @@ class MatrixAdamW(torch.optim.Optimizer):
     """
 
     group_defaults: ClassVar[dict[str, Any]] = {}
+    # what the subclass's own update acts on, and how a run gives it something to act on (the
+    # rest steps as AdamW; ``recipes/optim_scope.py`` reads these to say how far it reaches)
+    own_update: ClassVar[tuple[str, str]] = (
+        "trainable 2-D weight matrices of optim.targets (default: the linear layers of the "
+        "transformer blocks)", "train them (method.name: full) or use optim.name: adamw")
+
+    def updates_own_way(self, group: dict, p: torch.Tensor) -> bool:
+        """Whether ``p`` of ``group`` gets the subclass's update (a 2-D matrix of a rank group)."""
+        return group.get("rank") is not None and p.ndim == 2
+
+    def keeps_full_rank(self, group: dict, p: torch.Tensor) -> bool:
+        """Whether the group's rank covers ``p``'s smaller side (no rank reduction there)."""
+        return self.updates_own_way(group, p) and group["rank"] >= min(p.shape)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:

@@ -11,8 +11,6 @@ numbers ``metrics.json`` records otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from rankwise.errors import RankwiseError
@@ -42,49 +40,28 @@ class Scope:
     unprojected: int = 0
 
 
-def _rules(optimizer: torch.optim.Optimizer) -> tuple[str, str, Callable[[dict, torch.Tensor], bool]] | None:
-    """(what, fix, picks(group, param)) for optimizers with an AdamW fallback; ``None`` for the
-    rest (AdamW, NGN and NanoAdam update every tensor their way; lowrank-* and altlora refuse
-    a model without their layers themselves)."""
-    from rankwise.optim.common import MatrixAdamW
-    from rankwise.optim.tsignsgd.optimizer import TSignSGD
-    if isinstance(optimizer, MatrixAdamW):
-        return ("trainable 2-D weight matrices of optim.targets (default: the linear layers of "
-                "the transformer blocks)", "train them (method.name: full) or use optim.name: adamw",
-                lambda g, p: g.get("rank") is not None and p.ndim == 2)
-    if isinstance(optimizer, TSignSGD):
-        return ("ternary adapter tensors", "use method.name: lota-qaf, or optim.name: adamw",
-                lambda g, p: bool(g.get("ternary")))
-    return None
-
-
 def scope(optimizer: torch.optim.Optimizer) -> Scope | None:
-    """Count what ``optimizer`` updates its own way (``None``: it has no AdamW fallback)."""
-    rules = _rules(optimizer)
-    if rules is None:
+    """Count what ``optimizer`` updates its own way (``None``: it has no AdamW fallback).
+
+    The optimizer says it itself: ``own_update`` (what its update acts on, and the fix) and
+    ``updates_own_way(group, p)`` / ``keeps_full_rank(group, p)`` (GaLore, SUMO, Q3R and
+    GaLore-IS through ``optim.common.MatrixAdamW``, t-SignSGD on its ternary tensors); AdamW,
+    NGN and NanoAdam update every tensor their way, and lowrank-* and altlora refuse a model
+    without their layers themselves.
+    """
+    own = getattr(optimizer, "own_update", None)
+    if own is None:
         return None
-    what, fix, picks = rules
-    out = Scope(what, fix)
+    out = Scope(*own)
     for group in optimizer.param_groups:
         for p in group["params"]:
             out.total_tensors += 1
             out.total_params += p.numel()
-            if picks(group, p):
+            if optimizer.updates_own_way(group, p):
                 out.tensors += 1
                 out.params += p.numel()
-                out.unprojected += _full_rank(optimizer, group, p)
+                out.unprojected += optimizer.keeps_full_rank(group, p)
     return out
-
-
-def _full_rank(optimizer: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> bool:
-    """Whether the group's rank covers the smaller side of ``p`` (Q3R: its per-matrix rank)."""
-    from rankwise.optim.q3r.optimizer import Q3RAdamW, target_rank
-    rank = group.get("rank")
-    if rank is None or p.ndim != 2:
-        return False
-    if isinstance(optimizer, Q3RAdamW):
-        rank = target_rank(rank, tuple(p.shape), group["scale_rank"])
-    return rank >= min(p.shape)
 
 
 def check(optimizer: torch.optim.Optimizer, optim_name: str, method_name: str) -> Scope | None:

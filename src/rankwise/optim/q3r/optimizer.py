@@ -222,6 +222,11 @@ class Q3RAdamW(MatrixAdamW):
     :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
+    def keeps_full_rank(self, group: dict, p: torch.Tensor) -> bool:
+        """Whether Q3R's per-matrix rank (:func:`target_rank`) covers ``p``'s smaller side."""
+        return (self.updates_own_way(group, p)
+                and target_rank(group["rank"], tuple(p.shape), group["scale_rank"]) >= min(p.shape))
+
     group_defaults = dict(update_every=5, lam=0.1, reweight="subspace", power_iters=1, scale_rank=True)
 
     def __init__(self, *args, **kwargs) -> None:

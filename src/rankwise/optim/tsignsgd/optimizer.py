@@ -55,6 +55,15 @@ class TSignSGD(FlaggedGroupsAdamW):
     """
 
     group_flag = "ternary"
+    own_update = ("ternary adapter tensors", "use method.name: lota-qaf, or optim.name: adamw")
+
+    def updates_own_way(self, group: dict, p: torch.Tensor) -> bool:
+        """Whether ``p`` is a ternary tensor (the rest steps as AdamW)."""
+        return bool(group.get(self.group_flag))
+
+    def keeps_full_rank(self, group: dict, p: torch.Tensor) -> bool:
+        """No rank applies to a ternary update."""
+        return False
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, total_steps: int = 300, start_quantile: float = 0.95,
