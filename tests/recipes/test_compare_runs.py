@@ -150,3 +150,14 @@ def test_ctrl_c_stops_every_job_and_keeps_finished_runs(config, tmp_path):
     for path in finished:
         plan, digest = runs.read_plan(path.parent)
         assert digest == runs.config_hash(plan)
+
+
+@pytest.mark.slow
+def test_a_comparison_resumed_with_other_threads_still_owns_its_runs(config, tmp_path, monkeypatch):
+    """train.threads (like train.progress) changes how fast, not what: a later command with
+    another thread count reuses the finished runs instead of refusing their folders."""
+    first = run_compare(config, ["lora"], 1, ["train.threads=1"], tmp_path / "cmp")
+    from rankwise.recipes import train as train_mod
+    monkeypatch.setattr(train_mod, "train", lambda *a, **k: pytest.fail("retrained"))
+    again = run_compare(config, ["lora"], 1, ["train.threads=2"], tmp_path / "cmp")
+    assert numbers(again) == numbers(first)

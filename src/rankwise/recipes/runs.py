@@ -62,11 +62,24 @@ def read_plan(run_dir: Path) -> tuple[Any, str | None]:
     return saved, None
 
 
+def _comparable(raw: Any) -> Any:
+    """A plan without the settings that do not change results (:data:`NOT_RESULTS`), so a
+    comparison resumed with another ``--set train.threads=...`` still owns its folders."""
+    if not isinstance(raw, dict):
+        return raw
+    out = json.loads(json.dumps(raw))
+    for section, key in NOT_RESULTS:
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
+
+
 def check_owned(run_dir: Path, raw: dict) -> None:
-    """Raise unless ``run_dir`` is absent, empty, or marked with this very plan."""
+    """Raise unless ``run_dir`` is absent, empty, or marked with this very plan (up to the
+    settings that do not change results)."""
     run_dir = Path(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
-        if read_plan(run_dir)[0] != json.loads(json.dumps(raw)):
+        if _comparable(read_plan(run_dir)[0]) != _comparable(raw):
             raise RankwiseError(f"{run_dir} holds a run that is not this comparison's (no matching "
                                 f"{PLAN}); choose another --out or move that folder away")
 
