@@ -77,5 +77,11 @@ def test_yoco_initial_global_adapter_is_built_by_the_strategy(tmp_path):
     assert all(float(init[k].abs().min()) > 0 for k in b)
     from rankwise.federated.strategies.base import fingerprint
     from rankwise.federated.task import build_client
-    client = build_client(path, 0)
-    assert fingerprint({k: p.detach() for k, p in client.params().items()}) == fingerprint(init)
+    threads = torch.get_num_threads()
+    try:  # Ray's client processes run on one thread, the server on several: the same bits
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            client = build_client(path, 0)
+            assert fingerprint({k: p.detach() for k, p in client.params().items()}) == fingerprint(init)
+    finally:
+        torch.set_num_threads(threads)

@@ -46,6 +46,13 @@ def make_client(strategy, rounds_trained: int = 0) -> Client:
                   data, names, factor_roles(model), strategy, rounds_trained)
 
 
+def svd_with_signs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, S)`` of ``w`` with each column of U signed so its largest-magnitude entry is
+    positive (the convention YOCO fixes so every process gets the same bits)."""
+    u, sv, _ = torch.linalg.svd(w.detach().double(), full_matrices=False)
+    return u * torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True))), sv
+
+
 def yoco_reference(model, s: int, steps: int) -> torch.Tensor:
     """YOCO Sec. 3.2 written out: sign term over every B, sparse term over the trainable A."""
     gamma = 1 + (YOCO[keys.YOCO_GAMMA_MAX] - 1) * 0.5 * (1 - math.cos(math.pi * s / (steps - 1)))
@@ -53,8 +60,8 @@ def yoco_reference(model, s: int, steps: int) -> torch.Tensor:
     for m in model.modules():
         if isinstance(m, LoraLayer):
             b = m.lora_B["default"].weight
-            u = torch.linalg.svd(m.base_layer.weight.detach().float(), full_matrices=False)[0]
-            target = torch.sign(u[:, : b.shape[1]])
+            u = svd_with_signs(m.base_layer.weight)[0]
+            target = torch.sign(u[:, : b.shape[1]]).float()
             signs.append(torch.linalg.norm(torch.tanh(gamma * b) - target) / (torch.linalg.norm(target) + 1e-6))
             if m.lora_A["default"].weight.requires_grad:
                 sparse.append(m.lora_A["default"].weight.abs().sum())      # ||A||_1, entrywise
@@ -131,8 +138,8 @@ def test_yoco_initial_b_comes_from_the_svd_of_w_and_a_is_zero():
             a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
             name_a = next(n for n, p in params.items() if p is a)
             name_b = next(n for n, p in params.items() if p is b)
-            u, sv, _ = torch.linalg.svd(m.base_layer.weight.detach().float(), full_matrices=False)
-            torch.testing.assert_close(init[name_b], u[:, :2] * sv[:2].sqrt(), rtol=0, atol=1e-6)
+            u, sv = svd_with_signs(m.base_layer.weight)
+            torch.testing.assert_close(init[name_b], (u[:, :2] * sv[:2].sqrt()).float(), rtol=0, atol=1e-6)
             assert torch.equal(init[name_a], torch.zeros_like(a))
             assert torch.equal(torch.sign(init[name_b]), torch.sign(u[:, :2]))
             checked += 1

@@ -75,6 +75,25 @@ def pca_aggregate(mats: list[torch.Tensor], weights: list[float], k: int) -> tor
     return (z_g @ p).reshape(mats[0].shape).float()
 
 
+def weight_svd(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, S)`` of the layer's base weight ``W = U S V^T``, the same bits in every process.
+
+    The server and every client compute it (B's initial value, the sign targets) and compare
+    the initial adapter's fingerprint, while Ray's client processes run on one thread and the
+    server on several: so the decomposition runs in float64 on one thread, and each column of
+    ``U`` is given the sign that makes its largest-magnitude entry positive (an SVD's columns
+    are defined up to sign).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        u, sv, _ = torch.linalg.svd(dense_weight(module).detach().double(), full_matrices=False)
+    finally:
+        torch.set_num_threads(threads)
+    flip = torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))   # (1, k)
+    return u * flip, sv
+
+
 def sign_targets(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """YOCO's ``B_s = sign(U_r)`` for every factor B, from the SVD ``W = U S V^T`` of the frozen
     base weight of its layer (identical on every client).
@@ -92,8 +111,8 @@ def sign_targets(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
             if pair is None:
                 continue
             b = pair[1]                                               # (out, r)
-            u, _, _ = torch.linalg.svd(dense_weight(mod).detach().float(), full_matrices=False)
-            out.append((b, torch.sign(u[:, : b.shape[1]]).to(b.device)))
+            u, _ = weight_svd(mod)
+            out.append((b, torch.sign(u[:, : b.shape[1]]).float().to(b.device)))
     return out
 
 
@@ -182,7 +201,7 @@ class Yoco(AdapterStrategy):
                 if roles.get(a) != "A" or roles.get(b) != "B" or a not in out or b not in out:
                     continue
                 r = out[b].shape[1]
-                u, sv, _ = torch.linalg.svd(dense_weight(mod).detach().float(), full_matrices=False)
+                u, sv = weight_svd(mod)
                 out[b] = (u[:, :r] * sv[:r].sqrt()).to(out[b].dtype)               # (out, r)
                 out[a] = torch.zeros_like(out[a])                                   # (r, in)
         return out
