@@ -11,10 +11,11 @@ another machine, and a changed setting or default never reuses a stale result. A
 run of the same hash continues from its newest checkpoint; anything else is started again.
 
 :func:`run_all` trains runs one after another or, with ``jobs > 1``, in that many worker
-processes (spawned, a fresh one for every run, so each starts clean and gives its memory back),
-each with ``cores / jobs`` torch threads on CPU or its own GPU (``CUDA_VISIBLE_DEVICES``) with
-CUDA; the parent prints one progress line per run. Long comparisons want ``--jobs`` of 2 or
-more: in one process, memory grows from run to run (not yet found why).
+processes (spawned, so each starts clean), each with ``cores / jobs`` torch threads on CPU or
+its own GPU (``CUDA_VISIBLE_DEVICES``) with CUDA; the parent prints one progress line per run.
+Known limit: memory is not fully returned between runs in one process (the 72-run
+compare-tuned grew to 24 GB over 9 runs); a long comparison is resumed in pieces until that is
+found.
 Ctrl-C interrupts every worker (each writes its checkpoint) and leaves finished runs reusable.
 """
 from __future__ import annotations
@@ -130,11 +131,8 @@ def _init_worker(threads: int, devices: Any) -> None:
     import signal
 
     import torch
-    if devices is not None:  # a GPU of the pool, handed back when this worker exits
-        from multiprocessing.util import Finalize
-        device = devices.get()
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
-        Finalize(None, devices.put, args=(device,), exitpriority=10)
+    if devices is not None:  # one GPU of the pool per worker (workers live for the whole run)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(devices.get())
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -202,10 +200,11 @@ def _run_parallel(jobs: list[tuple[str, dict, Path]], n_jobs: int, console) -> l
             devices.put(k % torch.cuda.device_count())
     threads = auto_threads(n_jobs)  # cores (affinity, cgroup quota) shared by the jobs
     results: dict[int, dict] = {}
-    # a fresh worker per run: one process training run after run grew to 24 GB on the 72-run
-    # compare-tuned (memory not returned between runs), and the OS killed it
+    # (a fresh worker per run, max_tasks_per_child=1, would give each run's memory back - one
+    # process grew to 24 GB over 9 MiniLM runs - but then Ctrl-C to the parent alone hung in
+    # shutdown while replacement workers started; left for its own issue)
     pool = ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker,
-                               initargs=(threads, devices), max_tasks_per_child=1)
+                               initargs=(threads, devices))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bars:
         tasks = {i: bars.add_task(label, total=build_run_config(copy.deepcopy(raw)).train.steps)
