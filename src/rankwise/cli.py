@@ -26,6 +26,7 @@ BENCHMARKS = {
     "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
     "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
+    "tpa": "rankwise.benchmarks.tpa:run",
 }
 
 
