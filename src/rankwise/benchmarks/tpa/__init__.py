@@ -58,9 +58,9 @@ def attention_params(model: nn.Module) -> int:
     return sum(p.numel() for layer in model.model.layers for p in layer.self_attn.parameters())
 
 
-def _train(row: str, s: Sizes, train: ByteWindows, heldout: ByteWindows) -> tuple[nn.Module, dict]:
+def _train(row: str, lr: float, s: Sizes, train: ByteWindows, heldout: ByteWindows) -> tuple[nn.Module, dict]:
     model = build(row, s)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, s.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / warm if k < warm else
                                               0.1 + 0.45 * (1 + math.cos(math.pi * (k - warm) / max(1, s.steps - warm))))
@@ -69,7 +69,7 @@ def _train(row: str, s: Sizes, train: ByteWindows, heldout: ByteWindows) -> tupl
     curve = [engine.train_step(k).loss for k in range(s.steps)]
     train_s = time.perf_counter() - t0
     loss = evaluate(model, get_task("causal-lm"), heldout, 16)["eval_loss"]
-    return model.eval(), {"train_curve": curve, "heldout_loss": loss, "train_s": train_s}
+    return model.eval(), {"lr": lr, "train_curve": curve, "heldout_loss": loss, "train_s": train_s}
 
 
 @torch.no_grad()
@@ -126,9 +126,15 @@ def run(out: Path, sizes: Sizes | None = None, rows: tuple[str, ...] = ROWS) -> 
         train, heldout = ByteWindows(train_bytes, starts, s.seq), ByteWindows(held_bytes, eval_starts, s.seq)
         p0 = int(torch.randint(0, held_bytes.numel() - s.prompt, (1,), generator=g))
         prompt = held_bytes[p0: p0 + s.prompt].long()[None]
-        models, res = {}, {}
+        models, res, sweep = {}, {}, {r: {} for r in rows}
+        for lr in s.lrs:                                      # all rows at one rate, then the next
+            for row in rows:
+                model, r = _train(row, lr, s, train, heldout)
+                sweep[row][lr] = r["heldout_loss"]
+                if row not in res or r["heldout_loss"] < res[row]["heldout_loss"]:
+                    models[row], res[row] = model, r
         for row in rows:
-            models[row], res[row] = _train(row, s, train, heldout)
+            res[row]["sweep"] = sweep[row]
         for row, model in models.items():
             cfg = model.config
             kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
@@ -164,5 +170,5 @@ def run(out: Path, sizes: Sizes | None = None, rows: tuple[str, ...] = ROWS) -> 
 
 def tiny() -> Sizes:
     """A size for tests: seconds on one core."""
-    return replace(Sizes(), hidden=32, layers=1, intermediate=64, head_dim=8, seq=16, batch=2, steps=3,
+    return replace(Sizes(), hidden=32, layers=1, intermediate=64, head_dim=8, seq=16, batch=2, steps=3, lrs=(1e-3,),
                    eval_windows=2, prompt=4, new_tokens=3, decode_rounds=1)

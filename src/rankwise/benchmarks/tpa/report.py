@@ -7,14 +7,14 @@ from pathlib import Path
 
 def table(result: dict) -> str:
     """One Markdown line per row."""
-    lines = ["| row | heads (KV heads) | attention params / MHA's | held-out loss (nats/byte) | ppl/byte | "
+    lines = ["| row | best lr | heads (KV heads) | attention params / MHA's | held-out loss (nats/byte) | ppl/byte | "
              "KV cache B/token/layer, measured (Table 1 formula) | KV cache / MHA's | decode tok/s "
              "(median) | decode speed / MHA's (same round) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["rows"].items():
         loss = r["heldout_loss"]
         lines.append(
-            f"| {name} | {r['heads']} ({r['kv_heads']}) | {r['attn_params'] / result['mha_attn_params']:.3f} | "
+            f"| {name} | {r['lr']:g} | {r['heads']} ({r['kv_heads']}) | {r['attn_params'] / result['mha_attn_params']:.3f} | "
             f"{loss:.4f} | {math.exp(loss):.3f} | {r['kv_bytes_per_token_layer']:.0f} "
             f"({r['kv_formula_bytes']}) | {r['kv_ratio_to_mha']:.3f} | {r['decode_tok_s']:.0f} | "
             f"{r['decode_ratio_to_mha']:.2f} |")
@@ -26,8 +26,9 @@ def markdown(result: dict) -> str:
     s, info = result["sizes"], result["corpus"]
     head = (f"Llama-style {s['layers']} layers x width {s['hidden']} (MLP {s['intermediate']}, d_h "
             f"{s['head_dim']}), byte tokens, seq {s['seq']}, batch {s['batch']}, {s['steps']} AdamW steps "
-            f"(lr {s['lr']:g}, the same for every row: {s['steps'] * s['batch'] * s['seq']:,} training "
-            f"tokens each), TPA ranks R_Q={s['q_rank']}, R_K={s['k_rank']}, R_V={s['v_rank']}, GQA "
+            f"({s['steps'] * s['batch'] * s['seq']:,} training tokens per run), peak learning rates "
+            f"{', '.join(f'{x:g}' for x in s['lrs'])} (each row's best by held-out loss; the others are in "
+            f"results.json), TPA ranks R_Q={s['q_rank']}, R_K={s['k_rank']}, R_V={s['v_rank']}, GQA "
             f"{s['gqa_groups']} KV heads; corpus {info['bytes']['train']:,} train / "
             f"{info['bytes']['heldout']:,} held-out bytes of the Python {result['python']} standard library. "
             f"Decoding: {s['new_tokens']} greedy tokens after a {s['prompt']}-byte prompt with each "

@@ -25,7 +25,8 @@ class Sizes:
         q_rank, k_rank, v_rank: TPA's ranks (the paper's ``R_Q = 6, R_K = R_V = 2``).
         gqa_groups: KV heads of the GQA row.
         seq, batch, steps: Bytes per window, windows per step, optimizer steps (equal tokens).
-        lr: AdamW's peak learning rate (10% warm-up, cosine to 10%), the same for every row.
+        lrs: AdamW's peak learning rates (10% warm-up, cosine to 10%); every row trains at each
+            and reports its best held-out loss.
         eval_windows: Held-out windows for the final loss.
         prompt, new_tokens, decode_rounds: Decoding speed: a ``prompt``-byte held-out prompt,
             ``new_tokens`` greedy tokens with the cache, ``decode_rounds`` interleaved rounds.
@@ -44,7 +45,7 @@ class Sizes:
     seq: int = 128
     batch: int = 16
     steps: int = 120
-    lr: float = 3e-3
+    lrs: tuple[float, ...] = (3e-3, 1e-2)
     eval_windows: int = 64
     prompt: int = 32
     new_tokens: int = 128
