@@ -11,7 +11,8 @@ from __future__ import annotations
 def register_architectures() -> None:
     """Register every rankwise architecture with transformers' ``AutoConfig`` and
     ``AutoModelForCausalLM`` (idempotent; each package registers itself when imported)."""
-    import rankwise.models.tpa  # noqa: F401  (registers on import)
+    import importlib
+    importlib.import_module("rankwise.models.tpa")  # registers its classes on import
 
 
 __all__ = ["register_architectures"]
