@@ -128,6 +128,17 @@ def test_padding_mask_leaves_real_tokens_unchanged():
     assert (got - want).abs().max() < 1e-5
 
 
+def test_packed_examples_attend_only_to_themselves():
+    """Restarting ``position_ids`` without a mask (``data.packing``) = each example on its own."""
+    model = tpa(seed=6)
+    a, b = torch.randint(1, 64, (1, 5)), torch.randint(1, 64, (1, 4))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    with torch.no_grad():
+        packed = model(torch.cat([a, b], 1), position_ids=pos, use_cache=False).logits
+        alone = torch.cat([model(a, use_cache=False).logits, model(b, use_cache=False).logits], 1)
+    assert (packed - alone).abs().max() < 1e-5
+
+
 def test_save_and_load_through_the_auto_classes(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
     register_architectures()

@@ -127,11 +127,17 @@ class TPAModel(TPAPreTrainedModel):
         cos, sin = self.rope(position_ids, x.dtype)
         mask = None
         padded = attention_mask is not None and not bool(attention_mask.all())
-        if padded or (past and t > 1):
+        # packed examples (rankwise's data.packing): positions restart at 0 inside the block and,
+        # with no attention mask, each example attends only to itself (as transformers does)
+        packed = attention_mask is None and not past and t > 1 and bool((position_ids[:, 1:] == 0).any())
+        if padded or packed or (past and t > 1):
             keys = torch.arange(past + t, device=x.device)
             mask = (keys[None, :] <= (keys[past:, None])).expand(b, 1, t, past + t)
             if attention_mask is not None:
                 mask = mask & attention_mask[:, None, None, -(past + t):].bool()
+            if packed:
+                doc = (position_ids == 0).cumsum(-1)                                  # (B, T)
+                mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
             mask = mask | ~mask.any(-1, keepdim=True)  # a fully padded query row attends everywhere
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache if use_cache else None)
