@@ -25,12 +25,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from rankwise.adapters.common.peft import CONFIG, WEIGHTS, peft_task_type, write_peft_folder
+from rankwise.adapters.common.peft import CONFIG, WEIGHTS, peft_task_type, token_rows, write_peft_folder
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
 from rankwise.core.inject import is_linear_like, is_wrapped, matches
 from rankwise.core.ops import load_adapter_state_dict, modules_to_save
 from rankwise.core.protocol import adapter_modules, is_mergeable
+from rankwise.core.tokens import TokenHeadRows, TokenRows
+
+TOKEN_LAYERS = (TokenRows, TokenHeadRows)
 from rankwise.errors import RankwiseError
 
 PICKLE_WEIGHTS = "adapter_model.bin"
@@ -60,8 +63,8 @@ _HARMLESS = {"inference_mode", "init_lora_weights", "revision", "peft_version", 
 def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
     layers = {p: m for p, m in adapter_modules(model)
               if isinstance(m, LoraLayer) and adapter_name in m.adapter_names()}
-    others = [(p, m) for p, m in adapter_modules(model)
-              if not isinstance(m, LoraLayer) and adapter_name in m.adapter_names()]
+    others = [(p, m) for p, m in adapter_modules(model)  # trainable token rows: token_rows()
+              if not isinstance(m, (LoraLayer, *TOKEN_LAYERS)) and adapter_name in m.adapter_names()]
     if others:
         # suggest only what works: a merged export refuses layers that cannot merge
         merged = " or --format merged" if all(is_mergeable(m) for _, m in others) else ""
@@ -139,7 +142,9 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         "modules_to_save": saved or None, "bias": "none", "use_dora": False,
         "init_lora_weights": True, "inference_mode": True,
     }
-    tensors: dict[str, torch.Tensor] = {}
+    indices, tensors = token_rows(model, adapter_name, PREFIX)  # method.trainable_tokens
+    if indices is not None:
+        config["trainable_token_indices"] = indices
     for path, layer in layers.items():
         for key, p in layer.adapter_params(adapter_name).items():
             tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
