@@ -6,7 +6,8 @@ untied); the forward equals a copy of the model whose rows ``ids`` hold ``W[ids]
 merge matches the unmerged output (1e-5) and unmerge restores the table bit for bit; the tied
 head stays the embedding's weight after a merge; save/load with LoRA reproduces the logits
 (1e-6); HF PEFT loads the PEFT export on a base resized by transformers' own
-``resize_token_embeddings`` (random new rows) and gives the same logits (1e-5).
+``resize_token_embeddings`` (random new rows) and gives the same logits (1e-5); rankwise's
+own PEFT loader reads ``trainable_token_indices`` back (1e-6).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from rankwise import registry
-from rankwise.adapters.lora.peft import export_peft
+from rankwise.adapters.lora.peft import export_peft, load_peft
 from rankwise.configs import from_dict
 from rankwise.core import count_parameters, merge_adapters, merge_and_unload, unmerge_adapters
 from rankwise.core.io import load_adapter, save_adapter
@@ -139,3 +140,7 @@ def test_peft_loads_the_export_on_a_base_resized_by_transformers(kind, tmp_path)
     assert not torch.equal(base.get_input_embeddings().weight[NEW], _base(kind).get_input_embeddings().weight[NEW])
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "p").eval()
     torch.testing.assert_close(_logits(loaded), _logits(model), atol=1e-5, rtol=0)
+    ours = _base(kind)                        # and rankwise's own PEFT loader (generate --adapter)
+    load_peft(ours, tmp_path / "p")
+    assert count_parameters(ours)[0] == count_parameters(model)[0]
+    torch.testing.assert_close(_logits(ours), _logits(model), atol=1e-6, rtol=0)
