@@ -114,3 +114,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, sets, match):
     assert result.exit_code == 2, result.output
     lines = [x for x in result.output.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and match in lines[0], result.output
+
+
+def test_the_new_keys_at_their_neutral_values_keep_recorded_comparison_hashes():
+    """A comparison reuses a finished run by the hash of its resolved config: the new keys at
+    the values that change nothing must not make every recorded run stale."""
+    from rankwise.recipes.runs import config_hash
+    plan = {"model": {"path": "tiny-llama", "task": "causal-lm"}, "method": {"name": "lora", "r": 2}}
+    neutral = json.loads(json.dumps(plan))
+    neutral["model"].update(add_tokens=[], add_special_tokens=[])
+    neutral["method"]["trainable_tokens"] = None
+    assert config_hash(neutral) == config_hash(plan)
+    plan["model"]["add_special_tokens"] = ["<|im_end|>"]
+    assert config_hash(plan) != config_hash(neutral)
