@@ -262,7 +262,8 @@ def _load_token_rows(model: nn.Module, cfg: dict, rows: dict[str, torch.Tensor],
     state = {}
     for path, values in rows.items():
         w = layers[path].weight
-        state[f"{path}.token_delta"] = values.float() - w[torch.tensor(ids)].detach().float()
+        rows = w[torch.tensor(ids, device=w.device)].detach().float().cpu()
+        state[f"{path}.token_delta"] = values.float() - rows
     return state
 
 
