@@ -29,15 +29,10 @@ from torch import nn
 
 from rankwise.core.inject import replace_module
 from rankwise.core.protocol import NamedAdapters, adapter_modules
+from rankwise.core.weights import base_layer as base_layer_of
 from rankwise.errors import RankwiseError
 
 KIND = "trainable-tokens"
-
-
-def _base(module: nn.Module) -> nn.Module:
-    while isinstance(getattr(module, "base_layer", None), nn.Module):
-        module = module.base_layer
-    return module
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:
@@ -61,7 +56,7 @@ class _Rows(NamedAdapters, nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The base table (transformers reads ``get_input_embeddings().weight``, e.g. to tie)."""
-        return _base(self.base_layer).weight
+        return base_layer_of(self.base_layer).weight
 
     def add(self, name: str, token_ids: list[int], width: int) -> None:
         """Add adapter ``name``: a zero ``(len(token_ids), width)`` float32 delta."""
@@ -129,8 +124,9 @@ class TokenRows(_Rows):
         self.add(name, token_ids, self.weight.shape[1])
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Embed token ids ``x`` (B, T): the base embedding plus Δ on the trainable rows."""
         out = self.base_layer(x, *args, **kwargs)                    # (B, T, d)
-        scale = getattr(_base(self.base_layer), "embed_scale", None)
+        scale = getattr(base_layer_of(self.base_layer), "embed_scale", None)
         for name in self._live():
             delta = self.deltas[name]
             hit = (x.unsqueeze(-1) == _index(self.token_ids[name], x.device)).to(delta.dtype)  # (B, T, k)
@@ -205,6 +201,7 @@ class TokenHeadRows(_Rows):
             self._forget(name)
 
     def forward(self, h: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Logits of hidden states ``h`` (..., d): the base head plus ``h Δᵀ`` on the rows."""
         out = self.base_layer(h, *args, **kwargs)                    # (..., V)
         owner = self.tied or self
         for name in self._active:
@@ -251,7 +248,7 @@ def add_trainable_tokens(model: nn.Module, token_ids: list[int], name: str = "de
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if emb is None:
         raise RankwiseError(f"method.trainable_tokens: {type(model).__name__} has no input embedding")
-    vocab = _base(emb).weight.shape[0]
+    vocab = base_layer_of(emb).weight.shape[0]
     bad = [t for t in token_ids if not 0 <= int(t) < vocab]
     if bad or not token_ids:
         raise RankwiseError(f"method.trainable_tokens: token ids {bad or token_ids} are not rows of "
@@ -269,7 +266,7 @@ def add_trainable_tokens(model: nn.Module, token_ids: list[int], name: str = "de
     if out_emb is None:
         return out
     hpath = _path_of(model, out_emb)
-    tied = _base(out_emb).weight is rows.weight
+    tied = base_layer_of(out_emb).weight is rows.weight
     layer = _token_layer(model, hpath, TokenHeadRows)
     if layer is None:
         layer = TokenHeadRows(out_emb, token_ids, name, tied=rows if tied else None)
