@@ -71,6 +71,10 @@ def world(tmp_path_factory):
     }
 
 
+def _cli(*args):
+    return CliRunner().invoke(main, ["merge", *[str(a) for a in args]])
+
+
 def _peft_reference(world, names, weights, method, seed=None, **kw):
     """PEFT's add_weighted_adapter on the same folders; returns the PeftModel (adapter 'm' active)."""
     from peft.tuners.lora import model as lora_model
@@ -167,8 +171,8 @@ def test_merge_maths_by_hand(world):
 def test_merged_model_loads_in_transformers(world):
     from transformers import AutoModelForCausalLM
     out = world["root"] / "with-merged"
-    merge_sources([world["a"], world["b"]], MergeConfig(method="svd", weights=[1.0, 0.5]), out,
-                  merged=True)
+    result = _cli(world["a"], world["b"], "--method", "svd", "--weights", "1,0.5", "--out", out, "--merged")
+    assert result.exit_code == 0 and result.output == f"wrote {out}\n", result.output
     model = AutoModelForCausalLM.from_pretrained(out / "merged", local_files_only=True).eval()
     assert not any("lora" in k for k in model.state_dict())
     adapter = peft.PeftModel.from_pretrained(_load_base(world["base"]), out).eval()
@@ -185,8 +189,8 @@ def _run_folder(world, folder, base_dir, seed: int):
     from rankwise.recipes.model import load_model
     method = {"name": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
     folder.mkdir()
-    (folder / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(base_dir), "task": "causal-lm"},
-                                                        "method": method}))
+    model_cfg = {"path": str(base_dir), "task": "causal-lm"}
+    (folder / "config.yaml").write_text(yaml.safe_dump({"model": model_cfg, "method": method}))
     model, _ = load_model(str(base_dir), "causal-lm")
     entry = registry.get("method", "lora")
     cfg = entry.config_cls(**{k: v for k, v in method.items() if k != "name"})
@@ -207,15 +211,12 @@ def test_a_run_folder_merges_like_its_peft_export(world):
     export_run(run, "peft", world["root"] / "run-peft")
     one = world["root"] / "from-run"
     two = world["root"] / "from-export"
-    merge_sources([run, world["a"]], MergeConfig(method="cat", weights=[0.5, 1.0]), one)
-    merge_sources([world["root"] / "run-peft", world["a"]], MergeConfig(method="cat", weights=[0.5, 1.0]), two)
+    cfg = MergeConfig(method="cat", weights=[0.5, 1.0])
+    merge_sources([run, world["a"]], cfg, one)
+    merge_sources([world["root"] / "run-peft", world["a"]], cfg, two)
     from safetensors.torch import load_file
-    x, y = load_file(str(one / "adapter_model.safetensors")), load_file(str(two / "adapter_model.safetensors"))
+    x, y = (load_file(str(f / "adapter_model.safetensors")) for f in (one, two))
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, ["merge", *[str(a) for a in args]])
 
 
 def test_bad_input_is_one_line(world, tmp_path):
@@ -223,8 +224,8 @@ def test_bad_input_is_one_line(world, tmp_path):
     cases = [
         ((a, c, "--method", "linear", "--weights", "1,1"), "use --method cat or svd"),
         ((a, b, "--method", "ties", "--weights", "1,1,1", "--density", "0.5"), "3 weights for 2 adapters"),
-        ((a, b, "--method", "dare-ties", "--weights", "1,1", "--density", "1.5"), "expected a fraction in (0, 1]"),
-        ((a, b, "--method", "dare-linear", "--weights", "1,1", "--density", "0"), "expected a fraction in (0, 1]"),
+        ((a, b, "--method", "dare-ties", "--weights", "1,1", "--density", "1.5"), "a fraction in (0, 1]"),
+        ((a, b, "--method", "dare-linear", "--weights", "1,1", "--density", "0"), "a fraction in (0, 1]"),
         ((a, b, "--method", "ties", "--weights", "1,1"), "--density: ties needs it"),
         ((a, b, "--method", "mean", "--weights", "1,1"), "expected one of linear, cat, svd"),
     ]

@@ -37,6 +37,7 @@ from rankwise.recipes.model import base_moved, demo_model_path, load_model, torc
 
 PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
 MERGED = "merged"  # the combined adapter's name in the model, and --merged's subfolder
+PEFT_CONFIG = "adapter_config.json"
 RECORD = "merge.json"  # what was merged, beside the PEFT files
 
 
@@ -97,6 +98,16 @@ class Source:
     seed: int = 0
 
 
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        raise RankwiseError(f"{path} is corrupt ({err}); re-export the adapter") from None
+    return data
+
+
 def _source(path: Path) -> Source:
     found = folders.kind(path)
     if found == "train":
@@ -104,19 +115,14 @@ def _source(path: Path) -> Source:
             raise RankwiseError(f"{path} has no adapter/ (a full fine-tune, or not finished); merge "
                                 "reads LoRA adapters: let the run finish (or --resume it)")
         cfg = load_run_config(path / "config.yaml")
-        meta = json.loads((path / "adapter" / RANKWISE_CONFIG).read_text())
+        meta = _json(path / "adapter" / RANKWISE_CONFIG)
         return Source(path / "adapter", "train", cfg.model.path, meta.get("fingerprint"), cfg.model,
                       cfg.train.seed)
     if found == "adapter":
-        meta = json.loads((path / RANKWISE_CONFIG).read_text())
+        meta = _json(path / RANKWISE_CONFIG)
         return Source(path, "adapter", meta.get("base_model"), meta.get("fingerprint"))
     if found == "peft":
-        try:
-            raw = json.loads((path / "adapter_config.json").read_text())
-        except (OSError, ValueError) as err:
-            raise RankwiseError(f"{path / 'adapter_config.json'} is corrupt ({err}); re-save the "
-                                "adapter") from None
-        return Source(path, "peft", raw.get("base_model_name_or_path"))
+        return Source(path, "peft", _json(path / PEFT_CONFIG).get("base_model_name_or_path"))
     return _bad(path, found)
 
 
@@ -160,14 +166,14 @@ def _load_base(sources: list[Source], model_path: Path | None):
         task = "causal-lm"
         for s in sources:
             if s.kind == "peft":
-                t = json.loads((s.path / "adapter_config.json").read_text()).get("task_type")
+                t = _json(s.path / PEFT_CONFIG).get("task_type")
                 if t is None:  # a PEFT model saved without a task: a causal LM's body is the guess
                     continue
                 if t not in PEFT_TASKS:
                     raise RankwiseError(f"{s.path}: task_type {t!r}; merge loads bases of "
                                         f"task types {sorted(PEFT_TASKS)}")
                 task = PEFT_TASKS[t]
-        m, seed = ModelConfig(path=str(base), task=task), 0
+        m, seed = ModelConfig(path=str(base or model_path), task=task), 0
     path = str(model_path) if model_path is not None else m.path
     try:
         model, tok = load_model(path, m.task, m.num_labels, seed=seed, dtype=m.dtype,
@@ -179,7 +185,8 @@ def _load_base(sources: list[Source], model_path: Path | None):
     return model, tok, m, path
 
 
-def collect_pairs(model: torch.nn.Module, names: list[str], labels: list[str]) -> dict[str, list[Pair | None]]:
+def collect_pairs(model: torch.nn.Module, names: list[str],
+                  labels: list[str]) -> dict[str, list[Pair | None]]:
     """``{layer path: [Pair or None per input]}`` in model order, through the protocol's factors.
 
     Raises:
@@ -294,10 +301,7 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
 
 
 def _has_heads(source: Source) -> bool:
-    if source.kind == "peft":
-        raw = json.loads((source.path / "adapter_config.json").read_text())
-        return bool(raw.get("modules_to_save"))
-    meta = json.loads((source.path / RANKWISE_CONFIG).read_text())
+    meta = _json(source.path / (PEFT_CONFIG if source.kind == "peft" else RANKWISE_CONFIG))
     return bool(meta.get("modules_to_save"))
 
 
