@@ -205,7 +205,8 @@ def _run_folder(world, folder, base_dir, seed: int):
 
 
 def test_a_run_folder_merges_like_its_peft_export(world):
-    """A run and a PEFT folder together: the run goes in through its rankwise adapter files."""
+    """A run and a PEFT folder together: the run goes in through its rankwise adapter files and
+    gives what its PEFT export and its bare adapter folder give."""
     run = _run_folder(world, world["root"] / "run", world["base"], 5)
     from rankwise.recipes.export import export_run
     export_run(run, "peft", world["root"] / "run-peft")
@@ -214,9 +215,12 @@ def test_a_run_folder_merges_like_its_peft_export(world):
     cfg = MergeConfig(method="cat", weights=[0.5, 1.0])
     merge_sources([run, world["a"]], cfg, one)
     merge_sources([world["root"] / "run-peft", world["a"]], cfg, two)
+    three = world["root"] / "from-adapter-folder"  # a rankwise adapter folder on its own
+    merge_sources([run / "adapter", world["a"]], cfg, three)
     from safetensors.torch import load_file
-    x, y = (load_file(str(f / "adapter_model.safetensors")) for f in (one, two))
-    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    x, y, z = (load_file(str(f / "adapter_model.safetensors")) for f in (one, two, three))
+    assert x.keys() == y.keys() == z.keys()
+    assert all(torch.equal(x[k], y[k]) and torch.equal(x[k], z[k]) for k in x)
 
 
 def test_bad_input_is_one_line(world, tmp_path):
@@ -234,6 +238,14 @@ def test_bad_input_is_one_line(world, tmp_path):
         assert result.exit_code == 2, result.output
         assert words in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "x").exists()
+    (tmp_path / "file").write_text("keep me")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    for out, words in ((tmp_path / "file", "is an existing file"), (tmp_path / "full", "is not empty")):
+        result = _cli(a, b, "--method", "cat", "--weights", "1,1", "--out", out)
+        assert result.exit_code == 2 and words in result.output, result.output
+    assert (tmp_path / "file").read_text() == "keep me"
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
 
 
 def test_adapters_of_different_bases_are_refused(world, tmp_path):
