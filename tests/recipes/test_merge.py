@@ -277,3 +277,49 @@ def test_rslora_first_input_gives_scale_one_unlike_peft_0_21(world):
             m.scaling["m"] = 1.0
     ours = peft.PeftModel.from_pretrained(_load_base(world["base"]), out).eval()
     torch.testing.assert_close(_logits(ours), _logits(ref), atol=1e-5, rtol=0)
+
+
+def test_gpt2_conv1d_layers_equal_peft(tmp_path):
+    """GPT-2's Conv1D stores (in, out) weights and PEFT's svd transposes around them
+    (``fan_in_fan_out``); the factors we write are PEFT's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>"] + WORDS + ["x"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    end = "<|endoftext|>"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                               bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "base")
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=end, eos_token=end,
+                            unk_token=end).save_pretrained(tmp_path / "base")
+    w = {"root": tmp_path, "base": tmp_path / "base"}
+    for name, seed, targets in (("a", 1, ["c_attn", "c_fc"]), ("b", 2, ["c_attn", "c_proj"])):
+        w[name] = _peft_adapter(w["base"], tmp_path / name, seed, r=4, lora_alpha=8 * seed,
+                                target_modules=targets, fan_in_fan_out=True)
+    ref = _peft_reference(w, ["a", "b"], [0.6, -0.5], "svd")
+    out, tensors = _ours(w, ["a", "b"], [0.6, -0.5], "svd", "ours")
+    assert json.loads((out / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    for path, (a_ref, b_ref, _) in _peft_factors(ref).items():
+        got = tensors[f"{PREFIX}{path}.lora_B.weight"] @ tensors[f"{PREFIX}{path}.lora_A.weight"]
+        torch.testing.assert_close(got, b_ref @ a_ref, atol=1e-5, rtol=0)
+    ours = peft.PeftModel.from_pretrained(_load_base(w["base"]), out).eval()
+    torch.testing.assert_close(_logits(ours), _logits(ref), atol=1e-5, rtol=0)
+
+
+def test_a_classification_run_with_its_head(tiny_bert_run, tmp_path):
+    """One input with weight 1 is the input itself (PEFT: a single adapter merges as linear),
+    head included; two inputs that both trained the head are refused."""
+    from rankwise.recipes.export import load_run
+    from rankwise.recipes.model import load_model
+    merge_sources([tiny_bert_run], MergeConfig(method="ties", weights=[1.0], density=0.5), tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and "classifier" in config["modules_to_save"]
+    cfg, run_model, tok = load_run(tiny_bert_run)
+    batch = dict(tok(["Recursively delete a directory tree."], return_tensors="pt"))
+    base, _ = load_model("tiny-bert", "classification", cfg.model.num_labels, seed=cfg.train.seed)
+    merged = peft.PeftModel.from_pretrained(base, tmp_path / "m").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**batch).logits, run_model(**batch).logits, atol=1e-5, rtol=0)
+    result = _cli(tiny_bert_run, tiny_bert_run, "--method", "cat", "--weights", "1,1", "--out", tmp_path / "x")
+    assert result.exit_code == 2 and "more than one input trained whole modules" in result.output
