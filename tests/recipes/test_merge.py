@@ -232,6 +232,7 @@ def test_bad_input_is_one_line(world, tmp_path):
         ((a, b, "--method", "dare-linear", "--weights", "1,1", "--density", "0"), "a fraction in (0, 1]"),
         ((a, b, "--method", "ties", "--weights", "1,1"), "--density: ties needs it"),
         ((a, b, "--method", "mean", "--weights", "1,1"), "expected one of linear, cat, svd"),
+        ((a, b, "--method", "svd", "--rank", "40", "--weights", "1,1"), "takes at most rank 16"),
     ]
     for args, words in cases:
         result = _cli(*args, "--out", tmp_path / "x")

@@ -269,6 +269,11 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
     pairs = collect_pairs(model, names, labels)
     method = "linear" if len(sources) == 1 else cfg.method  # PEFT: one adapter is a linear scaling
     rank = merged_rank(pairs, MergeConfig(**{**asdict(cfg), "method": method}), labels)
+    path, row = min(pairs.items(), key=lambda kv: _room(kv[1]))
+    if rank > _room(row):
+        fix = "choose a smaller --rank" if method == "svd" else "use --method svd with --rank"
+        raise RankwiseError(f"the merged rank {rank} ({method}) does not fit layer {path!r}, which "
+                            f"takes at most rank {_room(row)}; {fix}")
     gen = torch.Generator().manual_seed(cfg.seed)
     combined = {path: combine_pairs(row, cfg.weights, method, rank, cfg.density or 1.0,
                                     cfg.majority_sign, gen) for path, row in pairs.items()}
@@ -298,6 +303,12 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
             dtype = None if m.quantize else torch_dtype(m.dtype)
             export_merged(model, tmp / MERGED, tokenizer=tok, adapter_name=MERGED, dtype=dtype)
     return out
+
+
+def _room(row: list[Pair | None]) -> int:
+    """The largest rank a layer's adapter can have: min(in, out)."""
+    p = next(p for p in row if p is not None)
+    return min(p.a.shape[1], p.b.shape[0])
 
 
 def _has_heads(source: Source) -> bool:
