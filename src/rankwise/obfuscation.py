@@ -150,6 +150,9 @@ def obfuscate(model: nn.Module, config: ObfuscateConfig) -> Factors:
     if problems := config.problems():
         raise RankwiseError("; ".join(problems))
     paths = find_targets(model, config.targets, what="targets")
+    if packed := [p for p in paths if layer_weights.is_quantized(model.get_submodule(p))]:
+        raise RankwiseError(f"layer {packed[0]!r} is quantized; obfuscate the float model (masks "
+                            "are added to float weights)")
     check_rank(model, paths, config.rank)
     seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     gen = torch.Generator().manual_seed(seed)
@@ -196,6 +199,7 @@ class ProtectedLinear(nn.Module):
         a, b = self.factors.layer(self.path)                         # (d, in), (out, d)
         untrusted = self.base_layer(x)                               # x W'^T + b: the GPU's part
         wide = torch.promote_types(x.dtype, a.dtype)
+        a, b = a.to(x.device), b.to(x.device)
         correction = (x.to(wide) @ a.to(wide).T) @ b.to(wide).T      # (..., d) -> (..., out)
         return untrusted - correction.to(untrusted.dtype)
 
@@ -205,9 +209,12 @@ def _permuted_attention(inner_name: str):
     secret permutation ``P`` of the head dimension, un-permuted after."""
     def attention(module, query, key, value, attention_mask, **kwargs):
         # query/key/value: (batch, heads, seq, head_dim)
-        if inner_name == "eager":
+        if inner_name == "eager":  # each transformers model file defines its own
             from importlib import import_module
-            inner = import_module(type(module).__module__).eager_attention_forward
+            inner = getattr(import_module(type(module).__module__), "eager_attention_forward", None)
+            if inner is None:
+                raise RankwiseError(f"{type(module).__name__} has no eager_attention_forward; use "
+                                    "permute_attention=False for this model")
         else:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
             inner = ALL_ATTENTION_FUNCTIONS[inner_name]
@@ -251,6 +258,8 @@ def protect(model: nn.Module, factors: Factors, permute_attention: bool = False)
         except AttributeError:
             raise RankwiseError(f"the factors mask layer {path!r}, which the model lacks; pass the "
                                 "factors written for this model") from None
+        if isinstance(layer, ProtectedLinear):
+            raise RankwiseError(f"layer {path!r} is already protected; call protect once per model")
         if tuple(layer_weights.shape(layer)) != tuple(shape):
             raise RankwiseError(f"layer {path!r} is {layer_weights.shape(layer)} but the factors are "
                                 f"for {tuple(shape)}; pass the factors written for this model")
@@ -278,12 +287,12 @@ def load_factors(path: str | os.PathLike) -> Factors:
     Raises:
         RankwiseError: If the file is missing or not a LoRO factors file.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, FileNotFoundError) as err:
+    except (OSError, SafetensorError) as err:
         raise RankwiseError(f"cannot read factors file {path}: {err}; pass the file rankwise "
                             "obfuscate wrote") from None
     if meta.get("format") != FORMAT:
