@@ -1,7 +1,7 @@
 """LoRO: low-rank dense masks that hide a model's weights on an untrusted device.
 
-Paper: "LoRO: Low-Rank Obfuscation for TEE-protected LLM inference" (OpenReview de07K7kreI;
-abstract in ``shared/seeds/000``, mechanics in ``shared/notes/compression.md`` §5). The owner
+Paper: LoRO, TEE-based secure inference with low-rank masks (OpenReview de07K7kreI; only the
+abstract was available: ``shared/seeds/000``, mechanics in ``shared/notes/compression.md`` §5). The owner
 publishes every targeted linear layer as
 
     W' = W + D,    D = B A,    B (out, d), A (d, in), d << min(out, in)          (low-rank mask)
@@ -179,7 +179,8 @@ def obfuscate(model: nn.Module, config: ObfuscateConfig) -> Factors:
 
 
 class ProtectedLinear(nn.Module):
-    """A published linear layer plus the trusted correction: ``y = x W'^T - (x A^T) B^T + b``.
+    """A published linear layer plus the trusted correction: ``y = x W'^T - (x A^T) B^T + b``
+    (LoRO, OpenReview de07K7kreI: ``y = x W' - (x B) A`` in the paper's row-vector notation).
 
     The factors are rebuilt from the shared banks at each forward (``k d (in + out)``
     multiply-adds), so the trusted side never holds a per-layer pair.
