@@ -148,6 +148,69 @@ def find_targets(model: nn.Module, targets: list[str] | str,
     return found
 
 
+def unwrapped_path(path: str) -> str:
+    """``path`` with every ``base_layer`` segment removed: where a module sits in the base model
+    (``mlp.experts.base_layer`` -> ``mlp.experts``)."""
+    return ".".join(part for part in path.split(".") if part != "base_layer")
+
+
+def find_parameter_targets(model: nn.Module, names: list[str], exclude: list[str] | None = None,
+                           what: str = "target_parameters") -> dict[str, list[str]]:
+    """Return the fused 3-D parameters (mixture-of-experts weights) that ``names`` select.
+
+    A name selects the parameter ``<module path>.<parameter name>`` that it equals or ends
+    (``.``-separated), PEFT's ``target_parameters`` rule; module paths are read without adapter
+    wrappers (``base_layer`` segments), so a module that already holds an adapter on its
+    parameters is found again under its own path.
+
+    Args:
+        model: The model to search.
+        names: Parameter names or suffixes (``["mlp.experts.gate_up_proj"]``).
+        exclude: Module names/suffixes never selected (as for module targets).
+        what: The config key named in error messages.
+
+    Returns:
+        ``{module path: [parameter names]}`` in model and registration order.
+
+    Raises:
+        RankwiseError: If nothing matches (listing a few 3-D parameters of the model), or a
+            match is not 3-D (naming ``method.targets`` for linear layers).
+    """
+    from rankwise.core.protocol import adapter_modules
+    exclude = list(exclude or [])
+    adapter_ids = {id(p) for _, m in adapter_modules(model) for n in m.adapter_names()
+                   for p in m.adapter_params(n).values()}
+    owned = [(unwrapped_path(path), pname, p) for path, module in model.named_modules()
+             for pname, p in module.named_parameters(recurse=False) if id(p) not in adapter_ids]
+    found: dict[str, list[str]] = {}
+    bad: list[tuple[str, tuple]] = []
+    for home, pname, p in owned:
+        if any(matches(home, e) for e in exclude):
+            continue
+        key = f"{home}.{pname}" if home else pname
+        if not any(matches(key, n) for n in names):
+            continue
+        if p.dim() == 3:
+            found.setdefault(home, []).append(pname)
+        else:
+            bad.append((key, tuple(p.shape)))
+    if bad:
+        key, shape = bad[0]
+        raise RankwiseError(
+            f"{what} {names!r} matched {key!r} of shape {shape}, which is not a fused 3-D expert "
+            "parameter (experts, out, in); target linear layers with method.targets instead")
+    if not found:
+        fused = [(f"{home}.{n}" if home else n, tuple(t.shape)) for home, n, t in owned if t.dim() == 3]
+        if not fused:
+            raise RankwiseError(f"{what} {names!r} matched nothing: this model has no 3-D (fused "
+                                "expert) parameters; adapt its linear layers with method.targets")
+        sample = ", ".join(f"{k} {s}" for k, s in fused[:3])
+        raise RankwiseError(f"{what} {names!r} matched no parameter; 3-D parameters here include "
+                            f"{sample}; use such names or suffixes (e.g. "
+                            f"{'.'.join(fused[0][0].split('.')[-3:])!r})")
+    return found
+
+
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> nn.Module:
     """Put ``new`` at ``path`` in ``model``; returns the module that was there."""
     parent_path, _, child = path.rpartition(".")
