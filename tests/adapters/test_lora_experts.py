@@ -120,6 +120,31 @@ def test_each_expert_gets_s_B_A_and_only_the_pairs_train(arch):
     torch.testing.assert_close(logits(plain), before, atol=1e-5, rtol=0)
 
 
+def test_a_second_adapter_finds_the_wrapped_experts_and_switches():
+    from rankwise.core.ops import adapter_state_dict, set_adapter
+    model = tiny_moe("qwen3")
+    cfg = LoraConfig(r=2, targets=[], target_parameters=["experts.down_proj"])
+    apply_lora(model, cfg)
+    randomize(model)
+    tuned = logits(model)
+    apply_lora(model, LoraConfig(r=3, targets=[], target_parameters=PARAMS), "b")
+    assert sum(isinstance(m, ExpertLoraLayer) for m in model.modules()) == 2   # no nesting
+    assert sorted(adapter_state_dict(model, "b"))[:2] == [
+        "model.layers.0.mlp.experts.lora_A.down_proj", "model.layers.0.mlp.experts.lora_A.gate_up_proj"]
+    set_adapter(model, "b")
+    assert torch.equal(logits(model), logits(tiny_moe("qwen3")))       # only "b" (B = 0) active
+    set_adapter(model, "default")
+    torch.testing.assert_close(logits(model), tuned, atol=0, rtol=0)
+
+
+def test_the_router_trains_only_when_asked():
+    routers = [f"model.layers.{i}.mlp.gate" for i in (0, 1)]
+    model = tiny_moe("mixtral")
+    apply_lora(model, LoraConfig(r=2, targets=[], target_parameters=PARAMS, modules_to_save=routers))
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    assert all(model.get_submodule(r).weight.grad is not None for r in routers)
+
+
 class Transposed(nn.Module):
     """Experts stored ``(E, in, out)`` and declared ``is_transposed`` (GPT-OSS's layout)."""
 
@@ -182,7 +207,7 @@ def test_targets_that_are_not_fused_experts_name_the_fix():
     with pytest.raises(RankwiseError, match=r"matched no parameter.*gate_up_proj \(4, 32, 32\)"):
         apply_lora(tiny_moe("qwen3"), LoraConfig(targets=[], target_parameters=["experts.up_proj"]))
     with pytest.raises(RankwiseError, match=r"'model.layers.0.mlp.gate.weight' of shape \(4, 32\).*"
-                                            r"method.targets"):
+                                            r"method.targets.*modules_to_save"):
         apply_lora(tiny_moe("qwen3"), LoraConfig(targets=[], target_parameters=["mlp.gate.weight"]))
     from rankwise.testing import tiny_llama_lm
     with pytest.raises(RankwiseError, match="no 3-D"):
@@ -242,6 +267,11 @@ def test_a_run_trains_saves_resumes_and_exports_to_peft(tmp_path):
     ours = logits(model)
     assert (ours - logits(tiny_moe("qwen3"))).abs().max() > 1e-3       # it trained
     torch.testing.assert_close(logits(theirs), ours, atol=1e-5, rtol=0)
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "full"), "--format", "merged",
+                                    "--out", str(tmp_path / "merged")])
+    assert res.exit_code == 0, res.output
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    torch.testing.assert_close(logits(merged), ours, atol=1e-5, rtol=0)
 
 
 def test_bad_target_parameters_are_one_line(tmp_path):

@@ -12,6 +12,10 @@ optimizers (``optim.targets``), compression - speaks the same language:
 
 Linear layers are ``nn.Linear`` (and its subclasses, such as bitsandbytes' quantized linears)
 and transformers' GPT-2 ``Conv1D``; a layer already wrapped by an adapter counts as its base.
+
+Fused 3-D parameters (a mixture-of-experts block's ``mlp.experts.gate_up_proj``, which no
+``nn.Linear`` holds) are selected separately, by parameter name or suffix
+(:func:`find_parameter_targets`, PEFT's ``target_parameters`` rule).
 """
 from __future__ import annotations
 
@@ -180,11 +184,11 @@ def find_parameter_targets(model: nn.Module, names: list[str], exclude: list[str
     exclude = list(exclude or [])
     adapter_ids = {id(p) for _, m in adapter_modules(model) for n in m.adapter_names()
                    for p in m.adapter_params(n).values()}
-    owned = [(unwrapped_path(path), pname, p) for path, module in model.named_modules()
+    owned = [(unwrapped_path(path), pname, p, module) for path, module in model.named_modules()
              for pname, p in module.named_parameters(recurse=False) if id(p) not in adapter_ids]
     found: dict[str, list[str]] = {}
-    bad: list[tuple[str, tuple]] = []
-    for home, pname, p in owned:
+    bad: list[tuple[str, tuple, str, nn.Module]] = []
+    for home, pname, p, module in owned:
         if any(matches(home, e) for e in exclude):
             continue
         key = f"{home}.{pname}" if home else pname
@@ -193,21 +197,23 @@ def find_parameter_targets(model: nn.Module, names: list[str], exclude: list[str
         if p.dim() == 3:
             found.setdefault(home, []).append(pname)
         else:
-            bad.append((key, tuple(p.shape)))
+            bad.append((key, tuple(p.shape), home, module))
     if bad:
-        key, shape = bad[0]
-        raise RankwiseError(
-            f"{what} {names!r} matched {key!r} of shape {shape}, which is not a fused 3-D expert "
-            "parameter (experts, out, in); target linear layers with method.targets instead")
+        key, shape, home, module = bad[0]
+        fix = ("target the layer with method.targets instead" if is_linear_like(module)
+               else f"target nn.Linear layers with method.targets, or train the whole module "
+                    f"with method.modules_to_save (e.g. {home!r})")
+        raise RankwiseError(f"{what} {names!r} matched {key!r} of shape {shape}, which is not a "
+                            f"fused 3-D expert parameter (experts, out, in); {fix}")
     if not found:
-        fused = [(f"{home}.{n}" if home else n, tuple(t.shape)) for home, n, t in owned if t.dim() == 3]
+        fused = [(f"{home}.{n}" if home else n, tuple(t.shape)) for home, n, t, _ in owned if t.dim() == 3]
         if not fused:
             raise RankwiseError(f"{what} {names!r} matched nothing: this model has no 3-D (fused "
                                 "expert) parameters; adapt its linear layers with method.targets")
-        sample = ", ".join(f"{k} {s}" for k, s in fused[:3])
-        raise RankwiseError(f"{what} {names!r} matched no parameter; 3-D parameters here include "
-                            f"{sample}; use such names or suffixes (e.g. "
-                            f"{'.'.join(fused[0][0].split('.')[-3:])!r})")
+        kinds = dict.fromkeys(f"{'.'.join(k.split('.')[-3:])} {s}" for k, s in fused)
+        raise RankwiseError(f"{what} {names!r} matched no parameter; 3-D parameters here: "
+                            f"{', '.join(list(kinds)[:4])} (e.g. {fused[0][0]}); use such names "
+                            "or suffixes")
     return found
 
 
