@@ -169,6 +169,10 @@ def test_transposed_storage_gets_the_transposed_delta():
     x = torch.randn(3, 6, 5)
     want = torch.stack([x[e] @ (layer.base_layer.w[e].T + b[e] @ a[e]).T for e in range(3)])
     torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=0)
+    with pytest.raises(RankwiseError, match=r"choose r in \[1, 4\]"):
+        layer.add("big", "w", r=5, alpha=1.0)
+    with pytest.raises(RankwiseError, match="not available for expert parameters"):
+        layer.add("svd", "w", r=2, alpha=1.0, init="pissa")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mixtral"])

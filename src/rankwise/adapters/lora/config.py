@@ -46,4 +46,7 @@ class LoraConfig(LoraPairConfig):
         if self.target_parameters and self.init in LORA_INITS and self.init not in EXPERT_INITS:
             out.append(f"init: {self.init!r} is not available with target_parameters; expected "
                        f"one of {list(EXPERT_INITS)}")
+        if self.target_parameters and getattr(self, "use_dora", False):  # PEFT refuses it too
+            out.append("use_dora: not available with target_parameters (expert pairs are plain "
+                       "LoRA); drop one of them")
         return out
