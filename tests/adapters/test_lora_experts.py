@@ -1,8 +1,8 @@
 """LoRA on fused 3-D expert parameters (``method.target_parameters``), on a tiny Qwen3-MoE and a
 tiny Mixtral built in code with transformers 5 (hidden 32, 2 layers, 4 experts, vocab 96):
 the base output at init, ``W_e + s B_e A_e`` per expert, a frozen router, exact merge, PEFT
-itself loading our export (and we PEFT's) with the same logits, the run path, and one-line
-errors."""
+itself loading our export (also of a tiny GPT-OSS, whose experts are stored ``(E, in, out)``)
+and we PEFT's with the same logits, the run path, and one-line errors."""
 from __future__ import annotations
 
 import json
@@ -26,19 +26,24 @@ VOCAB, E, PARAMS = 96, 4, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 def tiny_moe(arch: str, seed: int = 0) -> nn.Module:
     """A 2-layer, 32-wide MoE causal LM with 4 experts (top-2); routers drawn wide enough that
-    tokens spread over the experts."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    tokens spread over the experts. ``gpt-oss`` stores its experts ``(E, in, out)``."""
+    from transformers import (GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
     if arch == "qwen3":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=16,
                                                    num_experts=E, head_dim=8, **common))
-    else:
+    elif arch == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=16, num_local_experts=E, **common))
+    else:
+        model = GptOssForCausalLM(GptOssConfig(intermediate_size=16, num_local_experts=E, head_dim=8,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               sliding_window=8, **common))
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
+            (layer.mlp.router if arch == "gpt-oss" else layer.mlp.gate).weight.normal_(0.0, 0.5)
     return model.eval()
 
 
@@ -175,7 +180,7 @@ def test_transposed_storage_gets_the_transposed_delta():
         layer.add("svd", "w", r=2, alpha=1.0, init="pissa")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral", "gpt-oss"])
 def test_peft_loads_our_export_after_training(arch, tmp_path):
     peft = pytest.importorskip("peft")
     model = tiny_moe(arch)
