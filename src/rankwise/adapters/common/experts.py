@@ -14,8 +14,8 @@ the module says ``is_transposed``, as GPT-OSS does),
 with ``B = 0`` at init, so the model starts as the base. The forward hands the module its own
 forward with the effective weights swapped in (``torch.func.functional_call``): whatever
 experts implementation transformers dispatches to, it reads ``W'``, and autograd reaches A and
-B through it. This materialises one ``(E, out, in)`` tensor per adapted parameter per forward,
-as PEFT's ``ParamWrapper`` does; input dropout has no place in a weight-space delta, so there is
+B through it. This materialises one ``(E, out, in)`` tensor (``W'``, one ``baddbmm``) per
+adapted parameter per forward, as PEFT's ``ParamWrapper`` does; input dropout has no place in a weight-space delta, so there is
 none (PEFT refuses it too).
 
 Any LoRA-shaped method can put these layers at the targets of
@@ -174,20 +174,27 @@ class ExpertLoraLayer(NamedAdapters, nn.Module):
     # ----- compute ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """The base module's forward with ``W + sum_active s B A`` for each adapted parameter
-        (merged adapters are in ``W`` already; without active pairs, the plain forward)."""
-        deltas: dict[str, torch.Tensor] = {}
+        (merged adapters are in ``W`` already; without active pairs, the plain forward).
+
+        Each adapter's term is one ``baddbmm`` into the running weight, with the factors cast
+        to the weight's dtype (as PEFT does), so the only ``(E, out, in)`` tensor made per
+        parameter is the effective weight itself.
+        """
+        weights: dict[str, torch.Tensor] = {}
         for name in self._active:
             if name in self._merged:
                 continue
             for pname in self.lora_A[name]:
-                d = self.delta_weight(name, pname)
-                deltas[pname] = deltas[pname] + d if pname in deltas else d
-        if not deltas:
+                w = weights.get(pname, self._param(pname))
+                a = self.lora_A[name][pname].to(w.dtype)                 # (E, r, in)
+                b = self.lora_B[name][pname].to(w.dtype)                 # (E, out, r)
+                s = self.scaling[name][pname]
+                if self.transposed:                                      # W (E, in, out)
+                    weights[pname] = torch.baddbmm(w, a.transpose(1, 2), b.transpose(1, 2), alpha=s)
+                else:                                                    # W (E, out, in)
+                    weights[pname] = torch.baddbmm(w, b, a, alpha=s)
+        if not weights:
             return self.base_layer(*args, **kwargs)
-        weights = {}
-        for pname, d in deltas.items():
-            w = self._param(pname)
-            weights[pname] = w + d.to(w.dtype)                      # (E, out, in) or (E, in, out)
         return torch.func.functional_call(self.base_layer, weights, args, kwargs)
 
     def extra_repr(self) -> str:
