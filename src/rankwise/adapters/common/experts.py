@@ -15,12 +15,13 @@ with ``B = 0`` at init, so the model starts as the base. The forward hands the m
 forward with the effective weights swapped in (``torch.func.functional_call``): whatever
 experts implementation transformers dispatches to, it reads ``W'``, and autograd reaches A and
 B through it. This materialises one ``(E, out, in)`` tensor (``W'``, one ``baddbmm``) per
-adapted parameter per forward, as PEFT's ``ParamWrapper`` does; input dropout has no place in a weight-space delta, so there is
-none (PEFT refuses it too).
+adapted parameter per forward, as PEFT's ``ParamWrapper`` does. Input dropout has no place in
+a weight-space delta, so there is none (PEFT refuses it too).
 
 Any LoRA-shaped method can put these layers at the targets of
 :func:`rankwise.core.inject.find_parameter_targets` through
-:func:`rankwise.adapters.common.build.adapt` (``param_wrap``); LoRA does (``method.target_parameters``).
+:func:`rankwise.adapters.common.build.adapt` (``param_wrap``); LoRA does
+(``method.target_parameters``).
 """
 from __future__ import annotations
 
