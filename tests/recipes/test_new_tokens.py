@@ -127,3 +127,9 @@ def test_the_new_keys_at_their_neutral_values_keep_recorded_comparison_hashes():
     assert config_hash(neutral) == config_hash(plan)
     plan["model"]["add_special_tokens"] = ["<|im_end|>"]
     assert config_hash(plan) != config_hash(neutral)
+    # the comparison records committed in the repository still hash to what they recorded
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2] / "bench" / "results" / "compare-tuned"
+    for f in sorted(root.glob("**/compare_plan.json")):
+        saved = json.loads(f.read_text())
+        assert config_hash(saved["plan"]) == saved["config_sha256"], f
