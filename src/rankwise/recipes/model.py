@@ -10,6 +10,7 @@ from torch import nn
 
 from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError, require
+from rankwise.models import register_architectures
 
 TINY = ("tiny-bert", "tiny-gpt2", "tiny-llama")
 
@@ -197,6 +198,7 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
         tok = load_tokenizer(str(folder) if path != "demo" else "demo")
         if quant is not None:
             kwargs.update(quantization_config=quant, device_map={"": device})
+        register_architectures()  # rankwise's own model types (TPA) load like any other
         try:
             model = auto.from_pretrained(str(folder), local_files_only=True, **dtype_kwargs(t), **kwargs)
         except (OSError, ValueError, KeyError) as err:
