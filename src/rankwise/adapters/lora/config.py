@@ -20,6 +20,9 @@ class LoraConfig(LoraPairConfig):
         use_rslora: Use s = alpha / sqrt(r).
         init: Initialisation of A and B: ``kaiming`` (PEFT's default: A Kaiming-uniform,
             B = 0), ``gaussian`` (A ~ N(0, 1/r^2), B = 0). Other methods add their own.
+        use_dora: DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation",
+            eq. 5): each adapted layer also learns a magnitude per output row, and its weight
+            becomes ``m ⊙ (W + s B A) / ||W + s B A||_row`` (norm detached, paper §4.3).
         rank_pattern: ``{regex: r}``; a key matches a module path ``(.*\\.)?(key)$`` as in PEFT.
         alpha_pattern: ``{regex: alpha}``, same matching.
         modules_to_save: Whole modules trained and saved with the adapter. ``None`` means
@@ -28,6 +31,7 @@ class LoraConfig(LoraPairConfig):
 
     name: str = "lora"
     init: str = "kaiming"
+    use_dora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
 
