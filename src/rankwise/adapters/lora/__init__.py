@@ -7,6 +7,7 @@ import re
 from torch import nn
 
 from rankwise import registry
+from rankwise.configs import KEY_HINTS
 from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
@@ -76,5 +77,7 @@ def load_peft(*args, **kwargs):
 registry.register("method", "lora", LoraConfig, apply_lora,
                   rebuild=rebuild_at_paths(apply_lora, structure=True), factorized=True,
                   summary="LoRA / rsLoRA / DoRA: W x + s B A x (Hu et al. 2021; use_dora: Liu et al. 2024)")
+KEY_HINTS["method.use_dora"] = ("use_dora (DoRA) is an option of LoRA only; set method.name: lora "
+                                 "with use_dora: true, or remove use_dora")
 registry.register("exporter", "peft", dict, export_peft, loader=load_peft,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

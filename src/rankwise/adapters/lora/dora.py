@@ -18,11 +18,15 @@ is detached it can be computed under ``no_grad`` from the expansion, exactly:
   temporary for a dense base (a quantized base is dequantized, as its own forward does each step);
 * ``A Aᵀ`` is (r, r).
 
-Everything is summed in float32 (the cross term can cancel, the base may be bf16); the per-row cost
-is O(r·in·out / out) = the base layer run on r extra tokens. :func:`row_norms_direct` is the
-textbook formula, used by merging and by the tests that hold the expansion to it.
+Everything is summed in float32 (the base may be bf16); the extra cost per step is the base layer
+run on r extra tokens plus O(out·r²). The expansion is exact algebra; in floating point it loses
+accuracy only where the adapter nearly cancels a row of W (see :func:`row_norms`, which then
+recomputes those rows directly). :func:`row_norms_direct` is the textbook formula, used by merging
+and by the tests that hold the expansion to it.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch.nn import functional as F
@@ -53,10 +57,21 @@ def weight_times(base: torch.nn.Module, a: torch.Tensor) -> torch.Tensor:
         return F.linear(a.to(w.dtype), w).float().T                   # (r, out) -> (out, r)
 
 
+# A row whose squared norm is below this share of the sum of the magnitudes of its three terms
+# has cancelled (W_i + s (BA)_i much shorter than W_i); it is recomputed directly (module doc).
+CANCELLED = 1e-2
+
+
 @torch.no_grad()
 def row_norms(w_sq: torch.Tensor, wa: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, dense: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
     """``||W + s B A||_row`` (out,) from the expansion in the module docstring, in float32.
+
+    The expansion's float32 error, relative to the squared norm, is about
+    ``eps * (||W_i||² + 2s|B_i·(WAᵀ)_i| + s² B_i AAᵀ B_iᵀ) / ||W_i + s(BA)_i||²``: tiny while the
+    adapted row keeps a length comparable to the base row (DoRA's regime), large only when the
+    adapter nearly cancels the row. Rows below :data:`CANCELLED` of that bound are recomputed
+    from ``dense()`` by the direct formula when it is given.
 
     Args:
         w_sq: ``||W_i||²`` (out,), from :func:`weight_sq_norms`.
@@ -64,15 +79,21 @@ def row_norms(w_sq: torch.Tensor, wa: torch.Tensor, a: torch.Tensor, b: torch.Te
         a: ``A`` (r, in).
         b: ``B`` (out, r).
         scale: ``s``.
+        dense: Returns the base weight (out, in), for cancelled rows only (``None``: keep the
+            expansion).
 
     Returns:
         A detached float32 tensor (out,).
     """
     with _no_autocast(a.device):
         a, b = a.float(), b.float()
-        cross = (b * wa).sum(1)                                        # B_i · (W Aᵀ)_i
-        quad = ((b @ (a @ a.T)) * b).sum(1)                            # B_i (A Aᵀ) B_iᵀ
-        sq = w_sq + (2.0 * scale) * cross + (scale * scale) * quad
+        cross = (2.0 * scale) * (b * wa).sum(1)                        # 2s B_i · (W Aᵀ)_i
+        quad = (scale * scale) * ((b @ (a @ a.T)) * b).sum(1)          # s² B_i (A Aᵀ) B_iᵀ
+        sq = w_sq + cross + quad
+        bad = (sq < CANCELLED * (w_sq + cross.abs() + quad)).nonzero().squeeze(1)
+        if dense is not None and bad.numel():
+            rows = dense()[bad]                                        # (k, in)
+            sq[bad] = row_norms_direct(rows, a, b[bad], scale).square()
         return sq.clamp_min(torch.finfo(torch.float32).tiny).sqrt()
 
 

@@ -211,7 +211,8 @@ class LoraLayer(NamedAdapters, nn.Module):
             self._w_sq = (key, dora.weight_sq_norms(self.base_layer))
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
         wa = dora.weight_times(self.base_layer, a)                              # (out, r)
-        return dora.row_norms(self._w_sq[1], wa, a, b, self.scaling[name])
+        return dora.row_norms(self._w_sq[1], wa, a, b, self.scaling[name],
+                              dense=lambda: layer_weights.dense_weight(self.base_layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``W x + sum_active s_i B_i A_i dropout(x)``; merged adapters are already in W.
