@@ -77,7 +77,7 @@ def test_dora_rows_compare_both_sides_from_the_same_weights(tmp_path):
     from rankwise.benchmarks.llm_finetune import PRESETS as P
     sizes = dataclasses.replace(P["tiny"], rows=("dora-fp32",), steps=1, gora_batches=0)
     rows = run(tmp_path, sizes)["rows"]
-    assert rows["dora-fp32"]["max_loss_diff"] < 1e-5 and len(rows["dora-fp32"]["losses"]) == 2
+    assert rows["dora-fp32"]["max_loss_diff"] < 1e-5 and len(rows["dora-fp32"]["peft"]["losses"]) == 2
     assert "use_dora=True" in rows["dora-fp32"]["peft_setup"]
     assert set(P["cpu-dora"].rows) == {"dora-" + r for r in ROWS}
     assert "`dora-` rows: DoRA" in (tmp_path / "results.md").read_text()
