@@ -59,6 +59,10 @@ def test_norm_expansion_equals_the_direct_formula(kind):
     got = layer._dora_norm("default")
     assert (got - want).abs().max() <= 1e-6 * want.max()
     assert not got.requires_grad
+    with torch.no_grad():                     # the cached ||W||² follows a changed base weight
+        layer.base_layer.weight.mul_(2)
+    want = dora.row_norms_direct(layer_weights.dense_weight(layer), a, b, s)
+    assert (layer._dora_norm("default") - want).abs().max() <= 1e-6 * want.max()
 
 
 def test_bf16_base_norm_is_more_accurate_than_a_bf16_sum():

@@ -206,7 +206,7 @@ class LoraLayer(NamedAdapters, nn.Module):
         """``||W + s B A||_row`` (out,) of adapter ``name``, float32, no gradient, by the
         expansion of :mod:`.dora` (``||W_i||²`` cached while the base storage is unchanged)."""
         w = self.base_layer.weight
-        key = (w.device, w.dtype, w.data_ptr(), w._version, type(self.base_layer))
+        key = (id(w), w.device, w.dtype, w.data_ptr(), w._version, type(self.base_layer))
         if self._w_sq is None or self._w_sq[0] != key:
             self._w_sq = (key, dora.weight_sq_norms(self.base_layer))
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
