@@ -127,7 +127,8 @@ def test_forward_is_the_dora_equation_with_a_detached_norm():
     assert (g_live - g_got[1]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("build, targets", [(tiny_llama_lm, "all-linear"), (tiny_gpt2_lm, ["c_attn", "c_fc"])],
+@pytest.mark.parametrize("build, targets", [(tiny_llama_lm, "all-linear"),
+                                            (tiny_gpt2_lm, ["c_attn", "c_fc"])],
                          ids=["linear", "conv1d"])
 def test_merge_and_unmerge_are_exact(build, targets):
     model = _adapted(build(), targets)
@@ -208,7 +209,8 @@ def test_we_load_peft_dora_with_its_logits_and_dropout(tmp_path):
     model = tiny_llama_lm()
     load_peft(model, tmp_path / "p")
     assert all(m.is_dora("default") for _, m in adapter_modules(model))
-    torch.testing.assert_close(tiny_logits(model.eval(), "llama"), tiny_logits(pm.eval(), "llama"), atol=1e-5, rtol=0)
+    torch.testing.assert_close(tiny_logits(model.eval(), "llama"), tiny_logits(pm.eval(), "llama"),
+                               atol=1e-5, rtol=0)
     batch = {k: v for k, v in tiny_batch("llama").items() if k != "labels"}
     pm.train(), model.train()
     with torch.no_grad():
