@@ -7,10 +7,11 @@ import re
 from torch import nn
 
 from rankwise import registry
-from rankwise.configs import KEY_HINTS
-from rankwise.adapters.common.build import adapt, rebuild_at_paths, target_paths
+from rankwise.adapters.common.build import adapt, parameter_targets, rebuild_at_paths, target_paths
+from rankwise.adapters.common.experts import ExpertLoraLayer
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
+from rankwise.configs import KEY_HINTS
 
 __all__ = ["LoraConfig", "LoraLayer", "apply_lora", "pattern_value", "export_peft", "load_peft"]
 
@@ -34,13 +35,17 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         adapter_name: Name of this adapter (several can coexist; see ``core.set_adapter``).
         structure: Optional exact per-path settings ``{path: {"r": .., "alpha": ..,
             "use_rslora": .., "use_dora": ..}}`` (adaptive-rank methods, loading); each key
-            overrides the config and patterns for that path; ``r = 0`` skips the layer.
+            overrides the config and patterns for that path; ``r = 0`` skips the layer. A
+            module with adapted expert parameters has ``{path: {"parameters": {name: {"r",
+            ...}}}}``.
 
     Returns:
-        ``{path: LoraLayer}`` for the adapted layers.
+        ``{path: LoraLayer}`` for the adapted layers (and ``{path: ExpertLoraLayer}`` for the
+        modules whose ``config.target_parameters`` are adapted).
 
     Raises:
-        RankwiseError: On targets matching nothing or ranks outside [1, min(in, out)].
+        RankwiseError: On targets or target parameters matching nothing (or a parameter that
+            is not 3-D) and ranks outside [1, min(in, out)].
     """
     paths = target_paths(model, config)
     structure = structure or {}
@@ -58,7 +63,27 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         layer.add(adapter_name, r, alpha, config.dropout, rslora, config.init, use_dora)
         return layer
 
-    return adapt(model, config, adapter_name, wrap, paths)
+    # fused 3-D expert parameters: patterns match the parameter's full name, as in PEFT
+    params = parameter_targets(model, config)
+    expert_settings = {}
+    for path, names in params.items():
+        saved = structure.get(path, {}).get("parameters", {})
+        for n in names:
+            key, s = f"{path}.{n}", saved.get(n, {})
+            expert_settings[key] = (s.get("r", pattern_value(key, config.rank_pattern, config.r)),
+                                    s.get("alpha", pattern_value(key, config.alpha_pattern, config.alpha)),
+                                    s.get("use_rslora", config.use_rslora))
+    params = {p: kept for p, names in params.items()
+              if (kept := [n for n in names if expert_settings[f"{p}.{n}"][0] > 0])}
+
+    def wrap_params(path: str, module: nn.Module, names: list[str]) -> nn.Module:
+        layer = module if isinstance(module, ExpertLoraLayer) else ExpertLoraLayer(module)
+        for n in names:
+            r, alpha, rslora = expert_settings[f"{path}.{n}"]
+            layer.add(adapter_name, n, r, alpha, rslora, config.init)
+        return layer
+
+    return adapt(model, config, adapter_name, wrap, paths, wrap_params, params)
 
 
 def export_peft(*args, **kwargs):

@@ -25,9 +25,14 @@ class LoraConfig(LoraPairConfig):
             becomes ``m ⊙ (W + s B A) / ||W + s B A||_row`` (norm detached, paper §4.3).
         rank_pattern: ``{regex: r}``; a key matches a module path ``(.*\\.)?(key)$`` as in PEFT.
         alpha_pattern: ``{regex: alpha}``, same matching.
+        target_parameters: Fused 3-D expert parameters (``mlp.experts.gate_up_proj``), each
+            adapted by a pair per expert (``docs/moe-experts.md``); patterns match the
+            parameter's full name. Set ``targets: []`` to adapt only these.
         modules_to_save: Whole modules trained and saved with the adapter. ``None`` means
             the task's head for classification models (``classifier``/``score``), else none.
     """
+
+    parameter_targets = True  # builds ExpertLoraLayer at target_parameters
 
     name: str = "lora"
     init: str = "kaiming"
@@ -41,4 +46,11 @@ class LoraConfig(LoraPairConfig):
         from rankwise.adapters.common.factors import LORA_INITS
         if self.init not in LORA_INITS:
             out.append(f"init: got {self.init!r}; expected one of {sorted(LORA_INITS)}")
+        from rankwise.adapters.common.experts import EXPERT_INITS
+        if self.target_parameters and self.init in LORA_INITS and self.init not in EXPERT_INITS:
+            out.append(f"init: {self.init!r} is not available with target_parameters; expected "
+                       f"one of {list(EXPERT_INITS)}")
+        if self.target_parameters and self.use_dora:  # PEFT refuses it too
+            out.append("use_dora: not available with target_parameters (expert pairs are plain "
+                       "LoRA); drop one of them")
         return out
