@@ -1,5 +1,5 @@
-"""LoRA (Hu et al. 2021; rsLoRA, Kalajdzievski 2023): config, layer, the PEFT file format, and
-the registrations."""
+"""LoRA (Hu et al. 2021; rsLoRA, Kalajdzievski 2023; DoRA, Liu et al. 2024): config, layer, the
+PEFT file format, and the registrations."""
 from __future__ import annotations
 
 import re
@@ -11,6 +11,7 @@ from rankwise.adapters.common.build import adapt, parameter_targets, rebuild_at_
 from rankwise.adapters.common.experts import ExpertLoraLayer
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
+from rankwise.configs import KEY_HINTS
 
 __all__ = ["LoraConfig", "LoraLayer", "apply_lora", "pattern_value", "export_peft", "load_peft"]
 
@@ -33,9 +34,10 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         config: The LoRA settings.
         adapter_name: Name of this adapter (several can coexist; see ``core.set_adapter``).
         structure: Optional exact per-path settings ``{path: {"r": .., "alpha": ..,
-            "use_rslora": ..}}`` (adaptive-rank methods, loading); each key overrides the
-            config and patterns for that path; ``r = 0`` skips the layer. A module with
-            adapted expert parameters has ``{path: {"parameters": {name: {"r", ...}}}}``.
+            "use_rslora": .., "use_dora": ..}}`` (adaptive-rank methods, loading); each key
+            overrides the config and patterns for that path; ``r = 0`` skips the layer. A
+            module with adapted expert parameters has ``{path: {"parameters": {name: {"r",
+            ...}}}}``.
 
     Returns:
         ``{path: LoraLayer}`` for the adapted layers (and ``{path: ExpertLoraLayer}`` for the
@@ -52,13 +54,13 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         s = structure.get(p, {})
         settings[p] = (s.get("r", pattern_value(p, config.rank_pattern, config.r)),
                        s.get("alpha", pattern_value(p, config.alpha_pattern, config.alpha)),
-                       s.get("use_rslora", config.use_rslora))
+                       s.get("use_rslora", config.use_rslora), s.get("use_dora", config.use_dora))
     paths = [p for p in paths if settings[p][0] > 0]
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         layer = module if isinstance(module, LoraLayer) else LoraLayer(module)
-        r, alpha, rslora = settings[path]
-        layer.add(adapter_name, r, alpha, config.dropout, rslora, config.init)
+        r, alpha, rslora, use_dora = settings[path]
+        layer.add(adapter_name, r, alpha, config.dropout, rslora, config.init, use_dora)
         return layer
 
     # fused 3-D expert parameters: patterns match the parameter's full name, as in PEFT
@@ -96,9 +98,11 @@ def load_peft(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-# rebuild: the saved {path: {"r", "alpha", "use_rslora"}} (LoraLayer.describe) at those paths
+# rebuild: the saved {path: {"r", "alpha", "use_rslora"[, "use_dora"]}} (LoraLayer.describe) there
 registry.register("method", "lora", LoraConfig, apply_lora,
                   rebuild=rebuild_at_paths(apply_lora, structure=True), factorized=True,
-                  summary="LoRA / rsLoRA: W x + s B A x (Hu et al. 2021)")
+                  summary="LoRA / rsLoRA / DoRA: W x + s B A x (Hu et al. 2021; use_dora: Liu et al. 2024)")
+KEY_HINTS["method.use_dora"] = ("use_dora (DoRA) is an option of LoRA only; set method.name: lora "
+                                 "with use_dora: true, or remove use_dora")
 registry.register("exporter", "peft", dict, export_peft, loader=load_peft,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

@@ -20,6 +20,9 @@ class LoraConfig(LoraPairConfig):
         use_rslora: Use s = alpha / sqrt(r).
         init: Initialisation of A and B: ``kaiming`` (PEFT's default: A Kaiming-uniform,
             B = 0), ``gaussian`` (A ~ N(0, 1/r^2), B = 0). Other methods add their own.
+        use_dora: DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation",
+            eq. 5): each adapted layer also learns a magnitude per output row, and its weight
+            becomes ``m ⊙ (W + s B A) / ||W + s B A||_row`` (norm detached, paper §4.3).
         rank_pattern: ``{regex: r}``; a key matches a module path ``(.*\\.)?(key)$`` as in PEFT.
         alpha_pattern: ``{regex: alpha}``, same matching.
         target_parameters: Fused 3-D expert parameters (``mlp.experts.gate_up_proj``), each
@@ -33,6 +36,7 @@ class LoraConfig(LoraPairConfig):
 
     name: str = "lora"
     init: str = "kaiming"
+    use_dora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
 
@@ -46,7 +50,7 @@ class LoraConfig(LoraPairConfig):
         if self.target_parameters and self.init in LORA_INITS and self.init not in EXPERT_INITS:
             out.append(f"init: {self.init!r} is not available with target_parameters; expected "
                        f"one of {list(EXPERT_INITS)}")
-        if self.target_parameters and getattr(self, "use_dora", False):  # PEFT refuses it too
+        if self.target_parameters and self.use_dora:  # PEFT refuses it too
             out.append("use_dora: not available with target_parameters (expert pairs are plain "
                        "LoRA); drop one of them")
         return out
