@@ -222,7 +222,8 @@ def train_pubsub(cfg: VFLConfig, data: VFLData, passive_model, active_model) -> 
             "batch_sizes": [len(i) for i in order], "dropped": ps_p.dropped + ps_a.dropped,
             "dropped_passive": ps_p.dropped, "dropped_active": ps_a.dropped,
             "staleness_passive": dict(sorted(ps_p.stale_seen.items())),
-            "staleness_active": dict(sorted(ps_a.stale_seen.items()))}
+            "staleness_active": dict(sorted(ps_a.stale_seen.items())),
+            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
 def profile(cfg: VFLConfig, data: VFLData, passive_model, active_model, batch: int, reps: int = 20) -> dict:

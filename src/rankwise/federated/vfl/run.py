@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from pathlib import Path
 
 from rankwise.configs import from_dict
@@ -33,18 +32,19 @@ def load_config(config_path: Path | None, sets: list[str] | None = None, base: d
     return from_dict(VFLConfig, data.get("vfl"), "vfl")
 
 
-def summarise(cfg: VFLConfig, result: dict, wall_s: float, cpu_s: float) -> dict:
+def summarise(cfg: VFLConfig, result: dict) -> dict:
     """Add the reported numbers: final accuracy, time to target, CPU use, bytes vs formula."""
     from rankwise.federated.vfl.parties import train_bytes_formula
     hit = next((r for r in result["curve"] if r["accuracy"] >= cfg.target_accuracy), None)
     t = result["traffic"]
     cores = os.cpu_count() or 1
+    wall_s, cpu_s = result["wall_s"], result["cpu_s"]
     return {**result,
             "final_accuracy": result["curve"][-1]["accuracy"] if result["curve"] else None,
             "best_accuracy": max((r["accuracy"] for r in result["curve"]), default=None),
             "time_to_target_s": hit["wall_s"] if hit else None,
             "epochs_to_target": hit["epoch"] if hit else None,
-            "wall_s": wall_s, "cpu_s": cpu_s, "cores": cores,
+            "cores": cores,
             "cpu_utilisation": cpu_s / (wall_s * cores) if wall_s > 0 else None,
             "train_bytes": t.get("embeddings", 0) + t.get("gradients", 0),
             "train_bytes_formula": train_bytes_formula(result["batch_sizes"], cfg.embed),
@@ -68,9 +68,7 @@ def train(cfg: VFLConfig) -> tuple[VFLConfig, dict]:
         cfg = dataclasses.replace(cfg, **{k: choice[k] for k in (
             "batch_size", "workers_passive", "workers_active", "staleness", "buffer")})
     fn = train_pubsub if cfg.mode == "pubsub" else train_sync
-    t0, c0 = time.perf_counter(), time.process_time()
-    result = fn(cfg, data, passive, active)
-    out = summarise(cfg, result, time.perf_counter() - t0, time.process_time() - c0)
+    out = summarise(cfg, fn(cfg, data, passive, active))
     if choice is not None:
         out["auto"] = choice
     return cfg, out
