@@ -42,10 +42,10 @@ class PassiveParty:
 
     def backward(self, step: int, grad: torch.Tensor) -> None:
         """Back-propagate the received ``dL/dz_p`` and take an SGD step."""
-        with Stretch(self.slow):
+        with Stretch(self.slow):  # the slowdown stretches forward/backward, as in pubsub.py
             self.opt.zero_grad()
             self.pending.pop(step).backward(grad)
-            self.opt.step()
+        self.opt.step()
 
     @torch.no_grad()
     def embed_test(self) -> torch.Tensor:
@@ -69,7 +69,7 @@ class ActiveParty:
             self.opt.zero_grad()
             loss = F.cross_entropy(self.model(z, self.x[ids]), self.y[ids])
             loss.backward()
-            self.opt.step()
+        self.opt.step()
         return z.grad, float(loss.detach())
 
     @torch.no_grad()
