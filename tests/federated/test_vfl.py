@@ -70,10 +70,11 @@ def test_flower_engine_equals_direct_calls():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-def test_pubsub_one_worker_staleness_zero_equals_sync():
+@pytest.mark.parametrize("latency_ms", [0.0, 1.0])  # latency must not move the evaluations
+def test_pubsub_one_worker_staleness_zero_equals_sync(latency_ms):
     sync, p1, a1 = _run(VFLConfig(**SMALL, engine="direct", momentum=0.5))
     pubsub, p2, a2 = _run(VFLConfig(**SMALL, mode="pubsub", workers_passive=1, workers_active=1,
-                                     staleness=0, buffer=1, momentum=0.5))
+                                     staleness=0, buffer=1, momentum=0.5, latency_ms=latency_ms))
     assert pubsub["dropped"] == 0 and pubsub["staleness_passive"] == {0: sync["steps"]}
     assert pubsub["losses"] == pytest.approx(sync["losses"], abs=1e-6)
     assert [r["accuracy"] for r in pubsub["curve"]] == [r["accuracy"] for r in sync["curve"]]

@@ -128,8 +128,9 @@ class Channel:
 
 
 def train_pubsub(cfg: VFLConfig, data: VFLData, passive_model, active_model) -> dict:
-    """PubSub-VFL for ``cfg.epochs`` epochs (counted in batches the active party consumed);
-    test accuracy after every epoch's worth of batches. Same return keys as ``train_sync``,
+    """PubSub-VFL for ``cfg.epochs`` epochs; test accuracy after every epoch's worth of
+    finished batches (a batch is finished when the passive worker has pushed it, after the
+    active worker pushed its own update), on a snapshot of both parameter servers. Same return keys as ``train_sync``,
     plus the staleness histograms and the dropped pushes per party."""
     traffic, latency = Traffic(), cfg.latency_ms / 1e3
     ps_p = ParameterServer(passive_model, cfg.lr, cfg.momentum, cfg.staleness)
@@ -174,6 +175,10 @@ def train_pubsub(cfg: VFLConfig, data: VFLData, passive_model, active_model) -> 
             with Stretch(slow_p):
                 z.backward(g)
             ps_p.push(replica, version)
+            with done_lock:  # the batch's round trip is over: both parties have pushed it
+                finished = next(done)
+                if finished % per_epoch == 0:
+                    evaluate(finished)
 
     def active_worker() -> None:
         replica = copy.deepcopy(active_model)
@@ -188,14 +193,10 @@ def train_pubsub(cfg: VFLConfig, data: VFLData, passive_model, active_model) -> 
                 replica.zero_grad()
                 loss = F.cross_entropy(replica(z, data.x_active[ids]), data.y[ids])
                 loss.backward()
+            ps_a.push(replica, version)  # before publishing, as the synchronous step does
             traffic.add("gradients", z.grad)
             grads.publish(step, z.grad, latency)
-            ps_a.push(replica, version)
             losses[step] = float(loss.detach())
-            with done_lock:
-                consumed = next(done)
-                if consumed % per_epoch == 0:
-                    evaluate(consumed)
 
     def guard(fn):
         def run():
