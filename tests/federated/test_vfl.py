@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ from rankwise.federated.vfl.parties import batch_order, build_models, load_data
 from rankwise.federated.vfl.pubsub import ParameterServer, choose_config, predicted_epoch_s, train_pubsub
 from rankwise.federated.vfl.run import train
 from rankwise.federated.vfl.sync import ActiveParty, PassiveParty, train_sync
+
+# the tables ship with scikit-learn (read from its CSV files, without importing it)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn's data files")
 
 SMALL = dict(dataset="wine", hidden=16, embed=4, top_hidden=8, batch_size=16, epochs=2, lr=0.1)
 
