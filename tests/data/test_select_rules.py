@@ -184,3 +184,15 @@ def test_weighted_loss_equals_the_formula():
         ce = F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
         want = want + (w[i] * torch.tensor(tw[i][1:]) * ce).sum()
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_qcs_token_weights_keep_the_highest_loss_tokens():
+    lm, data = TwoLayer(lm=True), dataset(3, 9)
+    sess = SimpleNamespace(model=lm, task=get_task("causal-lm"), train_data=TextData(data.ids, None, [], 0),
+                           device="cpu")
+    got = stage._token_weights(sess, SelectConfig(token_ratio=0.5, token_floor=0.1), [0, 1, 2])
+    for ids, w in zip(data.ids, got):
+        logits = lm(torch.tensor([ids])).logits[0, :-1]
+        nll = [0.0] + F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none").tolist()
+        keep = sorted(range(len(ids)), key=lambda j: -nll[j])[: max(1, round(0.5 * len(ids)))]
+        assert w == pytest.approx([0.9 if j in keep else 0.1 for j in range(len(ids))])

@@ -200,17 +200,30 @@ def sentence_embeddings(texts: list[str], device: str) -> torch.Tensor:
     return torch.cat(out)
 
 
-def score(session, cfg, pool: list[int], target, k: int) -> tuple[torch.Tensor, list[int], Any, Any]:
-    """Run rule ``cfg.method``: ``(scores over the pool, chosen pool indices, weights, token weights)``."""
+def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = None
+          ) -> tuple[torch.Tensor, list[int], Any, Any]:
+    """Run rule ``cfg.method``: ``(scores over the pool, chosen pool indices, weights, token weights)``.
+
+    ``cache`` (a dict kept by the caller) keeps the features between calls with other budgets.
+    """
     model, task, data, dev = session.model, session.task, session.train_data, session.device
+    memo = {} if cache is None else cache
+
+    def once(key, fn):
+        if key not in memo:
+            memo[key] = fn()
+        return memo[key]
+    grad_features_ = lambda d, idx, name: once(name, lambda: grad_features(  # noqa: E731
+        model, task, d, idx, cfg.proj_dim, cfg.seed, dev))
     if cfg.method == "random":
         s = rules.random_scores(len(pool), cfg.seed)
         return s, rules.top_k(s, k), None, None
     if cfg.method == "embedding":
         tok = session.tokenizer
         text = lambda d, i: tok.decode(d[i]["input_ids"], skip_special_tokens=True)  # noqa: E731
-        e = sentence_embeddings([text(data, i) for i in pool], dev)
-        t = e if target is None else sentence_embeddings([text(target, i) for i in range(len(target))], dev)
+        e = once("emb", lambda: sentence_embeddings([text(data, i) for i in pool], dev))
+        t = e if target is None else once("emb_t", lambda: sentence_embeddings(
+            [text(target, i) for i in range(len(target))], dev))
         s = (e @ t.T).max(1).values
         return s, rules.top_k(s, k), None, None
     if not trainable(model):
@@ -220,21 +233,21 @@ def score(session, cfg, pool: list[int], target, k: int) -> tuple[torch.Tensor, 
     model.eval()
     try:
         t_idx = list(range(len(target)))
-        g_t = grad_features(model, task, target, t_idx, cfg.proj_dim, cfg.seed, dev)
+        g_t = grad_features_(target, t_idx, "g_t")
         if cfg.method == "less":
-            s = rules.less_scores(grad_features(model, task, data, pool, cfg.proj_dim, cfg.seed, dev), g_t)
+            s = rules.less_scores(grad_features_(data, pool, "g"), g_t)
             return s, rules.top_k(s, k), None, None
         if cfg.method == "influence":
             land = sorted(torch.randperm(len(pool), generator=torch.Generator().manual_seed(cfg.seed))
                           [: min(cfg.landmarks, len(pool))].tolist())
-            g_l = grad_features(model, task, data, [pool[i] for i in land], cfg.proj_dim, cfg.seed, dev)
-            emb = jvp_embeddings(model, task, data, pool, cfg.jvp_tangents, cfg.seed, dev)
+            g_l = grad_features_(data, [pool[i] for i in land], "g_l")
+            emb = once("jvp", lambda: jvp_embeddings(model, task, data, pool, cfg.jvp_tangents, cfg.seed, dev))
             p = rules.influence_scores(emb, land, g_l, g_t, cfg.ridge)                 # (n, m)
             chosen = rules.round_robin(p, k)
             s = p.mean(1)
             w = rules.simplex_weights(s[chosen], k) if cfg.weights else None
             return s, chosen, w, None
-        g = grad_features(model, task, data, pool, cfg.proj_dim, cfg.seed, dev)
+        g = grad_features_(data, pool, "g")
         w = rules.qcs_probabilities(g, g_t, k, cfg.qcs_steps, cfg.qcs_samples, cfg.qcs_lr, cfg.qcs_eta, cfg.seed)
         chosen = rules.top_k(w, k)
         tw = _token_weights(session, cfg, [pool[i] for i in chosen]) if cfg.weights else None
@@ -273,6 +286,9 @@ def select_training(session) -> Selection:
             trainable weights on a model without them, or a ``from`` folder that does not match.
     """
     cfg, start = session.cfg.data.select, time.perf_counter()
+    if cfg.weights and session.cfg.data.packing:
+        raise RankwiseError("data.select.weights: packed blocks cannot carry per-example weights; set "
+                            "data.packing: false or data.select.weights: false")
     ids_all = record_ids(session.cfg.data, session.train_data)
     if cfg.from_:
         sel = _reuse(cfg, ids_all)
