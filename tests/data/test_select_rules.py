@@ -90,15 +90,17 @@ def test_influence_matches_jvp_kernel_ridge_and_round_robin_by_hand():
     model, train, target = TwoLayer(), dataset(12, 3), dataset(3, 4)
     cfg = SelectConfig(method="influence", budget=5, target="t", proj_dim=0, landmarks=6, jvp_tangents=2)
     s, chosen, _, _ = stage.score(session(model, train), cfg, list(range(12)), target, 5)
-    # JVP of the last token's hidden state tanh(W1 e) along tangent (V1, V2): (1 - h²) ⊙ (V1 e)
+    # JVP of the logits W2 mean_t tanh(W1 e_t) along tangent (V1, V2):
+    # V2 mean_t h_t + W2 mean_t (1 - h_t²) ⊙ (V1 e_t)
     gen = torch.Generator().manual_seed(cfg.seed + 17)
     tangents = [[torch.randn(H, D, generator=gen), torch.randn(C, H, generator=gen)] for _ in range(2)]
-    w1, e = model.w1.detach().double(), model.emb.detach().double()
+    w1, w2, e = model.w1.detach().double(), model.w2.detach().double(), model.emb.detach().double()
     emb = []
     for ids in train.ids:
-        x = e[ids[-1]]
-        h = torch.tanh(w1 @ x)
-        emb.append(torch.cat([(1 - h**2) * (v1.double() @ x) for v1, _ in tangents]))
+        x = e[ids]                                                              # (T, D)
+        h = torch.tanh(x @ w1.T)                                                # (T, H)
+        emb.append(torch.cat([v2.double() @ h.mean(0) + w2 @ ((1 - h**2) * (x @ v1.double().T)).mean(0)
+                              for v1, v2 in tangents]))
     emb = torch.stack(emb).numpy()
     got = stage.jvp_embeddings(model, get_task("classification"), train, list(range(12)), 2, cfg.seed, "cpu")
     np.testing.assert_allclose(got.numpy(), emb, rtol=1e-3, atol=1e-4)

@@ -154,9 +154,14 @@ def grad_features(model, task, data, idx: list[int], proj_dim: int, seed: int, d
     return torch.cat(out)
 
 
-def _last_hidden(model, batch) -> torch.Tensor:
-    """The last layer's hidden state at each example's last real token: ``(B, h)``."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+def _jvp_output(model, task, batch) -> torch.Tensor:
+    """What the JVP embedding differentiates: a classifier's logits ``(B, C)`` (they depend on
+    every trainable weight, the head included), else the last layer's hidden state at each
+    example's last real token ``(B, h)`` (the release's LM with ``lm_head = Id``)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                output_hidden_states=not task.uses_labels)
+    if task.uses_labels:
+        return out.logits.double()
     last = batch["attention_mask"].sum(1) - 1                                      # (B,)
     return out.hidden_states[-1][torch.arange(len(last)), last].double()
 
@@ -165,7 +170,7 @@ def _last_hidden(model, batch) -> torch.Tensor:
 def jvp_embeddings(model, task, data, idx: list[int], tangents: int, seed: int, device: str,
                    eps: float = 1e-3) -> torch.Tensor:
     """Influence Distillation's JVP embedding: ``J_θ f(x) v`` for ``tangents`` Gaussian tangents
-    ``v`` over the trainable weights, ``f`` the last hidden state at the last token; computed by
+    ``v`` over the trainable weights, ``f`` from :func:`_jvp_output`; computed by
     a central difference ``(f(θ+εv) - f(θ-εv)) / 2ε`` (forward-mode AD is not available for
     every attention kernel). Returns ``(len(idx), tangents * h)``."""
     params = [p for _, p in trainable(model)]
@@ -177,7 +182,7 @@ def jvp_embeddings(model, task, data, idx: list[int], tangents: int, seed: int, 
         for sign in (1.0, -1.0):
             for p, d in zip(params, v):
                 p.add_(d, alpha=sign * eps)
-            side.append(torch.cat([_last_hidden(model, b) for b in _batches(data, idx, task, device)]))
+            side.append(torch.cat([_jvp_output(model, task, b) for b in _batches(data, idx, task, device)]))
             for p, d in zip(params, v):
                 p.sub_(d, alpha=sign * eps)
         parts.append((side[0] - side[1]) / (2 * eps))
