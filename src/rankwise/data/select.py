@@ -192,7 +192,7 @@ def round_robin(influence: torch.Tensor, k: int) -> list[int]:
         The picked indices in increasing order.
     """
     n, m = influence.shape
-    orders = [sorted(range(n), key=lambda i, j=j: (-float(influence[i, j]), i)) for j in range(m)]
+    orders = [torch.argsort(-influence[:, j], stable=True).tolist() for j in range(m)]
     cursor, taken, out = [0] * m, set(), []
     while len(out) < k:
         for j in range(m):

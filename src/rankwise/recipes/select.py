@@ -214,9 +214,12 @@ def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = No
     model, task, data, dev = session.model, session.task, session.train_data, session.device
     memo = {} if cache is None else cache
 
-    def once(key, fn):
+    def once(key, fn):  # memo["_seconds"]: seconds per feature; memo["_used"]: keys this call read
+        memo.setdefault("_used", set()).add(key)
         if key not in memo:
+            start = time.perf_counter()
             memo[key] = fn()
+            memo.setdefault("_seconds", {})[key] = time.perf_counter() - start
         return memo[key]
     grad_features_ = lambda d, idx, name: once(name, lambda: grad_features(  # noqa: E731
         model, task, d, idx, cfg.proj_dim, cfg.seed, dev))
