@@ -118,7 +118,8 @@ def run(out: Path, seeds: int = 1) -> dict:
                         "method": "frozen (head only)", "seeds": seeds}, "rows": rows}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(runs, ignore_errors=True)
-    lines = ["| method | budget | k | target acc | all acc | target share | select s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | budget | k | target acc | all acc | target share | select s |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         share = "" if r["target_share"] is None else f"{r['target_share']:.2f}"
         lines.append(f"| {r['method']} | {r['budget']:.2f} | {r['k']} | {r['target_accuracy']:.3f} | "

@@ -307,6 +307,6 @@ class WeightedData:
         return getattr(self.__dict__["data"], name)
 
 
-__all__ = ["WeightedData", "influence_scores", "SelectConfig", "METHODS", "budget_count", "random_scores", "top_k", "less_scores",
-           "propagate", "round_robin", "project_budget", "simplex_weights", "qcs_probabilities",
+__all__ = ["WeightedData", "influence_scores", "SelectConfig", "METHODS", "budget_count", "random_scores",
+           "top_k", "less_scores", "propagate", "round_robin", "project_budget", "simplex_weights", "qcs_probabilities",
            "qcs_objective", "token_weights", "projection_block", "rbf_kernel"]
