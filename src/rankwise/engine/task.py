@@ -46,6 +46,7 @@ class Task:
     name: ClassVar[str] = ""
     auto_class: ClassVar[str] = ""
     uses_labels: ClassVar[bool] = False
+    paired: ClassVar[bool] = False  # examples are preference pairs (rankwise.data.preference)
 
     def collate(self, items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
         """Turn examples (``{"input_ids": [...], ...}``) into padded model inputs + ``labels``."""
@@ -74,6 +75,17 @@ class Task:
         """The pieces of an evaluation batch that are forwarded one at a time (rows of the
         padded batch, so every sum and count is unchanged); default: the whole batch."""
         return [batch]
+
+    def step_metrics(self) -> dict[str, float]:
+        """The task's own training metrics since the last call (logged with each step's loss);
+        default: none."""
+        return {}
+
+    def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
+                device: str) -> str | None:
+        """Called once the model is ready, before training (DPO precomputes its reference
+        here); default: nothing."""
+        return None
 
     def mean_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss per target of one batch (GoRA's calibration, simple loops)."""
