@@ -10,8 +10,9 @@ are ``-100`` on the prompt (the DPO log-probability sums the completion tokens o
   turn). The prompt is the template's rendering with the generation prompt; the completion is
   what the full conversation adds to it (the turn and its end-of-turn marker).
 
-The prompt is cut from the left to fit ``data.max_length``; a pair whose longer completion alone
-does not fit is dropped and counted (``dropped``). A record with a missing or empty field, or
+The prompt is cut from the left to fit ``data.max_length`` (by the same amount on both sides, so
+the pair shares its prompt); a pair whose longer completion alone does not fit is dropped and
+counted (``dropped``). A record with a missing or empty field, or
 with ``chosen == rejected`` (nothing to prefer), is dropped with a warning that counts them; if
 no pair is left the data is refused. The pairs are held as Python lists (preference sets are
 thousands of records, not millions), with the reference log-probs when they are precomputed.
@@ -90,15 +91,14 @@ class PairEncoder:
             value = [{"role": "user", "content": value}]
         return self.enc.messages(value, record) if isinstance(value, list) and value else None
 
-    def pair(self, prompt: Any, completion: Any, record: int) -> tuple[list[int], list[int]] | None:
-        """``(ids, labels)`` of prompt + completion; ``([], [])`` if the completion does not fit;
-        ``None`` when the completion is missing."""
+    def completion(self, prompt: Any, completion: Any, record: int) -> tuple[list[int], list[int]] | None:
+        """``(prompt ids, completion ids)`` (the completion ends with EOS, or the template's
+        end-of-turn); ``None`` when the completion is missing."""
         enc = self.enc
         if enc.fmt != "chat":
             if _text(completion) is None:
                 return None
-            tail = self._ids(completion) + [enc.eos]
-            return enc._fit(enc.prefix, prompt, tail, [IGNORE] * len(prompt), tail)
+            return enc.prefix + prompt, self._ids(completion) + [enc.eos]
         if _text(completion) is not None:
             completion = [{"role": "assistant", "content": completion}]
         if not isinstance(completion, list) or not completion:
@@ -109,8 +109,18 @@ class PairEncoder:
         if not full.startswith(head) or len(full) == len(head):
             raise RankwiseError(f"record {record}: the chat template's rendering of prompt + "
                                 "completion does not extend the prompt's; set data.chat_template")
-        p, tail = self._ids(head), self._ids(full[len(head):])
-        return enc._fit([], p, tail, [IGNORE] * len(p), tail)
+        return self._ids(head), self._ids(full[len(head):])
+
+    def fit(self, prompt: list[int], tails: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+        """``(ids, labels)`` per tail; the prompt is cut from the left by the same amount for
+        every tail (so the pair shares its prompt), to make room for the longest; ``[]`` if
+        that one does not fit (after the special prefix, which stays)."""
+        keep = len(self.enc.prefix) if self.enc.fmt != "chat" else 0
+        room = self.enc.max_length - keep - max(len(t) for t in tails)
+        if room < 0:
+            return []
+        head = prompt[:keep] + prompt[keep:][max(0, len(prompt) - keep - room):]
+        return [(head + t, [IGNORE] * len(head) + t) for t in tails]
 
 
 def build_pair_data(data_cfg, tokenizer, progress: bool = False) -> tuple[PairData, PairData]:
@@ -168,8 +178,8 @@ def _read(source: str, data_cfg, pe: PairEncoder, eval_fraction: float | None):
         record = row + 1
         prompt_v, chosen_v, rejected_v = (rec[f] for f in fields)
         prompt = pe.prompt(prompt_v, record)
-        chosen = None if prompt is None else pe.pair(prompt, chosen_v, record)
-        rejected = None if chosen is None else pe.pair(prompt, rejected_v, record)
+        chosen = None if prompt is None else pe.completion(prompt, chosen_v, record)
+        rejected = None if chosen is None else pe.completion(prompt, rejected_v, record)
         if rejected is None:
             missing += 1
             continue
@@ -179,9 +189,11 @@ def _read(source: str, data_cfg, pe: PairEncoder, eval_fraction: float | None):
         key = f"{row}:{prompt_v if isinstance(prompt_v, str) else json.dumps(prompt_v, sort_keys=True)}"
         side = 1 if eval_fraction is not None and split_of(key, eval_fraction) == "eval" else 0
         pairs, dropped = parts[side]
-        if not chosen[0] or not rejected[0]:
+        fitted = pe.fit(chosen[0], [chosen[1], rejected[1]])
+        if not fitted:
             parts[side] = (pairs, dropped + 1)
             continue
+        chosen, rejected = fitted
         pairs.append({"chosen_ids": chosen[0], "chosen_labels": chosen[1],
                       "rejected_ids": rejected[0], "rejected_labels": rejected[1]})
     bad = missing + same
