@@ -98,6 +98,7 @@ def test_lora_dpo_logs_rewards_matches_a_hand_count_resumes_and_exports(pairs_js
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_precomputes_the_reference_of_the_initial_weights(pairs_jsonl):
     cfg = load_run_config(None, base=raw_config(pairs_jsonl, method="full", steps=2))
     session = prepare(cfg, device="cpu")

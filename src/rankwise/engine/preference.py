@@ -78,9 +78,11 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     """
     targets = labels[:, 1:]                                         # (R, T-1): tokens 1..T-1
     keep = targets != IGNORE
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)        # (R, T-1, V)
-    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (R, T-1)
-    return (picked * keep).sum(-1), keep.sum(-1).float()
+    rows = keep.nonzero()[:, 0]                                     # (N,) row of each target
+    picked = logits[:, :-1][keep].float()                           # (N, V): target positions only
+    logp = picked.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, -1)
+    sums = torch.zeros(labels.shape[0], device=logits.device).index_add(0, rows, logp)
+    return sums, keep.sum(-1).float()
 
 
 def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, loss: str,
