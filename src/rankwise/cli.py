@@ -28,6 +28,7 @@ BENCHMARKS = {
     "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
     "loro": "rankwise.benchmarks.loro:run",
     "tpa": "rankwise.benchmarks.tpa:run",
+    "dpo": "rankwise.benchmarks.dpo:run",
 }
 
 
