@@ -107,3 +107,22 @@ def test_completion_logps_skip_the_prompt():
     logp = torch.log_softmax(logits, -1)
     total, count = completion_logps(logits, labels)
     assert float(total) == pytest.approx(float(logp[0, 1, 3] + logp[0, 2, 5]), abs=1e-6) and int(count) == 2
+
+
+def test_evaluation_in_slices_of_whole_pairs_gives_the_same_metrics():
+    from rankwise.data.preference import PairData
+    from rankwise.engine import evaluate
+    model = tiny_llama_lm(seed=0)
+    registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
+    for _, mod in adapter_modules(model):
+        torch.nn.init.normal_(factors(mod, "default")[1], std=0.3, generator=torch.Generator().manual_seed(2))
+    data = PairData(pairs(n=5), pad_id=0)
+    whole = evaluate(model, DPOTask(), data, batch_size=5)
+    sliced_task = DPOTask()
+    sliced_task.eval_logits_bytes = 2 * 12 * VOCAB * 4                # two rows (one pair) per forward
+    batch = sliced_task.collate([data[i] for i in range(5)], 0)
+    assert len(sliced_task.eval_parts(model, batch)) == 5
+    sliced = evaluate(model, sliced_task, data, batch_size=5)
+    assert whole.keys() == sliced.keys() and whole["eval_reward_margin"] != 0.0
+    for key in whole:
+        assert sliced[key] == pytest.approx(whole[key], abs=1e-6), key

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.core.ops import disable_adapters
-from rankwise.engine.task import IGNORE, Task, pad
+from rankwise.engine.task import IGNORE, CausalLMTask, Task, pad
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
@@ -136,6 +136,7 @@ class DPOTask(Task):
     name = "dpo"
     auto_class = "AutoModelForCausalLM"
     paired = True  # the data pipeline builds pairs (rankwise.data.preference)
+    eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
 
     def __init__(self, config: DPOConfig | None = None) -> None:
         self.config = config or DPOConfig()
@@ -179,6 +180,24 @@ class DPOTask(Task):
         if model.training:
             _add(self._sums, output)
         return losses.sum(), output
+
+    def eval_parts(self, model, batch):
+        """Slices of whole pairs (chosen row ``i`` with rejected row ``B + i``) whose float32
+        logits fit in ``eval_logits_bytes``; sums and counts add up to the batch's."""
+        pairs, width = self.count_targets(batch), batch["input_ids"].shape[1]
+        rows = CausalLMTask.eval_rows(model, width, self.eval_logits_bytes)
+        step = None if rows is None else max(1, rows // 2)         # two rows per pair
+        if step is None or step >= pairs:
+            return [batch]
+        parts = []
+        for i in range(0, pairs, step):
+            j = min(pairs, i + step)
+            rows = torch.cat([torch.arange(i, j), torch.arange(pairs + i, pairs + j)]).to(batch["input_ids"].device)
+            part = {k: v[rows] for k, v in batch.items() if k != "ref_logps"}
+            if "ref_logps" in batch:
+                part["ref_logps"] = batch["ref_logps"][i:j]
+            parts.append(part)
+        return parts
 
     def step_metrics(self) -> dict[str, float]:
         """Means over the pairs of the training forwards since the last call (this process's)."""
