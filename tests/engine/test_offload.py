@@ -5,6 +5,8 @@ gradient checkpointing and accumulation. The CUDA side stream is exercised by
 ``bench/gpu/offload.sh`` only (no GPU in the unit tests)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -125,3 +127,27 @@ def test_with_checkpointing_only_the_block_inputs_move():
     assert moved[True].moved == layers + 2
     assert moved[True].moved_bytes == F32 * ((layers + 1) * b * t * h + b * (t - 1) * v) == 16896
     assert moved[False].moved_bytes >= 5 * moved[True].moved_bytes
+
+
+def test_the_key_at_false_keeps_comparison_hashes_and_true_changes_them():
+    from rankwise.recipes.config import build_run_config
+    from rankwise.recipes.runs import config_hash
+    plan = {"model": {"path": "tiny-llama", "task": "causal-lm"}, "method": {"name": "lora", "r": 2}}
+    off = {**plan, "train": {"offload_activations": False}}
+    on = {**plan, "train": {"offload_activations": True}}
+    assert config_hash(off) == config_hash(plan) != config_hash(on)
+    assert build_run_config(on).train.offload_activations is True
+
+
+def test_train_on_a_cpu_device_says_the_key_had_no_effect(tmp_path):
+    from click.testing import CliRunner
+
+    from rankwise.cli import main
+    root = Path(__file__).resolve().parents[2]
+    result = CliRunner().invoke(main, ["train", str(root / "examples" / "tiny.yaml"), "--out",
+                                       str(tmp_path / "run"), "--set", "train.steps=1",
+                                       "--set", "train.offload_activations=true",
+                                       "--set", "train.progress=false", "--set", "data.limit=32"])
+    assert result.exit_code == 0, result.output
+    assert ("train.offload_activations: no effect on device cpu (activations already live in "
+            "CPU memory)") in result.output

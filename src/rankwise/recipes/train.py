@@ -446,7 +446,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
     if t.offload_activations and engine.offloader is not None and not engine.offloader.active:
         console.print(f"train.offload_activations: no effect on device {session.device} "
-                      "(activations already live in CPU memory)")
+                      "(activations already live in CPU memory)", soft_wrap=True)
     if main and folders.read_record(out) is None:
         folders.record(out, "train")
     if main and (old_steps is not None or not (out / "config.yaml").exists()):
