@@ -69,15 +69,16 @@ class _Seqs(list):
     pad_id = 0
 
 
-def _lora_llama(ckpt: bool) -> nn.Module:
+def _lora_llama(ckpt: bool, base: nn.Module | None = None) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import rankwise
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, max_position_embeddings=64,
-                                         pad_token_id=0))
+    model = base or LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=2,
+                                                 num_key_value_heads=1, max_position_embeddings=64,
+                                                 pad_token_id=0))
+    torch.manual_seed(0)
     rankwise.apply(model, "lora", r=4, alpha=8, targets="all-linear")
     for name, p in model.named_parameters():                # non-zero B: every factor gets a gradient
         if "lora_B" in name:
@@ -88,8 +89,9 @@ def _lora_llama(ckpt: bool) -> nn.Module:
     return model
 
 
-def _train(ckpt: bool, offloader: OffloadActivations | None, steps: int = 3):
-    model = _lora_llama(ckpt)
+def _train(ckpt: bool, offloader: OffloadActivations | None, steps: int = 3,
+           base: nn.Module | None = None):
+    model = _lora_llama(ckpt, base)
     g = torch.Generator().manual_seed(1)
     data = _Seqs({"input_ids": torch.randint(1, 128, (6 + i % 5,), generator=g).tolist()}
                  for i in range(8))
@@ -108,6 +110,27 @@ def test_lora_training_is_bit_identical_with_offloading(ckpt):
     assert off.stats.moved > 0 and losses == ref_losses
     assert weights.keys() == ref_weights.keys() and len(weights) == 2 * 7 * 2  # A, B x 7 linears x 2 layers
     assert all(torch.equal(weights[n], ref_weights[n]) for n in weights)
+
+
+def test_qlora_training_is_bit_identical_with_offloading(tmp_path):
+    """An NF4 base (float32 compute): the packed 4-bit weights are parameters and stay; the
+    steps match bit for bit."""
+    import copy
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from rankwise.recipes.model import bnb_config
+    from rankwise.testing import tiny_llama64
+    tiny_llama64(128).save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                quantization_config=bnb_config("nf4", "float32"))
+    off = OffloadActivations("cpu", copy_on_cpu=True)
+    losses, weights = _train(True, off, base=copy.deepcopy(base))
+    ref_losses, ref_weights = _train(True, None, base=base)
+    assert off.stats.moved > 0 and losses == ref_losses and len(weights) == 28
+    assert all(torch.equal(weights[n], ref_weights[n]) for n in weights)
+    four_bit = [m.weight for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(four_bit) == 14 and not any(off.movable(w) for w in four_bit)
 
 
 def test_with_checkpointing_only_the_block_inputs_move():
