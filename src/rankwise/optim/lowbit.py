@@ -15,6 +15,7 @@ moments are ever held in float32. State per moment of ``k`` elements: ``k`` byte
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from functools import lru_cache
 
@@ -38,9 +39,7 @@ def bits_problems(bits: int | None) -> list[str]:
     if bits not in BITS:
         return [f"state_bits: got {bits!r}; the bitsandbytes backend stores optimizer state in "
                 "8 bits only (its 4-bit formats are for weights); use 8 or null"]
-    try:
-        import bitsandbytes.functional  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("bitsandbytes") is None:   # found, not imported (its import is slow)
         return ["state_bits: 8 needs bitsandbytes; pip install bitsandbytes (or set state_bits: null)"]
     return []
 
