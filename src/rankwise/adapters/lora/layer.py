@@ -91,8 +91,9 @@ class LoraLayer(NamedAdapters, nn.Module):
             self.lora_B[name].weight.copy_(b)
         if residual:
             pair = nn.Module()
-            pair.register_buffer("A", a.detach().float().clone())
-            pair.register_buffer("B", b.detach().float().clone())
+            # row-major like a loaded file's (SVD returns column-major U: other matmul kernels)
+            pair.register_buffer("A", a.detach().float().clone(memory_format=torch.contiguous_format))
+            pair.register_buffer("B", b.detach().float().clone(memory_format=torch.contiguous_format))
             self.lora_initial[name] = pair
 
     def adapter_buffers(self, name: str) -> dict[str, torch.Tensor]:

@@ -95,7 +95,9 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     most common values) plus ``rank_pattern``/``alpha_pattern`` entries keyed by the escaped
     full module path. A layer whose rsLoRA flag differs from the global one gets the alpha
     that gives the same scale (alpha' = alpha * sqrt(r) or alpha / sqrt(r)), so PEFT computes
-    exactly rankwise's scale.
+    exactly rankwise's scale. A layer initialised with PiSSA, OLoRA or CorDA (frozen ``A0, B0``)
+    is written as PEFT's ``path_initial_model_for_weight_conversion`` does: the rank-2r pair
+    ``[A; A0]``, ``[B, -B0]`` with alpha giving the same scale, which applies to the original base.
 
     Args:
         model: A model with rankwise LoRA layers holding ``adapter_name``.
@@ -115,6 +117,18 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     layers = _lora_layers(model, adapter_name)
     settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
                     bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for path, layer in layers.items():
+        a, b = (t.detach().cpu() for t in layer.factors(adapter_name))
+        frozen = layer.adapter_buffers(adapter_name)
+        if frozen:  # residual init: s (B A - B0 A0) = s [B, -B0] [A; A0], rank 2r, same scale
+            a = torch.cat([a, frozen["lora_A0.weight"].detach().cpu()], 0)
+            b = torch.cat([b, -frozen["lora_B0.weight"].detach().cpu()], 1)
+            r, alpha, rs = settings[path]
+            scale = layer.scaling[adapter_name]
+            settings[path] = (2 * r, scale * (2 * r) ** 0.5 if rs else scale * 2 * r, rs)
+        tensors[f"{PREFIX}{path}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PREFIX}{path}.lora_B.weight"] = b.contiguous()
     rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
     for p, (r, alpha, rs) in settings.items():  # same scale under the global rsLoRA flag
         if rs != rslora:
@@ -139,10 +153,6 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         "modules_to_save": saved or None, "bias": "none", "use_dora": False,
         "init_lora_weights": True, "inference_mode": True,
     }
-    tensors: dict[str, torch.Tensor] = {}
-    for path, layer in layers.items():
-        for key, p in layer.adapter_params(adapter_name).items():
-            tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
     return write_peft_folder(out_dir, config, tensors, model, saved, PREFIX)
 
 
