@@ -138,8 +138,9 @@ def test_loftq_error_below_plain_nf4():
         a1, b1, _, _, _ = inits.loftq(w, 8, 1.0, t)
         torch.testing.assert_close(a1, ref["R"], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(b1, ref["L"], atol=1e-4, rtol=1e-4)
-    # measured: plain 7.42, one alternation 6.49, three 6.38
-    assert errs[0] < 0.9 * plain and errs[1] <= errs[0] + 1e-4, (plain, errs)
+    # measured (64x128, r = 8): plain NF4 10.06, one alternation 8.23, three 7.42
+    assert plain == pytest.approx(10.06, abs=0.02)
+    assert errs[0] == pytest.approx(8.23, abs=0.02) and errs[1] == pytest.approx(7.42, abs=0.02)
 
 
 def test_eva_rows_are_top_right_singular_vectors_and_ranks_sum_to_budget():

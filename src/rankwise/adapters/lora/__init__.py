@@ -13,7 +13,7 @@ from rankwise.adapters.common.build import adapt, target_paths
 from rankwise.adapters.common.factors import LORA_INITS
 from rankwise.adapters.lora.calibrate import input_statistics
 from rankwise.adapters.lora.config import LoraConfig
-from rankwise.adapters.lora.initialise import eva_structure, initialise
+from rankwise.adapters.lora.initialise import eva_structure, initialise, loftq_layers
 from rankwise.adapters.lora.inits import DATA_INITS, RESIDUAL_INITS, init_kind
 from rankwise.adapters.lora.layer import LoraLayer
 from rankwise.core import weights as layer_weights
@@ -93,6 +93,8 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     layers = adapt(model, config, adapter_name, wrap, paths)
     if not restore:
         initialise(model, layers, config, adapter_name, stats, eva_vectors)
+    elif kind == "loftq" and config.loftq_iter > 1:  # the same re-quantized base, from W
+        loftq_layers(model, layers, adapter_name, config.loftq_iter, set_factors=False)
     return layers
 
 

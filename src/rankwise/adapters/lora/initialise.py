@@ -75,16 +75,63 @@ def original_weights(model: nn.Module, paths: list[str]) -> dict[str, torch.Tens
     return out
 
 
-def _check_loftq(layers: dict[str, LoraLayer], iters: int) -> None:
+def _check_loftq(layers: dict[str, LoraLayer]) -> None:
     plain = [p for p, m in layers.items() if not layer_weights.is_quantized(m)
              or type(layer_weights.base_layer(m)).__name__ != "Linear4bit"]
     if plain:
         raise RankwiseError(f"method.init: loftq needs a 4-bit base, but {plain[0]!r} is not "
                             "quantized; set model.quantize: nf4")
-    if iters != 1:
-        raise RankwiseError(f"method.loftq_iter: got {iters}; on a loaded 4-bit base only 1 is "
-                            "supported (the base stays the NF4 of W; more alternations would "
-                            "re-quantize it)")
+
+
+def _quantizer(base: nn.Module):
+    """``(roundtrip, store)`` for a bitsandbytes ``Linear4bit``: dequantize(quantize(x)) and
+    "put quantize(x) into the layer", both with the layer's own settings (block size, NF4/FP4,
+    double quantization, storage dtype), so the codes are those transformers would write."""
+    import bitsandbytes.functional as bnbf
+    p = base.weight
+    kw = {"blocksize": p.blocksize, "compress_statistics": p.compress_statistics,
+          "quant_type": p.quant_type, "quant_storage": p.quant_storage}
+
+    def roundtrip(x: torch.Tensor) -> torch.Tensor:
+        packed, state = bnbf.quantize_4bit(x.to(p.device).contiguous(), **kw)
+        return bnbf.dequantize_4bit(packed, state).float()
+
+    def store(x: torch.Tensor) -> None:
+        packed, state = bnbf.quantize_4bit(x.to(p.device).contiguous(), **kw)
+        p.data, p.quant_state = packed, state
+
+    return roundtrip, store
+
+
+def loftq_layers(model: nn.Module, layers: dict[str, LoraLayer], adapter_name: str, iters: int,
+                 set_factors: bool = True) -> None:
+    """LoftQ on 4-bit layers (Li et al. 2023, Alg. 1) from the full-precision weights on disk.
+
+    The first alternation quantizes ``W`` itself: its ``Q`` is the base as loaded, which is then
+    kept (``iters == 1``: only A, B change). Later ones re-quantize the base to
+    ``NF4(W - s B_{T-1} A_{T-1})`` in the layer's own format; that is deterministic in ``W``, so
+    a rebuild (``set_factors=False``: resume, reload) recomputes the same base while the
+    factors come from the file.
+
+    Raises:
+        RankwiseError: If a layer is not 4-bit, or the weights are not on disk.
+    """
+    _check_loftq(layers)
+    originals = original_weights(model, list(layers))
+    for path, layer in layers.items():
+        base = layer_weights.base_layer(layer)
+        loaded = layer_weights.dense_weight(layer).detach().float()
+        roundtrip, store = _quantizer(base)
+        calls = iter(range(iters))
+        quantize = lambda x: loaded if next(calls) == 0 else roundtrip(x)  # noqa: E731
+        w = originals[path].to(loaded.device)
+        r, s = layer.ranks[adapter_name], layer.scaling[adapter_name]
+        a, b, _, a_prev, b_prev = inits.loftq(w, r, s, iters, quantize)
+        if iters > 1:
+            store(w - s * b_prev @ a_prev)
+            layer.requantized.add(adapter_name)
+        if set_factors:
+            layer.set_initial(adapter_name, a, b, residual=False)
 
 
 def initialise(model: nn.Module, layers: dict[str, LoraLayer], config, adapter_name: str,
@@ -102,14 +149,14 @@ def initialise(model: nn.Module, layers: dict[str, LoraLayer], config, adapter_n
         eva_vectors: ``{path: V (r, in)}`` (``eva``).
 
     Raises:
-        RankwiseError: ``loftq`` on a base that is not 4-bit (or with ``loftq_iter`` != 1).
+        RankwiseError: ``loftq`` on a base that is not 4-bit.
     """
     kind = inits.init_kind(config.init)
     if kind in ("kaiming", "gaussian"):
         return
     if kind == "loftq":
-        _check_loftq(layers, config.loftq_iter)
-        originals = original_weights(model, list(layers))
+        loftq_layers(model, layers, adapter_name, config.loftq_iter)
+        return
     for path, layer in layers.items():
         r, s = layer.ranks[adapter_name], layer.scaling[adapter_name]
         w = layer_weights.dense_weight(layer).detach().float()  # (out, in), as loaded
@@ -119,9 +166,7 @@ def initialise(model: nn.Module, layers: dict[str, LoraLayer], config, adapter_n
             a, b = inits.olora(w, r)
         elif kind == "corda":
             a, b = inits.corda(w, stats[path].covariance().to(w), r, s, config.corda_mode)
-        elif kind == "eva":
+        else:  # eva
             a = eva_vectors[path].to(w)
             b = torch.zeros(w.shape[0], r, dtype=w.dtype, device=w.device)
-        else:  # loftq, one alternation: Q is the loaded NF4 base, BA the SVD of W - Q
-            a, b, _, _, _ = inits.loftq(originals[path].to(w), r, s, 1, quantize=lambda _x: w)
         layer.set_initial(adapter_name, a, b, residual=kind in ("pissa", "olora", "corda"))

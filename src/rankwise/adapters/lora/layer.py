@@ -53,6 +53,7 @@ class LoraLayer(NamedAdapters, nn.Module):
         self.lora_B = nn.ModuleDict()
         self.lora_dropout = nn.ModuleDict()
         self.lora_initial = nn.ModuleDict()  # name -> frozen (A0, B0) buffers, see set_initial
+        self.requantized: set[str] = set()  # adapters whose init re-quantized the base (LoftQ)
         self.scaling: dict[str, float] = {}
         self.ranks: dict[str, int] = {}
         self.alphas: dict[str, float] = {}

@@ -115,6 +115,12 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         RankwiseError: If the adapter is missing, or has layers that are not LoRA.
     """
     layers = _lora_layers(model, adapter_name)
+    requantized = [p for p, m in layers.items() if adapter_name in m.requantized]
+    if requantized:
+        raise RankwiseError(f"adapter {adapter_name!r} was trained on a base that LoftQ re-quantized "
+                            f"(method.loftq_iter > 1, e.g. {requantized[0]!r}), which a PEFT LoRA "
+                            "adapter on the original base cannot express: export with --format "
+                            "merged (or train with loftq_iter: 1)")
     settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
                     bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
     tensors: dict[str, torch.Tensor] = {}
