@@ -232,3 +232,51 @@ def test_method_on_bf16_base(name):
 
 def test_every_spec_row_names_a_registered_method():
     assert set(SPECS) <= set(registry.names("method")), "remove rows of methods no longer registered"
+
+
+# Every LoRA initialisation (method.init, docs/lora-inits.md) through the same checks, then
+# resume (checkpoint -> rebuild through the registry -> load), the PEFT export on the untouched
+# base, and the merged export. loftq needs a 4-bit base saved on disk: tests/adapters/test_lora_loftq.py
+# runs it through save/load/export the same way.
+LORA_INITS = ["kaiming", "gaussian", "pissa", "pissa_niter_2", "olora", "eva", "corda"]
+
+
+@pytest.mark.parametrize("init", LORA_INITS)
+def test_lora_init_contract(init, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    peft = pytest.importorskip("peft")
+    from rankwise.adapters.lora import export_peft
+    from rankwise.core.io import rebuild, structure
+    from rankwise.core.merged import export_merged
+    from rankwise.recipes.checkpoint import load_checkpoint, save_checkpoint
+    from rankwise.testing import randomize_trainable
+
+    spec = {**_spec("lora"), "models": ("llama",), "config": {"r": 2, "init": init}}
+    check_method("lora", "llama", tmp_path / "contract", spec)
+    build = TINY_MODELS["llama"]
+    model = build()
+    _, cfg = _apply("lora", model, "llama", spec)
+    randomize_trainable(model, std=0.1)
+    trained = _logits(model.eval(), "llama")
+    # resume: the checkpoint's tensors onto layers rebuilt from their saved structure
+    folder = save_checkpoint(tmp_path, 1, model, {})
+    resumed = build()
+    rebuild(resumed, cfg, "default", structure(model))
+    load_checkpoint(folder, resumed, type("Engine", (), {"load_state_dict": lambda self, s: None})())
+    torch.testing.assert_close(_logits(resumed.eval(), "llama"), trained, atol=1e-6, rtol=0)
+    # PEFT loads the export onto the untouched base with the trained model's logits
+    export_peft(model, tmp_path / "peft")
+    theirs = peft.PeftModel.from_pretrained(build(), tmp_path / "peft").eval()
+    torch.testing.assert_close(_logits(theirs, "llama"), trained, atol=1e-5, rtol=0)
+    # the merged export is the trained model
+    export_merged(model, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(_logits(merged, "llama"), trained, atol=1e-5, rtol=0)
+    # and it applies and trains on a bfloat16 base with float32 factors
+    half = build().to(torch.bfloat16)
+    _apply("lora", half, "llama", spec)
+    loss = _train_loss(half, "llama", 0)
+    loss.backward()
+    assert torch.isfinite(loss) and all(
+        p.grad is not None and p.dtype == torch.float32 for p in half.parameters() if p.requires_grad)

@@ -217,3 +217,28 @@ def test_bad_init_is_one_line(kw, match):
     with pytest.raises(RankwiseError, match=match) as err:
         apply_lora(tiny_llama_lm(), LoraConfig(r=2, **kw))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["method.init=svd"], "method.init: got 'svd'; expected one of kaiming, gaussian, pissa, "
+                          "pissa_niter_N, olora, loftq, eva, corda"),
+    (["method.init=eva", "train.calibration_batches=0"],
+     "method.init: eva needs calibration batches, but train.calibration_batches is 0; set it >= 1"),
+    (["method.init=corda", "train.calibration_batches=0"], "method.init: corda needs calibration batches"),
+    (["method.init=loftq"], "method.init: loftq needs a 4-bit base (got model.quantize: None); "
+                            "set model.quantize: nf4"),
+], ids=["unknown", "eva-no-data", "corda-no-data", "loftq-no-4bit"])
+def test_cli_refuses_bad_inits_with_one_line_and_exit_2(tmp_path, sets, needle):
+    import yaml
+    from click.testing import CliRunner
+
+    from rankwise.cli import main
+    raw = {"model": {"path": "tiny-bert", "task": "classification"}, "data": {"source": "demo"},
+           "method": {"name": "lora", "r": 2}, "train": {"steps": 1, "progress": False}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    args = ["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "out")]
+    for s in sets:
+        args += ["--set", s]
+    result = CliRunner().invoke(main, args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.output
