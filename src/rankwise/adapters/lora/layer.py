@@ -105,6 +105,16 @@ class LoraLayer(NamedAdapters, nn.Module):
         pair = self.lora_initial[name]
         return {"lora_A0.weight": pair.A, "lora_B0.weight": pair.B}
 
+    def delta_factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A', B')`` with ``s B' A'`` the adapter's whole delta on the original base: ``(A, B)``,
+        or for a residual init the rank-2r ``([A; A0], [B, -B0])`` (PEFT's conversion of
+        PiSSA/OLoRA/CorDA, ``path_initial_model_for_weight_conversion``). Detached."""
+        a, b = (t.detach() for t in self.factors(name))
+        if name in self.lora_initial:
+            pair = self.lora_initial[name]
+            a, b = torch.cat([a, pair.A], 0), torch.cat([b, -pair.B], 1)
+        return a, b
+
     # ----- AdapterModule protocol -----------------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Return ``{"lora_A.weight": A, "lora_B.weight": B}`` for adapter ``name``."""
@@ -169,6 +179,7 @@ class LoraLayer(NamedAdapters, nn.Module):
             del self.lora_initial[name]
         for d in (self.scaling, self.ranks, self.alphas, self.rslora):
             d.pop(name, None)
+        self.requantized.discard(name)
         self._forget(name)
 
     # ----- compute ------------------------------------------------------------------------

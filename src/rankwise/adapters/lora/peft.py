@@ -125,11 +125,8 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
                     bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
     tensors: dict[str, torch.Tensor] = {}
     for path, layer in layers.items():
-        a, b = (t.detach().cpu() for t in layer.factors(adapter_name))
-        frozen = layer.adapter_buffers(adapter_name)
-        if frozen:  # residual init: s (B A - B0 A0) = s [B, -B0] [A; A0], rank 2r, same scale
-            a = torch.cat([a, frozen["lora_A0.weight"].detach().cpu()], 0)
-            b = torch.cat([b, -frozen["lora_B0.weight"].detach().cpu()], 1)
+        a, b = (t.cpu() for t in layer.delta_factors(adapter_name))
+        if a.shape[0] != settings[path][0]:  # residual init: s [B, -B0] [A; A0], rank 2r, same s
             r, alpha, rs = settings[path]
             scale = layer.scaling[adapter_name]
             settings[path] = (2 * r, scale * (2 * r) ** 0.5 if rs else scale * 2 * r, rs)
