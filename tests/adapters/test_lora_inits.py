@@ -242,3 +242,45 @@ def test_cli_refuses_bad_inits_with_one_line_and_exit_2(tmp_path, sets, needle):
     result = CliRunner().invoke(main, args)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.output
+
+
+@pytest.mark.slow  # two short runs through the recipe (data, eval, plots): ~3 s warm, 11 s cold
+def test_train_recipe_calibrates_resumes_and_exports_corda(tmp_path, monkeypatch):
+    """``rankwise train`` hands its calibration batches to CorDA; a run resumed from its step-2
+    checkpoint ends where the uninterrupted one does, without calibrating again; PEFT loads the
+    export onto the untouched base with the run's logits."""
+    import shutil
+
+    import rankwise.adapters.lora as lora_pkg
+    from rankwise.engine import get_task
+    from rankwise.recipes.config import load_run_config
+    from rankwise.recipes.export import export_run, load_run
+    from rankwise.recipes.model import load_model
+    from rankwise.recipes.train import train
+
+    raw = {"model": {"path": "tiny-bert", "task": "classification"},
+           "data": {"source": "demo", "max_length": 16, "limit": 48},
+           "method": {"name": "lora", "r": 2, "targets": ["query", "value"], "init": "corda"},
+           "optim": {"name": "adamw", "lr": 0.01},
+           "train": {"steps": 4, "batch_size": 4, "save_every": 2, "calibration_batches": 2,
+                     "progress": False}}
+    full = train(load_run_config(None, base=copy.deepcopy(raw)), tmp_path / "full")
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / "step-0000004")
+    (part / "metrics.json").unlink()
+    shutil.rmtree(part / "adapter")
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibration ran again on resume")
+
+    monkeypatch.setattr(lora_pkg, "input_statistics", no_calibration)
+    resumed = train(load_run_config(None, base=copy.deepcopy(raw)), part, resume=True)
+    assert resumed["eval_loss"] == full["eval_loss"]
+    cfg, model, _ = load_run(tmp_path / "full")
+    batch = {k: v for k, v in tiny_batch("bert", seed=11).items() if k != "labels"}
+    export_run(tmp_path / "full", "peft", tmp_path / "peft")
+    base, _ = load_model("tiny-bert", get_task("classification"), cfg.model.num_labels, seed=cfg.train.seed)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(**batch).logits, model(**batch).logits, atol=1e-5, rtol=0)
