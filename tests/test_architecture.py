@@ -96,6 +96,8 @@ def forbidden(importer: str, imported: str) -> str | None:
         return None if top_b in BASE else "the base imports nothing else of rankwise"
     if top_a == "core":
         return None if top_b in BASE | {"core"} else "core imports only core and the base"
+    if top_a == "obfuscation":
+        return None if top_b in BASE | {"core"} else "obfuscation (LoRO) imports only core and the base"
     if top_a in {"engine", "data"}:
         if top_b in METHOD_KINDS | WIRING | {"federated"}:
             return f"{top_a} never imports methods, federated or recipes"
@@ -154,6 +156,7 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.federated.strategies.base", "rankwise.recipes.config"),
     ("rankwise.federated.strategies.yoco", "rankwise.federated.client_app"),
     ("rankwise.recipes.train", "rankwise.cli"),
+    ("rankwise.obfuscation", "rankwise.recipes.model"),            # LoRO runtime -> recipes
 ])
 def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     assert forbidden(importer, imported) is not None
@@ -168,6 +171,7 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.recipes.generate", "rankwise.adapters.lora.peft"),
     ("rankwise.engine.loop", "rankwise.core.ops"),
     ("rankwise.testing", "rankwise.core.quant"),
+    ("rankwise.recipes.obfuscate", "rankwise.obfuscation"),
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
     "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
+    "loro": "rankwise.benchmarks.loro:run",
 }
 
 
@@ -118,6 +119,29 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
 
 
 @main.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--method", required=True, metavar="linear|cat|svd|ties|dare-ties|dare-linear")
+@click.option("--weights", required=True, metavar="W1,W2,...", help="One weight per adapter.")
+@click.option("--density", type=float, default=None, help="Fraction kept by ties / dare-*, in (0, 1].")
+@click.option("--seed", type=int, default=None, help="Seeds the DARE masks.")
+@click.option("--rank", "svd_rank", type=int, default=None, help="Rank of an svd merge (default: the largest).")
+@click.option("--majority-sign", default=None, metavar="total|frequency", help="Sign election of ties / dare-ties.")
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--merged", is_flag=True, help="Also write the base with the result folded in, OUT/merged.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="The base model's folder, instead of the one the inputs record.")
+def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | None, seed: int | None,
+          svd_rank: int | None, majority_sign: str | None, out: Path, merged: bool,
+          model_path: Path | None) -> None:
+    """Combine LoRA adapters of one base (runs or PEFT folders) into one PEFT adapter."""
+    from rankwise.recipes.merge import MergeConfig, merge_sources, parse_weights
+    given = {"density": density, "seed": seed, "svd_rank": svd_rank, "majority_sign": majority_sign}
+    cfg = MergeConfig(method=method.replace("-", "_"), weights=parse_weights(weights),
+                      **{k: v for k, v in given.items() if v is not None})
+    click.echo(f"wrote {merge_sources(list(inputs), cfg, out, merged, model_path)}")
+
+
+@main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="One prompt (for chat runs: the user message); \"\" starts from BOS.")
 @click.option("--file", "file", type=click.Path(path_type=Path), default=None,
@@ -200,6 +224,28 @@ def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: b
     run_compress(config, list(sets), out, overwrite=overwrite, console=Console(stderr=True),
                  model_path=model_path)
     click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The published model folder (new or empty).")
+@click.option("--rank", type=int, default=None, help="Rank d of each layer's mask (default: ObfuscateConfig's).")
+@click.option("--cornerstones", type=int, default=None, help="Cornerstone factors k shared by all layers.")
+@click.option("--factors", type=click.Path(path_type=Path), default=None,
+              help="The secret factors file (default DIR.factors.safetensors beside --out; never inside it).")
+@click.option("--seed", type=int, default=None, help="Seed of the masks (secret; default: drawn from the OS).")
+def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None, factors: Path | None,
+              seed: int | None) -> None:
+    """Publish MODEL with LoRO low-rank masks (W' = W + BA); the factors go to a separate file."""
+    from rankwise.obfuscation import ObfuscateConfig
+    from rankwise.recipes.obfuscate import run_obfuscate
+    given = {"rank": rank, "cornerstones": cornerstones, "seed": seed}
+    report = run_obfuscate(model, out, ObfuscateConfig(**{k: v for k, v in given.items() if v is not None}), factors)
+    click.echo(f"masked {report['layers']} layers at rank {report['rank']} with {report['cornerstones']} "
+               f"cornerstones; trusted side {report['factor_bytes'] / 2**20:.3f} MiB = "
+               f"{report['factor_fraction_of_model']:.2%} of the model's {report['model_bytes'] / 2**20:.1f} MiB "
+               f"(one mask pair per layer: {report['unshared_factor_bytes'] / 2**20:.3f} MiB)")
+    click.echo(f"wrote {report['out']} and {report['factors_path']}")
 
 
 @main.command()

@@ -187,8 +187,7 @@ def test_residual_export_applies_to_the_untouched_base(init, tmp_path):
 
 
 def test_checkpoint_keeps_the_initial_factors(tmp_path):
-    from rankwise.adapters.lora import rebuild_lora
-    from rankwise.core.io import structure
+    from rankwise.core.io import rebuild, structure
     from rankwise.recipes.checkpoint import load_checkpoint, save_checkpoint
 
     model = tiny_llama_lm()
@@ -200,7 +199,7 @@ def test_checkpoint_keeps_the_initial_factors(tmp_path):
         trained = model(**batch).logits
     folder = save_checkpoint(tmp_path, 1, model, {})
     fresh = tiny_llama_lm()
-    rebuild_lora(fresh, cfg, "default", structure(model))
+    rebuild(fresh, cfg, "default", structure(model))
     load_checkpoint(folder, fresh, type("E", (), {"load_state_dict": lambda self, s: None})())
     with torch.no_grad():
         torch.testing.assert_close(fresh(**batch).logits, trained, atol=1e-6, rtol=0)

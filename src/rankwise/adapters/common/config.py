@@ -8,7 +8,7 @@ A method's config dataclass subclasses :class:`TargetedConfig` (where the adapte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import ClassVar, Union
 
 
 @dataclass
@@ -44,16 +44,30 @@ class LoraPairConfig(TargetedConfig):
         alpha: Scale numerator.
         dropout: Dropout on the adapter input.
         use_rslora: s = alpha / sqrt(r).
+        target_parameters: Fused 3-D expert parameters to adapt with a pair per expert, by
+            name or suffix (``mlp.experts.gate_up_proj``; see
+            :mod:`rankwise.adapters.common.experts`), beside the ``targets`` layers (``[]``:
+            none of those). Only methods that set ``parameter_targets`` accept it.
     """
+
+    # Whether the method builds expert layers at ``target_parameters`` (LoRA does).
+    parameter_targets: ClassVar[bool] = False
 
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     use_rslora: bool = False
+    target_parameters: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
         out = super().problems()
+        if self.target_parameters and not self.parameter_targets:
+            out.append(f"target_parameters: method {self.name!r} adapts linear layers only; "
+                       "use method.name: lora for fused expert parameters")
+        if self.target_parameters and self.dropout:
+            out.append(f"dropout: got {self.dropout} with target_parameters; expected 0 (an "
+                       "expert delta is added to the weight, so it has no input to drop)")
         if self.r < 1:
             out.append(f"r: got {self.r}; expected an integer >= 1")
         if self.alpha <= 0:

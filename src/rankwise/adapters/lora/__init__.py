@@ -2,14 +2,15 @@
 the registrations."""
 from __future__ import annotations
 
-import dataclasses
 import re
+from functools import partial
 from typing import Iterable
 
 from torch import nn
 
 from rankwise import registry
-from rankwise.adapters.common.build import adapt, target_paths
+from rankwise.adapters.common.build import adapt, parameter_targets, rebuild_at_paths, target_paths
+from rankwise.adapters.common.experts import ExpertLoraLayer
 from rankwise.adapters.common.factors import LORA_INITS
 from rankwise.adapters.lora.calibrate import input_statistics
 from rankwise.adapters.lora.config import LoraConfig
@@ -43,18 +44,21 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         adapter_name: Name of this adapter (several can coexist; see ``core.set_adapter``).
         structure: Optional exact per-path settings ``{path: {"r": .., "alpha": ..,
             "use_rslora": ..}}`` (adaptive-rank methods, loading); each key overrides the
-            config and patterns for that path; ``r = 0`` skips the layer.
+            config and patterns for that path; ``r = 0`` skips the layer. A module with
+            adapted expert parameters has ``{path: {"parameters": {name: {"r", ...}}}}``.
         batches: Calibration batches (``model(**batch)``) for ``eva`` and ``corda``; the
             registry hands them over (``rankwise train``: ``train.calibration_batches``).
         restore: Rebuilding a saved adapter: allocate the layers (and the frozen ``A0, B0`` of
             a residual init) without computing any init; the file's tensors follow.
 
     Returns:
-        ``{path: LoraLayer}`` for the adapted layers.
+        ``{path: LoraLayer}`` for the adapted layers (and ``{path: ExpertLoraLayer}`` for the
+        modules whose ``config.target_parameters`` are adapted).
 
     Raises:
-        RankwiseError: On targets matching nothing, ranks outside [1, min(in, out)], an
-            unknown init, ``eva``/``corda`` without batches, ``loftq`` without a 4-bit base.
+        RankwiseError: On targets or target parameters matching nothing (or a parameter that
+            is not 3-D), ranks outside [1, min(in, out)], an unknown init, ``eva``/``corda``
+            without batches, ``loftq`` without a 4-bit base.
     """
     problems = [p for p in config.problems()
                 if p.split(":")[0] in ("init", "loftq_iter", "eva_rho", "corda_mode")]
@@ -90,20 +94,33 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
                               layer.lora_B[adapter_name].weight, residual=True)
         return layer
 
-    layers = adapt(model, config, adapter_name, wrap, paths)
+    # fused 3-D expert parameters: patterns match the parameter's full name, as in PEFT
+    params = parameter_targets(model, config)
+    expert_settings = {}
+    for path, names in params.items():
+        saved = structure.get(path, {}).get("parameters", {})
+        for n in names:
+            key, s = f"{path}.{n}", saved.get(n, {})
+            expert_settings[key] = (s.get("r", pattern_value(key, config.rank_pattern, config.r)),
+                                    s.get("alpha", pattern_value(key, config.alpha_pattern, config.alpha)),
+                                    s.get("use_rslora", config.use_rslora))
+    params = {p: kept for p, names in params.items()
+              if (kept := [n for n in names if expert_settings[f"{p}.{n}"][0] > 0])}
+
+    def wrap_params(path: str, module: nn.Module, names: list[str]) -> nn.Module:
+        layer = module if isinstance(module, ExpertLoraLayer) else ExpertLoraLayer(module)
+        for n in names:
+            r, alpha, rslora = expert_settings[f"{path}.{n}"]
+            layer.add(adapter_name, n, r, alpha, rslora, config.init)
+        return layer
+
+    layers = adapt(model, config, adapter_name, wrap, paths, wrap_params, params)
+    lora_layers = {p: m for p, m in layers.items() if isinstance(m, LoraLayer)}
     if not restore:
-        initialise(model, layers, config, adapter_name, stats, eva_vectors)
+        initialise(model, lora_layers, config, adapter_name, stats, eva_vectors)
     elif kind == "loftq" and config.loftq_iter > 1:  # the same re-quantized base, from W
-        loftq_layers(model, layers, adapter_name, config.loftq_iter, set_factors=False)
+        loftq_layers(model, lora_layers, adapter_name, config.loftq_iter, set_factors=False)
     return layers
-
-
-def rebuild_lora(model: nn.Module, config: LoraConfig, adapter_name: str,
-                 layers: dict[str, dict]) -> dict[str, LoraLayer]:
-    """Registry ``rebuild``: the saved layers, ranks and residual pairs, no init computed."""
-    if layers:
-        config = dataclasses.replace(config, targets=list(layers), exclude=[])
-    return apply_lora(model, config, adapter_name, structure=layers or None, restore=True)
 
 
 def export_peft(*args, **kwargs):
@@ -118,10 +135,12 @@ def load_peft(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-# rebuild: the saved {path: {"r", "alpha", "use_rslora"}} (LoraLayer.describe) at those paths
+# rebuild: the saved {path: {"r", "alpha", "use_rslora"}} (LoraLayer.describe) at those paths,
+# no init computed (restore: the file holds the factors and any frozen A0, B0)
 # needs_batches: eva and corda read calibration batches (the others never touch the lazy iterator)
 registry.register("method", "lora", LoraConfig, apply_lora, needs_batches=True,
-                  rebuild=rebuild_lora, factorized=True,
+                  rebuild=rebuild_at_paths(partial(apply_lora, restore=True), structure=True),
+                  factorized=True,
                   summary="LoRA / rsLoRA: W x + s B A x (Hu et al. 2021)")
 registry.register("exporter", "peft", dict, export_peft, loader=load_peft,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

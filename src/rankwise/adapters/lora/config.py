@@ -35,9 +35,14 @@ class LoraConfig(LoraPairConfig):
             the r smallest train, the principal ones stay frozen).
         rank_pattern: ``{regex: r}``; a key matches a module path ``(.*\\.)?(key)$`` as in PEFT.
         alpha_pattern: ``{regex: alpha}``, same matching.
+        target_parameters: Fused 3-D expert parameters (``mlp.experts.gate_up_proj``), each
+            adapted by a pair per expert (``docs/moe-experts.md``); patterns match the
+            parameter's full name. Set ``targets: []`` to adapt only these.
         modules_to_save: Whole modules trained and saved with the adapter. ``None`` means
             the task's head for classification models (``classifier``/``score``), else none.
     """
+
+    parameter_targets = True  # builds ExpertLoraLayer at target_parameters
 
     name: str = "lora"
     init: str = "kaiming"
@@ -60,4 +65,11 @@ class LoraConfig(LoraPairConfig):
             out.append(f"eva_rho: got {self.eva_rho!r}; expected a number >= 1 (1: no redistribution)")
         if self.corda_mode not in ("ipm", "kpm"):
             out.append(f"corda_mode: got {self.corda_mode!r}; expected 'ipm' or 'kpm'")
+        from rankwise.adapters.common.experts import EXPERT_INITS
+        if self.target_parameters and init_kind(self.init) and self.init not in EXPERT_INITS:
+            out.append(f"init: {self.init!r} is not available with target_parameters; expected "
+                       f"one of {list(EXPERT_INITS)}")
+        if self.target_parameters and getattr(self, "use_dora", False):  # PEFT refuses it too
+            out.append("use_dora: not available with target_parameters (expert pairs are plain "
+                       "LoRA); drop one of them")
         return out

@@ -8,6 +8,8 @@ What PEFT expects on disk (checked against peft 0.21 by saving real ``PeftModel`
 * whole trained modules (``modules_to_save``) as ``base_model.model.<path>.<param>``;
 * one global ``r`` / ``lora_alpha`` / ``use_rslora``, with per-layer exceptions in
   ``rank_pattern`` / ``alpha_pattern`` (a key matches a path by ``(.*\\.)?(key)$``).
+* LoRA on fused 3-D expert parameters as ``target_parameters`` (its key layout is in
+  :mod:`rankwise.adapters.lora.peft_experts`).
 
 rankwise never imports ``peft``: this module only writes and reads those two files.
 """
@@ -25,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from rankwise.adapters.common.experts import ExpertLoraLayer
 from rankwise.adapters.common.peft import CONFIG, WEIGHTS, peft_task_type, write_peft_folder
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
@@ -43,14 +46,14 @@ PREFIX = "base_model.model."
 _NEUTRAL: dict[str, tuple] = {
     "use_dora": (False, None), "lora_bias": (False, None), "bias": ("none", None),
     "layers_to_transform": (None,), "layers_pattern": (None, [], ""), "layer_replication": (None,),
-    "trainable_token_indices": (None,), "target_parameters": (None, []), "use_qalora": (False, None),
+    "trainable_token_indices": (None,), "use_qalora": (False, None),
     "alora_invocation_tokens": (None,), "arrow_config": (None,), "megatron_config": (None,),
     "use_bdlora": (None, False), "modules_to_tie": (None, []),
 }
 # Keys read by load_peft, and keys that only describe training or provenance.
 _USED = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
          "lora_dropout", "target_modules", "modules_to_save", "fan_in_fan_out", "task_type",
-         "base_model_name_or_path"}
+         "base_model_name_or_path", "target_parameters"}
 _HARMLESS = {"inference_mode", "init_lora_weights", "revision", "peft_version", "auto_mapping",
              "exclude_modules", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
              "kasa_config", "velora_config", "monteclora_config", "megatron_core",
@@ -58,10 +61,11 @@ _HARMLESS = {"inference_mode", "init_lora_weights", "revision", "peft_version", 
 
 
 def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
+    kinds = (LoraLayer, ExpertLoraLayer)  # linear layers and fused expert parameters
     layers = {p: m for p, m in adapter_modules(model)
-              if isinstance(m, LoraLayer) and adapter_name in m.adapter_names()}
+              if isinstance(m, kinds) and adapter_name in m.adapter_names()}
     others = [(p, m) for p, m in adapter_modules(model)
-              if not isinstance(m, LoraLayer) and adapter_name in m.adapter_names()]
+              if not isinstance(m, kinds) and adapter_name in m.adapter_names()]
     if others:
         # suggest only what works: a merged export refuses layers that cannot merge
         merged = " or --format merged" if all(is_mergeable(m) for _, m in others) else ""
@@ -114,7 +118,10 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     Raises:
         RankwiseError: If the adapter is missing, or has layers that are not LoRA.
     """
+    from rankwise.adapters.lora.peft_experts import expert_export, target_parameter_names
     layers = _lora_layers(model, adapter_name)
+    experts = {p: m for p, m in layers.items() if isinstance(m, ExpertLoraLayer)}
+    layers = {p: m for p, m in layers.items() if p not in experts}
     requantized = [p for p, m in layers.items() if adapter_name in m.requantized]
     if requantized:
         raise RankwiseError(f"adapter {adapter_name!r} was trained on a base that LoftQ re-quantized "
@@ -123,7 +130,8 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
                             "merged (or train with loftq_iter: 1)")
     settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
                     bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
-    tensors: dict[str, torch.Tensor] = {}
+    expert_settings, expert_tensors = expert_export(experts, adapter_name, PREFIX)
+    tensors: dict[str, torch.Tensor] = dict(expert_tensors)
     for path, layer in layers.items():
         a, b = (t.cpu() for t in layer.delta_factors(adapter_name))
         if a.shape[0] != settings[path][0]:  # residual init: s [B, -B0] [A; A0], rank 2r, same s
@@ -132,6 +140,7 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
             settings[path] = (2 * r, scale * (2 * r) ** 0.5 if rs else scale * 2 * r, rs)
         tensors[f"{PREFIX}{path}.lora_A.weight"] = a.contiguous()
         tensors[f"{PREFIX}{path}.lora_B.weight"] = b.contiguous()
+    settings.update(expert_settings)  # keyed by the parameter's full name, as PEFT matches
     rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
     for p, (r, alpha, rs) in settings.items():  # same scale under the global rsLoRA flag
         if rs != rslora:
@@ -141,8 +150,8 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     a0 = Counter(s[1] for s in settings.values()).most_common(1)[0][0]
     rank_pattern = {re.escape(p): r for p, (r, _, _) in settings.items() if r != r0}
     alpha_pattern = {re.escape(p): a for p, (_, a, _) in settings.items() if a != a0}
-    first = next(iter(layers.values()))
-    drop = first.lora_dropout[adapter_name]
+    first = next(iter(layers.values()), None)
+    drop = first.lora_dropout[adapter_name] if first is not None else None
     saved = modules_to_save(model)
     cfg_name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
     config = {
@@ -156,6 +165,8 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         "modules_to_save": saved or None, "bias": "none", "use_dora": False,
         "init_lora_weights": True, "inference_mode": True,
     }
+    if experts:
+        config["target_parameters"] = target_parameter_names(model, list(expert_settings))
     return write_peft_folder(out_dir, config, tensors, model, saved, PREFIX)
 
 
@@ -245,7 +256,8 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
 
     Ranks come from the tensors' shapes; alpha from ``alpha_pattern`` / ``lora_alpha`` with
     PEFT's matching rule; whole modules (``modules_to_save``) are copied into the model's
-    own modules, which then train and save with the adapter.
+    own modules, which then train and save with the adapter. Pairs on fused 3-D expert
+    parameters (``target_parameters``) become :class:`ExpertLoraLayer` pairs.
 
     Args:
         model: The base model the adapter was trained on (no adapter named ``adapter_name``).
@@ -261,10 +273,15 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     """
     from rankwise.adapters.lora import apply_lora, pattern_value
 
+    from rankwise.adapters.lora.peft_experts import take_expert_tensors
     peft_dir = Path(peft_dir)
     cfg = read_peft_config(peft_dir)
-    lora, rest = _split(_read_tensors(peft_dir), model)
-    if not lora:
+    tensors = _read_tensors(peft_dir)
+    experts, expert_state = {}, {}
+    if cfg.get("target_parameters"):  # fused 3-D expert parameters
+        experts, expert_state, tensors = take_expert_tensors(tensors, model, cfg, PREFIX)
+    lora, rest = _split(tensors, model)
+    if not lora and not experts:
         raise RankwiseError(f"{peft_dir / WEIGHTS} holds no LoRA tensors; re-save the adapter")
     rslora = bool(cfg.get("use_rslora", False))
     structure = {}
@@ -282,10 +299,13 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     names = cfg.get("modules_to_save") or []
     saved = sorted({p for p, _ in model.named_modules() if p and any(matches(p, n) for n in names)
                     and any(k.startswith(p + ".") for k in rest)})
+    structure.update(experts)
+    params = [f"{p}.{n}" for p, s in experts.items() for n in s["parameters"]]
     config = LoraConfig(targets=list(lora), dropout=float(cfg.get("lora_dropout") or 0.0),
-                        modules_to_save=saved)
+                        modules_to_save=saved, target_parameters=params)
     apply_lora(model, config, adapter_name, structure=structure)
     state = {f"{p}.{k}.weight": v for p, ab in lora.items() for k, v in ab.items()}
     state.update(rest)
+    state.update(expert_state)
     load_adapter_state_dict(model, state, adapter_name)
     return cfg

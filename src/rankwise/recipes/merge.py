@@ -1,0 +1,333 @@
+"""``rankwise merge RUN_OR_ADAPTER... --method M --weights W1,W2,... --out DIR [--merged]``.
+
+Combines LoRA adapters trained on one base model into one adapter, with the semantics of HF
+PEFT's ``add_weighted_adapter`` (the maths and the papers: :mod:`rankwise.core.combine`). The
+inputs are finished ``rankwise train`` runs, rankwise adapter folders (``export --format
+rankwise``) or PEFT LoRA folders (``export --format peft``, ``PeftModel.save_pretrained``).
+
+The base model is loaded once (the first run's ``model`` section, ``--model``, or the PEFT
+folders' ``base_model_name_or_path``); every input is loaded onto it as its own adapter (rankwise
+files through ``core.io``, which checks the base's fingerprint and weight sample; PEFT files through
+the ``peft`` exporter's registered loader, which checks module names and shapes); the combined
+pair of every layer becomes a new LoRA adapter with scale 1 (``lora_alpha = r``, as PEFT makes
+it), written as a PEFT folder in ``--out`` (and, with ``--merged``, folded into the base as a
+transformers model in ``--out/merged``). Inputs recorded against different bases (their
+fingerprints differ, or PEFT folders name different bases) are refused before any model loads.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from rankwise import registry
+from rankwise.core import atomic
+from rankwise.core.combine import FACTORWISE, METHODS, PRUNED, SIGN_METHODS, Pair, combine_pairs, new_rank
+from rankwise.core.io import CONFIG as RANKWISE_CONFIG
+from rankwise.core.io import fingerprint, load_adapter, rebuild
+from rankwise.core.ops import delete_adapter, modules_to_save
+from rankwise.core.protocol import adapter_modules, describe, factors
+from rankwise.errors import RankwiseError
+from rankwise.recipes import folders
+from rankwise.recipes.config import ModelConfig, load_run_config
+from rankwise.recipes.model import base_moved, demo_model_path, load_model, torch_dtype
+
+PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
+MERGED = "merged"  # the combined adapter's name in the model, and --merged's subfolder
+PEFT_CONFIG = "adapter_config.json"
+RECORD = "merge.json"  # what was merged, beside the PEFT files
+
+
+@dataclass
+class MergeConfig:
+    """How ``rankwise merge`` combines its inputs (the one place its defaults live).
+
+    Attributes:
+        method: ``linear``, ``cat``, ``svd``, ``ties``, ``dare_ties`` or ``dare_linear`` (the CLI
+            also accepts ``dare-ties`` / ``dare-linear``).
+        weights: One weight per input adapter (negative subtracts).
+        density: Fraction of entries kept by ``ties`` / ``dare_*``, in (0, 1]; required there.
+        seed: Seeds the DARE masks.
+        svd_rank: Rank of the ``svd`` result (``None``: the largest input rank).
+        majority_sign: ``total`` or ``frequency``: the sign election of ``ties`` / ``dare_ties``.
+    """
+
+    method: str = "svd"
+    weights: list[float] = field(default_factory=list)
+    density: float | None = None
+    seed: int = 0
+    svd_rank: int | None = None
+    majority_sign: str = "total"
+
+    def problems(self, n_inputs: int) -> list[str]:
+        """Every value error at once, for ``n_inputs`` adapters."""
+        out = []
+        if self.method not in METHODS:
+            out.append(f"--method: got {self.method!r}; expected one of "
+                       f"{', '.join(m.replace('_', '-') for m in METHODS)}")
+        if len(self.weights) != n_inputs:
+            out.append(f"--weights: got {len(self.weights)} weights for {n_inputs} adapters; "
+                       "give one per adapter, comma-separated")
+        if self.method in PRUNED and self.density is None:
+            out.append(f"--density: {self.method.replace('_', '-')} needs it (the fraction of "
+                       "entries kept, in (0, 1])")
+        if self.density is not None and not 0 < self.density <= 1:
+            out.append(f"--density: got {self.density}; expected a fraction in (0, 1]")
+        if self.density is not None and self.method in METHODS and self.method not in PRUNED:
+            out.append(f"--density: {self.method} prunes nothing; leave it out or use ties, "
+                       "dare-ties or dare-linear")
+        if self.svd_rank is not None and (self.method != "svd" or self.svd_rank < 1):
+            out.append(f"--rank: got {self.svd_rank} with --method {self.method}; it is the "
+                       "positive rank of an svd merge")
+        if self.majority_sign not in SIGN_METHODS:
+            out.append(f"--majority-sign: got {self.majority_sign!r}; expected total or frequency")
+        return out
+
+
+@dataclass
+class Source:
+    """One input: its folder, its kind (``train``, ``adapter``, ``peft``) and what it records."""
+    path: Path
+    kind: str
+    base: str | None  # the base model's path or name as recorded
+    fingerprint: str | None = None  # rankwise files only
+    model: ModelConfig | None = None  # runs only
+    seed: int = 0
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        raise RankwiseError(f"{path} is corrupt ({err}); re-export the adapter") from None
+    return data
+
+
+def _source(path: Path) -> Source:
+    found = folders.kind(path)
+    if found == "train":
+        if not (path / "adapter" / RANKWISE_CONFIG).is_file():
+            raise RankwiseError(f"{path} has no adapter/ (a full fine-tune, or not finished); merge "
+                                "reads LoRA adapters: let the run finish (or --resume it)")
+        cfg = load_run_config(path / "config.yaml")
+        meta = _json(path / "adapter" / RANKWISE_CONFIG)
+        return Source(path / "adapter", "train", cfg.model.path, meta.get("fingerprint"), cfg.model,
+                      cfg.train.seed)
+    if found == "adapter":
+        meta = _json(path / RANKWISE_CONFIG)
+        return Source(path, "adapter", meta.get("base_model"), meta.get("fingerprint"))
+    if found == "peft":
+        return Source(path, "peft", _json(path / PEFT_CONFIG).get("base_model_name_or_path"))
+    return _bad(path, found)
+
+
+def _bad(path: Path, found: str | None) -> Source:
+    what = folders.WHAT.get(found, "nothing") if found else "nothing"
+    raise RankwiseError(f"{path} holds {what}; merge reads finished train runs, rankwise adapter "
+                        "folders or PEFT LoRA folders")
+
+
+def check_same_base(sources: list[Source], model_path: Path | None) -> None:
+    """Refuse inputs recorded against different base models (one line naming two of them).
+
+    rankwise files record the base's fingerprint (parameter names and shapes); PEFT folders only
+    the base's name, which must then agree with the others' unless ``--model`` names the base.
+    """
+    printed = [s for s in sources if s.fingerprint]
+    for s in printed[1:]:
+        if s.fingerprint != printed[0].fingerprint:
+            a, b = printed[0], s
+            raise RankwiseError(f"cannot merge adapters of different base models: {a.path} was "
+                                f"trained on {a.base!r} (fingerprint {a.fingerprint}), {b.path} on "
+                                f"{b.base!r} (fingerprint {b.fingerprint}); merge adapters of one base")
+    if model_path is not None:
+        return
+    named = [s for s in sources if s.kind != "adapter" and s.base]
+    for s in named[1:]:
+        if str(s.base) != str(named[0].base):
+            raise RankwiseError(f"cannot merge adapters of different base models: {named[0].path} "
+                                f"names {named[0].base!r}, {s.path} names {s.base!r}; merge adapters "
+                                "of one base (pass --model DIR if both names are that one model)")
+
+
+def _load_base(sources: list[Source], model_path: Path | None):
+    run = next((s for s in sources if s.model is not None), None)
+    if run is not None:
+        m, seed = run.model, run.seed
+    else:
+        base = next((s.base for s in sources if s.base), None)
+        if base is None and model_path is None:
+            raise RankwiseError("no input names its base model; pass --model DIR")
+        task = "causal-lm"
+        for s in sources:
+            if s.kind == "peft":
+                t = _json(s.path / PEFT_CONFIG).get("task_type")
+                if t is None:  # a PEFT model saved without a task: a causal LM's body is the guess
+                    continue
+                if t not in PEFT_TASKS:
+                    raise RankwiseError(f"{s.path}: task_type {t!r}; merge loads bases of "
+                                        f"task types {sorted(PEFT_TASKS)}")
+                task = PEFT_TASKS[t]
+        m, seed = ModelConfig(path=str(base or model_path), task=task), 0
+    path = str(model_path) if model_path is not None else m.path
+    try:
+        model, tok = load_model(path, m.task, m.num_labels, seed=seed, dtype=m.dtype,
+                                quantize=m.quantize, double_quant=m.double_quant)
+    except RankwiseError as err:
+        if model_path is not None or "not found" not in str(err):
+            raise
+        raise base_moved(err) from None
+    return model, tok, m, path
+
+
+def collect_pairs(model: torch.nn.Module, names: list[str],
+                  labels: list[str]) -> dict[str, list[Pair | None]]:
+    """``{layer path: [Pair or None per input]}`` in model order, through the protocol's factors.
+
+    Raises:
+        RankwiseError: If an input has a layer that is not a plain LoRA pair.
+    """
+    out: dict[str, list[Pair | None]] = {}
+    for path, mod in adapter_modules(model):
+        row: list[Pair | None] = []
+        for name, label in zip(names, labels):
+            if name not in mod.adapter_names():
+                row.append(None)
+                continue
+            ab, info = factors(mod, name), describe(mod, name)
+            if ab is None or "scale" not in info or info.get("use_dora"):
+                raise RankwiseError(f"{label} adapts {path!r} with {type(mod).__name__}, not a plain "
+                                    "LoRA pair (delta = s B A); merge combines LoRA adapters only")
+            row.append(Pair(ab[0].detach().float(), ab[1].detach().float(), float(info["scale"])))
+        if any(p is not None for p in row):
+            out[path] = row
+    return out
+
+
+def merged_rank(pairs: dict[str, list[Pair | None]], cfg: MergeConfig, labels: list[str]) -> int:
+    """The new adapter's rank (PEFT's rule); refuses unequal ranks under the factor-wise methods."""
+    ranks = [max((row[i].rank for row in pairs.values() if row[i] is not None), default=0)
+             for i in range(len(labels))]
+    for i, label in enumerate(labels):
+        if not ranks[i]:
+            raise RankwiseError(f"{label} holds no LoRA layer; merge combines LoRA adapters")
+    if cfg.method in FACTORWISE:
+        every = sorted({p.rank for row in pairs.values() for p in row if p is not None})
+        if len(every) > 1:
+            raise RankwiseError(f"--method {cfg.method.replace('_', '-')} needs adapters of one rank, "
+                                f"got ranks {every}; use --method cat or svd for different ranks")
+    return new_rank(ranks, cfg.method, cfg.svd_rank)
+
+
+def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool = False,
+                  model_path: Path | None = None) -> Path:
+    """Merge the adapters in ``paths`` into one PEFT LoRA adapter in ``out``.
+
+    Args:
+        paths: Run folders, rankwise adapter folders or PEFT LoRA folders of one base model.
+        cfg: The method and its settings.
+        out: Target folder; must be missing or empty.
+        merged: Also write the base with the combined adapter folded in, ``out/merged``.
+        model_path: The base model's folder (instead of what the inputs record).
+
+    Returns:
+        The folder written.
+
+    Raises:
+        RankwiseError: Bad settings (all reported at once), inputs of different bases, unequal
+            ranks under a factor-wise method, non-LoRA inputs, or a non-empty ``out``.
+    """
+    if not paths:
+        raise RankwiseError("merge needs at least one adapter (run folders or PEFT folders)")
+    problems = cfg.problems(len(paths))
+    if problems:
+        raise RankwiseError("; ".join(problems))
+    out = atomic.check_folder(out)
+    if out.exists() and any(out.iterdir()):
+        raise RankwiseError(f"merge target {out} is not empty; choose a new --out or delete it first")
+    sources = [_source(Path(p)) for p in paths]
+    check_same_base(sources, model_path)
+    if sum(1 for s in sources if _has_heads(s)) > 1:
+        raise RankwiseError("more than one input trained whole modules (a task head); those "
+                            "cannot be merged (PEFT refuses too): merge adapters of which at most "
+                            "one did")
+    model, tok, m, base_path = _load_base(sources, model_path)
+    names = [f"input{i}" for i in range(len(sources))]
+    heads: list[str] = []
+    for s, name in zip(sources, names):
+        if s.kind == "peft":  # the format's registered loader (the LoRA package's)
+            registry.get("exporter", "peft").loader(model, s.path, name)
+        else:
+            load_adapter(model, s.path, name)
+        heads = heads or modules_to_save(model)  # the next load resets the list, not the weights
+    labels = [str(p) for p in paths]
+    pairs = collect_pairs(model, names, labels)
+    method = "linear" if len(sources) == 1 else cfg.method  # PEFT: one adapter is a linear scaling
+    rank = merged_rank(pairs, MergeConfig(**{**asdict(cfg), "method": method}), labels)
+    path, row = min(pairs.items(), key=lambda kv: _room(kv[1]))
+    if rank > _room(row):
+        fix = "choose a smaller --rank" if method == "svd" else "use --method svd with --rank"
+        raise RankwiseError(f"the merged rank {rank} ({method}) does not fit layer {path!r}, which "
+                            f"takes at most rank {_room(row)}; {fix}")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    combined = {path: combine_pairs(row, cfg.weights, method, rank, cfg.density or 1.0,
+                                    cfg.majority_sign, gen) for path, row in pairs.items()}
+    for name in names:
+        delete_adapter(model, name)
+    rebuild(model, {"name": "lora"}, MERGED, {p: {"r": rank, "alpha": float(rank), "use_rslora": False}
+                                              for p in combined}, heads)
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        for path, (a, b) in combined.items():
+            fa, fb = factors(mods[path], MERGED)
+            fa.copy_(a)
+            fb.copy_(b)
+    model.eval()
+    base_name = str(demo_model_path()) if base_path == "demo" else base_path
+    record = {"inputs": labels, **asdict(cfg), "method": method, "rank": rank,
+              "base_model": base_name, "fingerprint": fingerprint(model)}
+    with atomic.folder(out) as tmp:
+        registry.get("exporter", "peft").builder(model, tmp / "peft", adapter_name=MERGED,
+                                                 base_model_name_or_path=base_name)
+        for f in (tmp / "peft").iterdir():
+            shutil.move(str(f), str(tmp / f.name))
+        (tmp / "peft").rmdir()
+        atomic.write_json(tmp / RECORD, record)
+        if merged:
+            from rankwise.core.merged import export_merged
+            dtype = None if m.quantize else torch_dtype(m.dtype)
+            export_merged(model, tmp / MERGED, tokenizer=tok, adapter_name=MERGED, dtype=dtype)
+    return out
+
+
+def _room(row: list[Pair | None]) -> int:
+    """The largest rank a layer's adapter can have: min(in, out)."""
+    p = next(p for p in row if p is not None)
+    return min(p.a.shape[1], p.b.shape[0])
+
+
+def _has_heads(source: Source) -> bool:
+    meta = _json(source.path / (PEFT_CONFIG if source.kind == "peft" else RANKWISE_CONFIG))
+    return bool(meta.get("modules_to_save"))
+
+
+def parse_weights(text: str) -> list[float]:
+    """``"0.5,0.5"`` -> ``[0.5, 0.5]``.
+
+    Raises:
+        RankwiseError: A value that is not a number.
+    """
+    try:
+        return [float(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise RankwiseError(f"--weights: got {text!r}; expected comma-separated numbers, "
+                            "one per adapter (e.g. 0.7,0.3)") from None
+
+
+__all__ = ["MergeConfig", "check_same_base", "collect_pairs", "merge_sources",
+                      "merged_rank", "parse_weights"]
