@@ -283,3 +283,28 @@ def test_train_recipe_calibrates_resumes_and_exports_corda(tmp_path, monkeypatch
     theirs = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
         torch.testing.assert_close(theirs(**batch).logits, model(**batch).logits, atol=1e-5, rtol=0)
+
+
+def test_rankwise_merge_takes_the_whole_delta_of_a_residual_init(tmp_path):
+    """``rankwise merge`` of one PiSSA adapter (linear, weight 1) gives the trained model on the
+    untouched base: the merge reads [B, -B0][A; A0], not the trainable pair alone."""
+    from rankwise.core.io import save_adapter
+    from rankwise.engine import get_task
+    from rankwise.recipes.merge import MergeConfig, merge_sources
+    from rankwise.recipes.model import load_model
+
+    def base():
+        return load_model("tiny-llama", get_task("causal-lm"))[0].eval()
+
+    model = base()
+    cfg = LoraConfig(r=2, alpha=4, targets=["q_proj", "v_proj"], init="pissa")
+    apply_lora(model, cfg)
+    randomize_trainable(model)
+    batch = {k: v for k, v in tiny_batch("llama", seed=11).items() if k != "labels"}
+    with torch.no_grad():
+        trained = model(**batch).logits
+    save_adapter(model, tmp_path / "adapter", cfg)
+    merge_sources([tmp_path / "adapter"], MergeConfig(method="linear", weights=[1.0]), tmp_path / "m")
+    theirs = peft.PeftModel.from_pretrained(base(), tmp_path / "m").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(**batch).logits, trained, atol=1e-5, rtol=0)
