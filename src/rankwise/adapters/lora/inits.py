@@ -1,9 +1,10 @@
 """LoRA initialisations from the weight or from calibration data (``method.init``).
 
-Every function here is plain linear algebra on float32 tensors in the ``(out, in)`` layout and
-returns the factors ``A (r, in)``, ``B (out, r)``; the layer puts them in place. With
-``s = alpha / r`` (or rsLoRA's) the adapter adds ``s B A``, so each init divides the singular
-values it hands out by ``s`` and ``s B A`` is the part of ``W`` it stands for.
+The functions here are plain linear algebra on float32 tensors in the ``(out, in)`` layout;
+the factor makers return ``A (r, in)``, ``B (out, r)`` and ``initialise.py`` puts them in place.
+With ``s = alpha / r`` (or rsLoRA's) the adapter adds ``s B A``, so the SVD-based inits divide
+the singular values they hand out by ``s`` and ``s B A`` is the part of ``W`` they stand for
+(OLoRA keeps PEFT's unscaled ``Q_r``, ``R_r``).
 
 * PiSSA (Meng et al. 2024, eq. 2-4): ``W = U S V^T``; ``A = sqrt(S_r / s) V_r^T``,
   ``B = U_r sqrt(S_r / s)``, residual base ``W - s B A`` (the other singular triplets).
