@@ -280,3 +280,71 @@ def test_lora_init_contract(init, tmp_path):
     loss.backward()
     assert torch.isfinite(loss) and all(
         p.grad is not None and p.dtype == torch.float32 for p in half.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_lora_loftq_contract(iters, tmp_path):
+    """LoftQ needs a 4-bit base loaded from a folder (it reads W back from the safetensors):
+    the same checks on a 64-wide Llama loaded in NF4. One alternation keeps the loaded base, so
+    PEFT loads the export on it; three re-quantize it, which only the merged export carries."""
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from rankwise.adapters.lora import LoraConfig, apply_lora, export_peft
+    from rankwise.core.io import rebuild, structure
+    from rankwise.core.merged import export_merged
+    from rankwise.recipes.checkpoint import load_checkpoint, save_checkpoint
+    from rankwise.recipes.model import bnb_config
+    from rankwise.testing import tiny_llama64
+
+    tiny_llama64(128).save_pretrained(tmp_path / "base")
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32,
+                                                    quantization_config=bnb_config("nf4", "float32"))
+
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def logits(m):  # train mode: bitsandbytes' eval kernel on AVX512-BF16 CPUs rounds the scales
+        with torch.no_grad():
+            return m.train()(**batch).logits
+
+    model = base()
+    plain = logits(model)
+    cfg = LoraConfig(r=4, alpha=8, targets="all-linear", init="loftq", loftq_iter=iters)
+    apply_lora(model, cfg)
+    assert {id(p) for p in model.parameters() if p.requires_grad} == {
+        id(p) for p in adapter_parameters(model, "default").values()}
+    assert not torch.allclose(logits(model), plain, atol=1e-4)   # Q + s B A: closer to W than Q
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model.train()(**batch, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss) and all(p.grad is not None for p in params)
+        opt.step()
+    trained = logits(model)
+    # save / load and resume onto fresh 4-bit bases (a rebuild re-quantizes from W when iters > 1)
+    save_adapter(model, tmp_path / "adapter", cfg)
+    fresh = base()
+    load_adapter(fresh, tmp_path / "adapter")
+    torch.testing.assert_close(logits(fresh), trained, atol=1e-6, rtol=0)
+    folder = save_checkpoint(tmp_path / "run", 2, model, {})
+    resumed = base()
+    rebuild(resumed, cfg, "default", structure(model))
+    load_checkpoint(folder, resumed, type("Engine", (), {"load_state_dict": lambda self, s: None})())
+    torch.testing.assert_close(logits(resumed), trained, atol=1e-6, rtol=0)
+    # exports: the merged model is the trained one; PEFT on the loaded 4-bit base for one alternation
+    export_merged(model, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged), trained, atol=1e-4, rtol=0)
+    if iters == 1:
+        export_peft(model, tmp_path / "peft")
+        theirs = peft.PeftModel.from_pretrained(base(), tmp_path / "peft")
+        assert (logits(theirs) - trained).abs().max() <= 1e-5 * trained.abs().max().clamp(min=1.0)
+    else:
+        with pytest.raises(RankwiseError, match="re-quantized"):
+            export_peft(model, tmp_path / "peft")
