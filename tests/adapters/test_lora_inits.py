@@ -46,6 +46,10 @@ def _peft(init):
     return peft.get_peft_model(Two(), cfg)
 
 
+def _ab(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.lora_A["default"].weight, layer.lora_B["default"].weight
+
+
 def _residual(layer) -> torch.Tensor:
     a0, b0 = layer.adapter_buffers("default").values()
     return layer.base_layer.weight - layer.scaling["default"] * b0 @ a0
@@ -56,10 +60,9 @@ def test_factors_and_residual_base_equal_peft(init):
     _, ours = _ours(init)
     theirs = _peft(init)
     for name in ("up", "down"):
-        mine = ours[name]
-        ref = theirs.base_model.model.get_submodule(name)
-        torch.testing.assert_close(mine.lora_A["default"].weight, ref.lora_A["default"].weight, atol=1e-5, rtol=0)
-        torch.testing.assert_close(mine.lora_B["default"].weight, ref.lora_B["default"].weight, atol=1e-5, rtol=0)
+        mine, ref = ours[name], theirs.base_model.model.get_submodule(name)
+        for x, y in zip(_ab(mine), _ab(ref)):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
         torch.testing.assert_close(_residual(mine), ref.base_layer.weight, atol=1e-5, rtol=0)
 
 
@@ -91,8 +94,9 @@ def test_olora_reconstructs_and_b_is_orthonormal():
     original = Two().down.weight.detach().clone()
     _, layers = _ours("olora")
     layer = layers["down"]
-    b, a = layer.lora_B["default"].weight, layer.lora_A["default"].weight
-    torch.testing.assert_close(_residual(layer) + layer.scaling["default"] * b @ a, original, atol=1e-5, rtol=0)
+    a, b = _ab(layer)
+    rebuilt = _residual(layer) + layer.scaling["default"] * b @ a
+    torch.testing.assert_close(rebuilt, original, atol=1e-5, rtol=0)
     torch.testing.assert_close(b.T @ b, torch.eye(R), atol=1e-5, rtol=0)
 
 
@@ -114,10 +118,10 @@ def test_corda_equals_peft_given_the_same_covariance(tmp_path):
     from peft.tuners.lora.corda import preprocess_corda
     preprocess_corda(theirs, cfg)
     theirs = peft.get_peft_model(theirs, cfg)
-    for name, width in (("up", 16), ("down", 24)):
+    for name in ("up", "down"):
         mine, ref = ours[name], theirs.base_model.model.get_submodule(name)
-        torch.testing.assert_close(mine.lora_A["default"].weight, ref.lora_A["default"].weight, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(mine.lora_B["default"].weight, ref.lora_B["default"].weight, atol=1e-4, rtol=1e-4)
+        for x, y in zip(_ab(mine), _ab(ref)):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(_residual(mine), ref.base_layer.weight, atol=1e-5, rtol=0)
         # reconstruction identity: residual + s B A is the weight as loaded
         ba = mine.scaling["default"] * mine.lora_B["default"].weight @ mine.lora_A["default"].weight
@@ -148,8 +152,12 @@ def test_eva_rows_are_top_right_singular_vectors_and_ranks_sum_to_budget():
     batches = [tiny_batch("llama", seed=20 + i) for i in range(3)]
     seen: dict[str, list] = {}
     targets = ["q_proj", "v_proj", "down_proj"]
-    hooks = [m.register_forward_pre_hook(lambda mod, a, p=p: seen.setdefault(p, []).append(a[0].reshape(-1, a[0].shape[-1])))
-             for p, m in model.named_modules() if p.rsplit(".", 1)[-1] in targets]
+
+    def keep(path):
+        return lambda mod, args: seen.setdefault(path, []).append(args[0].reshape(-1, args[0].shape[-1]))
+
+    hooks = [m.register_forward_pre_hook(keep(p)) for p, m in model.named_modules()
+             if p.rsplit(".", 1)[-1] in targets]
     with torch.no_grad():
         for b in batches:
             model(**b)
@@ -210,7 +218,8 @@ def test_checkpoint_keeps_the_initial_factors(tmp_path):
     ({"init": "pissa_niter_0"}, r"method\.init: got 'pissa_niter_0'"),
     ({"init": "eva"}, r"method\.init: eva needs calibration batches: set train\.calibration_batches"),
     ({"init": "corda"}, r"method\.init: corda needs calibration batches"),
-    ({"init": "loftq"}, r"method\.init: loftq needs a 4-bit base, but '.*' is not quantized; set model\.quantize: nf4"),
+    ({"init": "loftq"}, r"method\.init: loftq needs a 4-bit base, but '.*' is not quantized; "
+                        r"set model\.quantize: nf4"),
 ])
 def test_bad_init_is_one_line(kw, match):
     with pytest.raises(RankwiseError, match=match) as err:
