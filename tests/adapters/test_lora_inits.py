@@ -317,3 +317,19 @@ def test_rankwise_merge_takes_the_whole_delta_of_a_residual_init(tmp_path):
     theirs = peft.PeftModel.from_pretrained(base(), tmp_path / "m").eval()
     with torch.no_grad():
         torch.testing.assert_close(theirs(**batch).logits, trained, atol=1e-5, rtol=0)
+
+
+def test_calibration_leaves_padding_out():
+    """Padded positions (attention_mask 0) add nothing to the input statistics."""
+    model = tiny_llama_lm()
+    full = tiny_batch("llama", seed=20)
+    cut = {k: v[:, :5] for k, v in full.items()}                  # the real tokens only
+    padded = {k: v.clone() for k, v in full.items()}
+    padded["attention_mask"][:, 5:] = 0
+    path = "model.layers.0.mlp.down_proj"
+    width = model.get_submodule(path).in_features
+    # causal attention: the first 5 positions see the same context either way
+    a = input_statistics(model, [path], {path: width}, [cut], "eva")[path]
+    b = input_statistics(model, [path], {path: width}, [padded], "eva")[path]
+    assert a.count == b.count == 2 * 5
+    torch.testing.assert_close(b.gram, a.gram, atol=1e-4, rtol=1e-5)

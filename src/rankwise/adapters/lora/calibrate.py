@@ -2,10 +2,11 @@
 
 The batches are the ones every data-driven init receives through the registry's
 ``needs_batches`` hook (``rankwise train`` draws ``train.calibration_batches`` of them from the
-training data, as for GoRA). Each target's forward pre-hook adds its inputs ``x`` (every
-position of the batch, flattened to ``(n, in)``) into ``sum x x^T`` (``(in, in)``, float32),
-``sum x`` and a count; the model runs in eval mode without gradients. Memory: one ``in x in``
-float32 matrix per target.
+training data, as for GoRA). Each target's forward pre-hook adds its inputs ``x`` (the
+positions the batch's ``attention_mask`` keeps - padding is left out, as PEFT's EVA does - or
+every position, flattened to ``(n, in)``) into ``sum x x^T`` (``(in, in)``, float32), ``sum x``
+and a count; the model runs in eval mode without gradients. Memory: one ``in x in`` float32
+matrix per target.
 """
 from __future__ import annotations
 
@@ -57,11 +58,16 @@ def input_statistics(model: nn.Module, paths: list[str], in_features: dict[str, 
                             "train.calibration_batches >= 1 (rankwise train) or pass batches= "
                             "to rankwise.apply")
     stats: dict[str, InputStats] = {}
+    current: dict[str, torch.Tensor | None] = {}  # the running batch's attention mask
     handles = []
 
     def hook_for(path: str):
         def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # (n, in)
+            x = args[0].detach()
+            mask = current.get("mask")
+            if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
+                x = x[mask.bool()]                                   # (real tokens, in)
+            x = x.reshape(-1, x.shape[-1]).float()                   # (n, in)
             s = stats.get(path)
             if s is None:
                 d = in_features[path]
@@ -79,6 +85,7 @@ def input_statistics(model: nn.Module, paths: list[str], in_features: dict[str, 
     try:
         with torch.no_grad():
             for batch in batches:
+                current["mask"] = batch.get("attention_mask")
                 model(**batch)
                 seen += 1
     finally:
