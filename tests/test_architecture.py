@@ -98,6 +98,8 @@ def forbidden(importer: str, imported: str) -> str | None:
         return None if top_b in BASE | {"core"} else "core imports only core and the base"
     if top_a == "obfuscation":
         return None if top_b in BASE | {"core"} else "obfuscation (LoRO) imports only core and the base"
+    if top_a == "models":
+        return None if top_b in BASE | {"core", "models"} else "models import only core, the base and models"
     if top_a in {"engine", "data"}:
         if top_b in METHOD_KINDS | WIRING | {"federated"}:
             return f"{top_a} never imports methods, federated or recipes"
@@ -157,6 +159,8 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.federated.strategies.yoco", "rankwise.federated.client_app"),
     ("rankwise.recipes.train", "rankwise.cli"),
     ("rankwise.obfuscation", "rankwise.recipes.model"),            # LoRO runtime -> recipes
+    ("rankwise.models.tpa.modeling", "rankwise.engine.loop"),      # architectures -> engine
+    ("rankwise.models.tpa", "rankwise.adapters.lora"),
 ])
 def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     assert forbidden(importer, imported) is not None
@@ -172,6 +176,8 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.engine.loop", "rankwise.core.ops"),
     ("rankwise.testing", "rankwise.core.quant"),
     ("rankwise.recipes.obfuscate", "rankwise.obfuscation"),
+    ("rankwise.recipes.model", "rankwise.models"),
+    ("rankwise.models.tpa.modeling", "rankwise.models.tpa.cache"),
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None

@@ -23,7 +23,9 @@ Llama with its gated MLP and grouped-query attention):
    its embeddings, attention mask and (causal LM) labels, the added and first real label
    positions carry no loss, and the logits line up with it;
 8. on a bfloat16 base model (``test_method_on_bf16_base``) the method applies, its trainable
-   weights are float32, and forward + backward are finite.
+   weights are float32, and forward + backward are finite;
+9. every method whose config has ``trainable_tokens`` passes 2-6 on Llama with three trainable
+   token rows added beside it (``test_method_contract_with_trainable_tokens``).
 
 ``check_method`` is importable: ``tests/test_extension.py`` runs it on a method defined
 outside the package to show that a new method needs nothing but its own module and one
@@ -32,6 +34,7 @@ registration.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -42,6 +45,8 @@ from rankwise.core import adapter_modules, disable_adapters, merge_adapters, unm
 from rankwise.core.io import load_adapter, save_adapter
 from rankwise.core.ops import adapter_parameters, modules_to_save
 from rankwise.core.protocol import aux_losses, input_adapters, is_mergeable, transform_inputs
+from rankwise.core.tokens import add_trainable_tokens
+from rankwise.core.ops import mark_trainable
 from rankwise.engine.task import IGNORE
 from rankwise.errors import RankwiseError
 from rankwise.testing import TINY_MODELS, tiny_batch
@@ -110,9 +115,13 @@ def _train_loss(model, kind, seed):
 
 
 def _apply(name, model, kind, spec=None):
+    spec = spec or _spec(name)
     entry = registry.get("method", name)
-    cfg = from_dict(entry.config_cls, {"name": name, **(spec or _spec(name))["config"]}, "method")
+    cfg = from_dict(entry.config_cls, {"name": name, **spec["config"]}, "method")
     entry.apply(model, cfg, "default", (tiny_batch(kind, seed=20 + i) for i in range(8)))
+    if spec.get("tokens"):  # method.trainable_tokens beside the method, as the train recipe adds it
+        add_trainable_tokens(model, spec["tokens"])
+        mark_trainable(model)
     return entry, cfg
 
 
@@ -212,6 +221,17 @@ def check_input_adapter(model, adapter, kind):
     with torch.no_grad():
         logits = model(**{k: x for k, x in out.items() if k != "labels"}).logits
     assert logits.shape[1] == v + t                          # position v + i - 1 predicts token i
+
+
+TOKEN_METHODS = [m for m in registry.names("method")
+                 if "trainable_tokens" in {f.name for f in dataclasses.fields(registry.get("method", m).config_cls)}]
+
+
+@pytest.mark.parametrize("name", TOKEN_METHODS)
+def test_method_contract_with_trainable_tokens(name, tmp_path):
+    """9. Every method with ``method.trainable_tokens`` passes checks 2-6 with trainable rows of
+    the embedding and the (untied) head beside its own layers (:mod:`rankwise.core.tokens`)."""
+    check_method(name, "llama", tmp_path, {**_spec(name), "tokens": [1, 2, 3]})
 
 
 @pytest.mark.parametrize("name", [m for m in registry.names("method") if _spec(m)["bf16"]])

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
     "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
     "loro": "rankwise.benchmarks.loro:run",
+    "tpa": "rankwise.benchmarks.tpa:run",
 }
 
 

@@ -38,6 +38,11 @@ class ModelConfig:
         quantize: Load the base quantized by bitsandbytes through transformers'
             ``BitsAndBytesConfig``: ``nf4`` / ``fp4`` (4-bit, QLoRA) or ``int8``; ``null`` = no.
         double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
+        add_tokens: New tokens given to the tokenizer (``tokenizer.add_tokens``); the
+            embedding (and an untied output head) grows by their rows, each initialised to the
+            mean of the existing rows (:mod:`rankwise.recipes.tokens`).
+        add_special_tokens: New special tokens (never split, e.g. a chat template's
+            ``<|im_start|>``), added and initialised the same way.
     """
 
     path: str = "demo"
@@ -46,12 +51,17 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantize: Union[Literal["nf4", "fp4", "int8"], None] = None
     double_quant: bool = True
+    add_tokens: list[str] = field(default_factory=list)
+    add_special_tokens: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """Return value errors."""
         tasks = registry.names("task")
         if self.task not in tasks:
             return [f"task: got {self.task!r}; expected one of {tasks}{closest(self.task, tasks)}"]
+        for key in ("add_tokens", "add_special_tokens"):
+            if not all(getattr(self, key)):
+                return [f"{key}: got an empty token string; list the new tokens, e.g. ['<|im_end|>']"]
         return []
 
 
@@ -441,6 +451,9 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if init == "loftq" and m.quantize != "nf4":
         out.append(f"method.init: loftq needs a 4-bit base (got model.quantize: {m.quantize}); "
                    "set model.quantize: nf4")
+    if getattr(cfg.method, "trainable_tokens", None) is True and not (m.add_tokens or m.add_special_tokens):
+        out.append("method.trainable_tokens: true trains the added tokens, and the model adds none; "
+                   "list them in model.add_tokens / model.add_special_tokens, or name the tokens")
     if m.dtype != "float32" and t.precision == "fp32":
         out.append(f"model.dtype {m.dtype} with train.precision fp32 would mix dtypes between "
                    f"the base and the float32 trainable weights; set train.precision: "

@@ -177,7 +177,8 @@ def _load_base(sources: list[Source], model_path: Path | None):
     path = str(model_path) if model_path is not None else m.path
     try:
         model, tok = load_model(path, m.task, m.num_labels, seed=seed, dtype=m.dtype,
-                                quantize=m.quantize, double_quant=m.double_quant)
+                                quantize=m.quantize, double_quant=m.double_quant,
+                                add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     except RankwiseError as err:
         if model_path is not None or "not found" not in str(err):
             raise

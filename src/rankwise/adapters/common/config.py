@@ -22,15 +22,23 @@ class TargetedConfig:
         exclude: Name suffixes never adapted.
         modules_to_save: Whole modules trained and saved with the adapter; ``None`` means the
             task head for classification models (``classifier`` / ``score``), else none.
+        trainable_tokens: Tokens whose embedding rows (and output-head rows) train, as a small
+            delta beside the frozen table (PEFT's ``trainable_token_indices``;
+            :mod:`rankwise.core.tokens`): a list of token strings, ``true`` for the tokens of
+            ``model.add_tokens`` / ``model.add_special_tokens``, or ``null`` for none.
     """
 
     name: str = ""
     targets: Union[list[str], str] = "all-linear"
     exclude: list[str] = field(default_factory=list)
     modules_to_save: Union[list[str], None] = None
+    trainable_tokens: Union[bool, list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        if isinstance(self.trainable_tokens, list) and not all(self.trainable_tokens):
+            return ["trainable_tokens: got an empty token string; list token strings such as "
+                    "'<|im_end|>', or true for the added tokens"]
         return []
 
 

@@ -28,12 +28,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rankwise.adapters.common.experts import ExpertLoraLayer
-from rankwise.adapters.common.peft import CONFIG, WEIGHTS, peft_task_type, write_peft_folder
+from rankwise.adapters.common.peft import CONFIG, WEIGHTS, peft_task_type, token_rows, write_peft_folder
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.adapters.lora.layer import LoraLayer
 from rankwise.core.inject import is_linear_like, is_wrapped, matches
-from rankwise.core.ops import load_adapter_state_dict, modules_to_save
+from rankwise.core.ops import load_adapter_state_dict, mark_trainable, modules_to_save
 from rankwise.core.protocol import adapter_modules, is_mergeable
+from rankwise.core.tokens import TokenHeadRows, TokenRows
+
+TOKEN_LAYERS = (TokenRows, TokenHeadRows)
 from rankwise.errors import RankwiseError
 
 PICKLE_WEIGHTS = "adapter_model.bin"
@@ -46,12 +49,12 @@ PREFIX = "base_model.model."
 _NEUTRAL: dict[str, tuple] = {
     "use_dora": (False, None), "lora_bias": (False, None), "bias": ("none", None),
     "layers_to_transform": (None,), "layers_pattern": (None, [], ""), "layer_replication": (None,),
-    "trainable_token_indices": (None,), "use_qalora": (False, None),
+    "use_qalora": (False, None),
     "alora_invocation_tokens": (None,), "arrow_config": (None,), "megatron_config": (None,),
     "use_bdlora": (None, False), "modules_to_tie": (None, []),
 }
 # Keys read by load_peft, and keys that only describe training or provenance.
-_USED = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
+_USED = {"peft_type", "r", "lora_alpha", "trainable_token_indices", "use_rslora", "rank_pattern", "alpha_pattern",
          "lora_dropout", "target_modules", "modules_to_save", "fan_in_fan_out", "task_type",
          "base_model_name_or_path", "target_parameters"}
 _HARMLESS = {"inference_mode", "init_lora_weights", "revision", "peft_version", "auto_mapping",
@@ -64,8 +67,8 @@ def _lora_layers(model: nn.Module, adapter_name: str) -> dict[str, Any]:
     kinds = (LoraLayer, ExpertLoraLayer)  # linear layers and fused expert parameters
     layers = {p: m for p, m in adapter_modules(model)
               if isinstance(m, kinds) and adapter_name in m.adapter_names()}
-    others = [(p, m) for p, m in adapter_modules(model)
-              if not isinstance(m, kinds) and adapter_name in m.adapter_names()]
+    others = [(p, m) for p, m in adapter_modules(model)  # trainable token rows: token_rows()
+              if not isinstance(m, (*kinds, *TOKEN_LAYERS)) and adapter_name in m.adapter_names()]
     if others:
         # suggest only what works: a merged export refuses layers that cannot merge
         merged = " or --format merged" if all(is_mergeable(m) for _, m in others) else ""
@@ -167,6 +170,10 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     }
     if experts:
         config["target_parameters"] = target_parameter_names(model, list(expert_settings))
+    indices, token_tensors = token_rows(model, adapter_name, PREFIX)  # method.trainable_tokens
+    if indices is not None:
+        config["trainable_token_indices"] = indices
+    tensors.update(token_tensors)
     return write_peft_folder(out_dir, config, tensors, model, saved, PREFIX)
 
 
@@ -230,25 +237,60 @@ def _split(tensors: dict[str, torch.Tensor], model: nn.Module):
     """Split file tensors into ``{layer path: {A, B}}`` and ``{model param: tensor}``."""
     lora: dict[str, dict[str, torch.Tensor]] = {}
     rest: dict[str, torch.Tensor] = {}
+    tokens: dict[str, torch.Tensor] = {}  # trainable_token_indices rows by module path
     for key, value in tensors.items():
         if not key.startswith(PREFIX):
             raise RankwiseError(f"PEFT tensor key {key!r} does not start with {PREFIX!r}; "
                                 "re-save the adapter with PEFT")
         key = key[len(PREFIX):]
         m = re.fullmatch(r"(.+)\.(lora_[AB])\.weight", key)
+        t = re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta", key)
         if m:
             lora.setdefault(m[1], {})[m[2]] = value
+        elif t:
+            tokens[t[1]] = value
         elif "lora_" in key:
             raise RankwiseError(f"PEFT tensor {key!r} is not a LoRA linear weight (embedding or "
                                 "bias adapters are unsupported); merge it with PEFT instead")
         else:
             rest[key] = value
     modules = dict(model.named_modules())
-    missing = [p for p in lora if p not in modules]
+    missing = [p for p in [*lora, *tokens] if p not in modules]
     if missing:
         raise RankwiseError(f"PEFT adapter targets {missing[0]!r}, which this model lacks; load "
                             "it onto the base model it was trained on")
-    return lora, rest
+    return lora, rest, tokens
+
+
+def _load_token_rows(model: nn.Module, cfg: dict, rows: dict[str, torch.Tensor],
+                     adapter_name: str) -> dict[str, torch.Tensor]:
+    """Add the trainable-token layers of ``trainable_token_indices`` and return their deltas
+    (PEFT stores the rows' values ``W[ids] + Δ``) as adapter state keys."""
+    from rankwise.core.tokens import add_trainable_tokens
+    indices = cfg.get("trainable_token_indices")
+    if not indices:
+        return {}
+    lists = list(indices.values()) if isinstance(indices, dict) else [indices]
+    if any(sorted(x) != sorted(lists[0]) for x in lists) or len(rows) != len(lists):
+        raise RankwiseError(f"trainable_token_indices {indices!r}: rankwise loads the same token ids "
+                            "on the embedding and the head only; merge it with PEFT instead")
+    emb = next(p for p, m in model.named_modules() if m is model.get_input_embeddings())
+    if emb not in rows:
+        raise RankwiseError(f"trainable_token_indices train {sorted(rows)}, not the input embedding "
+                            f"{emb!r}; merge it with PEFT instead")
+    ids = [int(i) for i in lists[0]]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    layers = add_trainable_tokens(model, ids, adapter_name, head=tied or len(rows) > 1)  # as PEFT ties
+    if sorted(p for p, m in layers.items() if m.adapter_params(adapter_name)) != sorted(rows):
+        raise RankwiseError(f"trainable_token_indices train {sorted(rows)}, which is not this model's "
+                            "embedding and (untied) head; load it onto the base it was trained on")
+    state = {}
+    for path, values in rows.items():
+        w = layers[path].weight
+        rows = w[torch.tensor(ids, device=w.device)].detach().float().cpu()
+        state[f"{path}.token_delta"] = values.float() - rows
+    return state
 
 
 def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "default") -> dict:
@@ -280,7 +322,7 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     experts, expert_state = {}, {}
     if cfg.get("target_parameters"):  # fused 3-D expert parameters
         experts, expert_state, tensors = take_expert_tensors(tensors, model, cfg, PREFIX)
-    lora, rest = _split(tensors, model)
+    lora, rest, token_values = _split(tensors, model)
     if not lora and not experts:
         raise RankwiseError(f"{peft_dir / WEIGHTS} holds no LoRA tensors; re-save the adapter")
     rslora = bool(cfg.get("use_rslora", False))
@@ -307,5 +349,7 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     state = {f"{p}.{k}.weight": v for p, ab in lora.items() for k, v in ab.items()}
     state.update(rest)
     state.update(expert_state)
+    state.update(_load_token_rows(model, cfg, token_values, adapter_name))
+    mark_trainable(model, adapter_name)
     load_adapter_state_dict(model, state, adapter_name)
     return cfg
