@@ -2,7 +2,9 @@
 
 A method added to the registry is picked up automatically with :data:`DEFAULT`; a method that
 differs (it changes the output at init, trains every weight, cannot merge, needs other
-settings on tiny models) adds ONE row to :data:`SPECS` saying so, with the reason.
+settings on tiny models) adds ONE row to :data:`SPECS` saying so, with the reason. A row with a
+``method`` key is a variant of that registered method (an option such as LoRA's ``use_dora``)
+run through the same checks under the row's own name.
 
 Checks, per method and tiny model (BERT classifier with ``nn.Linear``, GPT-2 with ``Conv1D``,
 Llama with its gated MLP and grouped-query attention):
@@ -86,6 +88,8 @@ SPECS: dict[str, dict] = {
     "lota-qaf": {"identity_at_init": False, "own_base": True, "config": {"r": 2},
                  "models": ("bert", "llama")},
     "lowrank": {"config": {"rank": 2}},   # adapter mode: W0 + U S V^T, S = 0 at the start
+    # DoRA: m = ||W||_row at init, so the output starts at the base's; merges exactly
+    "lora+dora": {"method": "lora", "config": {"r": 2, "use_dora": True}},
 }
 
 
@@ -93,7 +97,8 @@ def _spec(name: str) -> dict:
     return {**DEFAULT, **SPECS.get(name, {})}
 
 
-CASES = [(m, k) for m in registry.names("method") for k in _spec(m)["models"]]
+NAMES = registry.names("method") + [n for n, row in SPECS.items() if "method" in row]
+CASES = [(m, k) for m in NAMES for k in _spec(m)["models"]]
 
 
 def _logits(model, kind):
@@ -116,6 +121,7 @@ def _train_loss(model, kind, seed):
 
 def _apply(name, model, kind, spec=None):
     spec = spec or _spec(name)
+    name = spec.get("method", name)                 # a variant row names its method
     entry = registry.get("method", name)
     cfg = from_dict(entry.config_cls, {"name": name, **spec["config"]}, "method")
     entry.apply(model, cfg, "default", (tiny_batch(kind, seed=20 + i) for i in range(8)))
@@ -234,7 +240,7 @@ def test_method_contract_with_trainable_tokens(name, tmp_path):
     check_method(name, "llama", tmp_path, {**_spec(name), "tokens": [1, 2, 3]})
 
 
-@pytest.mark.parametrize("name", [m for m in registry.names("method") if _spec(m)["bf16"]])
+@pytest.mark.parametrize("name", [m for m in NAMES if _spec(m)["bf16"]])
 def test_method_on_bf16_base(name):
     kind = "llama" if "llama" in _spec(name)["models"] else _spec(name)["models"][0]
     model = TINY_MODELS[kind]().to(torch.bfloat16)
@@ -251,7 +257,8 @@ def test_method_on_bf16_base(name):
 
 
 def test_every_spec_row_names_a_registered_method():
-    assert set(SPECS) <= set(registry.names("method")), "remove rows of methods no longer registered"
+    rows = {row.get("method", name) for name, row in SPECS.items()}
+    assert rows <= set(registry.names("method")), "remove rows of methods no longer registered"
 
 
 # Every LoRA initialisation (method.init, docs/lora-inits.md) through the same checks, then

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "federated-demo": "rankwise.federated.bench:run",
     "data-pipeline": "rankwise.benchmarks.data_pipeline:run",
     "llm-finetune": "rankwise.benchmarks.llm_finetune:run",
+    "llm-finetune-dora": "rankwise.benchmarks.llm_finetune:run_dora",
     "compress": "rankwise.benchmarks.compress:run",
     "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",

@@ -220,6 +220,7 @@ def test_checkpoint_keeps_the_initial_factors(tmp_path):
     ({"init": "corda"}, r"method\.init: corda needs calibration batches"),
     ({"init": "loftq"}, r"method\.init: loftq needs a 4-bit base, but '.*' is not quantized; "
                         r"set model\.quantize: nf4"),
+    ({"init": "pissa", "use_dora": True}, r"method\.init: pissa with use_dora is not supported"),
 ])
 def test_bad_init_is_one_line(kw, match):
     with pytest.raises(RankwiseError, match=match) as err:

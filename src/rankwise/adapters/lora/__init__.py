@@ -1,5 +1,5 @@
-"""LoRA (Hu et al. 2021; rsLoRA, Kalajdzievski 2023): config, layer, the PEFT file format, and
-the registrations."""
+"""LoRA (Hu et al. 2021; rsLoRA, Kalajdzievski 2023; DoRA, Liu et al. 2024): config, layer, the
+PEFT file format, and the registrations."""
 from __future__ import annotations
 
 import re
@@ -19,6 +19,7 @@ from rankwise.adapters.lora.inits import DATA_INITS, RESIDUAL_INITS, init_kind
 from rankwise.adapters.lora.layer import LoraLayer
 from rankwise.core import weights as layer_weights
 from rankwise.errors import RankwiseError
+from rankwise.configs import KEY_HINTS
 
 __all__ = ["LoraConfig", "LoraLayer", "apply_lora", "pattern_value", "export_peft", "load_peft"]
 
@@ -43,9 +44,10 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
             (docs/lora-inits.md).
         adapter_name: Name of this adapter (several can coexist; see ``core.set_adapter``).
         structure: Optional exact per-path settings ``{path: {"r": .., "alpha": ..,
-            "use_rslora": ..}}`` (adaptive-rank methods, loading); each key overrides the
-            config and patterns for that path; ``r = 0`` skips the layer. A module with
-            adapted expert parameters has ``{path: {"parameters": {name: {"r", ...}}}}``.
+            "use_rslora": .., "use_dora": ..}}`` (adaptive-rank methods, loading); each key
+            overrides the config and patterns for that path; ``r = 0`` skips the layer. A
+            module with adapted expert parameters has ``{path: {"parameters": {name: {"r",
+            ...}}}}``.
         batches: Calibration batches (``model(**batch)``) for ``eva`` and ``corda``; the
             registry hands them over (``rankwise train``: ``train.calibration_batches``).
         restore: Rebuilding a saved adapter: allocate the layers (and the frozen ``A0, B0`` of
@@ -71,7 +73,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         s = structure.get(p, {})
         settings[p] = (s.get("r", pattern_value(p, config.rank_pattern, config.r)),
                        s.get("alpha", pattern_value(p, config.alpha_pattern, config.alpha)),
-                       s.get("use_rslora", config.use_rslora))
+                       s.get("use_rslora", config.use_rslora), s.get("use_dora", config.use_dora))
     kind = init_kind(config.init)
     stats = eva_vectors = None
     if kind in DATA_INITS and not restore:
@@ -79,16 +81,17 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
         stats = input_statistics(model, paths, {p: shapes[p][1] for p in paths}, batches,
                                  config.init)
         if kind == "eva":
-            eva, eva_vectors = eva_structure(stats, settings, config.eva_rho,
-                                             {p: min(shapes[p]) for p in paths})
-            settings = {p: (v["r"], v["alpha"], v["use_rslora"]) for p, v in eva.items()}
+            eva, eva_vectors = eva_structure(stats, {p: v[:3] for p, v in settings.items()},
+                                             config.eva_rho, {p: min(shapes[p]) for p in paths})
+            settings = {p: (v["r"], v["alpha"], v["use_rslora"], settings[p][3])
+                        for p, v in eva.items()}
     paths = [p for p in paths if settings[p][0] > 0]
     random_init = config.init if config.init in LORA_INITS else "kaiming"  # then overwritten
 
     def wrap(path: str, module: nn.Module) -> nn.Module:
         layer = module if isinstance(module, LoraLayer) else LoraLayer(module)
-        r, alpha, rslora = settings[path]
-        layer.add(adapter_name, r, alpha, config.dropout, rslora, random_init)
+        r, alpha, rslora, use_dora = settings[path]
+        layer.add(adapter_name, r, alpha, config.dropout, rslora, random_init, use_dora)
         if restore and kind in RESIDUAL_INITS:  # shapes only: the file fills A0, B0
             layer.set_initial(adapter_name, layer.lora_A[adapter_name].weight,
                               layer.lora_B[adapter_name].weight, residual=True)
@@ -135,12 +138,14 @@ def load_peft(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-# rebuild: the saved {path: {"r", "alpha", "use_rslora"}} (LoraLayer.describe) at those paths,
-# no init computed (restore: the file holds the factors and any frozen A0, B0)
+# rebuild: the saved {path: {"r", "alpha", "use_rslora"[, "use_dora"]}} (LoraLayer.describe)
+# there, no init computed (restore: the file holds the factors and any frozen A0, B0)
 # needs_batches: eva and corda read calibration batches (the others never touch the lazy iterator)
 registry.register("method", "lora", LoraConfig, apply_lora, needs_batches=True,
                   rebuild=rebuild_at_paths(partial(apply_lora, restore=True), structure=True),
                   factorized=True,
-                  summary="LoRA / rsLoRA: W x + s B A x (Hu et al. 2021)")
+                  summary="LoRA / rsLoRA / DoRA: W x + s B A x (Hu et al. 2021; use_dora: Liu et al. 2024)")
+KEY_HINTS["method.use_dora"] = ("use_dora (DoRA) is an option of LoRA only; set method.name: lora "
+                                 "with use_dora: true, or remove use_dora")
 registry.register("exporter", "peft", dict, export_peft, loader=load_peft,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

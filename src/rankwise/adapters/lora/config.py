@@ -33,6 +33,9 @@ class LoraConfig(LoraPairConfig):
         corda_mode: CorDA's mode: ``ipm`` (instruction-previewed: the top-r components of
             ``W C`` train; the calibration data are the task's) or ``kpm`` (knowledge-preserved:
             the r smallest train, the principal ones stay frozen).
+        use_dora: DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation",
+            eq. 5): each adapted layer also learns a magnitude per output row, and its weight
+            becomes ``m ⊙ (W + s B A) / ||W + s B A||_row`` (norm detached, paper §4.3).
         rank_pattern: ``{regex: r}``; a key matches a module path ``(.*\\.)?(key)$`` as in PEFT.
         alpha_pattern: ``{regex: alpha}``, same matching.
         target_parameters: Fused 3-D expert parameters (``mlp.experts.gate_up_proj``), each
@@ -46,6 +49,7 @@ class LoraConfig(LoraPairConfig):
 
     name: str = "lora"
     init: str = "kaiming"
+    use_dora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     loftq_iter: int = 1
@@ -65,11 +69,15 @@ class LoraConfig(LoraPairConfig):
             out.append(f"eva_rho: got {self.eva_rho!r}; expected a number >= 1 (1: no redistribution)")
         if self.corda_mode not in ("ipm", "kpm"):
             out.append(f"corda_mode: got {self.corda_mode!r}; expected 'ipm' or 'kpm'")
+        if self.use_dora and init_kind(self.init) in ("pissa", "olora", "corda", "loftq"):
+            out.append(f"init: {self.init} with use_dora is not supported (DoRA's magnitude and "
+                       "row norm would not see the part of W the init moved); use kaiming, "
+                       "gaussian or eva with DoRA, or drop use_dora")
         from rankwise.adapters.common.experts import EXPERT_INITS
         if self.target_parameters and init_kind(self.init) and self.init not in EXPERT_INITS:
             out.append(f"init: {self.init!r} is not available with target_parameters; expected "
                        f"one of {list(EXPERT_INITS)}")
-        if self.target_parameters and getattr(self, "use_dora", False):  # PEFT refuses it too
+        if self.target_parameters and self.use_dora:  # PEFT refuses it too
             out.append("use_dora: not available with target_parameters (expert pairs are plain "
                        "LoRA); drop one of them")
         return out
