@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rankwise.core.protocol import aux_losses
+from rankwise.engine.offload import OffloadActivations
 from rankwise.engine.task import Task
 from rankwise.errors import RankwiseError
 
@@ -224,13 +225,16 @@ class Engine:
         dist: A :class:`rankwise.engine.distributed.Distributed` under torchrun: ``batch_size``
             becomes the global batch, this process takes its share, counts and gradients are
             summed over processes (``None`` or one process: nothing changes).
+        offload_activations: Keep the tensors the forward saves for backward in pinned host
+            memory until the backward (:mod:`rankwise.engine.offload`; no effect on a CPU
+            device).
     """
 
     def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, dataset: Any,
                  batch_size: int, seed: int = 0, scheduler: Any = None, grad_accum: int = 1,
                  grad_clip: float | None = None, precision: str = "fp32", device: str = "cpu",
                  loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = (),
-                 dist: Any = None) -> None:
+                 dist: Any = None, offload_activations: bool = False) -> None:
         if precision not in PRECISIONS:
             raise RankwiseError(f"train.precision: got {precision!r}; expected one of {list(PRECISIONS)}")
         self.model, self.task, self.optimizer, self.dataset = model, task, optimizer, dataset
@@ -242,6 +246,8 @@ class Engine:
         self.scaler = torch.amp.GradScaler(self.device.split(":")[0]) if precision == "fp16" else None
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.dist = dist if dist is not None and dist.active else None
+        # one object for the whole fit: one side stream, and its stats add up over the steps
+        self.offloader = OffloadActivations(self.device) if offload_activations else None
 
     # ----- one step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -250,6 +256,11 @@ class Engine:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.split(":")[0], dtype=dtype)
+
+    def offload(self) -> contextlib.AbstractContextManager:
+        """The context around each micro-batch's forward: ``self.offloader`` (an
+        :class:`OffloadActivations`, inert on a CPU device) when offloading is on, else a no-op."""
+        return self.offloader if self.offloader is not None else contextlib.nullcontext()
 
     def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The collated micro-batches of optimizer step ``step``, on the engine's device."""
@@ -276,7 +287,7 @@ class Engine:
         bad = None
         for batch in batches:
             share = len(batch["input_ids"]) / examples  # per-batch means weigh by their examples
-            with self.autocast():
+            with self.autocast(), self.offload():
                 loss_sum, _ = self.task.loss_sum(model, batch)
                 loss = loss_sum / norm
                 extra = aux_losses(model)

@@ -178,6 +178,10 @@ class TrainConfig:
         threads: Torch CPU threads per process: ``auto`` = the CPUs this process may use
             (affinity mask, cgroup quota) shared by the run's processes on the machine
             (``rankwise.engine.threads``), or a number.
+        offload_activations: Keep the tensors the forward saves for backward in pinned CPU
+            memory until the backward needs them (copies on a side CUDA stream; parameters and
+            tensors under 1 KiB stay; ``docs/offload.md``). No effect on a CPU device, where
+            activations already live in CPU memory (``rankwise train`` says so).
     """
 
     steps: int = 200
@@ -200,6 +204,7 @@ class TrainConfig:
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = 600.0
     threads: Union[Literal["auto"], int] = "auto"
+    offload_activations: bool = False
 
     def problems(self) -> list[str]:
         """Return value errors."""

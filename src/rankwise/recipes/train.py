@@ -74,7 +74,8 @@ class Session:
         return Engine(self.model, self.task, self.optimizer, self.train_data, t.batch_size,
                       seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
                       grad_clip=t.grad_clip, precision=t.precision, device=self.device,
-                      callbacks=callbacks or [], dist=self.dist)
+                      callbacks=callbacks or [], dist=self.dist,
+                      offload_activations=t.offload_activations)
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
@@ -443,6 +444,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         console.print(f"no checkpoint in {out}; starting from step 0")
     if session.scope is not None:
         console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
+    if t.offload_activations and engine.offloader is not None and not engine.offloader.active:
+        console.print(f"train.offload_activations: no effect on device {session.device} "
+                      "(activations already live in CPU memory)", soft_wrap=True)
     if main and folders.read_record(out) is None:
         folders.record(out, "train")
     if main and (old_steps is not None or not (out / "config.yaml").exists()):
