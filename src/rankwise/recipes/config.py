@@ -449,6 +449,13 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "
                    "an adapter method (lora, gora) or set model.quantize: null")
+    init = str(getattr(cfg.method, "init", ""))  # LoRA's data- and quantization-driven inits
+    if init in ("eva", "corda") and t.calibration_batches < 1:
+        out.append(f"method.init: {init} needs calibration batches, but train.calibration_batches "
+                   "is 0; set it >= 1")
+    if init == "loftq" and m.quantize != "nf4":
+        out.append(f"method.init: loftq needs a 4-bit base (got model.quantize: {m.quantize}); "
+                   "set model.quantize: nf4")
     if getattr(cfg.method, "trainable_tokens", None) is True and not (m.add_tokens or m.add_special_tokens):
         out.append("method.trainable_tokens: true trains the added tokens, and the model adds none; "
                    "list them in model.add_tokens / model.add_special_tokens, or name the tokens")

@@ -37,7 +37,9 @@ NOT_RESULTS = (("train", "progress"), ("train", "threads"))  # how a run reports
 # so a new feature's default does not make every recorded run stale.
 NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), []),
                (("method", "trainable_tokens"), None), (("method", "target_parameters"), []),
-               (("method", "use_dora"), False), (("train", "offload_activations"), False))
+               (("method", "use_dora"), False), (("train", "offload_activations"), False),
+               (("method", "loftq_iter"), 1), (("method", "eva_rho"), 2.0),  # LoRA inits
+               (("method", "corda_mode"), "ipm"))
 
 
 def config_hash(raw: dict) -> str:
