@@ -20,6 +20,10 @@ class AdamWConfig:
         weight_decay: Decoupled weight decay.
         betas: Adam's (beta1, beta2).
         eps: Adam's epsilon.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
     """
 
     name: str = "adamw"
@@ -27,6 +31,7 @@ class AdamWConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    per_layer: bool = False
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""

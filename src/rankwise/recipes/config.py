@@ -16,6 +16,7 @@ import yaml
 
 from rankwise import registry
 from rankwise.configs import from_dict
+from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
@@ -391,6 +392,7 @@ def build_run_config(data: dict) -> RunConfig:
     optim = dict(data.get("optim") or {})
     method.setdefault("name", "lora")
     optim.setdefault("name", "adamw")
+    problems.extend(per_layer_support(optim))
     cfg = RunConfig(
         model=part(lambda: from_dict(ModelConfig, data.get("model"), "model")),
         data=part(lambda: from_dict(DataConfig, data.get("data"), "data")),
@@ -434,8 +436,9 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
     (``null`` when off, as an explicit 0 does), and an optimizer ``total_steps`` left ``null``
     (t-SignSGD's threshold schedule) becomes ``train.steps``."""
     t = cfg.train
-    if t.grad_clip == "auto":
-        t.grad_clip = registry.get("optimizer", cfg.optim.name).grad_clip
+    if t.grad_clip == "auto":  # per-layer updates cannot clip by a global norm: off
+        t.grad_clip = (None if getattr(cfg.optim, "per_layer", False) else
+                       registry.get("optimizer", cfg.optim.name).grad_clip)
     t.grad_clip = float(t.grad_clip) if t.grad_clip else None
     if getattr(cfg.optim, "total_steps", 0) is None:
         cfg.optim.total_steps = t.steps
@@ -450,6 +453,26 @@ def _absolute_paths(cfg: RunConfig) -> None:
             setattr(section, key, str(Path(value).expanduser().resolve()))
 
 
+def per_layer_support(optim: dict) -> list[str]:
+    """``optim.per_layer: true`` for an optimizer that cannot step one parameter at a time (its
+    config has no ``per_layer``): one problem naming those that can; the key is removed so the
+    rest of the section is still checked."""
+    if "per_layer" not in optim:
+        return []
+    try:
+        cls = registry.get("optimizer", str(optim["name"])).config_cls
+    except RankwiseError:
+        return []  # the unknown name is reported with the section
+    if any(f.name == "per_layer" for f in dataclasses.fields(cls)):
+        return []
+    if not optim.pop("per_layer"):
+        return []
+    able = [n for n in registry.names("optimizer")
+            if any(f.name == "per_layer" for f in dataclasses.fields(registry.get("optimizer", n).config_cls))]
+    return [f"optim.per_layer: optimizer {optim['name']!r} does not update one parameter at a time "
+            f"(its step needs every gradient); per-layer updates work with {', '.join(able)}"]
+
+
 def cross_problems(cfg: RunConfig) -> list[str]:
     """Problems that involve two sections (each section's own checks have passed)."""
     out = []
@@ -462,6 +485,9 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "
                    "an adapter method (lora, gora) or set model.quantize: null")
+    if getattr(cfg.optim, "per_layer", False):
+        clip = t.grad_clip if t.grad_clip != "auto" else None
+        out.extend(per_layer_problems(t.grad_accum, clip, t.precision, 1))
     if m.dtype != "float32" and t.precision == "fp32":
         out.append(f"model.dtype {m.dtype} with train.precision fp32 would mix dtypes between "
                    f"the base and the float32 trainable weights; set train.precision: "

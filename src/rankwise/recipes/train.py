@@ -74,7 +74,8 @@ class Session:
         return Engine(self.model, self.task, self.optimizer, self.train_data, t.batch_size,
                       seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
                       grad_clip=t.grad_clip, precision=t.precision, device=self.device,
-                      callbacks=callbacks or [], dist=self.dist)
+                      callbacks=callbacks or [], dist=self.dist,
+                      per_layer=getattr(self.cfg.optim, "per_layer", False))
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""

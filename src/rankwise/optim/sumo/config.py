@@ -49,6 +49,10 @@ class SumoConfig:
         oja_lr: ``eta``, the dimensionless Oja step (``projector: oja``).
         oja_bits: Store the Oja tracker as int8 codes of this many bits (2..8); ``null``: float.
         seed: Seed of the tracker's stochastic rounding.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
     """
 
     name: str = "sumo"
@@ -69,6 +73,7 @@ class SumoConfig:
     oja_lr: float = 1.0
     oja_bits: Optional[int] = None
     seed: int = 0
+    per_layer: bool = False
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
