@@ -297,7 +297,7 @@ class Engine:
         for batch in batches:
             share = len(batch["input_ids"]) / examples  # per-batch means weigh by their examples
             with self.autocast():
-                loss_sum, _ = self.task.loss_sum(model, batch)
+                loss_sum = self.task.loss_sum(model, batch)[0]  # the output (logits) freed now
                 loss = loss_sum / norm
                 extra = aux_losses(model)
                 extra.update({name: hook(model, step) for name, hook in self.loss_hooks.items()})
