@@ -58,18 +58,18 @@ def _measure(step, held: int, device: str) -> dict[str, Any]:
             "meter": mem.meter, "loss": loss, "step_cpu_s": time.process_time() - t0}
 
 
-def chunked_loss(s: Sizes = CHUNK) -> dict[str, Any]:
+def chunked_loss(s: Sizes = CHUNK, chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
     """The three loss paths of an ``llm-finetune`` fp32 row at a large vocabulary."""
     from rankwise.benchmarks.llm_finetune import _Side
     from rankwise.engine.loop import draw_batches
     from rankwise.engine import get_task
     data, _, info = _windows(s)
-    out: dict[str, Any] = {"sizes": dataclasses.asdict(s), "chunk_tokens": CHUNK_TOKENS, "corpus": info}
+    out: dict[str, Any] = {"sizes": dataclasses.asdict(s), "chunk_tokens": chunk_tokens, "corpus": info}
     with tempfile.TemporaryDirectory() as tmp:
         out["params"] = build_base(s, Path(tmp))
         ours, theirs, _ = build_pair(Path(tmp), "fp32", s)
         models = {"rankwise chunked": ours, "rankwise unchunked": copy.deepcopy(ours)}  # same start
-        for name, chunk in (("rankwise chunked", CHUNK_TOKENS), ("rankwise unchunked", 0)):
+        for name, chunk in (("rankwise chunked", chunk_tokens), ("rankwise unchunked", 0)):
             side = _Side(models[name], data, dataclasses.replace(s, loss_chunk_tokens=chunk), "fp32")
             for k in range(s.warmup):
                 side.step(k, timed=False)
