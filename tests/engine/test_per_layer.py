@@ -54,6 +54,7 @@ def run(optim: dict, per_layer: bool, steps: int = 5, watch: list | None = None)
 @pytest.mark.parametrize("optim", [
     {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1},
     {"name": "galore", "lr": 3e-3, "weight_decay": 0.1, "rank": 4, "update_every": 2},
+    {"name": "galore-is", "lr": 3e-3, "weight_decay": 0.1, "rank": 4, "update_every": 2},
     {"name": "sumo", "lr": 3e-3, "rank": 4, "update_every": 2},
 ], ids=lambda o: o["name"])
 def test_per_layer_steps_equal_the_ordinary_step(optim):

@@ -469,8 +469,8 @@ def per_layer_support(optim: dict) -> list[str]:
         return []
     able = [n for n in registry.names("optimizer")
             if any(f.name == "per_layer" for f in dataclasses.fields(registry.get("optimizer", n).config_cls))]
-    return [f"optim.per_layer: optimizer {optim['name']!r} does not update one parameter at a time "
-            f"(its step needs every gradient); per-layer updates work with {', '.join(able)}"]
+    return [f"optim.per_layer: optimizer {optim['name']!r} has no per-layer mode (its step is not "
+            f"known to update one parameter at a time); per-layer updates work with {', '.join(able)}"]
 
 
 def cross_problems(cfg: RunConfig) -> list[str]:
