@@ -96,6 +96,10 @@ def forbidden(importer: str, imported: str) -> str | None:
         return None if top_b in BASE else "the base imports nothing else of rankwise"
     if top_a == "core":
         return None if top_b in BASE | {"core"} else "core imports only core and the base"
+    if top_a == "obfuscation":
+        return None if top_b in BASE | {"core"} else "obfuscation (LoRO) imports only core and the base"
+    if top_a == "models":
+        return None if top_b in BASE | {"core", "models"} else "models import only core, the base and models"
     if top_a in {"engine", "data"}:
         if top_b in METHOD_KINDS | WIRING | {"federated"}:
             return f"{top_a} never imports methods, federated or recipes"
@@ -154,6 +158,9 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.federated.strategies.base", "rankwise.recipes.config"),
     ("rankwise.federated.strategies.yoco", "rankwise.federated.client_app"),
     ("rankwise.recipes.train", "rankwise.cli"),
+    ("rankwise.obfuscation", "rankwise.recipes.model"),            # LoRO runtime -> recipes
+    ("rankwise.models.tpa.modeling", "rankwise.engine.loop"),      # architectures -> engine
+    ("rankwise.models.tpa", "rankwise.adapters.lora"),
 ])
 def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     assert forbidden(importer, imported) is not None
@@ -168,6 +175,9 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.recipes.generate", "rankwise.adapters.lora.peft"),
     ("rankwise.engine.loop", "rankwise.core.ops"),
     ("rankwise.testing", "rankwise.core.quant"),
+    ("rankwise.recipes.obfuscate", "rankwise.obfuscation"),
+    ("rankwise.recipes.model", "rankwise.models"),
+    ("rankwise.models.tpa.modeling", "rankwise.models.tpa.cache"),
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None

@@ -22,10 +22,14 @@ BENCHMARKS = {
     "federated-demo": "rankwise.federated.bench:run",
     "data-pipeline": "rankwise.benchmarks.data_pipeline:run",
     "llm-finetune": "rankwise.benchmarks.llm_finetune:run",
+    "llm-finetune-dora": "rankwise.benchmarks.llm_finetune:run_dora",
     "compress": "rankwise.benchmarks.compress:run",
     "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
     "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
+    "loro": "rankwise.benchmarks.loro:run",
+    "tpa": "rankwise.benchmarks.tpa:run",
+    "vfl": "rankwise.federated.vfl.bench:run",
 }
 
 
@@ -208,6 +212,18 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
 
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def vfl(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
+    """Two-party vertical federated learning: synchronous split learning or PubSub-VFL."""
+    require("flwr", "federated", "rankwise vfl")
+    from rankwise.federated.vfl.run import run_vfl
+    m = run_vfl(config, list(sets), out or Path("runs") / f"{config.stem}-vfl")
+    click.echo(f"final accuracy {m['final_accuracy']:.4f}, {m['train_bytes']} bytes crossed, {m['wall_s']:.2f} s")
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Output folder (default runs/<name>-compressed).")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
@@ -223,6 +239,28 @@ def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: b
     run_compress(config, list(sets), out, overwrite=overwrite, console=Console(stderr=True),
                  model_path=model_path)
     click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The published model folder (new or empty).")
+@click.option("--rank", type=int, default=None, help="Rank d of each layer's mask (default: ObfuscateConfig's).")
+@click.option("--cornerstones", type=int, default=None, help="Cornerstone factors k shared by all layers.")
+@click.option("--factors", type=click.Path(path_type=Path), default=None,
+              help="The secret factors file (default DIR.factors.safetensors beside --out; never inside it).")
+@click.option("--seed", type=int, default=None, help="Seed of the masks (secret; default: drawn from the OS).")
+def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None, factors: Path | None,
+              seed: int | None) -> None:
+    """Publish MODEL with LoRO low-rank masks (W' = W + BA); the factors go to a separate file."""
+    from rankwise.obfuscation import ObfuscateConfig
+    from rankwise.recipes.obfuscate import run_obfuscate
+    given = {"rank": rank, "cornerstones": cornerstones, "seed": seed}
+    report = run_obfuscate(model, out, ObfuscateConfig(**{k: v for k, v in given.items() if v is not None}), factors)
+    click.echo(f"masked {report['layers']} layers at rank {report['rank']} with {report['cornerstones']} "
+               f"cornerstones; trusted side {report['factor_bytes'] / 2**20:.3f} MiB = "
+               f"{report['factor_fraction_of_model']:.2%} of the model's {report['model_bytes'] / 2**20:.1f} MiB "
+               f"(one mask pair per layer: {report['unshared_factor_bytes'] / 2**20:.3f} MiB)")
+    click.echo(f"wrote {report['out']} and {report['factors_path']}")
 
 
 @main.command()

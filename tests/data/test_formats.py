@@ -16,8 +16,10 @@ from rankwise.recipes.config import DataConfig
 from rankwise.recipes.model import load_tokenizer
 
 # A template in the style of ChatML, written for the MiniLM tokenizer (which has none).
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} [SEP] {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# Plain-text role markers: a <|...|> marker is a special token the MiniLM tokenizer lacks, and the
+# chat-template check refuses such a template (tests/recipes/test_new_tokens.py).
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} [SEP] {% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 LM = get_task("causal-lm")
 
 
@@ -104,11 +106,11 @@ def test_chat_loss_covers_assistant_turns_only(tmp_path, tok):
     by_ids = {}
     for conv in convs:
         m = conv["messages"]
-        pieces = [(f"<|{x['role']}|> {x['content']} [SEP] ", x["role"] == "assistant") for x in m]
+        pieces = [(f"<{x['role']}> {x['content']} [SEP] ", x["role"] == "assistant") for x in m]
         ids, labels = [], []
-        for text, target in pieces:   # the template's own layout: "<|assistant|>" is the prompt
+        for text, target in pieces:   # the template's own layout: "<assistant>" is the prompt
             if target:
-                head, body = "<|assistant|>", text[len("<|assistant|>"):]
+                head, body = "<assistant>", text[len("<assistant>"):]
                 h = tok(head, add_special_tokens=False)["input_ids"]
                 b = tok(body, add_special_tokens=False)["input_ids"]
                 ids += h + b

@@ -83,6 +83,10 @@ def test_the_config_turns_auto_clipping_off_and_refuses_the_rest():
     cfg = load_run_config(None, ["optim.per_layer=true"], base=base)
     assert cfg.optim.per_layer and cfg.train.grad_clip is None
     assert load_run_config(None, [], base=base).train.grad_clip == 1.0
+    from rankwise.recipes.runs import config_hash  # recorded comparisons stay valid
+    assert config_hash(base) == config_hash({**base, "optim": {"name": "adamw", "per_layer": False},
+                                             "train": {"loss_chunk_tokens": "auto"}})
+    assert config_hash(base) != config_hash({**base, "optim": {"name": "adamw", "per_layer": True}})
     for sets, word in [(["train.grad_accum=2"], "grad_accum"), (["train.grad_clip=0.5"], "grad_clip"),
                        (["optim.name=ngn-m"], "per-layer updates work with adamw")]:
         with pytest.raises(RankwiseError, match=word):

@@ -17,8 +17,9 @@ from rankwise.recipes.config import load_run_config
 from rankwise.recipes.generate import load_for_generation, run_generate
 from rankwise.recipes.train import train
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} [SEP] {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# Plain-text role markers (a <|...|> marker is a special token the tokenizer lacks: refused).
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} [SEP] {% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 BASE = {"model": {"path": "tiny-llama", "task": "causal-lm"},
         "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 48, "limit": 48},
         "optim": {"name": "adamw", "lr": 0.02},
@@ -88,7 +89,7 @@ def test_file_of_prompts_and_a_peft_adapter_agree_with_the_run(runs, tmp_path):
 def test_chat_run_with_a_non_mergeable_adapter_uses_the_template(runs):
     cfg, model, tok, enc = load_for_generation(runs / "moe")
     ids = enc.prompt_ids([{"role": "user", "content": "name function 3"}])
-    assert ids == tok("<|user|> name function 3 [SEP] <|assistant|>", add_special_tokens=False)["input_ids"]
+    assert ids == tok("<user> name function 3 [SEP] <assistant>", add_special_tokens=False)["input_ids"]
     want = tok.decode(greedy(model, ids, 5, end_id(tok)), skip_special_tokens=True)
     got = run_generate(runs / "moe", prompt="name function 3", max_new_tokens=5, echo=lambda s: None)
     assert got[0]["completion"] == want

@@ -12,6 +12,10 @@ optimizers (``optim.targets``), compression - speaks the same language:
 
 Linear layers are ``nn.Linear`` (and its subclasses, such as bitsandbytes' quantized linears)
 and transformers' GPT-2 ``Conv1D``; a layer already wrapped by an adapter counts as its base.
+
+Fused 3-D parameters (a mixture-of-experts block's ``mlp.experts.gate_up_proj``, which no
+``nn.Linear`` holds) are selected separately, by parameter name or suffix
+(:func:`find_parameter_targets`, PEFT's ``target_parameters`` rule).
 """
 from __future__ import annotations
 
@@ -145,6 +149,71 @@ def find_targets(model: nn.Module, targets: list[str] | str,
         raise RankwiseError(
             f"{what} {targets!r} matched {bad[0]!r} ({type(modules[bad[0]]).__name__}), which "
             "is not a linear layer; target nn.Linear or Conv1D modules")
+    return found
+
+
+def unwrapped_path(path: str) -> str:
+    """``path`` with every ``base_layer`` segment removed: where a module sits in the base model
+    (``mlp.experts.base_layer`` -> ``mlp.experts``)."""
+    return ".".join(part for part in path.split(".") if part != "base_layer")
+
+
+def find_parameter_targets(model: nn.Module, names: list[str], exclude: list[str] | None = None,
+                           what: str = "target_parameters") -> dict[str, list[str]]:
+    """Return the fused 3-D parameters (mixture-of-experts weights) that ``names`` select.
+
+    A name selects the parameter ``<module path>.<parameter name>`` that it equals or ends
+    (``.``-separated), PEFT's ``target_parameters`` rule; module paths are read without adapter
+    wrappers (``base_layer`` segments), so a module that already holds an adapter on its
+    parameters is found again under its own path.
+
+    Args:
+        model: The model to search.
+        names: Parameter names or suffixes (``["mlp.experts.gate_up_proj"]``).
+        exclude: Module names/suffixes never selected (as for module targets).
+        what: The config key named in error messages.
+
+    Returns:
+        ``{module path: [parameter names]}`` in model and registration order.
+
+    Raises:
+        RankwiseError: If nothing matches (listing a few 3-D parameters of the model), or a
+            match is not 3-D (naming ``method.targets`` for linear layers).
+    """
+    from rankwise.core.protocol import adapter_modules
+    exclude = list(exclude or [])
+    adapter_ids = {id(p) for _, m in adapter_modules(model) for n in m.adapter_names()
+                   for p in m.adapter_params(n).values()}
+    owned = [(unwrapped_path(path), pname, p, module) for path, module in model.named_modules()
+             for pname, p in module.named_parameters(recurse=False) if id(p) not in adapter_ids]
+    found: dict[str, list[str]] = {}
+    bad: list[tuple[str, tuple, str, nn.Module]] = []
+    for home, pname, p, module in owned:
+        if any(matches(home, e) for e in exclude):
+            continue
+        key = f"{home}.{pname}" if home else pname
+        if not any(matches(key, n) for n in names):
+            continue
+        if p.dim() == 3:
+            found.setdefault(home, []).append(pname)
+        else:
+            bad.append((key, tuple(p.shape), home, module))
+    if bad:
+        key, shape, home, module = bad[0]
+        fix = ("target the layer with method.targets instead" if is_linear_like(module)
+               else f"target nn.Linear layers with method.targets, or train the whole module "
+                    f"with method.modules_to_save (e.g. {home!r})")
+        raise RankwiseError(f"{what} {names!r} matched {key!r} of shape {shape}, which is not a "
+                            f"fused 3-D expert parameter (experts, out, in); {fix}")
+    if not found:
+        fused = [(f"{home}.{n}" if home else n, tuple(t.shape)) for home, n, t, _ in owned if t.dim() == 3]
+        if not fused:
+            raise RankwiseError(f"{what} {names!r} matched nothing: this model has no 3-D (fused "
+                                "expert) parameters; adapt its linear layers with method.targets")
+        kinds = dict.fromkeys(f"{'.'.join(k.split('.')[-3:])} {s}" for k, s in fused)
+        raise RankwiseError(f"{what} {names!r} matched no parameter; 3-D parameters here: "
+                            f"{', '.join(list(kinds)[:4])} (e.g. {fused[0][0]}); use such names "
+                            "or suffixes")
     return found
 
 

@@ -65,7 +65,9 @@ def rebuild(model: nn.Module, method: dict | Any, name: str = "default",
         model: The base model.
         method: The method config (dataclass, or a dict with ``name``).
         name: Adapter name.
-        layers: The saved :func:`structure` (``None``: build from the config alone).
+        layers: The saved :func:`structure` (``None``: build from the config alone); the
+            trainable-token layers in it (:mod:`rankwise.core.tokens`, any method) are rebuilt
+            after the method's own layers.
         saved_modules: The whole modules that trained with it (heads).
 
     Returns:
@@ -76,13 +78,18 @@ def rebuild(model: nn.Module, method: dict | Any, name: str = "default",
     """
     from rankwise import registry
     from rankwise.configs import from_dict
+    from rankwise.core.tokens import is_token_structure, rebuild_tokens
     data = asdict(method) if is_dataclass(method) else dict(method)
     entry = registry.get("method", str(data.get("name", "?")))
     cfg = from_dict(entry.config_cls, data, "method")
+    layers = layers or {}
+    tokens = {p: d for p, d in layers.items() if is_token_structure(d)}  # method-agnostic rows
+    layers = {p: d for p, d in layers.items() if p not in tokens}
     if entry.rebuild is not None:
-        entry.rebuild(model, cfg, name, layers or {})
+        entry.rebuild(model, cfg, name, layers)
     else:
         entry.builder(model, cfg, name)
+    rebuild_tokens(model, tokens, name)
     if saved_modules is not None:
         set_modules_to_save(model, saved_modules)
         if entry.trains != "full":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,27 +53,52 @@ def end_id(tokenizer) -> int:
     raise RankwiseError("the tokenizer has no EOS, SEP or pad token; save one with the tokenizer")
 
 
+# Literal markers that chat templates write as single special tokens: ChatML / Llama 3 / Phi
+# (``<|im_start|>``, ``<|eot_id|>``), DeepSeek's full-width bars, Gemma's turn markers.
+SPECIAL_MARKER = re.compile(r"<\|[^|<>\s{}]{1,64}\|>|<\uff5c[^\uff5c<>\s{}]{1,64}\uff5c>|<(?:start|end)_of_turn>")
+
+
 def resolve_chat_template(tokenizer, template: str | None) -> str:
     """The chat template to use: ``template`` (Jinja text or a file), else the tokenizer's.
 
     Raises:
-        RankwiseError: If neither exists, or ``template`` names a missing file.
+        RankwiseError: If neither exists, ``template`` names a missing file, or the template
+            writes special-token markers (``<|im_end|>``) the tokenizer lacks (naming them and
+            ``model.add_special_tokens``).
     """
     if template:
         if "{%" in template or "{{" in template:
-            return template
+            return check_template_tokens(tokenizer, template)
         path = Path(template).expanduser()
         if not path.is_file():
             raise RankwiseError(f"data.chat_template: file {path} not found; give a Jinja template "
                                 "string or the path of a .jinja file")
-        return path.read_text(encoding="utf-8")
+        return check_template_tokens(tokenizer, path.read_text(encoding="utf-8"))
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # several named templates: the default one
         own = own.get("default")
     if not own:
         raise RankwiseError("data.format is chat but the tokenizer has no chat template; set "
                             "data.chat_template to a Jinja template string or a .jinja file")
-    return own
+    return check_template_tokens(tokenizer, own)
+
+
+def check_template_tokens(tokenizer, template: str) -> str:
+    """Return ``template`` if the tokenizer holds every special-token marker it writes
+    (:data:`SPECIAL_MARKER`); a marker it lacks would be split into pieces of text, so the model
+    could never read or emit it as one token.
+
+    Raises:
+        RankwiseError: Naming the missing markers and ``model.add_special_tokens``.
+    """
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in dict.fromkeys(SPECIAL_MARKER.findall(template)) if t not in vocab]
+    if missing:
+        listed = ", ".join(repr(t) for t in missing)
+        raise RankwiseError(f"the chat template writes special tokens the tokenizer lacks ({listed}); "
+                            f"add them with model.add_special_tokens: [{listed}] (and train their "
+                            "rows with method.trainable_tokens: true)")
+    return template
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -324,4 +350,4 @@ def split_example(item: dict, fmt: str) -> tuple[list[int], list[int]]:
 
 
 __all__ = ["FORMATS", "ROLES", "IGNORE", "Encoder", "special_prefix", "end_id",
-           "resolve_chat_template", "tokenizer_digest", "split_example"]
+           "resolve_chat_template", "check_template_tokens", "tokenizer_digest", "split_example"]

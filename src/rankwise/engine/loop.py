@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rankwise.core.protocol import aux_losses
+from rankwise.engine.offload import OffloadActivations
 from rankwise.engine.per_layer import PerLayerUpdates
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.task import Task
@@ -226,6 +227,9 @@ class Engine:
         dist: A :class:`rankwise.engine.distributed.Distributed` under torchrun: ``batch_size``
             becomes the global batch, this process takes its share, counts and gradients are
             summed over processes (``None`` or one process: nothing changes).
+        offload_activations: Keep the tensors the forward saves for backward in pinned host
+            memory until the backward (:mod:`rankwise.engine.offload`; no effect on a CPU
+            device).
         per_layer: Step each parameter in the backward as soon as its gradient is complete and
             free it (:mod:`rankwise.engine.per_layer`); needs ``grad_accum`` 1, no clipping, no
             fp16 scaler, one process.
@@ -238,7 +242,8 @@ class Engine:
                  batch_size: int, seed: int = 0, scheduler: Any = None, grad_accum: int = 1,
                  grad_clip: float | None = None, precision: str = "fp32", device: str = "cpu",
                  loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = (),
-                 dist: Any = None, per_layer: bool = False) -> None:
+                 dist: Any = None, offload_activations: bool = False,
+                 per_layer: bool = False) -> None:
         if precision not in PRECISIONS:
             raise RankwiseError(f"train.precision: got {precision!r}; expected one of {list(PRECISIONS)}")
         self.model, self.task, self.optimizer, self.dataset = model, task, optimizer, dataset
@@ -260,6 +265,8 @@ class Engine:
             if bad:
                 raise RankwiseError("; ".join(bad))
             self.per_layer = PerLayerUpdates(self.params, optimizer)
+        # one object for the whole fit: one side stream, and its stats add up over the steps
+        self.offloader = OffloadActivations(self.device) if offload_activations else None
 
     # ----- one step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -268,6 +275,11 @@ class Engine:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.split(":")[0], dtype=dtype)
+
+    def offload(self) -> contextlib.AbstractContextManager:
+        """The context around each micro-batch's forward: ``self.offloader`` (an
+        :class:`OffloadActivations`, inert on a CPU device) when offloading is on, else a no-op."""
+        return self.offloader if self.offloader is not None else contextlib.nullcontext()
 
     def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The collated micro-batches of optimizer step ``step``, on the engine's device."""
@@ -296,7 +308,7 @@ class Engine:
             self.per_layer.arm()  # each parameter steps in the backward below
         for batch in batches:
             share = len(batch["input_ids"]) / examples  # per-batch means weigh by their examples
-            with self.autocast():
+            with self.autocast(), self.offload():
                 loss_sum = self.task.loss_sum(model, batch)[0]  # the output (logits) freed now
                 loss = loss_sum / norm
                 extra = aux_losses(model)

@@ -187,7 +187,9 @@ def load_input(run_cfg: RunConfig, raw: dict, model_path: Path | None = None
             raise RankwiseError(f"model folder {path} has no weights (*.safetensors or *.bin); point "
                                 "model.path at a folder written by save_pretrained, or at a rankwise run")
     task = get_task(run_cfg.model.task)
-    model, tok = load_model(run_cfg.model.path, task, run_cfg.model.num_labels, seed=run_cfg.train.seed)
+    m = run_cfg.model
+    model, tok = load_model(m.path, task, m.num_labels, seed=run_cfg.train.seed,
+                            add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     return model, tok, task, run_cfg
 
 

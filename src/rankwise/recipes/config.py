@@ -39,6 +39,11 @@ class ModelConfig:
         quantize: Load the base quantized by bitsandbytes through transformers'
             ``BitsAndBytesConfig``: ``nf4`` / ``fp4`` (4-bit, QLoRA) or ``int8``; ``null`` = no.
         double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
+        add_tokens: New tokens given to the tokenizer (``tokenizer.add_tokens``); the
+            embedding (and an untied output head) grows by their rows, each initialised to the
+            mean of the existing rows (:mod:`rankwise.recipes.tokens`).
+        add_special_tokens: New special tokens (never split, e.g. a chat template's
+            ``<|im_start|>``), added and initialised the same way.
     """
 
     path: str = "demo"
@@ -47,12 +52,17 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantize: Union[Literal["nf4", "fp4", "int8"], None] = None
     double_quant: bool = True
+    add_tokens: list[str] = field(default_factory=list)
+    add_special_tokens: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """Return value errors."""
         tasks = registry.names("task")
         if self.task not in tasks:
             return [f"task: got {self.task!r}; expected one of {tasks}{closest(self.task, tasks)}"]
+        for key in ("add_tokens", "add_special_tokens"):
+            if not all(getattr(self, key)):
+                return [f"{key}: got an empty token string; list the new tokens, e.g. ['<|im_end|>']"]
         return []
 
 
@@ -184,6 +194,10 @@ class TrainConfig:
             vocabulary) stay on the unchunked path. 512 tokens keep one chunk's fp32 logits at
             256 MiB for a 128k vocabulary while the ``512 x H x V`` matmul still runs at full
             speed.
+        offload_activations: Keep the tensors the forward saves for backward in pinned CPU
+            memory until the backward needs them (copies on a side CUDA stream; parameters and
+            tensors under 1 KiB stay; ``docs/offload.md``). No effect on a CPU device, where
+            activations already live in CPU memory (``rankwise train`` says so).
     """
 
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
@@ -209,6 +223,7 @@ class TrainConfig:
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = 600.0
     threads: Union[Literal["auto"], int] = "auto"
+    offload_activations: bool = False
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
 
     def loss_chunk_for(self, vocab: int | None) -> int:
@@ -488,6 +503,16 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if getattr(cfg.optim, "per_layer", False):
         clip = t.grad_clip if t.grad_clip != "auto" else None
         out.extend(per_layer_problems(t.grad_accum, clip, t.precision, 1))
+    init = str(getattr(cfg.method, "init", ""))  # LoRA's data- and quantization-driven inits
+    if init in ("eva", "corda") and t.calibration_batches < 1:
+        out.append(f"method.init: {init} needs calibration batches, but train.calibration_batches "
+                   "is 0; set it >= 1")
+    if init == "loftq" and m.quantize != "nf4":
+        out.append(f"method.init: loftq needs a 4-bit base (got model.quantize: {m.quantize}); "
+                   "set model.quantize: nf4")
+    if getattr(cfg.method, "trainable_tokens", None) is True and not (m.add_tokens or m.add_special_tokens):
+        out.append("method.trainable_tokens: true trains the added tokens, and the model adds none; "
+                   "list them in model.add_tokens / model.add_special_tokens, or name the tokens")
     if m.dtype != "float32" and t.precision == "fp32":
         out.append(f"model.dtype {m.dtype} with train.precision fp32 would mix dtypes between "
                    f"the base and the float32 trainable weights; set train.precision: "

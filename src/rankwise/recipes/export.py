@@ -12,6 +12,7 @@ from rankwise.errors import RankwiseError
 from rankwise.recipes import folders
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.model import base_moved, demo_model_path, load_model, torch_dtype
+from rankwise.recipes.tokens import adds_tokens, run_tokenizer
 
 BUILTIN_FORMATS = ("merged", "rankwise")
 
@@ -54,11 +55,13 @@ def load_run(run_dir: Path, model_path: str | Path | None = None):
     m = cfg.model
     try:
         model, tok = load_model(m.path, get_task(m.task), m.num_labels, seed=cfg.train.seed,
-                                dtype=m.dtype, quantize=m.quantize, double_quant=m.double_quant)
+                                dtype=m.dtype, quantize=m.quantize, double_quant=m.double_quant,
+                                add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     except RankwiseError as err:
         if "not found" not in str(err):
             raise
         raise base_moved(err) from None
+    tok = run_tokenizer(run_dir, tok)  # the run's own copy when it added tokens
     try:
         load_adapter(model, run_dir / "adapter")
     except RankwiseError as err:
@@ -112,4 +115,7 @@ def export_run(run_dir: Path, fmt: str, out: Path, model_path: str | Path | None
     base = str(demo_model_path()) if cfg.model.path == "demo" else cfg.model.path
     # a method whose files have their own layout in this format brings its own writer
     writer = registry.get("method", cfg.method.name).exporters.get(fmt) or registry.get("exporter", fmt).builder
-    return writer(model, out, base_model_name_or_path=base)
+    written = writer(model, out, base_model_name_or_path=base)
+    if adds_tokens(cfg.model):  # the base must be resized to this tokenizer before loading
+        tok.save_pretrained(str(written))
+    return written

@@ -87,12 +87,16 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
     if not full and adapter is None and not (run_dir / "adapter").is_dir():
         raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
     try:
+        tokens = {} if full else {"add_tokens": m.add_tokens, "add_special_tokens": m.add_special_tokens}
         model, tok = load_model(path, task, seed=cfg.train.seed, dtype=m.dtype, quantize=m.quantize,
-                                double_quant=m.double_quant, device=device)
+                                double_quant=m.double_quant, device=device, **tokens)
     except RankwiseError as err:
         if full or "not found" not in str(err):
             raise
         raise base_moved(err) from None
+    if not full:
+        from rankwise.recipes.tokens import run_tokenizer
+        tok = run_tokenizer(run_dir, tok)  # the run's own copy when it added tokens
     if adapter is not None:  # the format's registered loader (the LoRA package's, for peft)
         registry.get("exporter", "peft").loader(model, adapter)
     elif not full:

@@ -177,7 +177,8 @@ def _load_base(sources: list[Source], model_path: Path | None):
     path = str(model_path) if model_path is not None else m.path
     try:
         model, tok = load_model(path, m.task, m.num_labels, seed=seed, dtype=m.dtype,
-                                quantize=m.quantize, double_quant=m.double_quant)
+                                quantize=m.quantize, double_quant=m.double_quant,
+                                add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     except RankwiseError as err:
         if model_path is not None or "not found" not in str(err):
             raise
@@ -199,7 +200,9 @@ def collect_pairs(model: torch.nn.Module, names: list[str],
             if name not in mod.adapter_names():
                 row.append(None)
                 continue
-            ab, info = factors(mod, name), describe(mod, name)
+            # the whole delta on the original base: rank 2r [B, -B0][A; A0] for a PiSSA/OLoRA/CorDA init
+            whole = getattr(mod, "delta_factors", None)
+            ab, info = (whole(name) if whole else factors(mod, name)), describe(mod, name)
             if ab is None or "scale" not in info or info.get("use_dora"):
                 raise RankwiseError(f"{label} adapts {path!r} with {type(mod).__name__}, not a plain "
                                     "LoRA pair (delta = s B A); merge combines LoRA adapters only")

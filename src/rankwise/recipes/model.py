@@ -10,6 +10,7 @@ from torch import nn
 
 from rankwise.core.quant import keep_training_layout
 from rankwise.errors import RankwiseError, require
+from rankwise.models import register_architectures
 
 TINY = ("tiny-bert", "tiny-gpt2", "tiny-llama")
 
@@ -51,8 +52,9 @@ def base_moved(err: RankwiseError) -> RankwiseError:
                          "--model PATH (the folder it was trained on)")
 
 
-def load_tokenizer(path: str):
-    """Return the tokenizer for ``path`` (tiny models use the packaged MiniLM's tokenizer).
+def load_tokenizer(path: str, add_tokens: list[str] = (), add_special_tokens: list[str] = ()):
+    """Return the tokenizer for ``path`` (tiny models use the packaged MiniLM's tokenizer),
+    extended by ``model.add_tokens`` / ``model.add_special_tokens``.
 
     Raises:
         RankwiseError: If the folder is missing, has no ``config.json`` or no tokenizer.
@@ -66,6 +68,9 @@ def load_tokenizer(path: str):
                             "save one there with tokenizer.save_pretrained") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
+    if add_tokens or add_special_tokens:
+        from rankwise.recipes.tokens import extend_tokenizer
+        extend_tokenizer(tok, add_tokens, add_special_tokens)
     return tok
 
 
@@ -135,7 +140,8 @@ def dtype_kwargs(dtype: torch.dtype) -> dict:
 
 def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
                dtype: str = "float32", quantize: str | None = None, double_quant: bool = True,
-               device: str = "cpu") -> tuple[nn.Module, object]:
+               device: str = "cpu", add_tokens: list[str] = (),
+               add_special_tokens: list[str] = ()) -> tuple[nn.Module, object]:
     """Load ``(model, tokenizer)``.
 
     Args:
@@ -149,6 +155,10 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             through transformers' ``BitsAndBytesConfig``).
         double_quant: ``model.double_quant`` (4-bit only).
         device: Where a quantized model is loaded (quantization happens on load).
+        add_tokens: ``model.add_tokens``: new tokens for the tokenizer; the embedding (and an
+            untied head) grows, new rows at the mean of the old ones
+            (:func:`rankwise.recipes.tokens.resize_for_tokens`).
+        add_special_tokens: ``model.add_special_tokens``, the same for special tokens.
 
     Returns:
         The model in train mode and its tokenizer; 4-bit layers stay in bitsandbytes' training
@@ -188,6 +198,7 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
         tok = load_tokenizer(str(folder) if path != "demo" else "demo")
         if quant is not None:
             kwargs.update(quantization_config=quant, device_map={"": device})
+        register_architectures()  # rankwise's own model types (TPA) load like any other
         try:
             model = auto.from_pretrained(str(folder), local_files_only=True, **dtype_kwargs(t), **kwargs)
         except (OSError, ValueError, KeyError) as err:
@@ -201,6 +212,10 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
                                 "at the base model's folder (a new head is trained)") from None
         if path == "demo":
             model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
+    if add_tokens or add_special_tokens:
+        from rankwise.recipes.tokens import extend_tokenizer, resize_for_tokens
+        new_ids = extend_tokenizer(tok, add_tokens, add_special_tokens)
+        resize_for_tokens(model, len(tok), new_ids)
     if task.uses_labels and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
     keep_training_layout(model)  # 4-bit: no CPU inference repacking in any command (core/quant.py)

@@ -33,6 +33,14 @@ from rankwise.errors import RankwiseError
 
 PLAN = "compare_plan.json"
 NOT_RESULTS = (("train", "progress"), ("train", "threads"))  # how a run reports, not what it computes
+# Keys added after runs were recorded, at the value that changes nothing: left out of the hash,
+# so a new feature's default does not make every recorded run stale.
+NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), []),
+               (("method", "trainable_tokens"), None), (("method", "target_parameters"), []),
+               (("method", "use_dora"), False), (("train", "offload_activations"), False),
+               (("method", "loftq_iter"), 1), (("method", "eva_rho"), 2.0),  # LoRA inits
+               (("method", "corda_mode"), "ipm"),
+               (("train", "loss_chunk_tokens"), "auto"), (("optim", "per_layer"), False))  # memory
 
 
 def config_hash(raw: dict) -> str:
@@ -45,6 +53,9 @@ def config_hash(raw: dict) -> str:
     resolved = json.loads(json.dumps(build_run_config(copy.deepcopy(raw)).to_dict(), default=str))
     for section, key in NOT_RESULTS:
         (resolved.get(section) or {}).pop(key, None)
+    for (section, key), neutral in NEUTRAL_NEW:
+        if (resolved.get(section) or {}).get(key, neutral) == neutral:
+            (resolved.get(section) or {}).pop(key, None)
     cwd = Path.cwd().resolve()
     for section, key in (("model", "path"), ("data", "source"), ("data", "eval_source")):
         value = (resolved.get(section) or {}).get(key)

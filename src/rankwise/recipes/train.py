@@ -41,6 +41,7 @@ from rankwise.recipes.config import RunConfig, build_run_config
 from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer
 from rankwise.recipes.reports import data_info, report_callbacks
 from rankwise.recipes.resume import dotted_diff, schedule_factor, set_schedule
+from rankwise.recipes.tokens import adds_tokens, apply_trainable_tokens, save_tokenizer
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Session:
                       seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
                       grad_clip=t.grad_clip, precision=t.precision, device=self.device,
                       callbacks=callbacks or [], dist=self.dist,
+                      offload_activations=t.offload_activations,
                       per_layer=getattr(self.cfg.optim, "per_layer", False))
 
     def evaluate(self) -> dict[str, float]:
@@ -124,7 +126,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         raise RankwiseError(problem)
     task = get_task(cfg.model.task)
     if tokenizer is None:
-        tokenizer = load_tokenizer(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.add_tokens, cfg.model.add_special_tokens)
     with dist.main_first():
         train_data, eval_data = build_data(cfg.data, task, tokenizer,
                                            progress=cfg.train.progress and dist.is_main)
@@ -137,7 +139,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     m = cfg.model
     if model is None:
         model, tokenizer = load_model(m.path, task, num_labels, seed=cfg.train.seed, dtype=m.dtype,
-                                      quantize=m.quantize, double_quant=m.double_quant, device=device)
+                                      quantize=m.quantize, double_quant=m.double_quant, device=device,
+                                      add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     if not m.quantize:  # a quantized model was loaded onto the device (bitsandbytes moves it)
         model.to(device)
     if hasattr(task, "loss_chunk_tokens"):  # causal LM: chunked loss above a vocabulary size
@@ -150,6 +153,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     else:
         batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
         session.method_result = entry.apply(model, cfg.method, "default", batches, loss_fn=task.mean_loss)
+        apply_trainable_tokens(model, cfg.method, m, tokenizer)  # method.trainable_tokens, any method
     if not m.quantize:
         model.to(device)
     if not any(p.requires_grad for p in model.parameters()):
@@ -445,10 +449,15 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         console.print(f"no checkpoint in {out}; starting from step 0")
     if session.scope is not None:
         console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
+    if t.offload_activations and engine.offloader is not None and not engine.offloader.active:
+        console.print(f"train.offload_activations: no effect on device {session.device} "
+                      "(activations already live in CPU memory)", soft_wrap=True)
     if main and folders.read_record(out) is None:
         folders.record(out, "train")
     if main and (old_steps is not None or not (out / "config.yaml").exists()):
         atomic.write_bytes(out / "config.yaml", yamlfile.dump(cfg.to_dict(), sort_keys=False).encode())
+    if main and adds_tokens(cfg.model) and not (out / "tokenizer").is_dir():
+        save_tokenizer(session.tokenizer, out)  # the extended tokenizer: export and generate use it
     if main and not ckpts and hasattr(session.method_result, "write_artifacts"):
         session.method_result.write_artifacts(out)
     if rewrite:  # a finished run whose adapter/ (model/) is unreadable: write it again, only that

@@ -8,7 +8,7 @@ A method's config dataclass subclasses :class:`TargetedConfig` (where the adapte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import ClassVar, Union
 
 
 @dataclass
@@ -22,15 +22,23 @@ class TargetedConfig:
         exclude: Name suffixes never adapted.
         modules_to_save: Whole modules trained and saved with the adapter; ``None`` means the
             task head for classification models (``classifier`` / ``score``), else none.
+        trainable_tokens: Tokens whose embedding rows (and output-head rows) train, as a small
+            delta beside the frozen table (PEFT's ``trainable_token_indices``;
+            :mod:`rankwise.core.tokens`): a list of token strings, ``true`` for the tokens of
+            ``model.add_tokens`` / ``model.add_special_tokens``, or ``null`` for none.
     """
 
     name: str = ""
     targets: Union[list[str], str] = "all-linear"
     exclude: list[str] = field(default_factory=list)
     modules_to_save: Union[list[str], None] = None
+    trainable_tokens: Union[bool, list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
+        if isinstance(self.trainable_tokens, list) and not all(self.trainable_tokens):
+            return ["trainable_tokens: got an empty token string; list token strings such as "
+                    "'<|im_end|>', or true for the added tokens"]
         return []
 
 
@@ -44,16 +52,30 @@ class LoraPairConfig(TargetedConfig):
         alpha: Scale numerator.
         dropout: Dropout on the adapter input.
         use_rslora: s = alpha / sqrt(r).
+        target_parameters: Fused 3-D expert parameters to adapt with a pair per expert, by
+            name or suffix (``mlp.experts.gate_up_proj``; see
+            :mod:`rankwise.adapters.common.experts`), beside the ``targets`` layers (``[]``:
+            none of those). Only methods that set ``parameter_targets`` accept it.
     """
+
+    # Whether the method builds expert layers at ``target_parameters`` (LoRA does).
+    parameter_targets: ClassVar[bool] = False
 
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     use_rslora: bool = False
+    target_parameters: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
         out = super().problems()
+        if self.target_parameters and not self.parameter_targets:
+            out.append(f"target_parameters: method {self.name!r} adapts linear layers only; "
+                       "use method.name: lora for fused expert parameters")
+        if self.target_parameters and self.dropout:
+            out.append(f"dropout: got {self.dropout} with target_parameters; expected 0 (an "
+                       "expert delta is added to the weight, so it has no input to drop)")
         if self.r < 1:
             out.append(f"r: got {self.r}; expected an integer >= 1")
         if self.alpha <= 0:

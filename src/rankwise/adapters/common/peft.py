@@ -51,3 +51,43 @@ def write_peft_folder(out_dir: str | Path, config: dict[str, Any], tensors: dict
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         atomic.write_json(tmp / CONFIG, config)
     return out_dir
+
+
+def token_rows(model: nn.Module, adapter_name: str, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """PEFT's ``trainable_token_indices`` and tensors for the trainable-token layers of adapter
+    ``adapter_name`` (:mod:`rankwise.core.tokens`), or ``(None, {})`` when it has none.
+
+    PEFT's TrainableTokens stores each trained row's *value*, not a delta: the tensor
+    ``<prefix><path>.token_adapter.trainable_tokens_delta`` holds ``W[ids] + Δ`` and replaces
+    those rows of the base table when loaded. A tied head is PEFT's list form (PEFT ties the
+    head to the embedding itself); an untied head is the dict form ``{embedding: ids, head:
+    ids}``, one tensor each. Because the rows are replaced, PEFT reproduces the trained model
+    on a base resized with any init of the new rows, as long as every new token is trained.
+
+    Args:
+        model: The adapted model.
+        adapter_name: The adapter.
+        prefix: PEFT's key prefix (``base_model.model.``).
+
+    Returns:
+        ``(trainable_token_indices, tensors)``.
+    """
+    from rankwise.core.protocol import adapter_modules
+    from rankwise.core.tokens import TokenHeadRows, TokenRows
+    indices: dict[str, list[int]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for path, mod in adapter_modules(model):
+        if not isinstance(mod, (TokenRows, TokenHeadRows)) or adapter_name not in mod.token_ids:
+            continue
+        if isinstance(mod, TokenHeadRows) and mod.tied is not None:
+            continue  # PEFT ties the head to the embedding's rows itself
+        ids = mod.token_ids[adapter_name]
+        w = mod.weight
+        rows = w[torch.tensor(ids, device=w.device)].float() + mod.deltas[adapter_name].detach().float()
+        tensors[f"{prefix}{path}.token_adapter.trainable_tokens_delta"] = rows.to(w.dtype).cpu().contiguous()
+        indices[path] = ids
+    if not indices:
+        return None, {}
+    if len(indices) == 1:  # the embedding alone, or with a tied head
+        return next(iter(indices.values())), tensors
+    return indices, tensors
