@@ -22,12 +22,15 @@ BENCHMARKS = {
     "federated-demo": "rankwise.federated.bench:run",
     "data-pipeline": "rankwise.benchmarks.data_pipeline:run",
     "llm-finetune": "rankwise.benchmarks.llm_finetune:run",
+    "llm-finetune-dora": "rankwise.benchmarks.llm_finetune:run_dora",
     "compress": "rankwise.benchmarks.compress:run",
     "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
     "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
     "loro": "rankwise.benchmarks.loro:run",
     "tpa": "rankwise.benchmarks.tpa:run",
+    "vfl": "rankwise.federated.vfl.bench:run",
+    "memory-features": "rankwise.benchmarks.memory_features:run",
     "dpo": "rankwise.benchmarks.dpo:run",
 }
 
@@ -207,6 +210,18 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
     require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
     run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated", resume=resume)
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def vfl(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
+    """Two-party vertical federated learning: synchronous split learning or PubSub-VFL."""
+    require("flwr", "federated", "rankwise vfl")
+    from rankwise.federated.vfl.run import run_vfl
+    m = run_vfl(config, list(sets), out or Path("runs") / f"{config.stem}-vfl")
+    click.echo(f"final accuracy {m['final_accuracy']:.4f}, {m['train_bytes']} bytes crossed, {m['wall_s']:.2f} s")
 
 
 @main.command()

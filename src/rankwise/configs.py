@@ -13,6 +13,10 @@ from rankwise.errors import RankwiseError, closest
 
 T = TypeVar("T")
 
+# Keys users put in the wrong place, by dotted path -> the one-line fix reported instead of
+# "unknown key" (a method package adds the options that only it has, e.g. LoRA's use_dora).
+KEY_HINTS: dict[str, str] = {}
+
 
 def _coerce(value: Any, hint: Any, where: str, problems: list[str]) -> Any:
     origin = typing.get_origin(hint)
@@ -82,7 +86,9 @@ def _build(cls: type[T], data: dict, where: str, problems: list[str]) -> T:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            problems.append(f"{where}.{key}: unknown key{closest(key, fields)}; valid keys: {', '.join(fields)}")
+            hint = KEY_HINTS.get(f"{where}.{key}")
+            problems.append(f"{where}.{key}: {hint}" if hint else
+                            f"{where}.{key}: unknown key{closest(key, fields)}; valid keys: {', '.join(fields)}")
             continue
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}", problems)
     if any(p.startswith(f"{where}.") and "unknown key" not in p for p in problems):

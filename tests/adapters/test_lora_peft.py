@@ -89,8 +89,8 @@ def test_load_refuses_pickle_and_unsupported(tmp_path):
     (d / "adapter_model.bin").write_bytes(b"not loaded")
     with pytest.raises(RankwiseError, match="safe_serialization"):
         load_peft(tiny_bert_cls(), d)
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": True}))
-    with pytest.raises(RankwiseError, match="use_dora"):
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_bias": True}))
+    with pytest.raises(RankwiseError, match="lora_bias"):
         load_peft(tiny_bert_cls(), d)
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
     with pytest.raises(RankwiseError, match="LoRA adapters only"):

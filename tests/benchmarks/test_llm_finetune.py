@@ -68,3 +68,16 @@ def test_gpu_preset_without_a_gpu_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "no CUDA GPU" in err[0]
     assert not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.slow
+def test_dora_rows_compare_both_sides_from_the_same_weights(tmp_path):
+    """``dora-`` rows: DoRA on both sides from the same factors and magnitudes, so the fp32 row's
+    losses agree with PEFT's step by step."""
+    from rankwise.benchmarks.llm_finetune import PRESETS as P
+    sizes = dataclasses.replace(P["tiny"], rows=("dora-fp32",), steps=1, gora_batches=0)
+    rows = run(tmp_path, sizes)["rows"]
+    assert rows["dora-fp32"]["max_loss_diff"] < 1e-5 and len(rows["dora-fp32"]["peft"]["losses"]) == 2
+    assert "use_dora=True" in rows["dora-fp32"]["peft_setup"]
+    assert set(P["cpu-dora"].rows) == {"dora-" + r for r in ROWS}
+    assert "`dora-` rows: DoRA" in (tmp_path / "results.md").read_text()

@@ -26,6 +26,11 @@ torch thread; CUDA: synchronised wall time), tokens/s, peak memory = bytes of th
 optimizer state + the peak one step adds above them (:mod:`rankwise.memory`'s meter), base
 weight bytes (quantization state included), train loss at the last step and held-out loss.
 
+DoRA rows (``dora-<row>``, Liu et al. 2024): the same row with ``use_dora`` on both sides - rankwise's
+``method: {name: lora, use_dora: true}`` against PEFT's ``LoraConfig(use_dora=True)``, magnitudes
+copied too. They are not in the default rows; ``rankwise bench llm-finetune-dora`` (preset
+``cpu-dora``, a smaller model so that the five rows fit in about six minutes of one core) runs them.
+
 Run at other sizes with ``python -m rankwise.benchmarks.llm_finetune --preset gpu-1b`` (what
 ``bench/gpu/llm-finetune.sh`` runs) or ``--set hidden=256 --set layers=4``.
 """
@@ -54,6 +59,7 @@ ROWS = {  # name -> (model.dtype, model.quantize, train.precision, gradient chec
     "nf4": ("bfloat16", "nf4", "bf16", False),
     "nf4+ckpt": ("bfloat16", "nf4", "bf16", True),
 }
+DORA = "dora-"  # row prefix: the row after it, with DoRA on both sides
 TARGETS = {"step_time_ratio": 1.0, "memory_ratio": 1.0, "nf4_base_bytes_ratio": 0.30}
 
 
@@ -75,6 +81,10 @@ class Sizes:
         device: ``cpu`` or ``cuda``.
         threads: torch threads on CPU.
         seed: Seed of the weights and of the batch order.
+        vocab: Vocabulary of the model (the data are bytes, ids < 256; a larger vocabulary only
+            widens the embeddings, the head and the logits: the chunked-loss measurement).
+        loss_chunk_tokens: ``train.loss_chunk_tokens`` of the engine step both sides use (0:
+            unchunked; :mod:`rankwise.benchmarks.memory_features` compares the loss paths).
     """
 
     hidden: int = 512
@@ -94,6 +104,8 @@ class Sizes:
     device: str = "cpu"
     threads: int = 1
     seed: int = 0
+    vocab: int = 256
+    loss_chunk_tokens: int = 0
 
 
 PRESETS = {
@@ -103,7 +115,15 @@ PRESETS = {
                     rows=("bf16", "bf16+ckpt", "nf4", "nf4+ckpt")),
     "tiny": Sizes(hidden=64, layers=2, heads=4, intermediate=128, seq=32, batch=4, warmup=1,
                   steps=2, eval_windows=4),
+    "cpu-dora": Sizes(hidden=256, layers=4, heads=4, intermediate=704, seq=128, batch=8, warmup=1,
+                      steps=5, eval_windows=8, gora_batches=0,
+                      rows=tuple(DORA + row for row in ROWS)),
 }
+
+
+def base_row(row: str) -> str:
+    """The precision row of ``row`` (``dora-nf4`` -> ``nf4``)."""
+    return row.removeprefix(DORA)
 
 
 def build_base(s: Sizes, folder: Path) -> int:
@@ -111,7 +131,7 @@ def build_base(s: Sizes, folder: Path) -> int:
     parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(s.seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=s.hidden, intermediate_size=s.intermediate,
+    cfg = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
                       num_hidden_layers=s.layers, num_attention_heads=s.heads,
                       num_key_value_heads=s.heads, max_position_embeddings=s.seq,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
@@ -126,7 +146,7 @@ def load_base(folder: Path, row: str, device: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from rankwise.recipes.model import bnb_config, dtype_kwargs, torch_dtype
-    dtype, quantize, _, _ = ROWS[row]
+    dtype, quantize, _, _ = ROWS[base_row(row)]
     kwargs = dtype_kwargs(torch_dtype(dtype))
     if quantize:
         kwargs.update(quantization_config=bnb_config(quantize, dtype), device_map={"": device})
@@ -135,18 +155,20 @@ def load_base(folder: Path, row: str, device: str) -> nn.Module:
 
 
 def build_pair(folder: Path, row: str, s: Sizes) -> tuple[nn.Module, nn.Module, int]:
-    """``(rankwise model, PEFT model, base weight bytes)`` of ``row``, same base, same LoRA init."""
+    """``(rankwise model, PEFT model, base weight bytes)`` of ``row``, same base, same LoRA init
+    (and the same DoRA magnitudes on a ``dora-`` row)."""
     import peft
 
     from rankwise.adapters.lora import LoraConfig, apply_lora
     from rankwise.core.ops import adapter_parameters
     from rankwise.core.quant import model_bytes
     from rankwise.recipes.model import enable_checkpointing
-    _, quantize, _, ckpt = ROWS[row]
+    _, quantize, _, ckpt = ROWS[base_row(row)]
+    use_dora = row.startswith(DORA)
     ours = load_base(folder, row, s.device)
     base_bytes = model_bytes(ours)
     torch.manual_seed(s.seed + 1)
-    apply_lora(ours, LoraConfig(r=s.r, alpha=s.alpha, targets="all-linear"))
+    apply_lora(ours, LoraConfig(r=s.r, alpha=s.alpha, targets="all-linear", use_dora=use_dora))
     if ckpt:
         enable_checkpointing(ours)
     theirs = load_base(folder, row, s.device)
@@ -156,12 +178,13 @@ def build_pair(folder: Path, row: str, s: Sizes) -> tuple[nn.Module, nn.Module, 
         theirs.gradient_checkpointing_enable()
     theirs = peft.get_peft_model(theirs, peft.LoraConfig(
         r=s.r, lora_alpha=s.alpha, target_modules="all-linear", lora_dropout=0.0,
-        task_type="CAUSAL_LM"))
+        task_type="CAUSAL_LM", use_dora=use_dora))
     dst = dict(theirs.named_parameters())
     with torch.no_grad():
         for key, p in adapter_parameters(ours).items():
-            path, kind = key.split(".lora_")
-            dst[f"base_model.model.{path}.lora_{kind[0]}.default.weight"].copy_(p)
+            path, kind = key.split(".lora_")           # A.weight, B.weight, magnitude_vector
+            kind = "magnitude_vector" if kind == "magnitude_vector" else kind[0]
+            dst[f"base_model.model.{path}.lora_{kind}.default.weight"].copy_(p)
     n_ours = sum(p.numel() for p in ours.parameters() if p.requires_grad)
     n_theirs = sum(p.numel() for p in theirs.parameters() if p.requires_grad)
     assert n_ours == n_theirs, (row, n_ours, n_theirs)
@@ -186,7 +209,9 @@ class _Side:
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=s.lr)
-        self.engine = Engine(model, get_task("causal-lm"), self.opt, data, s.batch, seed=s.seed,
+        task = get_task("causal-lm")
+        task.loss_chunk_tokens = s.loss_chunk_tokens
+        self.engine = Engine(model, task, self.opt, data, s.batch, seed=s.seed,
                              precision=precision, device=s.device)
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -216,7 +241,9 @@ class _Side:
 
 def _peft_setup(row: str) -> str:
     """What the PEFT side of ``row`` did (recorded in the results)."""
-    _, quantize, _, ckpt = ROWS[row]
+    _, quantize, _, ckpt = ROWS[base_row(row)]
+    if row.startswith(DORA):
+        return _peft_setup(base_row(row)).replace("get_peft_model", "get_peft_model(use_dora=True)")
     if quantize:
         return ("prepare_model_for_kbit_training(use_gradient_checkpointing=%s)%s, get_peft_model"
                 % (ckpt, ": reentrant checkpointing + enable_input_require_grads" if ckpt else ""))
@@ -230,7 +257,7 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
     """Build both sides of ``row``, step them interleaved, and measure."""
     from rankwise.engine import evaluate, get_task
     ours, theirs, base_bytes = build_pair(folder, row, s)
-    precision = ROWS[row][2]
+    precision = ROWS[base_row(row)][2]
     sides = {"rankwise": _Side(ours, data, s, precision), "peft": _Side(theirs, data, s, precision)}
     for k in range(s.warmup + s.steps):
         order = ["rankwise", "peft"] if k % 2 == 0 else ["peft", "rankwise"]
@@ -261,11 +288,14 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
 
 def _markdown(res: dict) -> str:
     s = res["sizes"]
+    dora = any(r.startswith(DORA) for r in res["rows"])
     lines = ["# LLM fine-tuning: rankwise vs transformers + PEFT", "",
              f"Command: `{res['command']}`", "",
              f"Llama {s['layers']}x{s['hidden']} (intermediate {s['intermediate']}, "
              f"{res['params'] / 1e6:.1f}M parameters, byte vocabulary), LoRA r={s['r']} alpha="
-             f"{s['alpha']:g} on all linear layers, AdamW lr {s['lr']:g}, batch {s['batch']} x "
+             f"{s['alpha']:g} on all linear layers"
+             + (" (`dora-` rows: DoRA, `use_dora` on both sides, magnitudes copied)" if dora else "")
+             + f", AdamW lr {s['lr']:g}, batch {s['batch']} x "
              f"{s['seq']} tokens of stdlib source, {s['warmup']} warm-up + {s['steps']} timed steps "
              f"per model, interleaved; device {res['device']}; timer: {res['timer']}.", "",
              "| row | step s (rankwise / PEFT) | ratio | tokens/s (rankwise / PEFT) | peak MiB "
@@ -344,9 +374,10 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
     require("peft", "bench", "rankwise bench llm-finetune")
     require("bitsandbytes", "bench", "rankwise bench llm-finetune")
     s = copy.deepcopy(sizes or PRESETS["cpu"])
-    unknown = [r for r in s.rows if r not in ROWS]
+    unknown = [r for r in s.rows if base_row(r) not in ROWS]
     if unknown:
-        raise RankwiseError(f"llm-finetune rows {unknown} are unknown; choose from {list(ROWS)}")
+        raise RankwiseError(f"llm-finetune rows {unknown} are unknown; choose from {list(ROWS)}, "
+                            f"each also as {DORA}<row>")
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         raise RankwiseError("llm-finetune: device cuda asked for but no CUDA GPU is visible; "
                             "run on a GPU machine or use --preset cpu")
@@ -390,6 +421,18 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
     atomic.write_json(out / "results.json", res)
     atomic.write_bytes(out / "results.md", _markdown(res).encode())
     return res
+
+
+def run_dora(out: Path) -> dict:
+    """``rankwise bench llm-finetune-dora``: the DoRA rows only, at preset ``cpu-dora``.
+
+    Args:
+        out: Output folder (``results.json`` and ``results.md``).
+
+    Returns:
+        The results dict.
+    """
+    return run(out, PRESETS["cpu-dora"], command=f"rankwise bench llm-finetune-dora --out {out}")
 
 
 def main(argv: list[str] | None = None) -> dict:

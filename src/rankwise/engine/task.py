@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.core.protocol import transform_inputs
+from rankwise.engine.chunked_loss import chunked_forward
 from rankwise.errors import RankwiseError
 
 IGNORE = -100  # label of positions that carry no loss (padding, prompts, virtual tokens)
@@ -150,6 +151,9 @@ class CausalLMTask(Task):
     # 64 examples x 96 tokens x a 30k vocabulary are 750 MB, and the loss holds two more copies
     # (the shifted slice, log-softmax): the instruct example peaked at 2.85 GB for 2M parameters.
     eval_logits_bytes: int = 64 * 2**20
+    # Target tokens per chunk of the loss (:mod:`rankwise.engine.chunked_loss`); 0 = the whole
+    # logits at once. ``rankwise train`` sets it from ``train.loss_chunk_tokens``.
+    loss_chunk_tokens: int = 0
 
     def collate(self, items, pad_id):
         """Pad ``input_ids``; labels are the example's own or its ids, ``-100`` on padding.
@@ -175,7 +179,13 @@ class CausalLMTask(Task):
         return int((batch["labels"][:, 1:] != IGNORE).sum())
 
     def loss_sum(self, model, batch):
-        """Summed next-token cross-entropy over the target tokens."""
+        """Summed next-token cross-entropy over the target tokens (in chunks of
+        ``loss_chunk_tokens`` target tokens when set: the full logits are never formed, and the
+        output's ``logits`` is then a placeholder without storage)."""
+        if self.loss_chunk_tokens:
+            done = chunked_forward(model, lambda: self._forward(model, batch), self.loss_chunk_tokens)
+            if done is not None:
+                return done[0], done[1]
         out, batch = self._forward(model, batch)
         logits = out.logits[:, :-1]                       # (B, T-1, V): predicts tokens 1..T-1
         labels = batch["labels"][:, 1:]                   # (B, T-1)

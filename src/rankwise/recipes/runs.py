@@ -36,7 +36,11 @@ NOT_RESULTS = (("train", "progress"), ("train", "threads"))  # how a run reports
 # Keys added after runs were recorded, at the value that changes nothing: left out of the hash,
 # so a new feature's default does not make every recorded run stale.
 NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), []),
-               (("method", "trainable_tokens"), None), (("method", "target_parameters"), []))
+               (("method", "trainable_tokens"), None), (("method", "target_parameters"), []),
+               (("method", "use_dora"), False), (("train", "offload_activations"), False),
+               (("method", "loftq_iter"), 1), (("method", "eva_rho"), 2.0),  # LoRA inits
+               (("method", "corda_mode"), "ipm"),
+               (("train", "loss_chunk_tokens"), "auto"), (("optim", "per_layer"), False))  # memory
 
 
 def config_hash(raw: dict) -> str:

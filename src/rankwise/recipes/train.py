@@ -25,6 +25,7 @@ from rankwise.core.ops import count_parameters, modules_to_save
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
 from rankwise.engine import Engine, NonFiniteLoss, Task, get_task, linear_schedule
+from rankwise.engine.chunked_loss import vocab_size
 from rankwise.engine.loop import draw_batches
 from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
@@ -74,7 +75,9 @@ class Session:
         return Engine(self.model, self.task, self.optimizer, self.train_data, t.batch_size,
                       seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
                       grad_clip=t.grad_clip, precision=t.precision, device=self.device,
-                      callbacks=callbacks or [], dist=self.dist)
+                      callbacks=callbacks or [], dist=self.dist,
+                      offload_activations=t.offload_activations,
+                      per_layer=getattr(self.cfg.optim, "per_layer", False))
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
@@ -140,6 +143,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
                                       add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     if not m.quantize:  # a quantized model was loaded onto the device (bitsandbytes moves it)
         model.to(device)
+    if hasattr(task, "loss_chunk_tokens"):  # causal LM: chunked loss above a vocabulary size
+        task.loss_chunk_tokens = cfg.train.loss_chunk_for(vocab_size(model))
     entry = registry.get("method", cfg.method.name)
     torch.manual_seed(cfg.train.seed)
     session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device, dist)  # type: ignore[arg-type]
@@ -231,6 +236,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
         for d in (saved, now):
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
+            d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
             now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
         diff = [k for k in dotted_diff(saved, now) if k != "train.steps"]
@@ -445,6 +451,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         console.print(f"no checkpoint in {out}; starting from step 0")
     if session.scope is not None:
         console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
+    if t.offload_activations and engine.offloader is not None and not engine.offloader.active:
+        console.print(f"train.offload_activations: no effect on device {session.device} "
+                      "(activations already live in CPU memory)", soft_wrap=True)
     if main and folders.read_record(out) is None:
         folders.record(out, "train")
     if main and (old_steps is not None or not (out / "config.yaml").exists()):

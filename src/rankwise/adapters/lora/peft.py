@@ -5,6 +5,8 @@ What PEFT expects on disk (checked against peft 0.21 by saving real ``PeftModel`
 * tensor keys ``base_model.model.<module path>.lora_A.weight`` (shape (r, in)) and
   ``...lora_B.weight`` (shape (out, r)); the adapter name is not part of the key; GPT-2's
   ``Conv1D`` uses the same shapes and ``fan_in_fan_out: true`` in the config;
+* DoRA's magnitude (``use_dora: true``) as ``...lora_magnitude_vector`` (shape (out,), no
+  ``.weight`` suffix);
 * whole trained modules (``modules_to_save``) as ``base_model.model.<path>.<param>``;
 * one global ``r`` / ``lora_alpha`` / ``use_rslora``, with per-layer exceptions in
   ``rank_pattern`` / ``alpha_pattern`` (a key matches a path by ``(.*\\.)?(key)$``).
@@ -47,14 +49,15 @@ PREFIX = "base_model.model."
 # PEFT config keys rankwise understands or can safely ignore at these values. A key whose
 # value differs from every listed neutral value is an unsupported feature (RankwiseError).
 _NEUTRAL: dict[str, tuple] = {
-    "use_dora": (False, None), "lora_bias": (False, None), "bias": ("none", None),
+    "lora_bias": (False, None), "bias": ("none", None),
     "layers_to_transform": (None,), "layers_pattern": (None, [], ""), "layer_replication": (None,),
     "use_qalora": (False, None),
     "alora_invocation_tokens": (None,), "arrow_config": (None,), "megatron_config": (None,),
     "use_bdlora": (None, False), "modules_to_tie": (None, []),
 }
 # Keys read by load_peft, and keys that only describe training or provenance.
-_USED = {"peft_type", "r", "lora_alpha", "trainable_token_indices", "use_rslora", "rank_pattern", "alpha_pattern",
+_USED = {"peft_type", "r", "lora_alpha", "trainable_token_indices", "use_rslora", "use_dora",
+         "rank_pattern", "alpha_pattern",
          "lora_dropout", "target_modules", "modules_to_save", "fan_in_fan_out", "task_type",
          "base_model_name_or_path", "target_parameters"}
 _HARMLESS = {"inference_mode", "init_lora_weights", "revision", "peft_version", "auto_mapping",
@@ -102,7 +105,9 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     most common values) plus ``rank_pattern``/``alpha_pattern`` entries keyed by the escaped
     full module path. A layer whose rsLoRA flag differs from the global one gets the alpha
     that gives the same scale (alpha' = alpha * sqrt(r) or alpha / sqrt(r)), so PEFT computes
-    exactly rankwise's scale.
+    exactly rankwise's scale. A layer initialised with PiSSA, OLoRA or CorDA (frozen ``A0, B0``)
+    is written as PEFT's ``path_initial_model_for_weight_conversion`` does: the rank-2r pair
+    ``[A; A0]``, ``[B, -B0]`` with alpha giving the same scale, which applies to the original base.
 
     Args:
         model: A model with rankwise LoRA layers holding ``adapter_name``.
@@ -117,15 +122,41 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         The folder written.
 
     Raises:
-        RankwiseError: If the adapter is missing, or has layers that are not LoRA.
+        RankwiseError: If the adapter is missing, has layers that are not LoRA, mixes DoRA
+            and plain LoRA layers (PEFT's ``use_dora`` is one flag for all), or was trained on
+            a base that LoftQ re-quantized.
     """
     from rankwise.adapters.lora.peft_experts import expert_export, target_parameter_names
     layers = _lora_layers(model, adapter_name)
     experts = {p: m for p, m in layers.items() if isinstance(m, ExpertLoraLayer)}
     layers = {p: m for p, m in layers.items() if p not in experts}
+    requantized = [p for p, m in layers.items() if adapter_name in m.requantized]
+    if requantized:
+        raise RankwiseError(f"adapter {adapter_name!r} was trained on a base that LoftQ re-quantized "
+                            f"(method.loftq_iter > 1, e.g. {requantized[0]!r}), which a PEFT LoRA "
+                            "adapter on the original base cannot express: export with --format "
+                            "merged (or train with loftq_iter: 1)")
+    dora = {p: m.is_dora(adapter_name) for p, m in layers.items()}
+    if len(set(dora.values())) > 1:
+        plain = next(p for p, d in dora.items() if not d)
+        raise RankwiseError(f"adapter {adapter_name!r} mixes DoRA and plain LoRA layers (e.g. "
+                            f"{plain!r} is plain); PEFT's use_dora is one flag for every layer: "
+                            "export with --format rankwise or --format merged")
     settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
                     bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
     expert_settings, expert_tensors = expert_export(experts, adapter_name, PREFIX)
+    tensors: dict[str, torch.Tensor] = dict(expert_tensors)
+    for path, layer in layers.items():
+        a, b = (t.cpu() for t in layer.delta_factors(adapter_name))
+        if a.shape[0] != settings[path][0]:  # residual init: s [B, -B0] [A; A0], rank 2r, same s
+            r, alpha, rs = settings[path]
+            scale = layer.scaling[adapter_name]
+            settings[path] = (2 * r, scale * (2 * r) ** 0.5 if rs else scale * 2 * r, rs)
+        tensors[f"{PREFIX}{path}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PREFIX}{path}.lora_B.weight"] = b.contiguous()
+        for key, p in layer.adapter_params(adapter_name).items():  # DoRA's magnitude
+            if key not in ("lora_A.weight", "lora_B.weight"):
+                tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
     settings.update(expert_settings)  # keyed by the parameter's full name, as PEFT matches
     rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
     for p, (r, alpha, rs) in settings.items():  # same scale under the global rsLoRA flag
@@ -148,7 +179,8 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         "target_modules": _target_modules(model, list(layers)),
         "lora_dropout": float(getattr(drop, "p", 0.0)),
         "fan_in_fan_out": any(m.fan_in_fan_out for m in layers.values()),
-        "modules_to_save": saved or None, "bias": "none", "use_dora": False,
+        "modules_to_save": saved or None, "bias": "none",
+        "use_dora": any(dora.values()),
         "init_lora_weights": True, "inference_mode": True,
     }
     if experts:
@@ -156,10 +188,7 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     indices, token_tensors = token_rows(model, adapter_name, PREFIX)  # method.trainable_tokens
     if indices is not None:
         config["trainable_token_indices"] = indices
-    tensors: dict[str, torch.Tensor] = {**expert_tensors, **token_tensors}
-    for path, layer in layers.items():
-        for key, p in layer.adapter_params(adapter_name).items():
-            tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
+    tensors.update(token_tensors)
     return write_peft_folder(out_dir, config, tensors, model, saved, PREFIX)
 
 
@@ -174,7 +203,7 @@ def read_peft_config(peft_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         RankwiseError: If the file is missing or corrupt, or it uses a feature rankwise
-            cannot load (DoRA, LoRA bias, a non-LoRA ``peft_type``, ...). Unknown keys only
+            cannot load (LoRA bias, a non-LoRA ``peft_type``, ...). Unknown keys only
             warn.
     """
     path = Path(peft_dir) / CONFIG
@@ -220,7 +249,7 @@ def _read_tensors(peft_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _split(tensors: dict[str, torch.Tensor], model: nn.Module):
-    """Split file tensors into ``{layer path: {A, B}}`` and ``{model param: tensor}``."""
+    """Split file tensors into ``{layer path: {A, B[, magnitude]}}`` and ``{model param: tensor}``."""
     lora: dict[str, dict[str, torch.Tensor]] = {}
     rest: dict[str, torch.Tensor] = {}
     tokens: dict[str, torch.Tensor] = {}  # trainable_token_indices rows by module path
@@ -229,7 +258,8 @@ def _split(tensors: dict[str, torch.Tensor], model: nn.Module):
             raise RankwiseError(f"PEFT tensor key {key!r} does not start with {PREFIX!r}; "
                                 "re-save the adapter with PEFT")
         key = key[len(PREFIX):]
-        m = re.fullmatch(r"(.+)\.(lora_[AB])\.weight", key)
+        m = (re.fullmatch(r"(.+)\.(lora_[AB])\.weight", key)
+             or re.fullmatch(r"(.+)\.(lora_magnitude_vector)", key))
         t = re.fullmatch(r"(.+)\.token_adapter\.trainable_tokens_delta", key)
         if m:
             lora.setdefault(m[1], {})[m[2]] = value
@@ -311,14 +341,16 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     lora, rest, token_values = _split(tensors, model)
     if not lora and not experts:
         raise RankwiseError(f"{peft_dir / WEIGHTS} holds no LoRA tensors; re-save the adapter")
-    rslora = bool(cfg.get("use_rslora", False))
+    rslora, use_dora = bool(cfg.get("use_rslora", False)), bool(cfg.get("use_dora", False))
+    expected = {"lora_A", "lora_B"} | ({"lora_magnitude_vector"} if use_dora else set())
     structure = {}
     for path, ab in lora.items():
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise RankwiseError(f"PEFT adapter has only {sorted(ab)} for {path!r}; re-save it")
+        if set(ab) != expected:
+            raise RankwiseError(f"PEFT adapter has {sorted(ab)} for {path!r} where use_dora="
+                                f"{use_dora} needs {sorted(expected)}; re-save it with PEFT")
         alpha = pattern_value(path, cfg.get("alpha_pattern") or {}, cfg.get("lora_alpha", 8))
         structure[path] = {"r": int(ab["lora_A"].shape[0]), "alpha": float(alpha),
-                           "use_rslora": rslora}
+                           "use_rslora": rslora, "use_dora": use_dora}
     params = dict(model.named_parameters())
     unknown = [k for k in rest if k not in params]
     if unknown:
@@ -332,7 +364,8 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     config = LoraConfig(targets=list(lora), dropout=float(cfg.get("lora_dropout") or 0.0),
                         modules_to_save=saved, target_parameters=params)
     apply_lora(model, config, adapter_name, structure=structure)
-    state = {f"{p}.{k}.weight": v for p, ab in lora.items() for k, v in ab.items()}
+    state = {f"{p}.{k}" if k == "lora_magnitude_vector" else f"{p}.{k}.weight": v
+             for p, ab in lora.items() for k, v in ab.items()}
     state.update(rest)
     state.update(expert_state)
     state.update(_load_token_rows(model, cfg, token_values, adapter_name))
