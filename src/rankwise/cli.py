@@ -31,6 +31,7 @@ BENCHMARKS = {
     "tpa": "rankwise.benchmarks.tpa:run",
     "vfl": "rankwise.federated.vfl.bench:run",
     "memory-features": "rankwise.benchmarks.memory_features:run",
+    "dpo": "rankwise.benchmarks.dpo:run",
 }
 
 

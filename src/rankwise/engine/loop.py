@@ -165,6 +165,7 @@ class StepResult:
         examples: Examples in the step.
         targets: Loss targets (examples or predicted tokens) in the step.
         tokens: Input tokens (attention-mask ones) in the step.
+        metrics: The task's own measurements (DPO's rewards), logged beside the loss.
     """
 
     loss: float
@@ -172,6 +173,7 @@ class StepResult:
     examples: int = 0
     targets: int = 0
     tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -338,7 +340,8 @@ class Engine:
         # The loss an optimizer sees (NGN-M's f) is the objective whose gradient it steps on:
         # the task loss plus the auxiliary and hook terms.
         self._update(step, mean + sum(aux_sum.values()))
-        return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=tokens)
+        return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=tokens,
+                          metrics=self.task.step_metrics())
 
     def _update(self, step: int, loss: float) -> None:
         opt = self.optimizer

@@ -47,6 +47,7 @@ class Task:
     name: ClassVar[str] = ""
     auto_class: ClassVar[str] = ""
     uses_labels: ClassVar[bool] = False
+    paired: ClassVar[bool] = False  # examples are preference pairs (rankwise.data.preference)
 
     def collate(self, items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
         """Turn examples (``{"input_ids": [...], ...}``) into padded model inputs + ``labels``."""
@@ -75,6 +76,17 @@ class Task:
         """The pieces of an evaluation batch that are forwarded one at a time (rows of the
         padded batch, so every sum and count is unchanged); default: the whole batch."""
         return [batch]
+
+    def step_metrics(self) -> dict[str, float]:
+        """The task's own training metrics since the last call (logged with each step's loss);
+        default: none."""
+        return {}
+
+    def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
+                device: str) -> str | None:
+        """Called once the model is ready, before training (DPO precomputes its reference
+        here); default: nothing."""
+        return None
 
     def mean_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss per target of one batch (GoRA's calibration, simple loops)."""
@@ -185,17 +197,23 @@ class CausalLMTask(Task):
         """Row slices of ``batch`` whose float32 logits fit in ``eval_logits_bytes`` (at least
         one row each); the loss sums and target counts of the slices add up to the batch's."""
         rows, width = batch["input_ids"].shape
+        step = self.eval_rows(model, width, self.eval_logits_bytes)
+        if step is None or step >= rows:
+            return [batch]
+        return [{k: v[i:i + step] if v.dim() and v.shape[0] == rows else v for k, v in batch.items()}
+                for i in range(0, rows, step)]
+
+    @staticmethod
+    def eval_rows(model: nn.Module, width: int, budget: int) -> int | None:
+        """Rows of ``width`` tokens whose float32 logits fit in ``budget`` bytes (at least 1);
+        ``None`` when the model's vocabulary size is unknown."""
         config = getattr(getattr(model, "module", model), "config", None)
         if config is not None and hasattr(config, "get_text_config"):
             config = config.get_text_config()
         vocab = getattr(config, "vocab_size", None)
         if not isinstance(vocab, int) or vocab < 1:
-            return [batch]
-        step = max(1, self.eval_logits_bytes // (width * vocab * 4))  # rows per forward
-        if step >= rows:
-            return [batch]
-        return [{k: v[i:i + step] if v.dim() and v.shape[0] == rows else v for k, v in batch.items()}
-                for i in range(0, rows, step)]
+            return None
+        return max(1, budget // (width * vocab * 4))
 
     def eval_metrics(self, stats):
         """``eval_loss`` per target token and ``eval_perplexity``."""

@@ -17,6 +17,7 @@ import yaml
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.engine.per_layer import problems as per_layer_problems
+from rankwise.engine.preference import DPOConfig
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
@@ -83,6 +84,8 @@ class DataConfig:
         prompt_field: Column/key of the prompt (``prompt-completion``).
         completion_field: Column/key of the completion (``prompt-completion``).
         messages_field: Column/key of the messages (``chat``).
+        chosen_field: Column/key of the preferred completion (``model.task: dpo``).
+        rejected_field: Column/key of the dispreferred completion (``model.task: dpo``).
         train_on_prompt: Prompt tokens are loss targets too (``prompt-completion``).
         chat_template: A Jinja chat template (text, or a file path) used instead of the
             tokenizer's own; needed when the tokenizer has none.
@@ -110,6 +113,8 @@ class DataConfig:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     train_on_prompt: bool = False
     chat_template: Union[str, None] = None
     packing: bool = False
@@ -289,7 +294,9 @@ class EvalConfig:
 class RunConfig:
     """A whole run. ``method``, ``optim`` and ``compress`` are the registered entries' own config
     classes (chosen by their ``name`` / ``method`` key); ``federated`` and ``compress`` are only
-    present when the file has them (``rankwise federated`` / ``rankwise compress``)."""
+    present when the file has them (``rankwise federated`` / ``rankwise compress``); ``dpo``
+    (:class:`~rankwise.engine.preference.DPOConfig`) is present exactly when ``model.task`` is
+    ``dpo`` (filled with its defaults when the file has none)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -299,6 +306,7 @@ class RunConfig:
     federated: Union[FederatedConfig, None] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     compress: Any = None
+    dpo: Union[DPOConfig, None] = None
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -307,7 +315,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress")
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -419,7 +427,10 @@ def build_run_config(data: dict) -> RunConfig:
         eval=part(lambda: from_dict(EvalConfig, data.get("eval"), "eval")),
         compress=part(lambda: compressor_config(data["compress"]))
         if data.get("compress") is not None else None,
+        dpo=part(lambda: from_dict(DPOConfig, data["dpo"], "dpo")) if data.get("dpo") is not None else None,
     )
+    if cfg.model is not None and cfg.model.task == "dpo" and cfg.dpo is None:
+        cfg.dpo = DPOConfig()  # config.yaml records the defaults the run used
     if not problems:
         problems.extend(cross_problems(cfg))
     if problems:
@@ -496,6 +507,13 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
                 else f"data.format {cfg.data.format}")
         out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
+    if cfg.dpo is not None and m.task != "dpo":
+        out.append(f"the dpo section needs model.task: dpo (got {m.task}); remove it or change the task")
+    if m.task == "dpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt):
+        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
+                else "data.train_on_prompt")
+        out.append(f"{what} is not supported with model.task: dpo (pairs are scored whole, on "
+                   "their completions); remove it")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "

@@ -124,7 +124,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     problem = precision_problem(cfg.train.precision, device)
     if problem:
         raise RankwiseError(problem)
-    task = get_task(cfg.model.task)
+    task = get_task(cfg.model.task, cfg.dpo)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.add_tokens, cfg.model.add_special_tokens)
     with dist.main_first():
@@ -167,6 +167,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
             p.data = p.data.float()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
+    task.prepare(model, [session.train_data, eval_data], entry.trains == "full",
+                 cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
     if cfg.data.packing:
         session.train_data = packed_training_data(model, train_data, cfg.data.max_length, device)
     session.model = model = dist.prepare_model(model)
