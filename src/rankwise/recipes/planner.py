@@ -255,6 +255,18 @@ def plan(path, sets: list[str], memory: str | None = None, device: str = "cpu",
     return obj, text, 0
 
 
+def predicted_train_peak_mb(cfg, device: str) -> float | None:
+    """Plan's prediction of ``metrics.json``'s ``peak_memory_mb`` for a run (the peak above the
+    loaded model, at ``data.max_length``), or ``None`` where plan cannot model the run (a
+    calibrating method, a model whose forward does not run on meta)."""
+    sw = {k: getattr(getattr(cfg, k[0]), k[1], v) for k, v in P.SWITCHES.items()}
+    try:
+        est = Planner(cfg, sw, device).estimate()
+    except (RankwiseError, RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+    return (est.peak - est.weights - est.trainable) / P.MiB
+
+
 def meter(device: str) -> str:
     """The memory meter the prediction is compared with on ``device``."""
     from rankwise.memory import meter_name
@@ -284,4 +296,4 @@ def render(est: P.Estimate, budget: int | None = None) -> str:
     return "\n".join(lines + [f"note: {n}" for n in est.notes])
 
 
-__all__ = ["Planner", "parse_size", "plan", "render"]
+__all__ = ["Planner", "parse_size", "plan", "predicted_train_peak_mb", "render"]
