@@ -181,7 +181,7 @@ def meta_model(cfg) -> nn.Module:
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-    return model
+    return model.train()  # dropout saves its masks, as in training
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
