@@ -145,3 +145,12 @@ def test_bad_input_is_one_line_and_exit_2(folder, tmp_path):
         lines = [ln for ln in result.output.strip().splitlines() if ln]
         assert len(lines) == 1 and needle in lines[0], (args, result.output)
     assert parse_size("24GiB") == 24 * 2 ** 30 and parse_size("80GB") == 80 * 10 ** 9
+
+
+def test_train_prints_the_peak_above_the_loaded_model(folder):
+    from rankwise.recipes.planner import predicted_train_peak_mb
+    cfg = build_run_config(P.split_switches(raw(folder))[0])
+    est = Planner(cfg, P.split_switches(raw(folder))[1], "cpu").estimate()
+    # metrics.json's peak_memory_mb starts after the model is loaded: weights are not in it
+    assert predicted_train_peak_mb(cfg, "cpu") == (est.peak - est.weights - est.trainable) / 2 ** 20
+    assert predicted_train_peak_mb(cfg, "cpu") < est.peak / 2 ** 20
