@@ -154,3 +154,35 @@ def test_train_prints_the_peak_above_the_loaded_model(folder):
     # metrics.json's peak_memory_mb starts after the model is loaded: weights are not in it
     assert predicted_train_peak_mb(cfg, "cpu") == (est.peak - est.weights - est.trainable) / 2 ** 20
     assert predicted_train_peak_mb(cfg, "cpu") < est.peak / 2 ** 20
+
+
+def test_padded_bert_counts_the_masked_attention(tmp_path):
+    """Padded batches give SDPA a mask; on CPU that is the math path, whose (B, heads, T, T)
+    saved tensors the padded count includes (a BERT-style block)."""
+    from transformers import BertConfig, BertForSequenceClassification
+    shape = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    BertConfig(**shape).save_pretrained(tmp_path)
+    data = {"model": {"path": str(tmp_path), "task": "classification", "num_labels": 2},
+            "data": {"max_length": 16}, "method": {"name": "lora", "r": 2, "targets": ["query", "value"]}}
+    cfg = build_run_config(P.split_switches(data)[0])
+    meta = P.meta_model(cfg)
+    full, padded = (P.count_saved(meta, 4, 16, None, pad) for pad in (None, "cpu"))
+    model = BertForSequenceClassification(BertConfig(**shape))
+    registry.get("method", "lora").apply(model, cfg.method, "default")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[0, 10:] = 0  # one padded row
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=torch.randint(0, 128, (4, 16)), attention_mask=mask)
+    assert padded.total > full.total
+    assert padded.total == sum(seen.values())
+    del out

@@ -152,7 +152,7 @@ def run_row(name: str, tmp: Path) -> dict:
     raw = BERT if row.get("bert") else run_config(folder, row, shape)
     data, switches = P.split_switches(raw)
     cfg = build_run_config(data)
-    est = Planner(cfg, switches, "cpu").estimate()
+    est = Planner(cfg, switches, "cpu", padded=bool(row.get("bert"))).estimate()
     got = measure_prepared(cfg) if row.get("bert") else measure(cfg, shape)
     return {"config": raw if row.get("bert") else run_config(Path("MODEL"), row, shape),
             "shape": None if row.get("bert") else shape,

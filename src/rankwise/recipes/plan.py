@@ -247,11 +247,15 @@ _MATMULS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch
 
 class _Probe(TorchFunctionMode):
     """Emulates CPU/CUDA autocast on meta tensors (matmul-type ops take ``dtype`` inputs) and
-    makes ``scaled_dot_product_attention`` save what the fused kernels save."""
+    makes ``scaled_dot_product_attention`` save what the device's kernel saves: the fused
+    kernels' q, k, v, output and log-sum-exp; with padded batches (a mask reaches SDPA) on
+    CPU the math path (run on meta, so its saved scores are counted), on CUDA the fused
+    kernel plus the one ``(B, 1, T, T)`` mask all layers share."""
 
-    def __init__(self, dtype: torch.dtype | None, record) -> None:
+    def __init__(self, dtype: torch.dtype | None, record, padded: str | None = None) -> None:
         super().__init__()
-        self.dtype, self.record = dtype, record
+        self.dtype, self.record, self.padded = dtype, record, padded
+        self.mask = None
 
     def _cast(self, x):
         if self.dtype is not None and isinstance(x, torch.Tensor) and x.dtype == torch.float32:
@@ -262,6 +266,14 @@ class _Probe(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
             q, k, v = (self._cast(t) for t in args[:3])
+            if self.padded is not None and self.mask is None:
+                shape = (q.shape[0], 1, q.shape[-2], k.shape[-2])
+                self.mask = torch.zeros(shape, dtype=torch.bool, device=q.device)
+            if self.padded == "cpu":
+                return func(q, k, v, attn_mask=self.mask, dropout_p=kwargs.get("dropout_p", 0.0),
+                            scale=kwargs.get("scale"), enable_gqa=q.shape[1] != k.shape[1])
+            if self.mask is not None:
+                self.record(self.mask)
             out = q.clone()  # (B, heads, T, d): the output, on the graph of q
             for t in (q, k, v, out):
                 self.record(t)
@@ -293,13 +305,16 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return max(lists, key=len, default=[])
 
 
-def count_saved(model: nn.Module, batch: int, seq: int, compute: torch.dtype | None) -> Saved:
+def count_saved(model: nn.Module, batch: int, seq: int, compute: torch.dtype | None,
+                padded: str | None = None) -> Saved:
     """Run one meta forward of ``batch x seq`` tokens and count the bytes autograd saves.
 
     Args:
         model: A meta model (from :func:`meta_model`).
         batch, seq: The micro-batch shape.
         compute: The autocast dtype (``None``: no autocast).
+        padded: ``"cpu"`` / ``"cuda"`` when batches carry padding (the attention gets a mask,
+            which changes the kernel; see :class:`_Probe`), ``None`` for full rows.
 
     Returns:
         The counts by region.
@@ -346,7 +361,8 @@ def count_saved(model: nn.Module, batch: int, seq: int, compute: torch.dtype | N
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
         with mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None), \
-                torch.autograd.graph.saved_tensors_hooks(record, lambda t: t), _Probe(compute, record):
+                torch.autograd.graph.saved_tensors_hooks(record, lambda t: t), \
+                _Probe(compute, record, padded):
             model(input_ids=ids)
     except (RuntimeError, NotImplementedError) as err:
         raise RankwiseError(f"plan: the model's forward does not run on the meta device "

@@ -48,10 +48,13 @@ class Planner:
         cfg: The validated run config.
         switches: ``{(section, key): value}`` from :func:`rankwise.recipes.plan.split_switches`.
         device: ``cpu`` or ``cuda`` (the CUDA optimizer step runs torch's foreach path).
+        padded: Batches carry padding (variable-length data without packing): the attention
+            then gets a mask (default: full rows, as packed or uniform-length data).
     """
 
-    def __init__(self, cfg, switches: dict, device: str = "cpu") -> None:
+    def __init__(self, cfg, switches: dict, device: str = "cpu", padded: bool = False) -> None:
         self.cfg, self.switches, self.device = cfg, dict(switches), device
+        self.padded = ("cuda" if device.startswith("cuda") else "cpu") if padded else None
         self._models: dict = {}
         self._saved: dict = {}
 
@@ -73,7 +76,8 @@ class Planner:
         key = (cfg.model.dtype, cfg.train.precision, seq)
         if key not in self._saved:
             model = self._model(cfg)[0]
-            self._saved[key] = [P.count_saved(model, b, seq, self._compute(cfg)) for b in (1, 2)]
+            self._saved[key] = [P.count_saved(model, b, seq, self._compute(cfg), self.padded)
+                                for b in (1, 2)]
         one, two = self._saved[key]
 
         def at(a: int, b: int) -> int:
@@ -219,7 +223,7 @@ class Planner:
 
 
 def plan(path, sets: list[str], memory: str | None = None, device: str = "cpu",
-         fit: bool = False) -> tuple[dict, str, int]:
+         fit: bool = False, padded: bool = False) -> tuple[dict, str, int]:
     """What ``rankwise plan`` prints: ``(json object, text, exit code)``.
 
     Raises:
@@ -233,7 +237,7 @@ def plan(path, sets: list[str], memory: str | None = None, device: str = "cpu",
         raise RankwiseError("plan --fit needs a budget: add --memory, e.g. --memory 24GiB")
     data, switches = P.split_switches(apply_sets(read_yaml(path), list(sets)))
     cfg = build_run_config(data)
-    planner = Planner(cfg, switches, device)
+    planner = Planner(cfg, switches, device, padded)
     est = planner.estimate()
     obj = {**est.to_json(), "device": device, "memory_meter": meter(device)}
     text = render(est, budget)
