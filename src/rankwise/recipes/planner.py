@@ -181,7 +181,7 @@ class Planner:
                 [False, True] if full else [False], [False, True], [False, True], quant):
             accum = t.batch_size // micro
             if per_layer and (accum > 1 or t.grad_clip):
-                continue
+                continue  # refused by the per-layer step: the user must drop clipping first
             if offload and ckpt:
                 continue  # offloading replaces checkpointing; the pair is never cheaper
             flags, cost = [], 0
@@ -201,7 +201,6 @@ class Planner:
                 cost += 6
             if per_layer and not sw[("optim", "per_layer")]:
                 sw[("optim", "per_layer")] = True
-                cfg.train.grad_clip = None
                 flags.append("optim.per_layer=true")
                 cost += 8
             if ckpt and not t.gradient_checkpointing:
