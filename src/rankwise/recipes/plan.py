@@ -136,9 +136,9 @@ def check_switches(sw: dict, cfg) -> None:
     """Raise on switch values plan cannot model (one line each, all at once)."""
     problems = []
     chunk = sw[("train", "loss_chunk_tokens")]
-    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-        problems.append(f"train.loss_chunk_tokens: got {chunk!r}; expected a positive integer or null")
-    if sw[("optim", "state_bits")] not in (8, 32):
+    if chunk not in (None, "auto") and (not isinstance(chunk, int) or chunk < 0):
+        problems.append(f"train.loss_chunk_tokens: got {chunk!r}; expected auto, 0 or a positive integer")
+    if sw[("optim", "state_bits")] not in (None, 8, 32):
         problems.append(f"optim.state_bits: got {sw[('optim', 'state_bits')]!r}; expected 32 or 8")
     if sw[("optim", "per_layer")] and (cfg.train.grad_accum > 1 or cfg.train.grad_clip):
         problems.append("optim.per_layer needs train.grad_accum: 1 and train.grad_clip: 0 "
@@ -148,6 +148,19 @@ def check_switches(sw: dict, cfg) -> None:
 
 
 # ---------------------------------------------------------------- the meta model
+
+class _NoCalibration:
+    """The calibration batches plan hands a method: plan reads no data, so a method whose
+    initialisation does read them (GoRA, LoRA's ``eva``/``corda``) stops with one line."""
+
+    def __init__(self, method: str):
+        self.method = method
+
+    def __iter__(self):
+        raise RankwiseError(f"plan: method {self.method!r} calibrates on data before it trains, "
+                            "and plan reads no data; plan it with the same rank and a data-free "
+                            "init (e.g. --set method.init=kaiming), or run it")
+
 def meta_model(cfg) -> nn.Module:
     """The run's model on the meta device with the method applied and trainable weights in
     float32 (as :func:`rankwise.recipes.train.prepare` leaves them). Nothing is read but the
@@ -173,11 +186,8 @@ def meta_model(cfg) -> nn.Module:
     config.use_cache = False
     with torch.device("meta"):
         model = auto.from_config(config).to(rm.torch_dtype(cfg.model.dtype))
-    entry = registry.get("method", cfg.method.name)
-    if entry.needs_batches:
-        raise RankwiseError(f"plan: method {cfg.method.name!r} calibrates on data before it "
-                            "trains; plan it as lora with the same rank, or run it")
-    entry.apply(model, cfg.method, "default")
+    registry.get("method", cfg.method.name).apply(model, cfg.method, "default",
+                                                  batches=_NoCalibration(cfg.method.name))
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()

@@ -53,10 +53,25 @@ class Planner:
     """
 
     def __init__(self, cfg, switches: dict, device: str = "cpu", padded: bool = False) -> None:
-        self.cfg, self.switches, self.device = cfg, dict(switches), device
+        self.cfg, self.device = cfg, device
         self.padded = ("cuda" if device.startswith("cuda") else "cpu") if padded else None
         self._models: dict = {}
         self._saved: dict = {}
+        self.switches = self._resolved(dict(switches))
+
+    def _resolved(self, sw: dict) -> dict:
+        """The switches as the run resolves them: ``state_bits`` unset is 32-bit state, and
+        ``loss_chunk_tokens: auto`` is the train config's choice for this model's vocabulary
+        (``None``: unchunked)."""
+        bits = ("optim", "state_bits")
+        sw[bits] = sw.get(bits) or 32
+        chunk = ("train", "loss_chunk_tokens")
+        if sw.get(chunk) == "auto":
+            vocab = 0 if self._uses_labels(self.cfg) else \
+                getattr(self._model(self.cfg)[0].config, "vocab_size", 0)
+            sw[chunk] = dataclasses.replace(self.cfg.train, loss_chunk_tokens="auto").loss_chunk_for(vocab)
+        sw[chunk] = sw.get(chunk) or None
+        return sw
 
     # -- pieces ---------------------------------------------------------------------------
     def _model(self, cfg):
