@@ -51,7 +51,7 @@ from rankwise.errors import RankwiseError
 MiB = 2 ** 20
 # Switches built on other branches; plan reads them from the config when the dataclasses
 # have them, else it takes them out of the raw config itself (see :func:`split_switches`).
-SWITCHES = {("train", "loss_chunk_tokens"): None, ("train", "offload_activations"): False,
+SWITCHES = {("train", "loss_chunk_tokens"): "auto", ("train", "offload_activations"): False,
             ("optim", "per_layer"): False, ("optim", "state_bits"): 32}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
