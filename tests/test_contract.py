@@ -259,3 +259,119 @@ def test_method_on_bf16_base(name):
 def test_every_spec_row_names_a_registered_method():
     rows = {row.get("method", name) for name, row in SPECS.items()}
     assert rows <= set(registry.names("method")), "remove rows of methods no longer registered"
+
+
+# Every LoRA initialisation (method.init, docs/lora-inits.md) through the same checks, then
+# resume (checkpoint -> rebuild through the registry -> load), the PEFT export on the untouched
+# base, and the merged export (kaiming, the default, is the plain "lora" rows above and the PEFT
+# format tests). loftq needs a 4-bit base saved on disk: test_lora_loftq_contract below.
+LORA_INITS = ["gaussian", "pissa", "pissa_niter_2", "olora", "eva", "corda"]
+
+
+@pytest.mark.parametrize("init", LORA_INITS)
+def test_lora_init_contract(init, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    peft = pytest.importorskip("peft")
+    from rankwise.adapters.lora import export_peft
+    from rankwise.core.io import rebuild, structure
+    from rankwise.core.merged import export_merged
+    from rankwise.recipes.checkpoint import load_checkpoint, save_checkpoint
+    from rankwise.testing import randomize_trainable
+
+    spec = {**_spec("lora"), "models": ("llama",), "config": {"r": 2, "init": init}}
+    check_method("lora", "llama", tmp_path / "contract", spec)
+    build = TINY_MODELS["llama"]
+    model = build()
+    _, cfg = _apply("lora", model, "llama", spec)
+    randomize_trainable(model, std=0.1)
+    trained = _logits(model.eval(), "llama")
+    # resume: the checkpoint's tensors onto layers rebuilt from their saved structure
+    folder = save_checkpoint(tmp_path, 1, model, {})
+    resumed = build()
+    rebuild(resumed, cfg, "default", structure(model))
+    load_checkpoint(folder, resumed, type("Engine", (), {"load_state_dict": lambda self, s: None})())
+    torch.testing.assert_close(_logits(resumed.eval(), "llama"), trained, atol=1e-6, rtol=0)
+    # PEFT loads the export onto the untouched base with the trained model's logits
+    export_peft(model, tmp_path / "peft")
+    theirs = peft.PeftModel.from_pretrained(build(), tmp_path / "peft").eval()
+    torch.testing.assert_close(_logits(theirs, "llama"), trained, atol=1e-5, rtol=0)
+    # the merged export is the trained model
+    export_merged(model, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(_logits(merged, "llama"), trained, atol=1e-5, rtol=0)
+    # and it applies and trains on a bfloat16 base with float32 factors
+    half = build().to(torch.bfloat16)
+    _apply("lora", half, "llama", spec)
+    loss = _train_loss(half, "llama", 0)
+    loss.backward()
+    assert torch.isfinite(loss) and all(
+        p.grad is not None and p.dtype == torch.float32 for p in half.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_lora_loftq_contract(iters, tmp_path):
+    """LoftQ needs a 4-bit base loaded from a folder (it reads W back from the safetensors):
+    the same checks on a 64-wide Llama loaded in NF4. One alternation keeps the loaded base, so
+    PEFT loads the export on it; three re-quantize it, which only the merged export carries."""
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from rankwise.adapters.lora import LoraConfig, apply_lora, export_peft
+    from rankwise.core.io import rebuild, structure
+    from rankwise.core.merged import export_merged
+    from rankwise.recipes.checkpoint import load_checkpoint, save_checkpoint
+    from rankwise.recipes.model import bnb_config
+    from rankwise.testing import tiny_llama64
+
+    tiny_llama64(128).save_pretrained(tmp_path / "base")
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32,
+                                                    quantization_config=bnb_config("nf4", "float32"))
+
+    ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def logits(m):  # train mode: bitsandbytes' eval kernel on AVX512-BF16 CPUs rounds the scales
+        with torch.no_grad():
+            return m.train()(**batch).logits
+
+    model = base()
+    plain = logits(model)
+    cfg = LoraConfig(r=4, alpha=8, targets="all-linear", init="loftq", loftq_iter=iters)
+    apply_lora(model, cfg)
+    assert {id(p) for p in model.parameters() if p.requires_grad} == {
+        id(p) for p in adapter_parameters(model, "default").values()}
+    assert not torch.allclose(logits(model), plain, atol=1e-4)   # Q + s B A: closer to W than Q
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model.train()(**batch, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss) and all(p.grad is not None for p in params)
+        opt.step()
+    trained = logits(model)
+    # save / load and resume onto fresh 4-bit bases (a rebuild re-quantizes from W when iters > 1)
+    save_adapter(model, tmp_path / "adapter", cfg)
+    fresh = base()
+    load_adapter(fresh, tmp_path / "adapter")
+    torch.testing.assert_close(logits(fresh), trained, atol=1e-6, rtol=0)
+    folder = save_checkpoint(tmp_path / "run", 2, model, {})
+    resumed = base()
+    rebuild(resumed, cfg, "default", structure(model))
+    load_checkpoint(folder, resumed, type("Engine", (), {"load_state_dict": lambda self, s: None})())
+    torch.testing.assert_close(logits(resumed), trained, atol=1e-6, rtol=0)
+    # exports: the merged model is the trained one; PEFT on the loaded 4-bit base for one alternation
+    export_merged(model, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged), trained, atol=1e-4, rtol=0)
+    if iters == 1:
+        export_peft(model, tmp_path / "peft")
+        theirs = peft.PeftModel.from_pretrained(base(), tmp_path / "peft")
+        assert (logits(theirs) - trained).abs().max() <= 1e-5 * trained.abs().max().clamp(min=1.0)
+    else:
+        with pytest.raises(RankwiseError, match="re-quantized"):
+            export_peft(model, tmp_path / "peft")

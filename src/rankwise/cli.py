@@ -30,6 +30,9 @@ BENCHMARKS = {
     "loro": "rankwise.benchmarks.loro:run",
     "tpa": "rankwise.benchmarks.tpa:run",
     "vfl": "rankwise.federated.vfl.bench:run",
+    "memory-features": "rankwise.benchmarks.memory_features:run",
+    "dpo": "rankwise.benchmarks.dpo:run",
+    "plan": "rankwise.benchmarks.plan:run",
     "select": "rankwise.benchmarks.select:run",
 }
 
@@ -282,6 +285,24 @@ def bench(name: str, out: Path | None) -> None:
     out = out or Path("bench/results") / name
     _load(BENCHMARKS[name])(out)
     click.echo(f"wrote {out}/results.json and {out}/results.md")
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--memory", default=None, metavar="SIZE", help="Budget, e.g. 24GiB or 80GB.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--fit", is_flag=True, help="Propose the cheapest switches that fit --memory.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (peak_mb in MiB).")
+@click.option("--padded", is_flag=True, help="Batches carry padding (the attention gets a mask).")
+def plan(config: Path, sets: tuple[str, ...], memory: str | None, device: str, fit: bool,
+         as_json: bool, padded: bool) -> None:
+    """Predict a config's peak memory before it runs (meta device: no weights are read)."""
+    import json
+
+    from rankwise.recipes.planner import plan as run_plan
+    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded)
+    click.echo(json.dumps(obj) if as_json else text)
 
 
 @main.command(name="list")

@@ -40,6 +40,8 @@ SPECS: dict[str, dict] = {
     "lowrank-adam": {"method": {"name": "lowrank", "rank": 2}},
     # A new mask at steps 1, 4, 7 (across the resume point), moments restarting with it.
     "nanoadam": {"config": {"mask_interval": 3, "density": 0.25}},
+    # APOLLO-Mini is rank 1 by definition (its config refuses another rank).
+    "apollo-mini": {"config": {"rank": 1}},
 }
 
 # case -> (registered optimizer, config overrides): options that change state or arithmetic.
@@ -49,6 +51,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "sumo+oja": ("sumo", {"projector": "oja"}),
     # Block 4 (the residual outside the subspace) with its norm-growth limiter: a 0-dim state.
     "sumo+residual": ("sumo", {"residual": True, "norm_growth": 1.01}),
+    # 8-bit Adam moments (projected and plain): uint8 codes + float32 block maxima in the state.
+    "galore+8bit": ("galore", {"state_bits": 8}),
 }
 
 

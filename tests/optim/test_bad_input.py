@@ -21,6 +21,7 @@ BASE = {"model": {"path": "tiny-bert", "task": "classification"},
     ({"name": "full"}, {"name": "q3r", "oja_bits": 8}, "optim.oja_bits: unknown key"),
     ({"name": "full"}, {"name": "galore", "oja_bits": 8}, "optim.oja_bits: got 8 with projector 'svd'"),
     ({"name": "lora"}, {"name": "lowrank-adam"}, "need factorized layers: set method.name: lowrank"),
+    ({"name": "full"}, {"name": "adamw", "state_bits": 4}, "optim.state_bits: got 4; the bitsandbytes backend"),
 ])
 def test_one_line_and_exit_2(tmp_path, method, optim, message):
     cfg = tmp_path / "run.yaml"

@@ -142,10 +142,12 @@ def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
 
 
 def test_fsdp2_over_a_4bit_base_gives_the_single_process_metrics(tmp_path):
-    """FSDP2 shards a QLoRA model (NF4 codes in a bf16 storage dtype) across 2 gloo processes."""
+    """FSDP2 shards a QLoRA model (NF4 codes in a bf16 storage dtype) across 2 gloo processes,
+    with DoRA's magnitudes (its norm reads the sharded 4-bit base through the layer's forward)."""
     pytest.importorskip("bitsandbytes")
     q = json.loads(json.dumps(RUN))
     q["model"].update(quantize="nf4", dtype="bfloat16")
+    q["method"].update(use_dora=True)
     q["train"].update(precision="bf16", steps=2)
     one = train(load_run_config(None, base=json.loads(json.dumps(q))), tmp_path / "one")
     cfg = tmp_path / "q.yaml"

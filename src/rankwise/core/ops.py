@@ -68,6 +68,7 @@ def adapter_state_dict(model: nn.Module, name: str = "default",
         if name in mod.adapter_names():
             for key, p in mod.adapter_params(name).items():
                 out[f"{path}.{key}"] = p.detach()
+    out.update({k: b.detach() for k, b in adapter_buffers(model, name).items()})
     if include_modules_to_save:
         for path in modules_to_save(model):
             for key, p in model.get_submodule(path).named_parameters():
@@ -88,6 +89,18 @@ def adapter_parameters(model: nn.Module, name: str = "default") -> dict[str, nn.
     return out
 
 
+def adapter_buffers(model: nn.Module, name: str = "default") -> dict[str, torch.Tensor]:
+    """Frozen tensors that belong to adapter ``name`` and are saved with it but never train
+    (a layer's optional ``adapter_buffers(name)``: e.g. the initial factors of a LoRA init that
+    moved part of the base into the adapter), keyed like :func:`adapter_state_dict`."""
+    out: dict[str, torch.Tensor] = {}
+    for path, mod in adapter_modules(model):
+        get = getattr(mod, "adapter_buffers", None)
+        if get is not None and name in mod.adapter_names():
+            out.update({f"{path}.{key}": b for key, b in get(name).items()})
+    return out
+
+
 def load_adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor],
                             name: str = "default", strict: bool = True) -> None:
     """Copy ``state`` (as produced by :func:`adapter_state_dict`) into the model.
@@ -101,7 +114,7 @@ def load_adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor],
     Raises:
         RankwiseError: On missing/unexpected keys or shape mismatches (message names them).
     """
-    params = adapter_parameters(model, name)
+    params = {**adapter_parameters(model, name), **adapter_buffers(model, name)}
     missing = sorted(set(params) - set(state))
     unexpected = sorted(set(state) - set(params))
     if strict and (missing or unexpected):

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.core.protocol import transform_inputs
+from rankwise.engine.chunked_loss import chunked_forward
 from rankwise.errors import RankwiseError
 
 IGNORE = -100  # label of positions that carry no loss (padding, prompts, virtual tokens)
@@ -61,6 +62,7 @@ class Task:
     name: ClassVar[str] = ""
     auto_class: ClassVar[str] = ""
     uses_labels: ClassVar[bool] = False
+    paired: ClassVar[bool] = False  # examples are preference pairs (rankwise.data.preference)
 
     def collate(self, items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
         """Turn examples (``{"input_ids": [...], ...}``) into padded model inputs + ``labels``."""
@@ -89,6 +91,17 @@ class Task:
         """The pieces of an evaluation batch that are forwarded one at a time (rows of the
         padded batch, so every sum and count is unchanged); default: the whole batch."""
         return [batch]
+
+    def step_metrics(self) -> dict[str, float]:
+        """The task's own training metrics since the last call (logged with each step's loss);
+        default: none."""
+        return {}
+
+    def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
+                device: str) -> str | None:
+        """Called once the model is ready, before training (DPO precomputes its reference
+        here); default: nothing."""
+        return None
 
     def mean_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss per target of one batch (GoRA's calibration, simple loops)."""
@@ -156,6 +169,9 @@ class CausalLMTask(Task):
     # 64 examples x 96 tokens x a 30k vocabulary are 750 MB, and the loss holds two more copies
     # (the shifted slice, log-softmax): the instruct example peaked at 2.85 GB for 2M parameters.
     eval_logits_bytes: int = 64 * 2**20
+    # Target tokens per chunk of the loss (:mod:`rankwise.engine.chunked_loss`); 0 = the whole
+    # logits at once. ``rankwise train`` sets it from ``train.loss_chunk_tokens``.
+    loss_chunk_tokens: int = 0
 
     def collate(self, items, pad_id):
         """Pad ``input_ids``; labels are the example's own or its ids, ``-100`` on padding.
@@ -181,7 +197,13 @@ class CausalLMTask(Task):
         return int((batch["labels"][:, 1:] != IGNORE).sum())
 
     def loss_sum(self, model, batch):
-        """Summed next-token cross-entropy over the target tokens."""
+        """Summed next-token cross-entropy over the target tokens (in chunks of
+        ``loss_chunk_tokens`` target tokens when set: the full logits are never formed, and the
+        output's ``logits`` is then a placeholder without storage)."""
+        if self.loss_chunk_tokens and not any(k in batch for k in WEIGHT_KEYS):  # weighted: whole logits
+            done = chunked_forward(model, lambda: self._forward(model, batch), self.loss_chunk_tokens)
+            if done is not None:
+                return done[0], done[1]
         out, batch = self._forward(model, batch)
         logits = out.logits[:, :-1]                       # (B, T-1, V): predicts tokens 1..T-1
         labels = batch["labels"][:, 1:]                   # (B, T-1)
@@ -201,17 +223,23 @@ class CausalLMTask(Task):
         """Row slices of ``batch`` whose float32 logits fit in ``eval_logits_bytes`` (at least
         one row each); the loss sums and target counts of the slices add up to the batch's."""
         rows, width = batch["input_ids"].shape
+        step = self.eval_rows(model, width, self.eval_logits_bytes)
+        if step is None or step >= rows:
+            return [batch]
+        return [{k: v[i:i + step] if v.dim() and v.shape[0] == rows else v for k, v in batch.items()}
+                for i in range(0, rows, step)]
+
+    @staticmethod
+    def eval_rows(model: nn.Module, width: int, budget: int) -> int | None:
+        """Rows of ``width`` tokens whose float32 logits fit in ``budget`` bytes (at least 1);
+        ``None`` when the model's vocabulary size is unknown."""
         config = getattr(getattr(model, "module", model), "config", None)
         if config is not None and hasattr(config, "get_text_config"):
             config = config.get_text_config()
         vocab = getattr(config, "vocab_size", None)
         if not isinstance(vocab, int) or vocab < 1:
-            return [batch]
-        step = max(1, self.eval_logits_bytes // (width * vocab * 4))  # rows per forward
-        if step >= rows:
-            return [batch]
-        return [{k: v[i:i + step] if v.dim() and v.shape[0] == rows else v for k, v in batch.items()}
-                for i in range(0, rows, step)]
+            return None
+        return max(1, budget // (width * vocab * 4))
 
     def eval_metrics(self, stats):
         """``eval_loss`` per target token and ``eval_perplexity``."""

@@ -8,3 +8,4 @@ from rankwise.optim import altlora  # noqa: F401  (registers "altlora", "altlora
 from rankwise.optim import nanoadam  # noqa: F401  (registers "nanoadam")
 from rankwise.optim import tsignsgd  # noqa: F401  (registers "t-signsgd")
 from rankwise.optim import lowrank  # noqa: F401  (registers "lowrank-hb", "lowrank-adam")
+from rankwise.optim import apollo  # noqa: F401  (registers "apollo", "apollo-mini")

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
 
 from rankwise import registry
-from rankwise.optim.common import check_common, elementwise_state_floats, trainable_parameters
+from rankwise.optim.common import MatrixAdamW, check_common, trainable_parameters
+from rankwise.optim.lowbit import bits_problems, moment_floats
 
 
 @dataclass
@@ -20,6 +22,13 @@ class AdamWConfig:
         weight_decay: Decoupled weight decay.
         betas: Adam's (beta1, beta2).
         eps: Adam's epsilon.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
+        state_bits: ``8``: both moments stored as blockwise 8-bit codes plus one float32 maximum
+            per 256 elements (Dettmers et al. 2022; :mod:`rankwise.optim.lowbit`); ``null``:
+            float32 (``torch.optim.AdamW`` itself).
     """
 
     name: str = "adamw"
@@ -27,10 +36,12 @@ class AdamWConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    per_layer: bool = False
+    state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        return check_common(self.lr, self.weight_decay, self.betas, self.eps)
+        return check_common(self.lr, self.weight_decay, self.betas, self.eps) + bits_problems(self.state_bits)
 
 
 def build_adamw(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:
@@ -41,11 +52,22 @@ def build_adamw(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:
         config: The ``optim:`` section.
 
     Returns:
-        The optimizer.
+        The optimizer: with ``state_bits``, :class:`rankwise.optim.common.MatrixAdamW` with no
+        projected group (AdamW's arithmetic, moments quantised), else ``torch.optim.AdamW``.
     """
+    if config.state_bits:
+        return MatrixAdamW(trainable_parameters(model), lr=config.lr, betas=tuple(config.betas),
+                           eps=config.eps, weight_decay=config.weight_decay, state_bits=config.state_bits)
     return torch.optim.AdamW(trainable_parameters(model), lr=config.lr, betas=tuple(config.betas),
                              eps=config.eps, weight_decay=config.weight_decay)
 
 
+def adamw_state_floats(model: nn.Module, config: AdamWConfig) -> float:
+    """Two moments per trainable element; with ``state_bits: 8`` each moment of ``k`` elements
+    costs ``k / 4 + ceil(k / 256)`` floats (1-byte codes + a float32 maximum per block)."""
+    bits = getattr(config, "state_bits", None)
+    return sum(2 * moment_floats(p.numel(), bits) for p in trainable_parameters(model))
+
+
 registry.register("optimizer", "adamw", AdamWConfig, build_adamw, summary="torch.optim.AdamW",
-                  state_floats=elementwise_state_floats(2), lr_grid=(1e-3, 3e-3, 1e-2))
+                  state_floats=adamw_state_floats, lr_grid=(1e-3, 3e-3, 1e-2))

@@ -19,7 +19,7 @@ from torch import nn
 
 from rankwise.core.inject import find_targets
 from rankwise.core.weights import base_layer
-from rankwise.optim import projector
+from rankwise.optim import lowbit, projector
 from rankwise.optim.adam import adam_direction, adamw_update, adamw_updates, decay_, next_step  # noqa: F401
 
 DEFAULT_TARGETS = "block-linear"
@@ -135,6 +135,9 @@ class MatrixAdamW(torch.optim.Optimizer):
         betas: Default Adam betas.
         eps: Default Adam epsilon.
         weight_decay: Default decoupled weight decay.
+        state_bits: Default ``state_bits`` of every group: ``None`` (float32 moments) or 8
+            (Adam's moments of every parameter stored as blockwise 8-bit codes,
+            :mod:`rankwise.optim.lowbit`; subclasses quantise their projected moments too).
 
     Raises:
         ValueError: For a group whose ``rank`` or ``update_every`` is below 1 (torch's convention).
@@ -156,9 +159,9 @@ class MatrixAdamW(torch.optim.Optimizer):
         return self.updates_own_way(group, p) and group["rank"] >= min(p.shape)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, state_bits: int | None = None) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        **self.group_defaults)
+                        state_bits=state_bits, **self.group_defaults)
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group.get("rank") is not None and (group["rank"] <= 0 or group["update_every"] < 1):
@@ -195,9 +198,23 @@ class MatrixAdamW(torch.optim.Optimizer):
         self.finish_step()
         for group in self.param_groups:   # one multi-tensor AdamW per group
             items = [it for it in self._adamw if it[2] is group]
+            if group.get("state_bits"):   # 8-bit moments: one parameter at a time
+                for p, st, _, step in items:
+                    beta1, beta2 = group["betas"]
+                    direction = lowbit.quantized_adam_direction(st, p.grad, beta1, beta2, group["eps"],
+                                                                step, group["state_bits"])
+                    decay_(p, group["lr"], group["weight_decay"])
+                    p.add_(direction.to(p.dtype), alpha=-group["lr"])
+                continue
             adamw_updates([it[0] for it in items], [it[1] for it in items], group, [it[3] for it in items])
         self._adamw = []
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, then 8-bit moment codes back to uint8 (torch casts every
+        state tensor of a float parameter to the parameter's dtype; the codes are exact in it)."""
+        super().load_state_dict(state_dict)
+        lowbit.restore_codes(self.state.values())
 
     def defer_adamw(self, param: torch.Tensor, state: dict, group: dict, step: int) -> None:
         """Queue a plain AdamW update of ``param``; the queue runs after :meth:`finish_step`
@@ -280,7 +297,7 @@ class FlaggedGroupsAdamW(torch.optim.Optimizer):
 
 
 def grouped_state_floats(model: nn.Module, targets: Union[list[str], str, None],
-                         per_matrix: Callable[[tuple[int, int]], int]) -> int:
+                         per_matrix: Callable[[tuple[int, int]], int], bits: int | None = None) -> float:
     """State floats a :class:`MatrixAdamW` built by :func:`param_groups` holds for ``model``
     once every trainable parameter has had a gradient.
 
@@ -288,12 +305,14 @@ def grouped_state_floats(model: nn.Module, targets: Union[list[str], str, None],
         model: The model.
         targets: The config's ``targets`` (see :func:`split_params`).
         per_matrix: Floats of one projected ``(m, n)`` matrix (e.g. GaLore's ``2nr + mr``).
+        bits: ``state_bits`` of the plain group's moments (:func:`rankwise.optim.lowbit.moment_floats`).
 
     Returns:
-        ``2`` per element of the plain AdamW group plus ``per_matrix`` over the projected group.
+        ``2`` per element of the plain AdamW group (less with ``bits``) plus ``per_matrix``
+        over the projected group.
     """
     projected, plain = split_params(model, targets)
-    return (2 * sum(p.numel() for _, p in plain)
+    return (sum(2 * lowbit.moment_floats(p.numel(), bits) for _, p in plain)
             + sum(per_matrix((p.shape[0], p.shape[1])) for _, p in projected))
 
 
@@ -316,7 +335,8 @@ def subspace_state_floats(moments: int) -> Callable[[nn.Module, Any], int]:
     """A registry ``state_floats`` for projected optimizers built with :func:`param_groups`:
     per projected ``m x n`` matrix, ``moments`` tensors of ``max(m,n) x r`` plus the basis,
     ``min(m,n) x r`` (GaLore, 2 moments: ``2nr + mr``; SUMO, 1: ``nr + mr``); ``moments * mn``
-    where the rank covers the matrix (no basis); AdamW's 2 per element elsewhere. A quantized Oja
+    where the rank covers the matrix (no basis); AdamW's 2 per element elsewhere; with
+    ``state_bits: 8`` every moment costs :func:`rankwise.optim.lowbit.moment_floats`. A quantized Oja
     tracker (``projector: oja`` with ``oja_bits``) stores the basis in one byte per entry plus
     ``r`` float scales (``mr / 4 + r``, counted in 4-byte floats, so the total may be fractional).
 
@@ -330,9 +350,11 @@ def subspace_state_floats(moments: int) -> Callable[[nn.Module, Any], int]:
     def state_floats(model: nn.Module, config: Any) -> float:
         r = config.rank
         bits = getattr(config, "oja_bits", None) if getattr(config, "projector", "svd") == "oja" else None
+        state_bits = getattr(config, "state_bits", None)
         return grouped_state_floats(
             model, config.targets,
-            lambda shape: moments * projector.projected_numel(shape, r) + projector.basis_numel(shape, r, bits))
+            lambda shape: (moments * lowbit.moment_floats(projector.projected_numel(shape, r), state_bits)
+                           + projector.basis_numel(shape, r, bits)), state_bits)
     return state_floats
 
 

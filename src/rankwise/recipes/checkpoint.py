@@ -25,9 +25,20 @@ PREFIX = "step-"
 FILES = ("trainable.safetensors", "state.pt", "meta.json")  # what a complete checkpoint holds
 
 
+def _frozen_adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' frozen saved tensors (``core.ops.adapter_buffers``: a residual LoRA init's
+    ``A0, B0``), by their ``named_buffers`` name."""
+    from rankwise.core.ops import adapter_buffers, adapter_names
+    ids = {id(b) for n in adapter_names(model) for b in adapter_buffers(model, n).values()}
+    return {n: b for n, b in model.named_buffers() if id(b) in ids}
+
+
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Return clones of every parameter that requires grad, by name."""
-    return {n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    """Return clones of every parameter that requires grad (and of the adapters' frozen saved
+    tensors), by name."""
+    out = {n: p.detach().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    out.update({n: b.detach().clone().contiguous() for n, b in _frozen_adapter_tensors(model).items()})
+    return out
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, state: dict, keep: int = 2,
@@ -136,7 +147,7 @@ def load_checkpoint(path: Path, model: nn.Module, engine) -> dict:
     except Exception as err:  # noqa: BLE001 - any corruption is the same user-facing problem
         raise RankwiseError(f"checkpoint {path} is corrupt ({type(err).__name__}); delete it to "
                             "resume from the previous one") from None
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **_frozen_adapter_tensors(model)}
     missing = [k for k, p in params.items() if p.requires_grad and k not in weights]
     wrong = [k for k, v in weights.items() if k in params and tuple(params[k].shape) != tuple(v.shape)]
     if missing or wrong or any(k not in params for k in weights):

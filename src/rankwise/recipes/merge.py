@@ -200,7 +200,9 @@ def collect_pairs(model: torch.nn.Module, names: list[str],
             if name not in mod.adapter_names():
                 row.append(None)
                 continue
-            ab, info = factors(mod, name), describe(mod, name)
+            # the whole delta on the original base: rank 2r [B, -B0][A; A0] for a PiSSA/OLoRA/CorDA init
+            whole = getattr(mod, "delta_factors", None)
+            ab, info = (whole(name) if whole else factors(mod, name)), describe(mod, name)
             if ab is None or "scale" not in info or info.get("use_dora"):
                 raise RankwiseError(f"{label} adapts {path!r} with {type(mod).__name__}, not a plain "
                                     "LoRA pair (delta = s B A); merge combines LoRA adapters only")

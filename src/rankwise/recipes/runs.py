@@ -37,7 +37,10 @@ NOT_RESULTS = (("train", "progress"), ("train", "threads"))  # how a run reports
 # so a new feature's default does not make every recorded run stale.
 NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), []),
                (("method", "trainable_tokens"), None), (("method", "target_parameters"), []),
-               (("method", "use_dora"), False))
+               (("method", "use_dora"), False), (("train", "offload_activations"), False),
+               (("method", "loftq_iter"), 1), (("method", "eva_rho"), 2.0),  # LoRA inits
+               (("method", "corda_mode"), "ipm"),
+               (("train", "loss_chunk_tokens"), "auto"), (("optim", "per_layer"), False))  # memory
 
 
 def config_hash(raw: dict) -> str:

@@ -5,6 +5,13 @@ Wraps ``nn.Linear`` (including bitsandbytes' 4-bit and 8-bit linears, which subc
 transformers' ``Conv1D`` (weight stored (in, out), i.e. fan-in/fan-out transposed) and holds any
 number of named adapters. The factors are float32 whatever the base's dtype (bf16, fp16,
 4-bit): they are the master weights the optimizer updates; autocast picks the compute dtype.
+
+Inits that move part of ``W`` into the adapter (PiSSA, OLoRA, CorDA: ``adapters/lora/inits.py``)
+keep the base untouched and hold their initial factors ``A0, B0`` as frozen buffers
+(:meth:`LoraLayer.set_initial`): the layer computes ``(W - s B0 A0) x + s B A x``, i.e. the
+residual base of the paper, its merge adds ``s (B A - B0 A0)``, and the saved adapter (which
+holds ``A0, B0``) applies to the original base - so a run resumes, reloads and exports onto the
+weights it was loaded from.
 """
 from __future__ import annotations
 
@@ -48,6 +55,8 @@ class LoraLayer(NamedAdapters, nn.Module):
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
         self.lora_dropout = nn.ModuleDict()
+        self.lora_initial = nn.ModuleDict()  # name -> frozen (A0, B0) buffers, see set_initial
+        self.requantized: set[str] = set()  # adapters whose init re-quantized the base (LoftQ)
         self.scaling: dict[str, float] = {}
         self.ranks: dict[str, int] = {}
         self.alphas: dict[str, float] = {}
@@ -88,6 +97,38 @@ class LoraLayer(NamedAdapters, nn.Module):
         if name not in self._active:
             self._active.append(name)
 
+    def set_initial(self, name: str, a: torch.Tensor, b: torch.Tensor, residual: bool) -> None:
+        """Set adapter ``name``'s factors to ``a (r, in)``, ``b (out, r)``; with ``residual``,
+        also keep them as the frozen pair ``A0, B0`` that the layer subtracts (``s B0 A0``),
+        so the output at init is the base's and the base weights stay as loaded."""
+        with torch.no_grad():
+            self.lora_A[name].weight.copy_(a)
+            self.lora_B[name].weight.copy_(b)
+        if residual:
+            pair = nn.Module()
+            # row-major like a loaded file's (SVD returns column-major U: other matmul kernels)
+            pair.register_buffer("A", a.detach().float().clone(memory_format=torch.contiguous_format))
+            pair.register_buffer("B", b.detach().float().clone(memory_format=torch.contiguous_format))
+            self.lora_initial[name] = pair
+
+    def adapter_buffers(self, name: str) -> dict[str, torch.Tensor]:
+        """Frozen tensors saved with adapter ``name``: ``{"lora_A0.weight", "lora_B0.weight"}``
+        of a residual init (see :meth:`set_initial`), else ``{}``."""
+        if name not in self.lora_initial:
+            return {}
+        pair = self.lora_initial[name]
+        return {"lora_A0.weight": pair.A, "lora_B0.weight": pair.B}
+
+    def delta_factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A', B')`` with ``s B' A'`` the adapter's whole delta on the original base: ``(A, B)``,
+        or for a residual init the rank-2r ``([A; A0], [B, -B0])`` (PEFT's conversion of
+        PiSSA/OLoRA/CorDA, ``path_initial_model_for_weight_conversion``). Detached."""
+        a, b = (t.detach() for t in self.factors(name))
+        if name in self.lora_initial:
+            pair = self.lora_initial[name]
+            a, b = torch.cat([a, pair.A], 0), torch.cat([b, -pair.B], 1)
+        return a, b
+
     # ----- AdapterModule protocol -----------------------------------------------------------
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """Return ``{"lora_A.weight": A, "lora_B.weight": B}`` for adapter ``name`` (and DoRA's
@@ -118,6 +159,9 @@ class LoraLayer(NamedAdapters, nn.Module):
         """Return s * B A in the base weight's layout ((out, in), or (in, out) for Conv1D)."""
         a, b = self.lora_A[name].weight, self.lora_B[name].weight
         delta = (b.float() @ a.float()) * self.scaling[name]  # (out, in)
+        if name in self.lora_initial:  # the residual base: - s B0 A0
+            pair = self.lora_initial[name]
+            delta = delta - (pair.B @ pair.A) * self.scaling[name]
         return delta.T if self.fan_in_fan_out else delta
 
     def _add_to_base(self, delta: torch.Tensor) -> None:
@@ -190,10 +234,13 @@ class LoraLayer(NamedAdapters, nn.Module):
             self.unmerge()
         for d in (self.lora_A, self.lora_B, self.lora_dropout):
             del d[name]
+        if name in self.lora_initial:
+            del self.lora_initial[name]
         if name in self.lora_magnitude_vector:
             del self.lora_magnitude_vector[name]
         for d in (self.scaling, self.ranks, self.alphas, self.rslora):
             d.pop(name, None)
+        self.requantized.discard(name)
         self._forget(name)
 
     # ----- compute ------------------------------------------------------------------------
@@ -238,6 +285,10 @@ class LoraLayer(NamedAdapters, nn.Module):
             if not isinstance(drop, nn.Identity):
                 h = drop(h)
             delta = F.linear(F.linear(h, a), b)  # (..., r) then (..., out)
+            if name in self.lora_initial:  # residual base (W - s B0 A0) x, never dropped out
+                pair = self.lora_initial[name]
+                x0 = x if x.dtype == pair.A.dtype else x.to(pair.A.dtype)
+                delta = delta - F.linear(F.linear(x0, pair.A), pair.B)
             delta = delta if delta.dtype == out.dtype else delta.to(out.dtype)
             if self.is_dora(name):
                 factor = (self.lora_magnitude_vector[name] / self._dora_norm(name)).to(out.dtype)

@@ -105,7 +105,9 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     most common values) plus ``rank_pattern``/``alpha_pattern`` entries keyed by the escaped
     full module path. A layer whose rsLoRA flag differs from the global one gets the alpha
     that gives the same scale (alpha' = alpha * sqrt(r) or alpha / sqrt(r)), so PEFT computes
-    exactly rankwise's scale.
+    exactly rankwise's scale. A layer initialised with PiSSA, OLoRA or CorDA (frozen ``A0, B0``)
+    is written as PEFT's ``path_initial_model_for_weight_conversion`` does: the rank-2r pair
+    ``[A; A0]``, ``[B, -B0]`` with alpha giving the same scale, which applies to the original base.
 
     Args:
         model: A model with rankwise LoRA layers holding ``adapter_name``.
@@ -120,13 +122,20 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         The folder written.
 
     Raises:
-        RankwiseError: If the adapter is missing, has layers that are not LoRA, or mixes DoRA
-            and plain LoRA layers (PEFT's ``use_dora`` is one flag for all).
+        RankwiseError: If the adapter is missing, has layers that are not LoRA, mixes DoRA
+            and plain LoRA layers (PEFT's ``use_dora`` is one flag for all), or was trained on
+            a base that LoftQ re-quantized.
     """
     from rankwise.adapters.lora.peft_experts import expert_export, target_parameter_names
     layers = _lora_layers(model, adapter_name)
     experts = {p: m for p, m in layers.items() if isinstance(m, ExpertLoraLayer)}
     layers = {p: m for p, m in layers.items() if p not in experts}
+    requantized = [p for p, m in layers.items() if adapter_name in m.requantized]
+    if requantized:
+        raise RankwiseError(f"adapter {adapter_name!r} was trained on a base that LoftQ re-quantized "
+                            f"(method.loftq_iter > 1, e.g. {requantized[0]!r}), which a PEFT LoRA "
+                            "adapter on the original base cannot express: export with --format "
+                            "merged (or train with loftq_iter: 1)")
     dora = {p: m.is_dora(adapter_name) for p, m in layers.items()}
     if len(set(dora.values())) > 1:
         plain = next(p for p, d in dora.items() if not d)
@@ -136,6 +145,18 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
                     bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
     expert_settings, expert_tensors = expert_export(experts, adapter_name, PREFIX)
+    tensors: dict[str, torch.Tensor] = dict(expert_tensors)
+    for path, layer in layers.items():
+        a, b = (t.cpu() for t in layer.delta_factors(adapter_name))
+        if a.shape[0] != settings[path][0]:  # residual init: s [B, -B0] [A; A0], rank 2r, same s
+            r, alpha, rs = settings[path]
+            scale = layer.scaling[adapter_name]
+            settings[path] = (2 * r, scale * (2 * r) ** 0.5 if rs else scale * 2 * r, rs)
+        tensors[f"{PREFIX}{path}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PREFIX}{path}.lora_B.weight"] = b.contiguous()
+        for key, p in layer.adapter_params(adapter_name).items():  # DoRA's magnitude
+            if key not in ("lora_A.weight", "lora_B.weight"):
+                tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
     settings.update(expert_settings)  # keyed by the parameter's full name, as PEFT matches
     rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
     for p, (r, alpha, rs) in settings.items():  # same scale under the global rsLoRA flag
@@ -167,10 +188,7 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     indices, token_tensors = token_rows(model, adapter_name, PREFIX)  # method.trainable_tokens
     if indices is not None:
         config["trainable_token_indices"] = indices
-    tensors: dict[str, torch.Tensor] = {**expert_tensors, **token_tensors}
-    for path, layer in layers.items():
-        for key, p in layer.adapter_params(adapter_name).items():
-            tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
+    tensors.update(token_tensors)
     return write_peft_folder(out_dir, config, tensors, model, saved, PREFIX)
 
 

@@ -1,5 +1,6 @@
 """``rankwise bench lowrank-pretrain``: pre-train a Llama-style model on the Python standard
-library's source with every low-rank optimizer and the peer ``galore-torch``, in one process.
+library's source with every low-rank optimizer and the peers ``galore-torch`` and ``apollo-torch``
+(and ``torch.optim.Muon`` as a reference), in one process.
 
 Data (:mod:`.data`): the interpreter's standard library as raw UTF-8 **bytes** (vocabulary 256,
 so perplexity is per byte), split by module name. Every row (:mod:`.rows`) sees the same initial
@@ -115,6 +116,8 @@ def run(out: Path, sizes: Sizes | None = None, methods: tuple[str, ...] = METHOD
         import galore_torch  # noqa: F401
         from importlib.metadata import version
         result["peer"] = {"galore-torch": version("galore-torch"), "bitsandbytes": version("bitsandbytes")}
+        if importlib.util.find_spec("apollo_torch"):
+            result["peer"]["apollo-torch"] = version("apollo-torch")
     except Exception:  # pragma: no cover - the peer is a bench-only extra
         result["peer"] = None
     (out / "results.json").write_text(json.dumps(result, indent=1))

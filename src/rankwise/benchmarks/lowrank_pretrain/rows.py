@@ -14,7 +14,7 @@ from torch import nn
 
 from rankwise import registry
 from rankwise.configs import from_dict
-from rankwise.optim.common import split_params
+from rankwise.optim.common import grouped_state_floats, split_params
 
 SIZED_FIELDS = ("rank", "update_every", "eps")  # set from Sizes on every config that has them
 
@@ -93,6 +93,8 @@ class Row:
         requires: A module the row imports (a peer's package); the row is skipped without it.
         method: A registered method applied before the optimizer is built (its ``rank`` from
             the sizes); every other parameter of the model still trains (pre-training).
+        floats: ``floats(model, config)``, the row's state in 4-byte units, for a row whose
+            optimizer is not the registered one's (``None``: the entry's ``state_floats``).
     """
 
     optimizer: str
@@ -103,6 +105,7 @@ class Row:
     truncate: bool = False
     requires: str | None = None
     method: dict | None = None
+    floats: Callable[[nn.Module, Any], float] | None = None
 
     def config(self, lr: float, s: Sizes) -> Any:
         """The optimizer config at ``lr`` (NGN-M: its ``c``), with the sizes' ``rank``,
@@ -126,7 +129,7 @@ class Row:
 
     def formula_bytes(self, model: nn.Module, config: Any) -> float | None:
         """fp32 state bytes the entry's ``state_floats`` predicts for ``model`` (or ``None``)."""
-        floats = registry.get("optimizer", self.optimizer).state_floats
+        floats = self.floats or registry.get("optimizer", self.optimizer).state_floats
         return None if floats is None else 4 * floats(model, config)
 
 
@@ -139,6 +142,60 @@ def _galore_torch(model: nn.Module, config: Any) -> torch.optim.Optimizer:
                "scale": config.scale, "proj_type": "std"}]
     return galore_torch.GaLoreAdamW(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
                                     weight_decay=config.weight_decay, no_deprecation_warning=True)
+
+
+def _apollo_torch(model: nn.Module, config: Any) -> torch.optim.Optimizer:
+    """The peer ``apollo_torch.APOLLOAdamW`` (the authors' package) with the param groups and
+    settings of an ``apollo`` / ``apollo-mini`` config (its ``scale`` has the same meaning)."""
+    import apollo_torch
+    proj, plain = split_params(model, config.targets)
+    groups = [{"params": [p for _, p in plain]},
+              {"params": [p for _, p in proj], "rank": config.rank, "proj": "random",
+               "scale_type": config.scale_type, "scale": config.scale,
+               "update_proj_gap": config.update_every, "proj_type": "std"}]
+    return apollo_torch.APOLLOAdamW(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+                                    weight_decay=config.weight_decay)
+
+
+def _apollo_torch_floats(model: nn.Module, config: Any) -> float:
+    """The package's state: the projected moments (``2 max(m,n) r``) plus the projection it keeps
+    (``min(m,n) r``) per block matrix, AdamW's 2 per element elsewhere."""
+    r = config.rank
+    return grouped_state_floats(model, config.targets, lambda shape: 2 * max(shape) * r + min(shape) * r)
+
+
+class _MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on the block matrices, ``torch.optim.AdamW`` on the rest (Muon takes
+    2-D parameters only), as one optimizer: the two share their param-group dicts (so the
+    schedule reaches both) and one state dict (so its bytes are counted)."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+        self.parts = (muon, adamw)
+        super().__init__(muon.param_groups + adamw.param_groups, {})
+        muon.state = adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step both parts (no closure)."""
+        for part in self.parts:
+            part.step()
+
+
+def _muon(model: nn.Module, config: Any) -> torch.optim.Optimizer:
+    """Muon (torch's, learning rate matched to AdamW's update RMS, Moonlight's rule) on the block
+    matrices and AdamW on the rest, from an ``adamw`` config."""
+    proj, plain = split_params(model)
+    muon = torch.optim.Muon([p for _, p in proj], lr=config.lr, weight_decay=config.weight_decay,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([p for _, p in plain], lr=config.lr, betas=tuple(config.betas),
+                              eps=config.eps, weight_decay=config.weight_decay)
+    return _MuonAdamW(muon, adamw)
+
+
+def _muon_floats(model: nn.Module, config: Any) -> float:
+    """One momentum per block-matrix element (Muon), two per element elsewhere (AdamW)."""
+    proj, plain = split_params(model)
+    return sum(p.numel() for _, p in proj) + 2 * sum(p.numel() for _, p in plain)
 
 
 def _adamw_split(model: nn.Module, config: Any) -> torch.optim.Optimizer:
@@ -180,5 +237,16 @@ ROWS: dict[str, Row] = {
     "lowrank-hb": Row("lowrank-hb", {"head_lr": 3e-3}, method=FACTORIZED),
     "lowrank-adam": Row("lowrank-adam", method=FACTORIZED),
     "lowrank+adamw": Row("adamw", method=FACTORIZED),
+    # Issue 21. APOLLO (channel-wise, rank from the sizes) and APOLLO-Mini (rank 1 by definition),
+    # the authors' package on the same settings, Muon as a reference where torch has it, and
+    # 8-bit moments of AdamW and GaLore.
+    "apollo": Row("apollo"),
+    "apollo-torch": Row("apollo", build=_apollo_torch, requires="apollo_torch", floats=_apollo_torch_floats),
+    "apollo-mini": Row("apollo-mini", keep=("rank",)),
+    "apollo-mini-torch": Row("apollo-mini", keep=("rank",), build=_apollo_torch, requires="apollo_torch",
+                             floats=_apollo_torch_floats),
+    "adamw-8bit": Row("adamw", {"state_bits": 8}),
+    "galore-8bit": Row("galore", {"state_bits": 8}),
+    **({"muon": Row("adamw", build=_muon, floats=_muon_floats)} if hasattr(torch.optim, "Muon") else {}),
 }
 METHODS = tuple(ROWS)

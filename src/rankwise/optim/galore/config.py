@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from rankwise.optim.common import check_common
+from rankwise.optim.lowbit import bits_problems
 from rankwise.optim.oja import projector_problems
 
 
@@ -43,6 +44,12 @@ class GaLoreConfig:
         oja_lr: ``eta``, the dimensionless Oja step (``projector: oja``).
         oja_bits: Store the Oja tracker as int8 codes of this many bits (2..8) with unbiased
             stochastic rounding of the tracker and of its update; ``null``: float.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
+        state_bits: ``8``: Adam's moments (projected and plain) stored as blockwise 8-bit codes
+            (:mod:`rankwise.optim.lowbit`, bitsandbytes' quantiser); ``null``: float32.
     """
 
     name: str = "galore"
@@ -61,6 +68,8 @@ class GaLoreConfig:
     projector: Literal["svd", "oja"] = "svd"
     oja_lr: float = 1.0
     oja_bits: Optional[int] = None
+    per_layer: bool = False
+    state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
@@ -69,6 +78,7 @@ class GaLoreConfig:
         if not self.scale > 0:
             out.append(f"scale: got {self.scale}; expected a positive number such as 0.25")
         out += projector_problems(self.projector, self.oja_lr, self.oja_bits)
+        out += bits_problems(self.state_bits)
         if self.projector == "oja" and self.select == "sampled":
             out.append("projector: oja tracks the top-r subspace, but select: sampled draws "
                        "directions from an SVD; use projector: svd with sampled selection")

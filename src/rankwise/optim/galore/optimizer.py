@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from rankwise.optim import oja, projector
-from rankwise.optim.common import (MatrixAdamW, Place, adam_direction, decay_, param_groups,
-                                   step_generator)
+from rankwise.optim.common import MatrixAdamW, Place, decay_, param_groups, step_generator
+from rankwise.optim.lowbit import quantized_adam_direction
 from rankwise.optim.galore.config import GaLoreConfig
 
 sample_generator = step_generator  # the name this module used before the helper moved to common
@@ -39,6 +39,9 @@ class GaLoreAdamW(MatrixAdamW):
         projector: ``"svd"`` (refresh every ``T`` steps) or ``"oja"`` (:func:`rankwise.optim.oja.track`
             every step: streaming block-Oja with QR, Dasgupta et al. 2025, our block reading).
         oja_lr, oja_bits: the Oja step and the tracker's bits (``None``: float).
+        state_bits: ``8`` stores ``exp_avg``/``exp_avg_sq`` (projected or not) as blockwise
+            8-bit codes plus one float32 maximum per 256 elements (GaLore's 8-bit variant,
+            :mod:`rankwise.optim.lowbit`); ``None``: float32.
 
     State per projected matrix (all tensors): ``exp_avg``, ``exp_avg_sq`` (``max(m,n) x r``),
     ``proj_basis`` (``min(m,n) x r``), ``proj_side`` and ``step`` (0-dim): ``2nr + mr`` floats.
@@ -69,7 +72,8 @@ class GaLoreAdamW(MatrixAdamW):
             projector.refresh(state, grad, group["rank"], group["select"], group["svd"], gen)
         low = projector.project(state, grad)  # (max(m,n), r) or (r, max(m,n))
         beta1, beta2 = group["betas"]
-        direction = adam_direction(state, low, beta1, beta2, group["eps"], step)
+        direction = quantized_adam_direction(state, low, beta1, beta2, group["eps"], step,
+                                             group["state_bits"])
         decay_(param, group["lr"], group["weight_decay"])
         param.add_(projector.project_back(state, direction), alpha=-group["lr"] * group["scale"])
 
@@ -101,4 +105,4 @@ def build_galore(model: nn.Module, config: GaLoreConfig) -> GaLoreAdamW:
         The optimizer over the trainable parameters: block matrices projected, the rest AdamW.
     """
     return GaLoreAdamW(galore_param_groups(model, config), lr=config.lr, betas=config.betas,
-                       eps=config.eps, weight_decay=config.weight_decay)
+                       eps=config.eps, weight_decay=config.weight_decay, state_bits=config.state_bits)

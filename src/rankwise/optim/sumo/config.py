@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from rankwise.optim.common import check_common
+from rankwise.optim.lowbit import bits_problems
 from rankwise.optim.oja import projector_problems
 
 
@@ -48,7 +49,13 @@ class SumoConfig:
             :mod:`rankwise.optim.oja`).
         oja_lr: ``eta``, the dimensionless Oja step (``projector: oja``).
         oja_bits: Store the Oja tracker as int8 codes of this many bits (2..8); ``null``: float.
+        state_bits: ``8``: the momentum and the AdamW moments stored as blockwise 8-bit codes
+            (:mod:`rankwise.optim.lowbit`); ``null``: float32.
         seed: Seed of the tracker's stochastic rounding.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
     """
 
     name: str = "sumo"
@@ -69,6 +76,8 @@ class SumoConfig:
     oja_lr: float = 1.0
     oja_bits: Optional[int] = None
     seed: int = 0
+    per_layer: bool = False
+    state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
@@ -82,4 +91,4 @@ class SumoConfig:
             out.append(f"norm_growth: got {self.norm_growth}; expected a factor >= 1 such as 1.01, or null")
         if self.norm_growth is not None and not self.residual:
             out.append("norm_growth: limits the residual term; set residual: true or norm_growth: null")
-        return out + projector_problems(self.projector, self.oja_lr, self.oja_bits)
+        return out + projector_problems(self.projector, self.oja_lr, self.oja_bits) + bits_problems(self.state_bits)

@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from rankwise.optim import oja, projector
+from rankwise.optim import lowbit, oja, projector
 from rankwise.optim.common import MatrixAdamW, Place, decay_, param_groups, step_generator
 from rankwise.optim.sumo.config import SumoConfig
 
@@ -91,7 +91,8 @@ class SumoOptimizer(MatrixAdamW):
 
     Param-group keys beyond AdamW's: ``rank`` (turns SUMO on for the group), ``update_every``,
     ``momentum``, ``scale``, ``scale_rule``, ``residual``, ``norm_growth``, ``svd``,
-    ``projector``, ``oja_lr``, ``oja_bits``, ``seed``.
+    ``projector``, ``oja_lr``, ``oja_bits``, ``seed``, ``state_bits`` (``8``: the momentum and the
+    AdamW moments stored as blockwise 8-bit codes, :mod:`rankwise.optim.lowbit`).
     Constructor arguments are those of :class:`rankwise.optim.common.MatrixAdamW`.
     """
 
@@ -118,27 +119,34 @@ class SumoOptimizer(MatrixAdamW):
         elif "proj_side" not in state or (step - 1) % group["update_every"] == 0:
             old = projector.refresh(state, grad, group["rank"], "top", group["svd"])
             moved = True
-        if moved and "momentum" in state:
-            state["momentum"] = projector.transport(state, old, state["momentum"])
+        bits = group["state_bits"]
+        mom = None if "momentum" not in state else (
+            lowbit.load(state, "momentum", grad) if bits else state["momentum"])
+        if moved and mom is not None:
+            mom = projector.transport(state, old, mom)
         low = projector.project(state, grad)
-        if "momentum" not in state:
-            state["momentum"] = torch.zeros_like(low)
-        state["momentum"].mul_(group["momentum"]).add_(low)
+        if mom is None:
+            mom = torch.zeros_like(low)
+        mom.mul_(group["momentum"]).add_(low)
+        if not bits:
+            state["momentum"] = mom
         rest = None
         if group["residual"] and int(state["proj_side"]) != projector.IDENTITY:
             rest = (grad - projector.project_back(state, low), float(low.norm()))   # (G - Q Q^T G, ||Q^T G||)
-        self._pending.append((param, state, group, rest))
+        self._pending.append((param, state, group, rest, mom))
 
     def finish_step(self) -> None:
         """Steps 4-5: orthogonalize every pending moment (one batch per shape) and update."""
         by_shape: dict[tuple, list] = defaultdict(list)
         for item in self._pending:
-            mom = item[1]["momentum"]
+            mom = item[4]
             by_shape[(tuple(mom.shape), mom.dtype, mom.device)].append(item)
         self._pending = []
         for items in by_shape.values():
-            polar = polar_batch(torch.stack([it[1]["momentum"] for it in items]))
-            for (param, state, group, rest), o in zip(items, polar):
+            polar = polar_batch(torch.stack([it[4] for it in items]))
+            for (param, state, group, rest, mom), o in zip(items, polar):
+                if group["state_bits"]:
+                    lowbit.store(state, "momentum", mom)
                 factor = group["scale"]
                 if group["scale_rule"] == "rms":
                     factor *= math.sqrt(param.shape[0] * param.shape[1] / min(o.shape))
@@ -179,5 +187,5 @@ def build_sumo(model: nn.Module, config: SumoConfig) -> SumoOptimizer:
                           residual=config.residual, norm_growth=config.norm_growth, svd=config.svd,
                           projector=config.projector, oja_lr=config.oja_lr, oja_bits=config.oja_bits,
                           seed=config.seed)
-    return SumoOptimizer(groups, lr=config.lr, betas=config.betas,
-                         eps=config.eps, weight_decay=config.weight_decay)
+    return SumoOptimizer(groups, lr=config.lr, betas=config.betas, eps=config.eps,
+                         weight_decay=config.weight_decay, state_bits=config.state_bits)

@@ -1,0 +1,80 @@
+"""Settings of APOLLO and APOLLO-Mini (``apollo``, ``apollo-mini``); the only defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from rankwise.optim.common import check_common
+from rankwise.optim.lowbit import bits_problems
+
+
+@dataclass
+class ApolloConfig:
+    """APOLLO: AdamW's moments of a random projection set a channel-wise scale of the raw gradient
+    (Zhu et al., MLSys 2025).
+
+    Defaults follow the authors' package and scripts (``apollo-torch``: rank 256, projection
+    redrawn every 200 steps, ``scale`` 1, channel-wise, norm-growth limit 1.01) except ``lr``
+    (1e-3, the rankwise default for every optimizer).
+
+    Attributes:
+        name: Registry name.
+        lr: Peak learning rate (all groups).
+        weight_decay: Decoupled weight decay (all groups).
+        betas: Adam's (beta1, beta2) of the projected moments.
+        eps: Adam's epsilon (after bias correction, as ``torch.optim.AdamW``).
+        rank: ``r``, rows of the random projection; ranks at or above ``min(m, n)`` mean no
+            projection (plain AdamW for that matrix).
+        update_every: ``T``: the random projection is redrawn every ``T`` steps.
+        scale: The authors' ``scale``: the update is multiplied by ``alpha = sqrt(scale)``
+            (the paper's grids are ``alpha`` in ``{sqrt 1, sqrt 2, sqrt 3}`` for APOLLO and
+            ``{sqrt 128, ...}`` for APOLLO-Mini), compensating the rank-``r`` estimate's bias.
+        scale_type: ``"channel"`` (one factor per column of the larger side: APOLLO) or
+            ``"tensor"`` (one factor per matrix: APOLLO-Mini).
+        norm_growth: ``gamma`` of the norm-growth limiter (Fira): the scaled gradient's norm may
+            grow by at most this factor per step; ``null`` turns it off.
+        targets: Which linear layers' weights are projected (see :class:`rankwise.optim.galore.GaLoreConfig`).
+        seed: Seed of the random projections (each matrix and period has its own draw).
+        state_bits: ``8``: Adam's moments stored as blockwise 8-bit codes
+            (:mod:`rankwise.optim.lowbit`); ``null``: float32.
+    """
+
+    name: str = "apollo"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    rank: int = 256
+    update_every: int = 200
+    scale: float = 1.0
+    scale_type: Literal["channel", "tensor"] = "channel"
+    norm_growth: Optional[float] = 1.01
+    targets: Union[list[str], str] = "block-linear"
+    seed: int = 0
+    state_bits: Optional[int] = None
+
+    def problems(self) -> list[str]:
+        """Return value errors (empty when valid)."""
+        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
+                           self.update_every)
+        if not self.scale > 0:
+            out.append(f"scale: got {self.scale}; expected a positive number such as 1 (apollo) or 128 (apollo-mini)")
+        if self.scale_type not in ("channel", "tensor"):
+            out.append(f"scale_type: got {self.scale_type!r}; expected 'channel' or 'tensor'")
+        if self.norm_growth is not None and not self.norm_growth >= 1:
+            out.append(f"norm_growth: got {self.norm_growth}; expected a factor >= 1 such as 1.01, or null")
+        if self.name == "apollo-mini" and (self.rank != 1 or self.scale_type != "tensor"):
+            out.append(f"apollo-mini is rank 1 with tensor-wise scaling: got rank {self.rank}, scale_type "
+                       f"{self.scale_type!r}; remove them or use optim.name: apollo")
+        return out + bits_problems(self.state_bits)
+
+
+@dataclass
+class ApolloMiniConfig(ApolloConfig):
+    """APOLLO-Mini: a rank-1 projection and one tensor-wise scale per matrix (Zhu et al. 2025,
+    Sec. 4.2), ``scale`` 128 as the authors' scripts. Same fields as :class:`ApolloConfig`."""
+
+    name: str = "apollo-mini"
+    rank: int = 1
+    scale: float = 128.0
+    scale_type: Literal["channel", "tensor"] = "tensor"
