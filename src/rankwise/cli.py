@@ -33,6 +33,7 @@ BENCHMARKS = {
     "memory-features": "rankwise.benchmarks.memory_features:run",
     "dpo": "rankwise.benchmarks.dpo:run",
     "plan": "rankwise.benchmarks.plan:run",
+    "select": "rankwise.benchmarks.select:run",
 }
 
 
@@ -211,6 +212,16 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
     require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
     run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated", resume=resume)
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for scores.jsonl, chosen.json.")
+def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
+    """Score the training records by data.select and write the chosen ids (docs/select.md)."""
+    from rankwise.recipes.select import run_select
+    run_select(config, list(sets), out)
 
 
 @main.command()

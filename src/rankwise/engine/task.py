@@ -22,6 +22,7 @@ from rankwise.engine.chunked_loss import chunked_forward
 from rankwise.errors import RankwiseError
 
 IGNORE = -100  # label of positions that carry no loss (padding, prompts, virtual tokens)
+WEIGHT_KEYS = ("weights", "token_weights")  # per-example / per-token loss weights (data.select)
 
 
 def pad(seqs: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +34,20 @@ def pad(seqs: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         mask[row, : len(s)] = 1
     return ids, mask
+
+
+def add_weights(batch: dict[str, torch.Tensor], items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Add ``weights`` (B,) and ``token_weights`` (B, T) when the items carry ``weight`` /
+    ``token_weight`` (selected data with ``data.select.weights``); padding weighs 0."""
+    if items and all("weight" in it for it in items):
+        batch["weights"] = torch.tensor([float(it["weight"]) for it in items], dtype=torch.float32)
+    if items and all("token_weight" in it for it in items):
+        width = batch["input_ids"].shape[1]
+        tw = torch.zeros((len(items), width), dtype=torch.float32)
+        for row, it in enumerate(items):
+            tw[row, : len(it["token_weight"])] = torch.as_tensor(it["token_weight"], dtype=torch.float32)
+        batch["token_weights"] = tw
+    return batch
 
 
 class Task:
@@ -96,7 +111,7 @@ class Task:
     @staticmethod
     def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, dict]:
         batch = transform_inputs(model, batch)
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = {k: v for k, v in batch.items() if k != "labels" and k not in WEIGHT_KEYS}
         if "position_ids" in inputs:  # packed: restarting positions give the block mask
             inputs.pop("attention_mask", None)
             inputs["use_cache"] = False
@@ -114,7 +129,7 @@ class ClassificationTask(Task):
         """Pad ``input_ids``; ``labels`` is one class index per example."""
         ids, mask = pad([it["input_ids"] for it in items], pad_id)
         labels = torch.tensor([int(it["label"]) for it in items], dtype=torch.long)
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        return add_weights({"input_ids": ids, "attention_mask": mask, "labels": labels}, items)
 
     def count_targets(self, batch):
         """One target per example."""
@@ -127,6 +142,9 @@ class ClassificationTask(Task):
         if logits.shape[-1] < 2:
             raise RankwiseError("a classification head with one output is a regression head; "
                                 "the data needs at least two labels (check data.label_field)")
+        if "weights" in batch:  # sum_i w_i CE_i (data.select.weights)
+            per = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+            return (per * batch["weights"]).sum(), out
         return F.cross_entropy(logits.float(), batch["labels"], reduction="sum"), out
 
     def eval_update(self, stats, batch, output, loss_sum):
@@ -172,7 +190,7 @@ class CausalLMTask(Task):
             batch["position_ids"] = torch.tensor(
                 [list(it["position_ids"]) + list(range(width - len(it["position_ids"]))) for it in items],
                 dtype=torch.long)
-        return batch
+        return add_weights(batch, items)
 
     def count_targets(self, batch):
         """Tokens that are predicted: labels at positions 1.. that are not ``-100``."""
@@ -182,15 +200,23 @@ class CausalLMTask(Task):
         """Summed next-token cross-entropy over the target tokens (in chunks of
         ``loss_chunk_tokens`` target tokens when set: the full logits are never formed, and the
         output's ``logits`` is then a placeholder without storage)."""
-        if self.loss_chunk_tokens:
+        if self.loss_chunk_tokens and not any(k in batch for k in WEIGHT_KEYS):  # weighted: whole logits
             done = chunked_forward(model, lambda: self._forward(model, batch), self.loss_chunk_tokens)
             if done is not None:
                 return done[0], done[1]
         out, batch = self._forward(model, batch)
         logits = out.logits[:, :-1]                       # (B, T-1, V): predicts tokens 1..T-1
         labels = batch["labels"][:, 1:]                   # (B, T-1)
+        weighted = any(k in batch for k in WEIGHT_KEYS)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                               ignore_index=IGNORE, reduction="sum")
+                               ignore_index=IGNORE, reduction="none" if weighted else "sum")
+        if weighted:  # sum_ij w_i v_ij CE_ij (data.select.weights; v: QCS's token weights)
+            w = torch.ones_like(labels, dtype=torch.float32)
+            if "weights" in batch:
+                w = w * batch["weights"][:, None]
+            if "token_weights" in batch:
+                w = w * batch["token_weights"][:, 1:]
+            loss = (loss.reshape(labels.shape) * w).sum()
         return loss, out
 
     def eval_parts(self, model, batch):

@@ -16,6 +16,7 @@ import yaml
 
 from rankwise import registry
 from rankwise.configs import from_dict
+from rankwise.data.select import SelectConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.preference import DPOConfig
 from rankwise.errors import RankwiseError, closest
@@ -104,6 +105,7 @@ class DataConfig:
             (a deterministic ``validation_fraction`` of the *training* records, held out of
             training; learning-rate sweeps choose on it so the evaluation split stays unseen).
         validation_fraction: Share of the training records held out with ``holdout: validation``.
+        select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
     """
 
     source: str = "demo"
@@ -127,6 +129,7 @@ class DataConfig:
     label_noise_seed: int = 0
     holdout: Literal["eval", "validation"] = "eval"
     validation_fraction: float = 0.1
+    select: SelectConfig = field(default_factory=SelectConfig)
 
     def problems(self) -> list[str]:
         """Return value errors."""

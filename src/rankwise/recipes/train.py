@@ -97,7 +97,8 @@ def pick_device() -> str:
 
 
 def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=None,
-            saved: dict | None = None, dist: Distributed | None = None) -> Session:
+            saved: dict | None = None, dist: Distributed | None = None,
+            selected: dict | None = None) -> Session:
     """Load model and data, apply the method, build optimizer and schedule.
 
     Args:
@@ -111,6 +112,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         dist: This process's place under torchrun (default: a single process). Rank 0
             tokenizes first (the others reuse the cache); the model is then made identical on
             every process (``ddp``) or sharded (``fsdp``) before the optimizer is built.
+        selected: Receives ``selection`` and ``full`` (the training data before it) when
+            ``data.select`` chose records (``rankwise select``).
 
     Returns:
         A ready :class:`Session`.
@@ -167,10 +170,13 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
             p.data = p.data.float()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
+    if cfg.data.select.method or cfg.data.select.from_:  # data.select: keep the chosen records
+        from rankwise.recipes.select import select_training
+        (selected if selected is not None else {}).update(full=train_data, selection=select_training(session))
     task.prepare(model, [session.train_data, eval_data], entry.trains == "full",
                  cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
     if cfg.data.packing:
-        session.train_data = packed_training_data(model, train_data, cfg.data.max_length, device)
+        session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
     session.model = model = dist.prepare_model(model)
     session.optimizer = registry.get("optimizer", cfg.optim.name).builder(model, cfg.optim)
     session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)
