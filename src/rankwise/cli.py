@@ -264,6 +264,19 @@ def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None
 
 
 @main.command()
+@click.argument("target", metavar="RUN_OR_MODEL", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Run config whose data: gives the calibration batches (default: the run's own).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Output folder (default runs/<name>-inspect).")
+def inspect(target: Path, data: Path | None, out: Path | None) -> None:
+    """Gradient rank, Model Shapley and the low-rank inverse bound of a run or model (docs/inspect.md)."""
+    from rankwise.recipes.inspect import run_inspect
+    out = out or Path("runs") / f"{target.name}-inspect"
+    run_inspect(target, data, out)
+    click.echo(f"wrote {out}/report.md and {out}/inspect.json")
+
+
+@main.command()
 @click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def bench(name: str, out: Path | None) -> None:
