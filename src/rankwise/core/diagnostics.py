@@ -152,6 +152,22 @@ def shapley_scores(weights: dict[str, torch.Tensor], batches: Iterable[dict],
     """
     ewma = {k: torch.zeros_like(w, dtype=torch.float32) for k, w in weights.items()}
     transposed = set(transposed)
+    flags = {k: w.requires_grad for k, w in weights.items()}
+    for w in weights.values():
+        w.requires_grad_(True)
+    try:
+        t = _shapley_ewma(weights, batches, loss_fn, beta, transposed, ewma)
+    finally:
+        for k, w in weights.items():
+            w.requires_grad_(flags[k])
+    if t == 0:
+        raise ValueError("shapley_scores: got no batch; expected at least one calibration batch")
+    return {k: v / (1 - beta ** t) for k, v in ewma.items()}
+
+
+def _shapley_ewma(weights: dict[str, torch.Tensor], batches: Iterable[dict], loss_fn: Callable,
+                  beta: float, transposed: set[str], ewma: dict[str, torch.Tensor]) -> int:
+    """Fold each batch's φ into ``ewma`` in place; return the number of batches."""
     t = 0
     for batch in batches:
         per = {k: [] for k in weights}
@@ -168,9 +184,7 @@ def shapley_scores(weights: dict[str, torch.Tensor], batches: Iterable[dict],
                 ft = fisher_rows_times_theta(gb, theta)
             phi = shapley_quadratic(gb.mean(0), theta, ft)
             ewma[k].mul_(beta).add_(phi, alpha=1 - beta)
-    if t == 0:
-        raise ValueError("shapley_scores: got no batch; expected at least one calibration batch")
-    return {k: v / (1 - beta ** t) for k, v in ewma.items()}
+    return t
 
 
 def neuron_scores(kind: str, weights: dict[str, nn.Parameter], batches: list[dict],

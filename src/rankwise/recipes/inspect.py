@@ -205,7 +205,7 @@ def inverse_section(model: nn.Module, targets: Any, batches_a: list[dict], batch
 
 
 def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CALIBRATION_BATCHES,
-                device: str = "cpu") -> dict[str, Any]:
+                device: str = "cpu", plots: bool = True) -> dict[str, Any]:
     """Write ``report.md``, ``inspect.json`` and plots for ``target`` into ``out``.
 
     Args:
@@ -215,6 +215,7 @@ def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CAL
         out: The output folder (created; files in it are replaced).
         n_batches: Calibration batches per estimate.
         device: Where the model runs.
+        plots: Also write the PNGs (matplotlib); ``report.md`` and ``inspect.json`` always.
 
     Returns:
         The JSON written to ``inspect.json``.
@@ -247,7 +248,8 @@ def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CAL
     out.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out / "inspect.json", report)
     from rankwise.recipes.inspect_report import write_plots, write_report
-    write_plots(report, out)
+    if plots:
+        write_plots(report, out)
     write_report(report, out)
     return report
 
