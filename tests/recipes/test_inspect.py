@@ -48,8 +48,8 @@ def test_gradient_spectrum_of_a_two_layer_model_matches_a_direct_computation():
         # is zero up to rounding: cross-entropy gradients' rows sum to zero)
         assert row["singular_values"] == pytest.approx(direct.tolist(), abs=1e-5 * float(direct[0]))
         assert row["entropy"] == pytest.approx(effective_ranks(direct)["entropy"], rel=1e-4)
-        # GoRA's default importance (union_mean) from the same gradient: mean |W ⊙ G|.
-        assert row["gora_importance"] == pytest.approx(float((layer.weight.detach() * layer.weight.grad).abs().mean()), rel=1e-5)
+        # GoRA's default importance (union_mean), through the registry, from the same gradient: mean |W ⊙ G|.
+        assert row["layer_scores"]["gora"] == pytest.approx(float((layer.weight.detach() * layer.weight.grad).abs().mean()), rel=1e-5)
     assert not any(p.requires_grad is False for p in model.parameters())  # flags restored
 
 

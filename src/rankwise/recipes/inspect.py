@@ -91,9 +91,11 @@ def _states(target: Path, what: str, cfg: RunConfig, task, num_labels):
 
 def gradient_section(states: list[tuple[str, nn.Module]], targets: Any, batches: list[dict],
                      loss_fn: Callable) -> dict[str, Any]:
-    """Per state and layer: singular values of the mean gradient, effective ranks, GoRA importance."""
-    from rankwise.adapters.gora import importance  # GoRA's own formula (recipes may import methods)
-    gcfg = registry.get("method", "gora").config_cls()  # its default importance kind and r0
+    """Per state and layer: singular values of the mean gradient, effective ranks, and every
+    registered method's ``layer_score`` (GoRA's importance) of the same gradient."""
+    # Methods built from a per-layer score of (W, G), e.g. GoRA's importance, found by capability.
+    scorers = {n: e.layer_score for n in registry.names("method")
+               if (e := registry.get("method", n)).layer_score is not None}
     out: dict[str, Any] = {}
     for label, model in states:
         weights = target_weights(model, targets)
@@ -104,10 +106,10 @@ def gradient_section(states: list[tuple[str, nn.Module]], targets: Any, batches:
             s = torch.linalg.svdvals(g2.double())
             w2 = as_out_in(model, path, weights[path].detach().float())
             rows[path] = {"singular_values": [float(x) for x in s], **effective_ranks(s),
-                          "gora_importance": importance(gcfg.importance, w2, g2, gcfg.r),
+                          "layer_scores": {n: float(f(w2, g2)) for n, f in scorers.items()},
                           "grad_norm": float(s.norm())}
         out[label] = rows
-    return {"gora_importance_kind": gcfg.importance, "states": out}
+    return {"layer_scores": sorted(scorers), "states": out}
 
 
 def shapley_section(model: nn.Module, targets: Any, batches: list[dict], loss_fn: Callable,

@@ -14,7 +14,7 @@ def _safe(path: str) -> str:
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     """Per-layer gradient spectra (one curve per state), effective rank through training,
-    GoRA importance vs entropy rank, the Shapley histogram and the inverse bound per matrix."""
+    each method's layer score (GoRA's importance) vs entropy rank, the Shapley histogram and the inverse bound per matrix."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -33,15 +33,16 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     written.append(plot_curves(curves, out / "effective_rank.png", "state (0 = base; "
                                + ", ".join(states) + ")", "entropy rank", "gradient effective rank"))
     last = list(states.values())[-1]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    ax.scatter([last[l]["entropy"] for l in layers], [last[l]["gora_importance"] for l in layers])
-    ax.set_xlabel("gradient entropy rank")
-    ax.set_ylabel(f"GoRA importance ({report['gradients']['gora_importance_kind']})")
-    ax.set_title("GoRA importance vs gradient rank (last state)")
-    fig.tight_layout()
-    fig.savefig(out / "gora_vs_rank.png")
-    plt.close(fig)
-    written.append(out / "gora_vs_rank.png")
+    for name in report["gradients"]["layer_scores"]:  # e.g. GoRA's importance, beside the rank
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+        ax.scatter([last[l]["entropy"] for l in layers], [last[l]["layer_scores"][name] for l in layers])
+        ax.set_xlabel("gradient entropy rank")
+        ax.set_ylabel(f"{name} layer score")
+        ax.set_title(f"{name}'s layer score vs gradient rank (last state)")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}_score_vs_rank.png")
+        plt.close(fig)
+        written.append(out / f"{name}_score_vs_rank.png")
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
     ax.hist(report["shapley"]["values"], bins=60)
     ax.set_xlabel("neuron Shapley value φ (loss units)")
@@ -76,15 +77,17 @@ def write_report(report: dict[str, Any], out: Path) -> Path:
              f"batches of {report['batch_size']}. Every number is in `inspect.json`.", "",
              "## Gradient structure", "",
              "Mean loss gradient over the calibration batches per targeted weight: entropy rank "
-             "exp(H(σ/Σσ)), 90 %/99 % energy ranks, and GoRA's importance "
-             f"(`{g['gora_importance_kind']}`) from the same gradient. Plots: `spectra/`, "
-             "`effective_rank.png`, `gora_vs_rank.png`.", "",
-             "| state | layer | dim | entropy rank | energy 90 % | energy 99 % | ‖G‖_F | GoRA importance |",
-             "|---|---|---|---|---|---|---|---|"]
+             "exp(H(σ/Σσ)), 90 %/99 % energy ranks, and the layer score of every method built "
+             "from (W, G) (GoRA: its importance at its default settings) from the same gradient. "
+             "Plots: `spectra/`, `effective_rank.png`, `<method>_score_vs_rank.png`.", "",
+             "| state | layer | dim | entropy rank | energy 90 % | energy 99 % | ‖G‖_F | "
+             + " | ".join(f"{n} score" for n in g["layer_scores"]) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(g["layer_scores"])]
     for label, rows in g["states"].items():
         for layer, r in rows.items():
             lines.append(f"| {label} | `{layer}` | {r['dim']} | {r['entropy']:.2f} | {r['energy90']} | "
-                         f"{r['energy99']} | {r['grad_norm']:.3g} | {r['gora_importance']:.3g} |")
+                         f"{r['energy99']} | {r['grad_norm']:.3g} | "
+                         + " | ".join(f"{r['layer_scores'][n]:.3g}" for n in g["layer_scores"]) + " |")
     s = report["shapley"]
     lines += ["", "## Model Shapley (last state)", "",
               "φ = -g⊙θ + ½ θ⊙(Fθ) per weight (F: block-diagonal empirical Fisher, one block per "
