@@ -106,6 +106,9 @@ def apply_full(model: nn.Module, config: FullConfig, adapter_name: str = "defaul
         p.requires_grad_(True)
     if config.select is None:
         return None
+    if batches is None and config.select != "random":  # core.io.rebuild passes none (--resume)
+        raise ValueError(f"method.select: {config.select} cannot be rebuilt without its calibration "
+                         "batches (a select run cannot be resumed yet); start a new run")
     batches = list(batches or [])
     if not batches and config.select != "random":
         raise ValueError(f"method.select: {config.select} needs calibration batches "
