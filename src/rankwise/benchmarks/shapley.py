@@ -2,10 +2,11 @@
 Model Shapley (``method: {name: full, select: shapley, fraction: 0.1}``) vs by |g|, |g·θ| and at
 random at the same fraction, and full fine-tuning (docs/inspect.md).
 
-Every row runs through ``rankwise train``'s pipeline at the demo budget (demo_runs.DEMO_BASE:
-the packaged MiniLM, 40 steps x 32 examples) with AdamW at one learning rate, 1e-4, for all rows
-(no per-row tuning); the neuron scores use ``train.calibration_batches: 2`` (64 examples; Model
-Shapley takes one backward per example for its Fisher blocks). The task head always trains.
+Every row runs through ``rankwise train``'s pipeline on the demo task (demo_runs.DEMO_BASE: the
+packaged MiniLM, batches of 32, sequences of 32 tokens; ``--steps`` shortens it) with AdamW at one
+learning rate, 2e-4, for all rows (no per-row tuning); the neuron scores use
+``train.calibration_batches: 2`` (64 examples; Model Shapley takes one backward per example for
+its Fisher blocks). The task head always trains.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, markdown_table, 
                                            summarise, with_settings, write)
 from rankwise.errors import RankwiseError
 
-LR = 1e-4
+LR = 2e-4
 CALIBRATION = {**DEMO_BASE["train"], "calibration_batches": 2}
 ROWS: dict[str, dict] = {
     **{f"top10-{sel}": {**DEMO_BASE, "train": CALIBRATION,
