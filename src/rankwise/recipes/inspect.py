@@ -28,7 +28,7 @@ from rankwise.recipes.config import RunConfig, load_run_config
 
 CALIBRATION_BATCHES = 4   # batches per gradient / Shapley estimate (each a train batch)
 INVERSE_LAYERS = 3        # layers whose input Gram matrices are checked against the bound
-INVERSE_MAX_DIM = 256     # ... when their input width is at most this (eigh stays cheap)
+INVERSE_MAX_DIM = 512     # ... when their input width is at most this (eigh stays cheap)
 SCALES = ("raw", "half", "small")  # which E: as measured, shrunk to ½ and 1/100 of the condition
 DAMP = 0.01               # SparseGPT's damping: A = XᵀX/N + DAMP * mean(diag) * I
 
