@@ -34,6 +34,7 @@ BENCHMARKS = {
     "dpo": "rankwise.benchmarks.dpo:run",
     "plan": "rankwise.benchmarks.plan:run",
     "select": "rankwise.benchmarks.select:run",
+    "shapley": "rankwise.benchmarks.shapley:run",
 }
 
 
@@ -275,6 +276,19 @@ def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None
                f"{report['factor_fraction_of_model']:.2%} of the model's {report['model_bytes'] / 2**20:.1f} MiB "
                f"(one mask pair per layer: {report['unshared_factor_bytes'] / 2**20:.3f} MiB)")
     click.echo(f"wrote {report['out']} and {report['factors_path']}")
+
+
+@main.command()
+@click.argument("target", metavar="RUN_OR_MODEL", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Run config whose data: gives the calibration batches (default: the run's own).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Output folder (default runs/<name>-inspect).")
+def inspect(target: Path, data: Path | None, out: Path | None) -> None:
+    """Gradient rank, Model Shapley and the low-rank inverse bound of a run or model (docs/inspect.md)."""
+    from rankwise.recipes.inspect import run_inspect
+    out = out or Path("runs") / f"{target.name}-inspect"
+    run_inspect(target, data, out)
+    click.echo(f"wrote {out}/report.md and {out}/inspect.json")
 
 
 @main.command()
