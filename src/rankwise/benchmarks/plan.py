@@ -48,6 +48,14 @@ ROWS: dict[str, dict[str, Any]] = {
     "bert lora classification": {"bert": True},
     "lora bf16 seq 512 ckpt": {"dtype": "bfloat16", "precision": "bf16", "ckpt": True,
                                "shape": {"seq": 512, "batch": 2}},
+    "lora fp32 vocab 8192 chunked": {"shape": {"vocab": 8192}, "chunk": 128},
+    "full adamw 8-bit state": {"method": {"name": "full"},
+                               "optim": {"name": "adamw", "lr": 1e-3, "state_bits": 8}},
+    "full adamw per-layer": {"method": {"name": "full"},
+                             "optim": {"name": "adamw", "lr": 1e-3, "per_layer": True}},
+    "full galore 8-bit per-layer": {"method": {"name": "full"},
+                                    "optim": {"name": "galore", "rank": 32, "state_bits": 8,
+                                              "per_layer": True}},
 }
 
 
@@ -73,7 +81,8 @@ def run_config(folder: Path, row: dict, shape: dict) -> dict:
             "optim": row.get("optim", {"name": "adamw", "lr": 1e-3}),
             "train": {"batch_size": shape["batch"], "grad_accum": row.get("accum", 1),
                       "precision": row.get("precision", "fp32"),
-                      "gradient_checkpointing": row.get("ckpt", False), "grad_clip": 0}}
+                      "gradient_checkpointing": row.get("ckpt", False), "grad_clip": 0,
+                      **({"loss_chunk_tokens": row["chunk"]} if "chunk" in row else {})}}
 
 
 BERT = {"model": {"path": "tiny-bert", "task": "classification"},
@@ -127,8 +136,10 @@ def measure(cfg, shape: dict, steps: int = 2) -> dict:
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, len(train) - shape["seq"], (shape["batch"] * (steps + 1),), generator=g)
     data = ByteWindows(train, starts, shape["seq"])
+    task.loss_chunk_tokens = cfg.train.loss_chunk_for(model.config.vocab_size)  # as rankwise train
     engine = Engine(model, task, opt, data, cfg.train.batch_size, seed=0,
-                    grad_accum=cfg.train.grad_accum, precision=cfg.train.precision, device="cpu")
+                    grad_accum=cfg.train.grad_accum, precision=cfg.train.precision, device="cpu",
+                    per_layer=getattr(cfg.optim, "per_layer", False))
     for k in range(steps):
         engine.train_step(k)
     weights = model_bytes(model)

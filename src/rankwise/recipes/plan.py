@@ -245,9 +245,9 @@ def optimizer_bytes(model: nn.Module, cfg, state_bits: int) -> int:
     trainable = [p for p in model.parameters() if p.requires_grad]
     floats = (entry.state_floats(model, cfg.optim) if entry.state_floats is not None
               else 2 * sum(p.numel() for p in trainable))
-    if state_bits == 8:
-        return int(floats) + 4 * math.ceil(floats / 256)
-    return int(4 * floats)
+    if state_bits == 8 and not getattr(cfg.optim, "state_bits", None):
+        return int(floats) + 4 * math.ceil(floats / 256)  # plan's own switch (--fit)
+    return int(4 * floats)  # an optimizer configured with state_bits counts its codes itself
 
 
 # ---------------------------------------------------------------- counting saved tensors

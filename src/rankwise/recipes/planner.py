@@ -138,9 +138,8 @@ class Planner:
         chunk = sw[("train", "loss_chunk_tokens")]
         if chunk:
             held, loss = 0, (c + 12) * min(chunk, n) * vocab
-        else:
-            held = c * micro * seq * vocab
-            loss = held + 12 * n * vocab
+        else:  # the engine drops the model's output (the logits) before backward: only the
+            held, loss = 0, 12 * n * vocab  # loss's fp32 buffers are alive when the peak comes
         head_grad = 0  # a trainable output head's gradient arrives first in backward
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if out is not None and out.weight.requires_grad:
