@@ -100,6 +100,12 @@ class DataConfig:
             (a deterministic ``validation_fraction`` of the *training* records, held out of
             training; learning-rate sweeps choose on it so the evaluation split stays unseen).
         validation_fraction: Share of the training records held out with ``holdout: validation``.
+        schedule: How a training step's examples are grouped into processes and micro-batches:
+            ``none`` (contiguous shares in draw order) or ``skrull`` (by the cost
+            ``a L + b L^2`` of each sequence: LPT over processes, padding-aware micro-batches;
+            the same examples and loss per step; ``docs/skrull.md``).
+        schedule_linear: ``a / b`` of Skrull's cost model in tokens (``null``: 12 x the
+            model's hidden size).
     """
 
     source: str = "demo"
@@ -121,10 +127,17 @@ class DataConfig:
     label_noise_seed: int = 0
     holdout: Literal["eval", "validation"] = "eval"
     validation_fraction: float = 0.1
+    schedule: Literal["none", "skrull"] = "none"
+    schedule_linear: Union[float, None] = None
 
     def problems(self) -> list[str]:
         """Return value errors."""
         out = []
+        if self.schedule == "skrull" and self.packing:
+            out.append("schedule: skrull groups whole sequences by length, and packing already "
+                       "makes equal blocks; set one of data.schedule: none or data.packing: false")
+        if self.schedule_linear is not None and not self.schedule_linear > 0:
+            out.append(f"schedule_linear: got {self.schedule_linear}; expected tokens > 0 or null")
         if not 0.0 < self.validation_fraction < 1.0:
             out.append(f"validation_fraction: got {self.validation_fraction}; expected a value in (0, 1)")
         if not 0.0 < self.eval_fraction < 1.0:

@@ -30,6 +30,7 @@ from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.loop import precision_problem
+from rankwise.engine.skrull import Skrull
 from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
@@ -75,7 +76,15 @@ class Session:
                       seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
                       grad_clip=t.grad_clip, precision=t.precision, device=self.device,
                       callbacks=callbacks or [], dist=self.dist,
-                      offload_activations=t.offload_activations)
+                      offload_activations=t.offload_activations, schedule=self.schedule())
+
+    def schedule(self) -> Skrull | None:
+        """The step schedule of ``data.schedule`` for this process (``None``: draw order)."""
+        d, dist = self.cfg.data, self.dist
+        if d.schedule != "skrull":
+            return None
+        return Skrull.for_model(self.model, dist.world, dist.rank, self.cfg.train.grad_accum,
+                                d.schedule_linear)
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
