@@ -74,6 +74,17 @@ def test_two_processes_give_the_single_process_metrics(tmp_path, single, kind):
     assert sorted(a) == sorted(b) and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)   # full tensors
 
 
+def test_skrull_scheduled_processes_give_the_unscheduled_single_process_run(tmp_path, single):
+    """data.schedule: skrull regroups each global step over 2 processes x 2 micro-batches by
+    cost; the examples, losses and adapter are the unscheduled single process's (1e-5)."""
+    proc = torchrun(tmp_path, tmp_path / "two", "data.schedule=skrull")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(tmp_path / "two") == pytest.approx(losses(single), rel=1e-5)
+    a, b = load_file(str(single / "adapter" / "adapter.safetensors")), \
+        load_file(str(tmp_path / "two" / "adapter" / "adapter.safetensors"))
+    assert sorted(a) == sorted(b) and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
+
+
 def test_resume_under_torchrun_and_a_world_size_mismatch(tmp_path):
     dropout = "method.dropout=0.1"                     # dropout draws differ per process
     full = torchrun(tmp_path, tmp_path / "full", dropout)
