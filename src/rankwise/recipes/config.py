@@ -195,6 +195,9 @@ class TrainConfig:
             memory until the backward needs them (copies on a side CUDA stream; parameters and
             tensors under 1 KiB stay; ``docs/offload.md``). No effect on a CPU device, where
             activations already live in CPU memory (``rankwise train`` says so).
+        compile: ``torch.compile`` the model's blocks (each layer of its ``nn.ModuleList``s,
+            ``rankwise.engine.compile``); a method dynamo cannot trace is refused before
+            training. The first steps pay the compilation.
     """
 
     steps: int = 200
@@ -218,6 +221,7 @@ class TrainConfig:
     distributed_timeout_s: float = 600.0
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
+    compile: bool = False
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -241,6 +245,9 @@ class TrainConfig:
             out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
+        if self.compile and self.gradient_checkpointing:
+            out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
+                       "set train.compile: false or train.gradient_checkpointing: false")
         if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
             out.append(f"threads: got {self.threads!r}; expected auto or an integer 1..4096")
         return out

@@ -29,6 +29,7 @@ from rankwise.engine.loop import draw_batches
 from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
+from rankwise.engine.compile import compile_model, compile_problem
 from rankwise.engine.loop import precision_problem
 from rankwise.engine.skrull import Skrull
 from rankwise.engine.threads import local_processes, use_threads
@@ -174,6 +175,12 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         enable_checkpointing(model)
     if cfg.data.packing:
         session.train_data = packed_training_data(model, train_data, cfg.data.max_length, device)
+    if cfg.train.compile:  # the blocks compiled; a method dynamo cannot trace is refused here
+        compile_model(model)
+        problem = compile_problem(model, cfg.method.name,
+                                  lambda: task.loss_sum(model, session.batch(0))[0].backward())
+        if problem:
+            raise RankwiseError(problem)
     session.model = model = dist.prepare_model(model)
     session.optimizer = registry.get("optimizer", cfg.optim.name).builder(model, cfg.optim)
     session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)
