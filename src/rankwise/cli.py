@@ -30,6 +30,7 @@ BENCHMARKS = {
     "loro": "rankwise.benchmarks.loro:run",
     "tpa": "rankwise.benchmarks.tpa:run",
     "vfl": "rankwise.federated.vfl.bench:run",
+    "skrull": "rankwise.benchmarks.skrull:run",
 }
 
 

@@ -97,3 +97,14 @@ def test_a_scheduled_lora_run_equals_the_unscheduled_one():
     assert all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
     # the schedule did regroup: the long examples share micro-batches, unlike draw order
     assert Skrull(1, 0, 2, 768).plan([60, 3, 64, 5]) == [[[0, 2], [1, 3]]]
+
+
+def test_the_config_keys_and_their_one_line_refusals():
+    from rankwise.errors import RankwiseError
+    from rankwise.recipes.config import build_run_config
+    cfg = build_run_config({"data": {"schedule": "skrull"}, "train": {"compile": True}})
+    assert cfg.data.schedule == "skrull" and cfg.data.schedule_linear is None and cfg.train.compile
+    with pytest.raises(RankwiseError, match="set one of data.schedule: none or data.packing: false"):
+        build_run_config({"data": {"schedule": "skrull", "packing": True}})
+    with pytest.raises(RankwiseError, match="set train.compile: false or train.gradient_checkpointing"):
+        build_run_config({"train": {"compile": True, "gradient_checkpointing": True}})
