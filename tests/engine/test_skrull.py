@@ -106,5 +106,7 @@ def test_the_config_keys_and_their_one_line_refusals():
     assert cfg.data.schedule == "skrull" and cfg.data.schedule_linear is None and cfg.train.compile
     with pytest.raises(RankwiseError, match="set one of data.schedule: none or data.packing: false"):
         build_run_config({"data": {"schedule": "skrull", "packing": True}})
+    with pytest.raises(RankwiseError, match="set data.schedule: none"):
+        build_run_config({"model": {"task": "dpo"}, "dpo": {}, "data": {"schedule": "skrull"}})
     with pytest.raises(RankwiseError, match="set train.compile: false or train.gradient_checkpointing"):
         build_run_config({"train": {"compile": True, "gradient_checkpointing": True}})
