@@ -35,6 +35,7 @@ BENCHMARKS = {
     "plan": "rankwise.benchmarks.plan:run",
     "select": "rankwise.benchmarks.select:run",
     "shapley": "rankwise.benchmarks.shapley:run",
+    "skrull": "rankwise.benchmarks.skrull:run",
 }
 
 

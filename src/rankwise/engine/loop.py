@@ -115,9 +115,11 @@ def split(items: list, parts: int) -> list[list]:
 
 
 def draw_batches(dataset: Any, task: Task, step: int, batch_size: int, seed: int, device: str,
-                 grad_accum: int = 1, dist: Any = None) -> list[dict[str, torch.Tensor]]:
+                 grad_accum: int = 1, dist: Any = None, schedule: Any = None
+                 ) -> list[dict[str, torch.Tensor]]:
     """The collated micro-batches of step ``step``: its examples (:func:`batch_indices`), this
-    process's share of them under ``dist``, split into ``grad_accum`` micro-batches.
+    process's share of them under ``dist``, split into ``grad_accum`` micro-batches (or, with a
+    ``schedule``, its ``micro_batches`` of the same global examples: Skrull).
 
     Args:
         dataset: Indexable examples with ``pad_id``.
@@ -128,12 +130,17 @@ def draw_batches(dataset: Any, task: Task, step: int, batch_size: int, seed: int
         device: Where the tensors go.
         grad_accum: Micro-batches per step.
         dist: A ``Distributed`` whose ``shard`` picks this process's examples, or ``None``.
+        schedule: A :class:`rankwise.engine.skrull.Skrull` (``data.schedule: skrull``), or
+            ``None`` for contiguous shares and micro-batches.
 
     Returns:
         The micro-batches (dicts of tensors on ``device``).
     """
     n = len(dataset)
     idx = batch_indices(step, n, min(batch_size, n), seed)
+    if schedule is not None:  # the same global examples, grouped by cost (engine/skrull.py)
+        micro = [[dataset[i] for i in m] for m in schedule.micro_batches(dataset, idx)]
+        return [{k: v.to(device) for k, v in task.collate(m, dataset.pad_id).items()} for m in micro]
     if dist is not None:
         idx = dist.shard(idx)  # this process's share of the global batch
     micro = split([dataset[i] for i in idx], grad_accum)
@@ -232,6 +239,8 @@ class Engine:
         offload_activations: Keep the tensors the forward saves for backward in pinned host
             memory until the backward (:mod:`rankwise.engine.offload`; no effect on a CPU
             device).
+        schedule: Groups each global step's examples into processes and micro-batches by cost
+            (:class:`rankwise.engine.skrull.Skrull`, built for this process), or ``None``.
         per_layer: Step each parameter in the backward as soon as its gradient is complete and
             free it (:mod:`rankwise.engine.per_layer`); needs ``grad_accum`` 1, no clipping, no
             fp16 scaler, one process.
@@ -245,7 +254,7 @@ class Engine:
                  grad_clip: float | None = None, precision: str = "fp32", device: str = "cpu",
                  loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = (),
                  dist: Any = None, offload_activations: bool = False,
-                 per_layer: bool = False) -> None:
+                 per_layer: bool = False, schedule: Any = None) -> None:
         if precision not in PRECISIONS:
             raise RankwiseError(f"train.precision: got {precision!r}; expected one of {list(PRECISIONS)}")
         self.model, self.task, self.optimizer, self.dataset = model, task, optimizer, dataset
@@ -269,6 +278,7 @@ class Engine:
             self.per_layer = PerLayerUpdates(self.params, optimizer)
         # one object for the whole fit: one side stream, and its stats add up over the steps
         self.offloader = OffloadActivations(self.device) if offload_activations else None
+        self.schedule = schedule
 
     # ----- one step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -286,7 +296,7 @@ class Engine:
     def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The collated micro-batches of optimizer step ``step``, on the engine's device."""
         return draw_batches(self.dataset, self.task, step, self.batch_size, self.seed, self.device,
-                            self.grad_accum, self.dist)
+                            self.grad_accum, self.dist, self.schedule)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step on the examples of ``step`` (see the module docstring).

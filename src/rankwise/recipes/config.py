@@ -105,6 +105,12 @@ class DataConfig:
             (a deterministic ``validation_fraction`` of the *training* records, held out of
             training; learning-rate sweeps choose on it so the evaluation split stays unseen).
         validation_fraction: Share of the training records held out with ``holdout: validation``.
+        schedule: How a training step's examples are grouped into processes and micro-batches:
+            ``none`` (contiguous shares in draw order) or ``skrull`` (by the cost
+            ``a L + b L^2`` of each sequence: LPT over processes, padding-aware micro-batches;
+            the same examples and loss per step; ``docs/skrull.md``).
+        schedule_linear: ``a / b`` of Skrull's cost model in tokens (``null``: 12 x the
+            model's hidden size).
         select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
     """
 
@@ -129,11 +135,18 @@ class DataConfig:
     label_noise_seed: int = 0
     holdout: Literal["eval", "validation"] = "eval"
     validation_fraction: float = 0.1
+    schedule: Literal["none", "skrull"] = "none"
+    schedule_linear: Union[float, None] = None
     select: SelectConfig = field(default_factory=SelectConfig)
 
     def problems(self) -> list[str]:
         """Return value errors."""
         out = []
+        if self.schedule == "skrull" and self.packing:
+            out.append("schedule: skrull groups whole sequences by length, and packing already "
+                       "makes equal blocks; set one of data.schedule: none or data.packing: false")
+        if self.schedule_linear is not None and not self.schedule_linear > 0:
+            out.append(f"schedule_linear: got {self.schedule_linear}; expected tokens > 0 or null")
         if not 0.0 < self.validation_fraction < 1.0:
             out.append(f"validation_fraction: got {self.validation_fraction}; expected a value in (0, 1)")
         if not 0.0 < self.eval_fraction < 1.0:
@@ -206,6 +219,9 @@ class TrainConfig:
             memory until the backward needs them (copies on a side CUDA stream; parameters and
             tensors under 1 KiB stay; ``docs/offload.md``). No effect on a CPU device, where
             activations already live in CPU memory (``rankwise train`` says so).
+        compile: ``torch.compile`` the model's blocks (each layer of its ``nn.ModuleList``s,
+            ``rankwise.engine.compile``); a method dynamo cannot trace is refused before
+            training. The first steps pay the compilation.
     """
 
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
@@ -232,6 +248,7 @@ class TrainConfig:
     distributed_timeout_s: float = 600.0
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
+    compile: bool = False
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
 
     def loss_chunk_for(self, vocab: int | None) -> int:
@@ -262,6 +279,9 @@ class TrainConfig:
             out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
+        if self.compile and self.gradient_checkpointing:
+            out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
+                       "set train.compile: false or train.gradient_checkpointing: false")
         if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
             out.append(f"threads: got {self.threads!r}; expected auto or an integer 1..4096")
         if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
@@ -517,6 +537,9 @@ def cross_problems(cfg: RunConfig) -> list[str]:
                 else "data.train_on_prompt")
         out.append(f"{what} is not supported with model.task: dpo (pairs are scored whole, on "
                    "their completions); remove it")
+    if m.task == "dpo" and cfg.data.schedule != "none":
+        out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
+                   "pairs; set data.schedule: none")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "

@@ -30,7 +30,9 @@ from rankwise.engine.loop import draw_batches
 from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
+from rankwise.engine.compile import compile_model, compile_problem
 from rankwise.engine.loop import precision_problem
+from rankwise.engine.skrull import Skrull
 from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
@@ -77,7 +79,16 @@ class Session:
                       grad_clip=t.grad_clip, precision=t.precision, device=self.device,
                       callbacks=callbacks or [], dist=self.dist,
                       offload_activations=t.offload_activations,
-                      per_layer=getattr(self.cfg.optim, "per_layer", False))
+                      per_layer=getattr(self.cfg.optim, "per_layer", False),
+                      schedule=self.schedule())
+
+    def schedule(self) -> Skrull | None:
+        """The step schedule of ``data.schedule`` for this process (``None``: draw order)."""
+        d, dist = self.cfg.data, self.dist
+        if d.schedule != "skrull":
+            return None
+        return Skrull.for_model(self.model, dist.world, dist.rank, self.cfg.train.grad_accum,
+                                d.schedule_linear)
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
@@ -177,6 +188,12 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
                  cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
     if cfg.data.packing:
         session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
+    if cfg.train.compile:  # the blocks compiled; a method dynamo cannot trace is refused here
+        compile_model(model)
+        problem = compile_problem(model, cfg.method.name,
+                                  lambda: task.loss_sum(model, session.batch(0))[0].backward())
+        if problem:
+            raise RankwiseError(problem)
     session.model = model = dist.prepare_model(model)
     session.optimizer = registry.get("optimizer", cfg.optim.name).builder(model, cfg.optim)
     session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)

@@ -299,7 +299,9 @@ class LoraLayer(NamedAdapters, nn.Module):
                 wx = self.base_layer(h.to(x.dtype))                            # W x_d + b
                 wx = wx - bias.to(wx.dtype) if bias is not None else wx
                 out = out + (factor - 1) * wx + factor * (delta * self.scaling[name])
-            elif out._is_view():  # e.g. bitsandbytes' 8-bit matmul returns a view of its result
+            elif torch.compiler.is_compiling() or out._is_view():  # bitsandbytes' 8-bit matmul
+                # returns a view of its result; under torch.compile the in-place add would break
+                # the graph (``_is_view`` is not traceable) and the fused add costs the same
                 out = out + delta * self.scaling[name]
             else:
                 out = out.add_(delta, alpha=self.scaling[name])
