@@ -43,7 +43,9 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("train", "loss_chunk_tokens"), "auto"), (("optim", "per_layer"), False),  # memory
                (("optim", "state_bits"), None),
                (("data", "select"), lambda v: not v.get("method") and not v.get("from_")),  # all data
-               (("data", "chosen_field"), "chosen"), (("data", "rejected_field"), "rejected"))  # dpo
+               (("data", "chosen_field"), "chosen"), (("data", "rejected_field"), "rejected"),  # dpo
+               (("data", "schedule"), "none"), (("data", "schedule_linear"), None),  # skrull
+               (("train", "compile"), False))
 
 
 def config_hash(raw: dict) -> str:
