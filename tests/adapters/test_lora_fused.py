@@ -30,7 +30,7 @@ def set_fused(model, on: bool) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, LoraLayer):
-            m.fused, n = on, n + 1
+            m.fused_lora, n = on, n + 1
     return n
 
 
@@ -133,3 +133,18 @@ def test_fused_loss_equals_peft():
     g_o = ours.model.layers[1].mlp.down_proj.lora_A["default"].weight.grad
     g_t = theirs.base_model.model.model.layers[1].mlp.down_proj.lora_A["default"].weight.grad
     torch.testing.assert_close(g_o, g_t, atol=1e-6, rtol=1e-5)
+
+
+def test_train_key_sets_the_switch_and_keeps_comparison_hashes():
+    from rankwise.recipes.config import build_run_config
+    from rankwise.recipes.runs import config_hash
+    from rankwise.recipes.train import set_fused_lora
+    plan = {"model": {"path": "tiny-llama", "task": "causal-lm"}, "method": {"name": "lora", "r": 2}}
+    auto = {**plan, "train": {"fused_lora": "auto"}}
+    assert config_hash(auto) == config_hash(plan) != config_hash({**plan, "train": {"fused_lora": "off"}})
+    assert build_run_config({**plan, "train": {"fused_lora": False}}).train.fused_lora is False
+    model = tiny_llama64(VOCAB)
+    apply_lora(model, LoraConfig(r=2, alpha=4, targets="all-linear"))
+    for key, on in (("auto", True), ("off", False), (True, True), (False, False)):
+        set_fused_lora(model, key)
+        assert {m.fused_lora for m in model.modules() if isinstance(m, LoraLayer)} == {on}

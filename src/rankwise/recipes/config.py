@@ -182,6 +182,10 @@ class TrainConfig:
             memory until the backward needs them (copies on a side CUDA stream; parameters and
             tensors under 1 KiB stay; ``docs/offload.md``). No effect on a CPU device, where
             activations already live in CPU memory (``rankwise train`` says so).
+        fused_lora: ``auto``: LoRA-wrapped linear layers (LoRA, rsLoRA, GoRA ranks; one active
+            adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
+            backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
+            same losses and gradients. ``off`` (or ``false``): the plain path.
     """
 
     steps: int = 200
@@ -205,6 +209,7 @@ class TrainConfig:
     distributed_timeout_s: float = 600.0
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
+    fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
 
     def problems(self) -> list[str]:
         """Return value errors."""

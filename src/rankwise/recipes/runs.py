@@ -39,7 +39,8 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("method", "trainable_tokens"), None), (("method", "target_parameters"), []),
                (("method", "use_dora"), False), (("train", "offload_activations"), False),
                (("method", "loftq_iter"), 1), (("method", "eva_rho"), 2.0),  # LoRA inits
-               (("method", "corda_mode"), "ipm"))
+               (("method", "corda_mode"), "ipm"),
+               (("train", "fused_lora"), "auto"))
 
 
 def config_hash(raw: dict) -> str:

@@ -163,6 +163,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
             p.data = p.data.float()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
+    set_fused_lora(model, cfg.train.fused_lora)
     if cfg.data.packing:
         session.train_data = packed_training_data(model, train_data, cfg.data.max_length, device)
     session.model = model = dist.prepare_model(model)
@@ -170,6 +171,13 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
     return session
+
+
+def set_fused_lora(model: nn.Module, setting) -> None:
+    """Apply ``train.fused_lora`` to every layer that carries the switch (LoRA's layers)."""
+    for layer in model.modules():
+        if isinstance(getattr(type(layer), "fused_lora", None), bool):
+            layer.fused_lora = setting in ("auto", True)
 
 
 def _check_not_the_base(out: Path, cfg: RunConfig) -> None:

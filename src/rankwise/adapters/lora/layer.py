@@ -40,7 +40,7 @@ class LoraLayer(NamedAdapters, nn.Module):
     """
 
     adapters_attr = "lora_A"
-    fused = False  # train.fused_lora: take the fused path (:mod:`.fused`) where it applies
+    fused_lora = False  # train.fused_lora: take the fused path (:mod:`.fused`) where it applies
 
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
@@ -275,7 +275,7 @@ class LoraLayer(NamedAdapters, nn.Module):
         (the norm detached). With dropout active in training it follows PEFT:
         ``out + (f - 1) ⊙ W x_d + f ⊙ s B A x_d`` for the dropped-out input ``x_d``.
         """
-        if self.fused and (one := fused.eligible(self, x)) is not None:
+        if self.fused_lora and (one := fused.eligible(self, x)) is not None:
             return fused.forward(self, x, one)
         out = self.base_layer(x)
         for name in self._active:
