@@ -121,7 +121,7 @@ PRESETS = {
                       steps=5, eval_windows=8, gora_batches=0,
                       rows=tuple(DORA + row for row in ROWS)),
     "cpu-fused": Sizes(hidden=256, layers=4, heads=4, intermediate=704, seq=256, batch=4,
-                       warmup=1, steps=4, eval_windows=4, gora_batches=0, fused=True),
+                       warmup=1, steps=8, eval_windows=4, gora_batches=0, fused=True),
 }
 
 

@@ -100,9 +100,10 @@ class _FusedLora(torch.autograd.Function):
             xl = x.to(lora_dt)
             al, bl = a.to(lora_dt), b.to(lora_dt)
             ax = F.linear(xl, al)
-            delta = F.linear(ax, bl)
-            delta = delta if delta.dtype == out.dtype else delta.to(out.dtype)
-            out.add_(delta, alpha=scale)
+            if out.dtype == lora_dt and out.is_contiguous():  # out += s (A x) B^T in the GEMM
+                out.view(-1, out.shape[-1]).addmm_(ax.reshape(-1, ax.shape[-1]), bl.t(), alpha=scale)
+            else:
+                out.add_(F.linear(ax, bl).to(out.dtype), alpha=scale)
         keep_w = four_bit and KEEP_DEQUANTIZED
         ctx.save_for_backward(x, ax if KEEP_AX else None, a, b,
                               wc if keep_w else (None if four_bit else weight))
@@ -121,22 +122,26 @@ class _FusedLora(torch.autograd.Function):
             al, bl = a.to(lora_dt), b.to(lora_dt)
             if ax is None:
                 ax = F.linear(xl, al)
-            gd = g * ctx.scale  # the add_(delta, alpha=s) node's gradient, in the output dtype
-            gd = gd if gd.dtype == lora_dt else gd.to(lora_dt)
-            gd2, ax2 = gd.reshape(-1, gd.shape[-1]), ax.reshape(-1, ax.shape[-1])
+            # s is applied to the r-column products, not to a copy of g (out, per token)
+            gl_ = g.to(lora_dt).reshape(-1, g.shape[-1])
+            ax2 = ax.reshape(-1, ax.shape[-1])
             if need_b:
-                db = (gd2.t() @ ax2).to(b.dtype)
-            gax = gd @ bl                                                   # (..., r)
+                db = torch.mm(gl_.t(), ax2).mul_(ctx.scale).to(b.dtype)
+            gax = torch.mm(gl_, bl).mul_(ctx.scale)                         # (tokens, r)
+            del gl_
             if need_a:
-                da = (gax.reshape(-1, gax.shape[-1]).t() @ xl.reshape(-1, xl.shape[-1])).to(a.dtype)
+                da = torch.mm(gax.t(), xl.reshape(-1, xl.shape[-1])).to(a.dtype)
             if need_x:
                 if ctx.four_bit:
                     w = weight if ctx.keep_w else layer_weights.dense_weight(ctx.layer).to(base_dt)
-                    gb = g.to(base_dt) @ w
                 else:
-                    gb = g.to(base_dt) @ weight.to(base_dt)
-                gl = gax @ al
-                dx = gb.to(x.dtype) + gl.to(x.dtype)
+                    w = weight.to(base_dt)
+                dx = torch.mm(g.to(base_dt).reshape(-1, g.shape[-1]), w)      # (tokens, in)
+                if dx.dtype == lora_dt:  # + d(Ax) A accumulated in the GEMM
+                    dx = dx.addmm_(gax, al).to(x.dtype)
+                else:
+                    dx = dx.to(x.dtype) + torch.mm(gax, al).to(x.dtype)
+                dx = dx.view(*x.shape[:-1], dx.shape[-1])
         return dx, da, db, None, None, None, None, None
 
 
