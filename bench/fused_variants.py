@@ -65,7 +65,8 @@ def profile(folder, row, s, data, top=12):
 
 
 def main(out: Path, rows: list[str]) -> None:
-    s = lf.PRESETS["cpu-fused"]
+    import os
+    s = lf.PRESETS[os.environ.get("FUSED_PRESET", "cpu-fused")]
     torch.set_num_threads(1)
     from transformers import logging as hf_logging
     hf_logging.set_verbosity_error()
