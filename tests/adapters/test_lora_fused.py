@@ -107,6 +107,8 @@ def test_dropout_and_dora_keep_the_plain_path():
     layer = model.model.layers[0].self_attn.q_proj
     x = torch.randn(2, 64)
     assert fused.eligible(layer.train(), x) is None and fused.eligible(layer.eval(), x) == "default"
+    with torch.no_grad():
+        assert fused.eligible(layer.eval(), x) is None
     model = tiny_llama64(VOCAB)
     apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj"], use_dora=True))
     assert fused.eligible(model.model.layers[0].self_attn.q_proj, x) is None

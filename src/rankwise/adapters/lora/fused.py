@@ -12,16 +12,17 @@ that equals the plain path's (:meth:`LoraLayer.forward`: the base layer, then tw
   bf16 tensor per projection, so q/k/v hold three copies of one input; PEFT does the same);
 * no dropout mask: the fused path is taken only while dropout is inactive (``p = 0`` or eval);
 * ``A x`` (``r`` columns) is kept: recomputing it costs ``2 r in`` flops per token to save
-  ``r`` values per token (measured in ``docs/real-scale.md``);
+  ``r`` values per token (measured in ``docs/fused-lora.md``);
 * a 4-bit base (bitsandbytes ``Linear4bit``) is dequantized in the forward and again in the
   backward (:data:`KEEP_DEQUANTIZED` False): keeping the dense weight until the backward would
   hold a 16-bit copy of every layer of the step, the memory 4-bit exists to save; with
   checkpointing that copy would live only per block, but the measured time saved did not pay
-  for it either (``docs/real-scale.md``).
+  for it either (``docs/fused-lora.md``).
 
-Taken when the layer has exactly one active, unmerged adapter that is neither DoRA nor a
-residual init, its base is ``nn.Linear`` / ``Conv1D`` with a frozen weight, or a 4-bit
-``Linear4bit`` whose input arrives in its compute dtype; anything else runs the plain path.
+Taken while autograd records (no-grad evaluation keeps the plain path) and the layer has
+exactly one active, unmerged adapter that is neither DoRA nor a residual init, its base is
+``nn.Linear`` / ``Conv1D`` with a frozen weight, or a 4-bit ``Linear4bit`` whose input arrives in
+its compute dtype; anything else runs the plain path.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def _four_bit(layer: nn.Module) -> bool:
 def eligible(layer, x: torch.Tensor) -> str | None:
     """The adapter name if ``layer`` (a ``LoraLayer``) can take the fused path on ``x``, else
     ``None``."""
+    if not torch.is_grad_enabled():  # nothing to save: the plain path (and bitsandbytes' own
+        return None                   # eval kernels) exactly as without the switch
     active = [n for n in layer._active if n not in layer._merged]
     if len(active) != 1 or len(layer._merged):
         return None
@@ -82,7 +85,8 @@ def _dtypes(x: torch.Tensor, weight_dtype: torch.dtype | None) -> tuple[torch.dt
 
 
 class _FusedLora(torch.autograd.Function):
-    """``W x + b + s B A x`` for a frozen ``W`` (dense, or a 4-bit layer dequantized on use)."""
+    """LoRA's ``W x + b + s B A x`` (Hu et al. 2021, eq. 3) for a frozen ``W`` (dense, or a
+    4-bit layer dequantized on use), with the backward of the module docstring."""
 
     @staticmethod
     def forward(ctx, x, a, b, weight, bias, layer, scale, four_bit):
