@@ -3,7 +3,6 @@ float32 to 1e-6, bf16 and NF4 (bf16 compute) to a tolerance of a few bf16 roundi
 activation checkpointing and gradient accumulation, and PEFT's loss on the same weights."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
