@@ -31,6 +31,11 @@ BENCHMARKS = {
     "loro": "rankwise.benchmarks.loro:run",
     "tpa": "rankwise.benchmarks.tpa:run",
     "vfl": "rankwise.federated.vfl.bench:run",
+    "memory-features": "rankwise.benchmarks.memory_features:run",
+    "dpo": "rankwise.benchmarks.dpo:run",
+    "plan": "rankwise.benchmarks.plan:run",
+    "select": "rankwise.benchmarks.select:run",
+    "shapley": "rankwise.benchmarks.shapley:run",
 }
 
 
@@ -213,6 +218,16 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
 
 @main.command()
 @click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for scores.jsonl, chosen.json.")
+def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
+    """Score the training records by data.select and write the chosen ids (docs/select.md)."""
+    from rankwise.recipes.select import run_select
+    run_select(config, list(sets), out)
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def vfl(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
@@ -265,6 +280,19 @@ def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None
 
 
 @main.command()
+@click.argument("target", metavar="RUN_OR_MODEL", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Run config whose data: gives the calibration batches (default: the run's own).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Output folder (default runs/<name>-inspect).")
+def inspect(target: Path, data: Path | None, out: Path | None) -> None:
+    """Gradient rank, Model Shapley and the low-rank inverse bound of a run or model (docs/inspect.md)."""
+    from rankwise.recipes.inspect import run_inspect
+    out = out or Path("runs") / f"{target.name}-inspect"
+    run_inspect(target, data, out)
+    click.echo(f"wrote {out}/report.md and {out}/inspect.json")
+
+
+@main.command()
 @click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def bench(name: str, out: Path | None) -> None:
@@ -272,6 +300,24 @@ def bench(name: str, out: Path | None) -> None:
     out = out or Path("bench/results") / name
     _load(BENCHMARKS[name])(out)
     click.echo(f"wrote {out}/results.json and {out}/results.md")
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--memory", default=None, metavar="SIZE", help="Budget, e.g. 24GiB or 80GB.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--fit", is_flag=True, help="Propose the cheapest switches that fit --memory.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (peak_mb in MiB).")
+@click.option("--padded", is_flag=True, help="Batches carry padding (the attention gets a mask).")
+def plan(config: Path, sets: tuple[str, ...], memory: str | None, device: str, fit: bool,
+         as_json: bool, padded: bool) -> None:
+    """Predict a config's peak memory before it runs (meta device: no weights are read)."""
+    import json
+
+    from rankwise.recipes.planner import plan as run_plan
+    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded)
+    click.echo(json.dumps(obj) if as_json else text)
 
 
 @main.command(name="list")

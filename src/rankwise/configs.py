@@ -85,6 +85,8 @@ def _build(cls: type[T], data: dict, where: str, problems: list[str]) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if key not in fields and f"{key}_" in fields:  # a field named after a Python keyword (from_)
+            key = f"{key}_"
         if key not in fields:
             hint = KEY_HINTS.get(f"{where}.{key}")
             problems.append(f"{where}.{key}: {hint}" if hint else

@@ -63,6 +63,10 @@ class Entry:
             is ``auto`` (its default): ``1.0``, or ``None`` (off) for optimizers that set their
             own step from the gradient's norm and that clipping would defeat (NGN-M's step
             size, t-SignSGD's spike guard). An explicit ``train.grad_clip`` still wins.
+        layer_score: For methods built from a per-layer score of the weight and its mean
+            gradient (GoRA's importance): ``layer_score(weight, grad) -> float``, both
+            ``(out, in)``, with the method's default settings; ``rankwise inspect`` shows it
+            beside the gradient's spectrum.
     """
 
     kind: str
@@ -79,6 +83,7 @@ class Entry:
     exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
     loader: Callable[..., Any] | None = None
     grad_clip: float | None = 1.0
+    layer_score: Callable[..., float] | None = None
 
     def apply(self, model: Any, config: Any, adapter_name: str = "default", batches: Any = None,
               **calibration: Any) -> Any:
@@ -121,7 +126,7 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
         summary: One-line description.
         **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
             ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``,
-            ``loader``, ``grad_clip``).
+            ``loader``, ``grad_clip``, ``layer_score``).
 
     Returns:
         The entry.

@@ -88,6 +88,10 @@ class Sizes:
         threads: torch threads on CPU.
         seed: Seed of the weights and of the batch order.
         fused: Add the ``fused`` side (rankwise with the fused LoRA path) to every row.
+        vocab: Vocabulary of the model (the data are bytes, ids < 256; a larger vocabulary only
+            widens the embeddings, the head and the logits: the chunked-loss measurement).
+        loss_chunk_tokens: ``train.loss_chunk_tokens`` of the engine step both sides use (0:
+            unchunked; :mod:`rankwise.benchmarks.memory_features` compares the loss paths).
     """
 
     hidden: int = 512
@@ -108,6 +112,8 @@ class Sizes:
     threads: int = 1
     seed: int = 0
     fused: bool = False
+    vocab: int = 256
+    loss_chunk_tokens: int = 0
 
 
 PRESETS = {
@@ -135,7 +141,7 @@ def build_base(s: Sizes, folder: Path) -> int:
     parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(s.seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=s.hidden, intermediate_size=s.intermediate,
+    cfg = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
                       num_hidden_layers=s.layers, num_attention_heads=s.heads,
                       num_key_value_heads=s.heads, max_position_embeddings=s.seq,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
@@ -223,7 +229,9 @@ class _Side:
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=s.lr)
-        self.engine = Engine(model, get_task("causal-lm"), self.opt, data, s.batch, seed=s.seed,
+        task = get_task("causal-lm")
+        task.loss_chunk_tokens = s.loss_chunk_tokens
+        self.engine = Engine(model, task, self.opt, data, s.batch, seed=s.seed,
                              precision=precision, device=s.device)
         self.times: list[float] = []
         self.losses: list[float] = []

@@ -294,6 +294,9 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         RankwiseError: Missing/empty/malformed data, missing fields, bad messages, a format the
             task cannot use, or an empty split.
     """
+    if getattr(task, "paired", False):  # preference pairs: their own records and examples
+        from rankwise.data.preference import build_pair_data
+        return build_pair_data(data_cfg, tokenizer, progress)
     quiet_datasets(progress)
     uses_labels = task.uses_labels
     if data_cfg.eval_source:

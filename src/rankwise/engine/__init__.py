@@ -3,19 +3,24 @@ objects that turn examples into losses and metrics. Importing it registers the t
 from rankwise import registry
 from rankwise.engine.loop import (Engine, NonFiniteLoss, StepResult, TrainState, batch_indices,
                                   evaluate, linear_schedule)
+from rankwise.engine.preference import DPOConfig, DPOTask
 from rankwise.engine.task import CausalLMTask, ClassificationTask, Task
 
 for _cls in (ClassificationTask, CausalLMTask):
     registry.register("task", _cls.name, dict, _cls, summary=f"{_cls.name} ({_cls.auto_class})")
+registry.register("task", DPOTask.name, DPOConfig, DPOTask,
+                  summary="dpo (AutoModelForCausalLM; preference pairs, section dpo:)")
 
 
-def get_task(name: str) -> Task:
-    """The registered task ``name`` (``classification``, ``causal-lm``), instantiated.
+def get_task(name: str, config=None) -> Task:
+    """The registered task ``name`` (``classification``, ``causal-lm``, ``dpo``), instantiated
+    with its config section (``dpo:``) when given.
 
     Raises:
         RankwiseError: Unknown task (the message lists the registered ones).
     """
-    return registry.get("task", name).builder()
+    builder = registry.get("task", name).builder
+    return builder(config) if config is not None else builder()
 
 
 __all__ = ["Engine", "NonFiniteLoss", "StepResult", "TrainState", "Task", "ClassificationTask",

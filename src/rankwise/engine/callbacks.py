@@ -77,7 +77,7 @@ class EventLog:
 
     def on_step_end(self, engine, state, result) -> None:
         if state.step % self.every == 0 or state.step == state.total_steps:
-            self.write({"step": state.step, "loss": result.loss, **result.aux,
+            self.write({"step": state.step, "loss": result.loss, **result.aux, **result.metrics,
                         "lr": current_lr(engine), "elapsed_s": round(state.elapsed, 3)})
 
     def on_fit_exit(self, engine, state) -> None:

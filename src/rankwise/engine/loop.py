@@ -26,6 +26,8 @@ from torch import nn
 
 from rankwise.core.protocol import aux_losses
 from rankwise.engine.offload import OffloadActivations
+from rankwise.engine.per_layer import PerLayerUpdates
+from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.task import Task
 from rankwise.errors import RankwiseError
 
@@ -163,6 +165,7 @@ class StepResult:
         examples: Examples in the step.
         targets: Loss targets (examples or predicted tokens) in the step.
         tokens: Input tokens (attention-mask ones) in the step.
+        metrics: The task's own measurements (DPO's rewards), logged beside the loss.
     """
 
     loss: float
@@ -170,6 +173,7 @@ class StepResult:
     examples: int = 0
     targets: int = 0
     tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -228,13 +232,20 @@ class Engine:
         offload_activations: Keep the tensors the forward saves for backward in pinned host
             memory until the backward (:mod:`rankwise.engine.offload`; no effect on a CPU
             device).
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free it (:mod:`rankwise.engine.per_layer`); needs ``grad_accum`` 1, no clipping, no
+            fp16 scaler, one process.
+
+    Raises:
+        RankwiseError: An unknown precision, or ``per_layer`` with settings it cannot follow.
     """
 
     def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, dataset: Any,
                  batch_size: int, seed: int = 0, scheduler: Any = None, grad_accum: int = 1,
                  grad_clip: float | None = None, precision: str = "fp32", device: str = "cpu",
                  loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = (),
-                 dist: Any = None, offload_activations: bool = False) -> None:
+                 dist: Any = None, offload_activations: bool = False,
+                 per_layer: bool = False) -> None:
         if precision not in PRECISIONS:
             raise RankwiseError(f"train.precision: got {precision!r}; expected one of {list(PRECISIONS)}")
         self.model, self.task, self.optimizer, self.dataset = model, task, optimizer, dataset
@@ -246,6 +257,16 @@ class Engine:
         self.scaler = torch.amp.GradScaler(self.device.split(":")[0]) if precision == "fp16" else None
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.dist = dist if dist is not None and dist.active else None
+        self.per_layer = None
+        if per_layer:
+            bad = per_layer_problems(self.grad_accum, grad_clip, precision,
+                                     self.dist.world if self.dist is not None else 1)
+            if getattr(optimizer, "needs_closure_loss", False):
+                bad.append(f"optim.per_layer: {type(optimizer).__name__} needs the step's loss and "
+                           "every gradient; set optim.per_layer: false")
+            if bad:
+                raise RankwiseError("; ".join(bad))
+            self.per_layer = PerLayerUpdates(self.params, optimizer)
         # one object for the whole fit: one side stream, and its stats add up over the steps
         self.offloader = OffloadActivations(self.device) if offload_activations else None
 
@@ -285,10 +306,12 @@ class Engine:
         total = 0.0
         aux_sum: dict[str, float] = {}
         bad = None
+        if self.per_layer is not None:
+            self.per_layer.arm()  # each parameter steps in the backward below
         for batch in batches:
             share = len(batch["input_ids"]) / examples  # per-batch means weigh by their examples
             with self.autocast(), self.offload():
-                loss_sum, _ = self.task.loss_sum(model, batch)
+                loss_sum = self.task.loss_sum(model, batch)[0]  # the output (logits) freed now
                 loss = loss_sum / norm
                 extra = aux_losses(model)
                 extra.update({name: hook(model, step) for name, hook in self.loss_hooks.items()})
@@ -296,12 +319,16 @@ class Engine:
             if not torch.isfinite(objective.detach()):
                 if self.dist is None:
                     opt.zero_grad(set_to_none=True)
+                    if self.per_layer is not None:
+                        self.per_layer.disarm()
                     raise NonFiniteLoss(step + 1, float(objective.detach()))
                 bad = float(objective.detach())  # every process raises together, below
             (self.scaler.scale(objective) if self.scaler else objective).backward()
             total += float(loss_sum.detach())
             for k, v in extra.items():
                 aux_sum[k] = aux_sum.get(k, 0.0) + float(v.detach()) * share
+        if self.per_layer is not None:
+            self.per_layer.disarm()
         tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
         if self.dist is not None:
             total, aux_sum, bad, tokens = self.dist.reduce_step(total, aux_sum, bad, tokens)
@@ -313,10 +340,15 @@ class Engine:
         # The loss an optimizer sees (NGN-M's f) is the objective whose gradient it steps on:
         # the task loss plus the auxiliary and hook terms.
         self._update(step, mean + sum(aux_sum.values()))
-        return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=tokens)
+        return StepResult(loss=mean, aux=aux_sum, examples=examples, targets=targets, tokens=tokens,
+                          metrics=self.task.step_metrics())
 
     def _update(self, step: int, loss: float) -> None:
         opt = self.optimizer
+        if self.per_layer is not None:  # every parameter stepped in the backward
+            if self.scheduler is not None:
+                self.scheduler.step()
+            return
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         if self.grad_clip:

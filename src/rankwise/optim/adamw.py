@@ -22,6 +22,10 @@ class AdamWConfig:
         weight_decay: Decoupled weight decay.
         betas: Adam's (beta1, beta2).
         eps: Adam's epsilon.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
         state_bits: ``8``: both moments stored as blockwise 8-bit codes plus one float32 maximum
             per 256 elements (Dettmers et al. 2022; :mod:`rankwise.optim.lowbit`); ``null``:
             float32 (``torch.optim.AdamW`` itself).
@@ -32,6 +36,7 @@ class AdamWConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    per_layer: bool = False
     state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:

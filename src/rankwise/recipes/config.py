@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
 from rankwise import registry
 from rankwise.configs import from_dict
+from rankwise.data.select import SelectConfig
+from rankwise.engine.per_layer import problems as per_layer_problems
+from rankwise.engine.preference import DPOConfig
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
@@ -82,6 +85,8 @@ class DataConfig:
         prompt_field: Column/key of the prompt (``prompt-completion``).
         completion_field: Column/key of the completion (``prompt-completion``).
         messages_field: Column/key of the messages (``chat``).
+        chosen_field: Column/key of the preferred completion (``model.task: dpo``).
+        rejected_field: Column/key of the dispreferred completion (``model.task: dpo``).
         train_on_prompt: Prompt tokens are loss targets too (``prompt-completion``).
         chat_template: A Jinja chat template (text, or a file path) used instead of the
             tokenizer's own; needed when the tokenizer has none.
@@ -100,6 +105,7 @@ class DataConfig:
             (a deterministic ``validation_fraction`` of the *training* records, held out of
             training; learning-rate sweeps choose on it so the evaluation split stays unseen).
         validation_fraction: Share of the training records held out with ``holdout: validation``.
+        select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
     """
 
     source: str = "demo"
@@ -109,6 +115,8 @@ class DataConfig:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     train_on_prompt: bool = False
     chat_template: Union[str, None] = None
     packing: bool = False
@@ -121,6 +129,7 @@ class DataConfig:
     label_noise_seed: int = 0
     holdout: Literal["eval", "validation"] = "eval"
     validation_fraction: float = 0.1
+    select: SelectConfig = field(default_factory=SelectConfig)
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -178,6 +187,21 @@ class TrainConfig:
         threads: Torch CPU threads per process: ``auto`` = the CPUs this process may use
             (affinity mask, cgroup quota) shared by the run's processes on the machine
             (``rankwise.engine.threads``), or a number.
+        loss_chunk_tokens: Causal LM: compute the loss from the final hidden states through
+            the output head in chunks of this many target tokens, each chunk's logits
+            recomputed in the backward (:mod:`rankwise.engine.chunked_loss`; same loss and
+            gradients up to float rounding); 0 = off; ``auto`` = :attr:`AUTO_CHUNK_TOKENS` when
+            the model's vocabulary has at least :attr:`AUTO_CHUNK_VOCAB` entries, else off.
+            Why 32,000 and 512: the unchunked loss keeps about four fp32 copies of the
+            ``(tokens x vocab)`` logits alive (logits, log-softmax, both gradients), 16 V bytes
+            a token: at V = 32,000 that is 512 KB a token, more than a 7B Llama's checkpointed
+            activations (~ 32 layers x 4096 x 2 bytes = 256 KB) and the largest item of a LoRA
+            step; from Llama-2's 32,000 to Qwen's 152k and Gemma's 256k it only grows. The cost
+            is one more head forward per target token (``2 H V`` flops: 0.6 % of Llama-2-7B's
+            ``6 N`` flops a token, 2 % of Llama-3-8B's). The tiny test models (MiniLM's 30,522-token
+            vocabulary) stay on the unchunked path. 512 tokens keep one chunk's fp32 logits at
+            256 MiB for a 128k vocabulary while the ``512 x H x V`` matmul still runs at full
+            speed.
         offload_activations: Keep the tensors the forward saves for backward in pinned CPU
             memory until the backward needs them (copies on a side CUDA stream; parameters and
             tensors under 1 KiB stay; ``docs/offload.md``). No effect on a CPU device, where
@@ -187,6 +211,9 @@ class TrainConfig:
             backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
             same losses and gradients. ``off`` (or ``false``): the plain path.
     """
+
+    AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
+    AUTO_CHUNK_TOKENS: ClassVar[int] = 512
 
     steps: int = 200
     batch_size: int = 32
@@ -210,6 +237,13 @@ class TrainConfig:
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
     fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
+    loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
+
+    def loss_chunk_for(self, vocab: int | None) -> int:
+        """Target tokens per loss chunk for a model of ``vocab`` entries (0 = unchunked)."""
+        if self.loss_chunk_tokens != "auto":
+            return int(self.loss_chunk_tokens)
+        return self.AUTO_CHUNK_TOKENS if (vocab or 0) >= self.AUTO_CHUNK_VOCAB else 0
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -235,6 +269,9 @@ class TrainConfig:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
         if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
             out.append(f"threads: got {self.threads!r}; expected auto or an integer 1..4096")
+        if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
+            out.append(f"loss_chunk_tokens: got {self.loss_chunk_tokens}; expected auto, 0 (off) "
+                       "or a number of tokens per chunk")
         return out
 
 
@@ -265,7 +302,9 @@ class EvalConfig:
 class RunConfig:
     """A whole run. ``method``, ``optim`` and ``compress`` are the registered entries' own config
     classes (chosen by their ``name`` / ``method`` key); ``federated`` and ``compress`` are only
-    present when the file has them (``rankwise federated`` / ``rankwise compress``)."""
+    present when the file has them (``rankwise federated`` / ``rankwise compress``); ``dpo``
+    (:class:`~rankwise.engine.preference.DPOConfig`) is present exactly when ``model.task`` is
+    ``dpo`` (filled with its defaults when the file has none)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -275,6 +314,7 @@ class RunConfig:
     federated: Union[FederatedConfig, None] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     compress: Any = None
+    dpo: Union[DPOConfig, None] = None
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -283,7 +323,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress")
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -383,6 +423,7 @@ def build_run_config(data: dict) -> RunConfig:
     optim = dict(data.get("optim") or {})
     method.setdefault("name", "lora")
     optim.setdefault("name", "adamw")
+    problems.extend(per_layer_support(optim))
     cfg = RunConfig(
         model=part(lambda: from_dict(ModelConfig, data.get("model"), "model")),
         data=part(lambda: from_dict(DataConfig, data.get("data"), "data")),
@@ -394,7 +435,10 @@ def build_run_config(data: dict) -> RunConfig:
         eval=part(lambda: from_dict(EvalConfig, data.get("eval"), "eval")),
         compress=part(lambda: compressor_config(data["compress"]))
         if data.get("compress") is not None else None,
+        dpo=part(lambda: from_dict(DPOConfig, data["dpo"], "dpo")) if data.get("dpo") is not None else None,
     )
+    if cfg.model is not None and cfg.model.task == "dpo" and cfg.dpo is None:
+        cfg.dpo = DPOConfig()  # config.yaml records the defaults the run used
     if not problems:
         problems.extend(cross_problems(cfg))
     if problems:
@@ -426,8 +470,9 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
     (``null`` when off, as an explicit 0 does), and an optimizer ``total_steps`` left ``null``
     (t-SignSGD's threshold schedule) becomes ``train.steps``."""
     t = cfg.train
-    if t.grad_clip == "auto":
-        t.grad_clip = registry.get("optimizer", cfg.optim.name).grad_clip
+    if t.grad_clip == "auto":  # per-layer updates cannot clip by a global norm: off
+        t.grad_clip = (None if getattr(cfg.optim, "per_layer", False) else
+                       registry.get("optimizer", cfg.optim.name).grad_clip)
     t.grad_clip = float(t.grad_clip) if t.grad_clip else None
     if getattr(cfg.optim, "total_steps", 0) is None:
         cfg.optim.total_steps = t.steps
@@ -442,6 +487,26 @@ def _absolute_paths(cfg: RunConfig) -> None:
             setattr(section, key, str(Path(value).expanduser().resolve()))
 
 
+def per_layer_support(optim: dict) -> list[str]:
+    """``optim.per_layer: true`` for an optimizer that cannot step one parameter at a time (its
+    config has no ``per_layer``): one problem naming those that can; the key is removed so the
+    rest of the section is still checked."""
+    if "per_layer" not in optim:
+        return []
+    try:
+        cls = registry.get("optimizer", str(optim["name"])).config_cls
+    except RankwiseError:
+        return []  # the unknown name is reported with the section
+    if any(f.name == "per_layer" for f in dataclasses.fields(cls)):
+        return []
+    if not optim.pop("per_layer"):
+        return []
+    able = [n for n in registry.names("optimizer")
+            if any(f.name == "per_layer" for f in dataclasses.fields(registry.get("optimizer", n).config_cls))]
+    return [f"optim.per_layer: optimizer {optim['name']!r} has no per-layer mode (its step is not "
+            f"known to update one parameter at a time); per-layer updates work with {', '.join(able)}"]
+
+
 def cross_problems(cfg: RunConfig) -> list[str]:
     """Problems that involve two sections (each section's own checks have passed)."""
     out = []
@@ -450,10 +515,20 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
                 else f"data.format {cfg.data.format}")
         out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
+    if cfg.dpo is not None and m.task != "dpo":
+        out.append(f"the dpo section needs model.task: dpo (got {m.task}); remove it or change the task")
+    if m.task == "dpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt):
+        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
+                else "data.train_on_prompt")
+        out.append(f"{what} is not supported with model.task: dpo (pairs are scored whole, on "
+                   "their completions); remove it")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "
                    "an adapter method (lora, gora) or set model.quantize: null")
+    if getattr(cfg.optim, "per_layer", False):
+        clip = t.grad_clip if t.grad_clip != "auto" else None
+        out.extend(per_layer_problems(t.grad_accum, clip, t.precision, 1))
     init = str(getattr(cfg.method, "init", ""))  # LoRA's data- and quantization-driven inits
     if init in ("eva", "corda") and t.calibration_batches < 1:
         out.append(f"method.init: {init} needs calibration batches, but train.calibration_batches "

@@ -40,7 +40,11 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("method", "use_dora"), False), (("train", "offload_activations"), False),
                (("method", "loftq_iter"), 1), (("method", "eva_rho"), 2.0),  # LoRA inits
                (("method", "corda_mode"), "ipm"),
-               (("train", "fused_lora"), "auto"))
+               (("train", "fused_lora"), "auto"),
+               (("train", "loss_chunk_tokens"), "auto"), (("optim", "per_layer"), False),  # memory
+               (("optim", "state_bits"), None),
+               (("data", "select"), lambda v: not v.get("method") and not v.get("from_")),  # all data
+               (("data", "chosen_field"), "chosen"), (("data", "rejected_field"), "rejected"))  # dpo
 
 
 def config_hash(raw: dict) -> str:
@@ -54,7 +58,8 @@ def config_hash(raw: dict) -> str:
     for section, key in NOT_RESULTS:
         (resolved.get(section) or {}).pop(key, None)
     for (section, key), neutral in NEUTRAL_NEW:
-        if (resolved.get(section) or {}).get(key, neutral) == neutral:
+        value = (resolved.get(section) or {}).get(key, neutral)
+        if neutral(value) if callable(neutral) else value == neutral:
             (resolved.get(section) or {}).pop(key, None)
     cwd = Path.cwd().resolve()
     for section, key in (("model", "path"), ("data", "source"), ("data", "eval_source")):

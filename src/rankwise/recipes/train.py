@@ -25,6 +25,7 @@ from rankwise.core.ops import count_parameters, modules_to_save
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
 from rankwise.engine import Engine, NonFiniteLoss, Task, get_task, linear_schedule
+from rankwise.engine.chunked_loss import vocab_size
 from rankwise.engine.loop import draw_batches
 from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
@@ -75,7 +76,8 @@ class Session:
                       seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
                       grad_clip=t.grad_clip, precision=t.precision, device=self.device,
                       callbacks=callbacks or [], dist=self.dist,
-                      offload_activations=t.offload_activations)
+                      offload_activations=t.offload_activations,
+                      per_layer=getattr(self.cfg.optim, "per_layer", False))
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
@@ -95,7 +97,8 @@ def pick_device() -> str:
 
 
 def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=None,
-            saved: dict | None = None, dist: Distributed | None = None) -> Session:
+            saved: dict | None = None, dist: Distributed | None = None,
+            selected: dict | None = None) -> Session:
     """Load model and data, apply the method, build optimizer and schedule.
 
     Args:
@@ -109,6 +112,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
         dist: This process's place under torchrun (default: a single process). Rank 0
             tokenizes first (the others reuse the cache); the model is then made identical on
             every process (``ddp``) or sharded (``fsdp``) before the optimizer is built.
+        selected: Receives ``selection`` and ``full`` (the training data before it) when
+            ``data.select`` chose records (``rankwise select``).
 
     Returns:
         A ready :class:`Session`.
@@ -122,7 +127,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     problem = precision_problem(cfg.train.precision, device)
     if problem:
         raise RankwiseError(problem)
-    task = get_task(cfg.model.task)
+    task = get_task(cfg.model.task, cfg.dpo)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.add_tokens, cfg.model.add_special_tokens)
     with dist.main_first():
@@ -141,6 +146,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
                                       add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     if not m.quantize:  # a quantized model was loaded onto the device (bitsandbytes moves it)
         model.to(device)
+    if hasattr(task, "loss_chunk_tokens"):  # causal LM: chunked loss above a vocabulary size
+        task.loss_chunk_tokens = cfg.train.loss_chunk_for(vocab_size(model))
     entry = registry.get("method", cfg.method.name)
     torch.manual_seed(cfg.train.seed)
     session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device, dist)  # type: ignore[arg-type]
@@ -164,8 +171,13 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
     set_fused_lora(model, cfg.train.fused_lora)
+    if cfg.data.select.method or cfg.data.select.from_:  # data.select: keep the chosen records
+        from rankwise.recipes.select import select_training
+        (selected if selected is not None else {}).update(full=train_data, selection=select_training(session))
+    task.prepare(model, [session.train_data, eval_data], entry.trains == "full",
+                 cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
     if cfg.data.packing:
-        session.train_data = packed_training_data(model, train_data, cfg.data.max_length, device)
+        session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
     session.model = model = dist.prepare_model(model)
     session.optimizer = registry.get("optimizer", cfg.optim.name).builder(model, cfg.optim)
     session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)
@@ -238,6 +250,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
         for d in (saved, now):
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
+            d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
             now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
         diff = [k for k in dotted_diff(saved, now) if k != "train.steps"]
@@ -491,4 +504,12 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
                **optim_scope.metrics(session.scope)}
     if main:
         atomic.write_json(out / "metrics.json", metrics)
+    if main and t.progress and console.is_terminal:  # plan's prediction beside the measurement
+        # (docs/plan.md); for a person at a terminal: a meta forward costs ~0.3 s
+        from rankwise.recipes.planner import predicted_train_peak_mb
+        predicted = predicted_train_peak_mb(cfg, session.device)
+        if predicted is not None:
+            console.print(f"peak memory {mem.peak_mb:.1f} MiB ({mem.meter}); rankwise plan "
+                          f"predicted {predicted:.1f} MiB for the training steps at data.max_length="
+                          f"{cfg.data.max_length} (evaluation is not planned)")
     return metrics

@@ -26,4 +26,5 @@ __all__ = ["GoraConfig", "GoraResult", "apply_gora", "gora_report", "plot_ranks"
 
 registry.register("method", "gora", GoraConfig, apply_gora, needs_batches=True,
                   rebuild=rebuild_gora, factorized=True,
+                  layer_score=lambda w, g: importance(GoraConfig.importance, w, g, GoraConfig.r),
                   summary="GoRA: gradient-driven adaptive ranks + projected-gradient init (NeurIPS 2025)")

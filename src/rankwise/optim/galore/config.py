@@ -44,6 +44,10 @@ class GaLoreConfig:
         oja_lr: ``eta``, the dimensionless Oja step (``projector: oja``).
         oja_bits: Store the Oja tracker as int8 codes of this many bits (2..8) with unbiased
             stochastic rounding of the tracker and of its update; ``null``: float.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
         state_bits: ``8``: Adam's moments (projected and plain) stored as blockwise 8-bit codes
             (:mod:`rankwise.optim.lowbit`, bitsandbytes' quantiser); ``null``: float32.
     """
@@ -64,6 +68,7 @@ class GaLoreConfig:
     projector: Literal["svd", "oja"] = "svd"
     oja_lr: float = 1.0
     oja_bits: Optional[int] = None
+    per_layer: bool = False
     state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:

@@ -52,6 +52,10 @@ class SumoConfig:
         state_bits: ``8``: the momentum and the AdamW moments stored as blockwise 8-bit codes
             (:mod:`rankwise.optim.lowbit`); ``null``: float32.
         seed: Seed of the tracker's stochastic rounding.
+        per_layer: Step each parameter in the backward as soon as its gradient is complete and
+            free the gradient (:mod:`rankwise.engine.per_layer`): a full fine-tuning step then
+            never holds every gradient. Needs ``train.grad_accum: 1`` and no clipping
+            (``train.grad_clip: auto`` turns clipping off).
     """
 
     name: str = "sumo"
@@ -72,6 +76,7 @@ class SumoConfig:
     oja_lr: float = 1.0
     oja_bits: Optional[int] = None
     seed: int = 0
+    per_layer: bool = False
     state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:

@@ -1,0 +1,182 @@
+"""``model.task: dpo`` through ``rankwise train``: it logs rewards and log-probs, its
+``eval_reward_margin`` / ``eval_reward_accuracy`` are those of the saved adapter against the base
+(recomputed here by hand), it resumes exactly and exports; full fine-tuning precomputes the
+reference of the initial weights; bad pairs are dropped and counted, or refused with one line."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rankwise.core.ops import disable_adapters
+from rankwise.data.instruct import load_function_records
+from rankwise.data.preference import build_pair_data
+from rankwise.engine import get_task
+from rankwise.engine.preference import completion_logps
+from rankwise.recipes.config import load_run_config
+from rankwise.recipes.export import load_run
+from rankwise.recipes.model import load_tokenizer
+from rankwise.recipes.train import prepare, train
+from test_cli_errors import assert_user_error, invoke, write_yaml
+
+
+def pair_records(n: int = 24) -> list[dict]:
+    """Docstring -> its function's ``def`` line (chosen) or the next function's (rejected)."""
+    recs = load_function_records()[:n + 1]
+    return [{"prompt": " ".join(a["prompt"].split()[:12]) + "\n", "chosen": a["completion"],
+             "rejected": b["completion"]} for a, b in zip(recs, recs[1:])]
+
+
+@pytest.fixture(scope="module")
+def pairs_jsonl(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in pair_records()))
+    return path
+
+
+def raw_config(source: Path, method: str = "lora", steps: int = 2) -> dict:
+    m = {"name": "lora", "r": 4, "targets": ["q_proj", "v_proj"]} if method == "lora" else {"name": method}
+    return {"model": {"path": "tiny-llama", "task": "dpo"},
+            "data": {"source": str(source), "max_length": 32, "eval_fraction": 0.25},
+            "method": m, "optim": {"name": "adamw", "lr": 0.02},
+            "dpo": {"beta": 0.2},
+            "train": {"steps": steps, "batch_size": 4, "eval_batch_size": 16, "save_every": 1,
+                      "log_every": 1, "progress": False}}
+
+
+def run(raw: dict, out: Path, resume: bool = False) -> dict:
+    return train(load_run_config(None, base=json.loads(json.dumps(raw))), out, resume=resume)
+
+
+@pytest.mark.slow
+def test_lora_dpo_logs_rewards_matches_a_hand_count_resumes_and_exports(pairs_jsonl, tmp_path):
+    raw = raw_config(pairs_jsonl)
+    full = tmp_path / "full"
+    metrics = run(raw, full)
+    steps = [json.loads(x) for x in (full / "events.jsonl").read_text().splitlines()]
+    logged = [e for e in steps if "loss" in e]
+    assert len(logged) == 2 and all({"reward_margin", "reward_accuracy", "logps_chosen",
+                                     "logps_rejected"} <= set(e) for e in logged)
+    assert logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # LoRA B = 0: policy = reference
+    assert logged[0]["reward_margin"] == 0.0
+
+    # the saved adapter against the base, summed by hand over the evaluation pairs
+    cfg, model, tok = load_run(full)
+    _, evals = build_pair_data(cfg.data, tok)
+    margins = []
+    with torch.no_grad():
+        for i in range(len(evals)):
+            ex, lp = evals[i], {}
+            for side in ("chosen", "rejected"):
+                ids, labels = (torch.tensor([ex[f"{side}_{k}"]]) for k in ("ids", "labels"))
+                pol = float(completion_logps(model(input_ids=ids).logits, labels)[0])
+                with disable_adapters(model):
+                    ref = float(completion_logps(model(input_ids=ids).logits, labels)[0])
+                lp[side] = 0.2 * (pol - ref)
+            margins.append(lp["chosen"] - lp["rejected"])
+    assert metrics["eval_reward_margin"] == pytest.approx(sum(margins) / len(margins), abs=1e-5)
+    assert metrics["eval_reward_accuracy"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
+    assert metrics["eval_reward_margin"] != 0.0
+    assert metrics["eval_loss"] == pytest.approx(
+        sum(-math.log(1 / (1 + math.exp(-m))) for m in margins) / len(margins), abs=1e-5)
+
+    # resume from the step-1 checkpoint = uninterrupted
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "step-0000002")
+    (part / "metrics.json").unlink()
+    resumed = run(raw, part, resume=True)
+    for key in ("eval_loss", "eval_reward_margin", "eval_reward_accuracy"):
+        assert resumed[key] == metrics[key]
+
+    res = invoke("export", full, "--format", "peft", "--out", tmp_path / "peft")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_precomputes_the_reference_of_the_initial_weights(pairs_jsonl):
+    cfg = load_run_config(None, base=raw_config(pairs_jsonl, method="full", steps=2))
+    session = prepare(cfg, device="cpu")
+    ref = session.train_data.ref_logps
+    assert ref is not None and len(ref) == len(session.train_data)
+    ex = session.train_data[0]
+    with torch.no_grad():
+        ids, labels = torch.tensor([ex["chosen_ids"]]), torch.tensor([ex["chosen_labels"]])
+        logp = float(completion_logps(session.model.eval()(input_ids=ids).logits, labels)[0])
+    assert ref[0][0] == pytest.approx(logp, abs=1e-5)
+    engine = session.engine()
+    assert engine.train_step(0).loss == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
+    assert engine.train_step(1).loss != pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_bad_pairs_are_dropped_and_counted(tmp_path):
+    recs = pair_records(24)
+    recs[0]["rejected"] = recs[0]["chosen"]
+    del recs[1]["chosen"]
+    recs[2]["prompt"] = ""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = load_run_config(None, base=raw_config(path))
+    with pytest.warns(UserWarning, match=r"dropped 3 of 24 records \(2 lack a prompt, chosen or rejected; 1 have"):
+        train_data, evals = build_pair_data(cfg.data, load_tokenizer("tiny-llama"))
+    assert len(train_data) + len(evals) + train_data.dropped + evals.dropped == 21
+    ex = train_data[0]
+    prompt = sum(1 for v in ex["chosen_labels"] if v == -100)
+    assert ex["chosen_ids"][:prompt] == ex["rejected_ids"][:prompt] and prompt > 1
+    assert ex["chosen_labels"][prompt:] == ex["chosen_ids"][prompt:]      # completion + EOS
+
+
+@pytest.mark.parametrize("case", ["all-same", "no-column", "classification-model", "section"])
+def test_bad_input_is_one_line(case, tmp_path):
+    recs = pair_records(24)
+    if case == "all-same":
+        recs = [dict(r, rejected=r["chosen"]) for r in recs]
+    if case == "no-column":
+        recs = [{"prompt": r["prompt"], "good": r["chosen"], "rejected": r["rejected"]} for r in recs]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    raw = raw_config(path)
+    if case == "classification-model":
+        raw["model"]["path"] = "tiny-bert"
+    if case == "section":
+        raw["model"]["task"] = "causal-lm"
+    res = invoke("train", write_yaml(tmp_path / "c.yaml", raw), "--out", tmp_path / "run")
+    needles = {"all-same": ("none of its 24 records", "chosen == rejected"),
+               "no-column": ("no 'chosen' field", "data.chosen_field"),
+               "classification-model": ("cannot be a causal LM",),
+               "section": ("dpo section needs model.task: dpo",)}[case]
+    assert_user_error(res, *needles)
+
+
+def test_dpo_section_defaults_are_recorded():
+    cfg = load_run_config(None, base={"model": {"path": "tiny-llama", "task": "dpo"}})
+    assert cfg.to_dict()["dpo"] == {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0,
+                                    "reference": "auto"}
+    assert get_task("dpo", cfg.dpo).config is cfg.dpo
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} [SEP] {% endfor %}"
+            "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def test_chat_pairs_share_the_prompt_and_label_only_the_answer(tmp_path):
+    recs = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"name {i}"}],
+             "chosen": [{"role": "assistant", "content": f"the number {i}"}], "rejected": "no"}
+            for i in range(8)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    raw = raw_config(path)
+    raw["data"].update({"format": "chat", "chat_template": TEMPLATE, "eval_fraction": 0.5})
+    cfg = load_run_config(None, base=raw)
+    tok = load_tokenizer("tiny-llama")
+    train_data, _ = build_pair_data(cfg.data, tok)
+    ex = train_data[0]
+    k = sum(1 for v in ex["chosen_labels"] if v == -100)
+    assert ex["chosen_ids"][:k] == ex["rejected_ids"][:k]
+    assert tok.decode(ex["chosen_ids"][:k]).endswith("< assistant >")        # generation prompt
+    assert tok.decode([t for t in ex["rejected_labels"] if t != -100]) == "no [SEP]"
