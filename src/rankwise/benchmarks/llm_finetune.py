@@ -120,7 +120,7 @@ PRESETS = {
     "cpu": Sizes(),
     "gpu-1b": Sizes(hidden=2048, layers=16, heads=16, intermediate=8192, seq=1024, batch=8,
                     warmup=2, steps=10, eval_windows=32, device="cuda",
-                    rows=("bf16", "bf16+ckpt", "nf4", "nf4+ckpt")),
+                    rows=("bf16", "bf16+ckpt", "nf4", "nf4+ckpt"), fused=True),
     "tiny": Sizes(hidden=64, layers=2, heads=4, intermediate=128, seq=32, batch=4, warmup=1,
                   steps=2, eval_windows=4),
     "cpu-dora": Sizes(hidden=256, layers=4, heads=4, intermediate=704, seq=128, batch=8, warmup=1,
@@ -345,12 +345,14 @@ def _markdown(res: dict) -> str:
     if fused_rows:
         lines += ["", "Fused LoRA path (`train.fused_lora: auto`; the rankwise columns above are "
                   "the plain path):", "",
-                  "| row | step s fused | fused / PEFT step | fused / plain step | peak MiB fused | "
+                  "| row | step s fused | tokens/s fused | fused / PEFT step | fused / plain step | "
+                  "peak MiB fused | "
                   "fused / PEFT memory | fused / plain memory | max loss diff fused vs plain |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row, r in fused_rows.items():
             f = r["fused"]
-            lines.append(f"| {row} | {f['step_s']:.3f} | {r['fused_step_time_ratio']:.3f} | "
+            lines.append(f"| {row} | {f['step_s']:.3f} | {f['tokens_per_s']:.0f} | "
+                         f"{r['fused_step_time_ratio']:.3f} | "
                          f"{r['fused_vs_plain_step']:.3f} | {f['peak_bytes'] / 2**20:.1f} | "
                          f"{r['fused_memory_ratio']:.3f} | {r['fused_vs_plain_memory']:.3f} | "
                          f"{r['fused_vs_plain_max_loss_diff']:.2e} |")
