@@ -2,7 +2,8 @@
 # llm-finetune at ~1B parameters on one CUDA GPU: a Llama 16 layers x 2048 wide (intermediate
 # 8192, full multi-head attention, byte vocabulary: 1.07 B parameters), sequence 1024 x batch 8,
 # LoRA r=16 on every linear layer; rows bf16, bf16+ckpt, nf4, nf4+ckpt, each rankwise vs
-# transformers + PEFT, 2 warm-up + 10 timed steps per model. Aimed at < 8 minutes on an
+# transformers + PEFT, plus the fused LoRA path (train.fused_lora: auto) as a third side with its
+# step time, tokens/s and peak memory, 2 warm-up + 10 timed steps per model. Aimed at < 12 minutes on an
 # A100/H100-class GPU; writes the same results.json / results.md as `rankwise bench llm-finetune`.
 #
 #   bench/gpu/llm-finetune.sh [OUT] [extra arguments of python -m rankwise.benchmarks.llm_finetune]

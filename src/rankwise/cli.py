@@ -23,6 +23,7 @@ BENCHMARKS = {
     "data-pipeline": "rankwise.benchmarks.data_pipeline:run",
     "llm-finetune": "rankwise.benchmarks.llm_finetune:run",
     "llm-finetune-dora": "rankwise.benchmarks.llm_finetune:run_dora",
+    "llm-finetune-fused": "rankwise.benchmarks.llm_finetune:run_fused",
     "compress": "rankwise.benchmarks.compress:run",
     "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
     "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",

@@ -81,3 +81,18 @@ def test_dora_rows_compare_both_sides_from_the_same_weights(tmp_path):
     assert "use_dora=True" in rows["dora-fp32"]["peft_setup"]
     assert set(P["cpu-dora"].rows) == {"dora-" + r for r in ROWS}
     assert "`dora-` rows: DoRA" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_fused_side_steps_with_the_plain_path_and_peft(tmp_path):
+    """``fused=True``: a third model per row (``train.fused_lora: auto``) from the same weights
+    and init, whose losses equal the plain path's (fp32) step by step."""
+    sizes = dataclasses.replace(PRESETS["tiny"], rows=("fp32", "nf4+ckpt"), steps=1,
+                                gora_batches=0, fused=True)
+    rows = run(tmp_path, sizes)["rows"]
+    assert rows["fp32"]["fused_vs_plain_max_loss_diff"] < 1e-6 and len(rows["fp32"]["fused"]["losses"]) == 2
+    assert rows["nf4+ckpt"]["fused_vs_plain_max_loss_diff"] < 1e-2   # bf16 compute
+    for row in rows.values():
+        assert row["fused_memory_ratio"] == row["fused"]["peak_bytes"] / row["peft"]["peak_bytes"]
+    assert PRESETS["cpu-fused"].fused and set(PRESETS["cpu-fused"].rows) == set(ROWS)
+    assert "Fused LoRA path" in (tmp_path / "results.md").read_text()

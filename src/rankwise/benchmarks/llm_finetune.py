@@ -31,6 +31,11 @@ DoRA rows (``dora-<row>``, Liu et al. 2024): the same row with ``use_dora`` on b
 copied too. They are not in the default rows; ``rankwise bench llm-finetune-dora`` (preset
 ``cpu-dora``, a smaller model so that the five rows fit in about six minutes of one core) runs them.
 
+Fused rows (``--set fused=true``; ``rankwise bench llm-finetune-fused``, preset ``cpu-fused``): a
+third model per row, rankwise with ``train.fused_lora: auto`` (:mod:`rankwise.adapters.lora.fused`),
+same base, same LoRA init, stepped interleaved with the other two; the ``rankwise`` side then runs
+the plain path (``fused_lora`` off), so the columns compare fused, plain and PEFT in one process.
+
 Run at other sizes with ``python -m rankwise.benchmarks.llm_finetune --preset gpu-1b`` (what
 ``bench/gpu/llm-finetune.sh`` runs) or ``--set hidden=256 --set layers=4``.
 """
@@ -61,6 +66,7 @@ ROWS = {  # name -> (model.dtype, model.quantize, train.precision, gradient chec
 }
 DORA = "dora-"  # row prefix: the row after it, with DoRA on both sides
 TARGETS = {"step_time_ratio": 1.0, "memory_ratio": 1.0, "nf4_base_bytes_ratio": 0.30}
+FUSED_TARGET = 0.85  # issue 22: the fused side's step time and peak memory vs PEFT's
 
 
 @dataclass
@@ -81,6 +87,7 @@ class Sizes:
         device: ``cpu`` or ``cuda``.
         threads: torch threads on CPU.
         seed: Seed of the weights and of the batch order.
+        fused: Add the ``fused`` side (rankwise with the fused LoRA path) to every row.
         vocab: Vocabulary of the model (the data are bytes, ids < 256; a larger vocabulary only
             widens the embeddings, the head and the logits: the chunked-loss measurement).
         loss_chunk_tokens: ``train.loss_chunk_tokens`` of the engine step both sides use (0:
@@ -104,6 +111,7 @@ class Sizes:
     device: str = "cpu"
     threads: int = 1
     seed: int = 0
+    fused: bool = False
     vocab: int = 256
     loss_chunk_tokens: int = 0
 
@@ -112,12 +120,14 @@ PRESETS = {
     "cpu": Sizes(),
     "gpu-1b": Sizes(hidden=2048, layers=16, heads=16, intermediate=8192, seq=1024, batch=8,
                     warmup=2, steps=10, eval_windows=32, device="cuda",
-                    rows=("bf16", "bf16+ckpt", "nf4", "nf4+ckpt")),
+                    rows=("bf16", "bf16+ckpt", "nf4", "nf4+ckpt"), fused=True),
     "tiny": Sizes(hidden=64, layers=2, heads=4, intermediate=128, seq=32, batch=4, warmup=1,
                   steps=2, eval_windows=4),
     "cpu-dora": Sizes(hidden=256, layers=4, heads=4, intermediate=704, seq=128, batch=8, warmup=1,
                       steps=5, eval_windows=8, gora_batches=0,
                       rows=tuple(DORA + row for row in ROWS)),
+    "cpu-fused": Sizes(hidden=256, layers=4, heads=4, intermediate=704, seq=256, batch=4,
+                       warmup=1, steps=8, eval_windows=4, gora_batches=0, fused=True),
 }
 
 
@@ -154,23 +164,33 @@ def load_base(folder: Path, row: str, device: str) -> nn.Module:
     return model.to(device) if not quantize else model
 
 
+def build_ours(folder: Path, row: str, s: Sizes, fused: bool) -> tuple[nn.Module, int]:
+    """``(rankwise model, base weight bytes)`` of ``row``, with ``train.fused_lora`` ``auto``
+    (``fused``) or off."""
+    from rankwise.adapters.lora import LoraConfig, apply_lora
+    from rankwise.core.quant import model_bytes
+    from rankwise.recipes.model import enable_checkpointing
+    from rankwise.recipes.train import set_fused_lora
+    ours = load_base(folder, row, s.device)
+    base_bytes = model_bytes(ours)
+    torch.manual_seed(s.seed + 1)
+    apply_lora(ours, LoraConfig(r=s.r, alpha=s.alpha, targets="all-linear",
+                                use_dora=row.startswith(DORA)))
+    if ROWS[base_row(row)][3]:
+        enable_checkpointing(ours)
+    set_fused_lora(ours, "auto" if fused else "off")
+    return ours.train(), base_bytes
+
+
 def build_pair(folder: Path, row: str, s: Sizes) -> tuple[nn.Module, nn.Module, int]:
     """``(rankwise model, PEFT model, base weight bytes)`` of ``row``, same base, same LoRA init
     (and the same DoRA magnitudes on a ``dora-`` row)."""
     import peft
 
-    from rankwise.adapters.lora import LoraConfig, apply_lora
     from rankwise.core.ops import adapter_parameters
-    from rankwise.core.quant import model_bytes
-    from rankwise.recipes.model import enable_checkpointing
     _, quantize, _, ckpt = ROWS[base_row(row)]
     use_dora = row.startswith(DORA)
-    ours = load_base(folder, row, s.device)
-    base_bytes = model_bytes(ours)
-    torch.manual_seed(s.seed + 1)
-    apply_lora(ours, LoraConfig(r=s.r, alpha=s.alpha, targets="all-linear", use_dora=use_dora))
-    if ckpt:
-        enable_checkpointing(ours)
+    ours, base_bytes = build_ours(folder, row, s, fused=False)
     theirs = load_base(folder, row, s.device)
     if quantize:
         theirs = peft.prepare_model_for_kbit_training(theirs, use_gradient_checkpointing=ckpt)
@@ -259,8 +279,10 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
     ours, theirs, base_bytes = build_pair(folder, row, s)
     precision = ROWS[base_row(row)][2]
     sides = {"rankwise": _Side(ours, data, s, precision), "peft": _Side(theirs, data, s, precision)}
+    if s.fused:
+        sides["fused"] = _Side(build_ours(folder, row, s, fused=True)[0], data, s, precision)
     for k in range(s.warmup + s.steps):
-        order = ["rankwise", "peft"] if k % 2 == 0 else ["peft", "rankwise"]
+        order = list(sides) if k % 2 == 0 else list(sides)[::-1]
         for name in order:
             sides[name].step(k, timed=k >= s.warmup)
     out: dict[str, Any] = {"base_weight_bytes": base_bytes}
@@ -278,7 +300,16 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
     out["peft_setup"] = _peft_setup(row)
     out["memory_ratio"] = out["rankwise"]["peak_bytes"] / out["peft"]["peak_bytes"]
     out["max_loss_diff"] = max(abs(a - b) for a, b in zip(sides["rankwise"].losses, sides["peft"].losses))
-    if row == "nf4":
+    if "fused" in sides:
+        f, p, r = out["fused"], out["peft"], out["rankwise"]
+        out["fused_step_time_ratio"] = f["step_s"] / p["step_s"]
+        out["fused_step_time_ratio_min"] = min(sides["fused"].times) / min(sides["peft"].times)
+        out["fused_memory_ratio"] = f["peak_bytes"] / p["peak_bytes"]
+        out["fused_vs_plain_step"] = f["step_s"] / r["step_s"]
+        out["fused_vs_plain_memory"] = f["peak_bytes"] / r["peak_bytes"]
+        out["fused_vs_plain_max_loss_diff"] = max(
+            abs(a - b) for a, b in zip(sides["fused"].losses, sides["rankwise"].losses))
+    if row == "nf4" and not s.fused:
         from rankwise.benchmarks.qlora_checks import requantize_drift
         with tempfile.TemporaryDirectory() as tmp:
             out["requantize"] = requantize_drift(ours, s, heldout, Path(tmp))
@@ -310,6 +341,22 @@ def _markdown(res: dict) -> str:
             f"{b['peak_bytes'] / 2**20:.1f} | {r['memory_ratio']:.3f} | "
             f"{r['base_weight_bytes'] / 2**20:.1f} | {a['loss_last_step']:.4f} / "
             f"{b['loss_last_step']:.4f} | {a['eval_loss']:.4f} / {b['eval_loss']:.4f} |")
+    fused_rows = {row: r for row, r in res["rows"].items() if "fused" in r}
+    if fused_rows:
+        lines += ["", "Fused LoRA path (`train.fused_lora: auto`; the rankwise columns above are "
+                  "the plain path):", "",
+                  "| row | step s fused | tokens/s fused | fused / PEFT step | fused / plain step | "
+                  "peak MiB fused | "
+                  "fused / PEFT memory | fused / plain memory | max loss diff fused vs plain |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row, r in fused_rows.items():
+            f = r["fused"]
+            lines.append(f"| {row} | {f['step_s']:.3f} | {f['tokens_per_s']:.0f} | "
+                         f"{r['fused_step_time_ratio']:.3f} | "
+                         f"{r['fused_vs_plain_step']:.3f} | {f['peak_bytes'] / 2**20:.1f} | "
+                         f"{r['fused_memory_ratio']:.3f} | {r['fused_vs_plain_memory']:.3f} | "
+                         f"{r['fused_vs_plain_max_loss_diff']:.2e} |")
+        lines += ["", f"Fused targets: step time and peak memory <= {FUSED_TARGET}x PEFT's."]
     lines += ["", f"Targets: step time <= {TARGETS['step_time_ratio']}x PEFT and peak memory <= "
               f"{TARGETS['memory_ratio']}x PEFT on every row; nf4 base weight bytes <= "
               f"{TARGETS['nf4_base_bytes_ratio']}x the bf16 base's."]
@@ -433,6 +480,19 @@ def run_dora(out: Path) -> dict:
         The results dict.
     """
     return run(out, PRESETS["cpu-dora"], command=f"rankwise bench llm-finetune-dora --out {out}")
+
+
+def run_fused(out: Path) -> dict:
+    """``rankwise bench llm-finetune-fused``: the five rows with the fused side, preset
+    ``cpu-fused``.
+
+    Args:
+        out: Output folder (``results.json`` and ``results.md``).
+
+    Returns:
+        The results dict.
+    """
+    return run(out, PRESETS["cpu-fused"], command=f"rankwise bench llm-finetune-fused --out {out}")
 
 
 def main(argv: list[str] | None = None) -> dict:

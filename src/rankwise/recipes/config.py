@@ -222,6 +222,10 @@ class TrainConfig:
         compile: ``torch.compile`` the model's blocks (each layer of its ``nn.ModuleList``s,
             ``rankwise.engine.compile``); a method dynamo cannot trace is refused before
             training. The first steps pay the compilation.
+        fused_lora: ``auto``: LoRA-wrapped linear layers (LoRA, rsLoRA, GoRA ranks; one active
+            adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
+            backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
+            same losses and gradients. ``off`` (or ``false``): the plain path.
     """
 
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
@@ -249,6 +253,7 @@ class TrainConfig:
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
     compile: bool = False
+    fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
 
     def loss_chunk_for(self, vocab: int | None) -> int:

@@ -40,6 +40,7 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("method", "use_dora"), False), (("train", "offload_activations"), False),
                (("method", "loftq_iter"), 1), (("method", "eva_rho"), 2.0),  # LoRA inits
                (("method", "corda_mode"), "ipm"),
+               (("train", "fused_lora"), "auto"),
                (("train", "loss_chunk_tokens"), "auto"), (("optim", "per_layer"), False),  # memory
                (("optim", "state_bits"), None),
                (("data", "select"), lambda v: not v.get("method") and not v.get("from_")),  # all data

@@ -181,6 +181,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
             p.data = p.data.float()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
+    set_fused_lora(model, cfg.train.fused_lora)
     if cfg.data.select.method or cfg.data.select.from_:  # data.select: keep the chosen records
         from rankwise.recipes.select import select_training
         (selected if selected is not None else {}).update(full=train_data, selection=select_training(session))
@@ -199,6 +200,13 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
     return session
+
+
+def set_fused_lora(model: nn.Module, setting) -> None:
+    """Apply ``train.fused_lora`` to every layer that carries the switch (LoRA's layers)."""
+    for layer in model.modules():
+        if isinstance(getattr(type(layer), "fused_lora", None), bool):
+            layer.fused_lora = setting in ("auto", True)
 
 
 def _check_not_the_base(out: Path, cfg: RunConfig) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.adapters.common.factors import LORA_INITS, check_rank, lora_scale
-from rankwise.adapters.lora import dora
+from rankwise.adapters.lora import dora, fused
 from rankwise.core import weights as layer_weights
 from rankwise.core.inject import is_conv1d
 from rankwise.core.protocol import NamedAdapters
@@ -40,6 +40,7 @@ class LoraLayer(NamedAdapters, nn.Module):
     """
 
     adapters_attr = "lora_A"
+    fused_lora = False  # train.fused_lora: take the fused path (:mod:`.fused`) where it applies
 
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
@@ -274,6 +275,8 @@ class LoraLayer(NamedAdapters, nn.Module):
         (the norm detached). With dropout active in training it follows PEFT:
         ``out + (f - 1) ⊙ W x_d + f ⊙ s B A x_d`` for the dropped-out input ``x_d``.
         """
+        if self.fused_lora and (one := fused.eligible(self, x)) is not None:
+            return fused.forward(self, x, one)
         out = self.base_layer(x)
         for name in self._active:
             if name in self._merged:

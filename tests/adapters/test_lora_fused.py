@@ -1,0 +1,151 @@
+"""The fused LoRA path (``train.fused_lora: auto``) gives the plain path's losses and gradients:
+float32 to 1e-6, bf16 and NF4 (bf16 compute) to a tolerance of a few bf16 roundings, with
+activation checkpointing and gradient accumulation, and PEFT's loss on the same weights."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
+from rankwise.adapters.lora import fused
+from rankwise.recipes.model import enable_checkpointing
+from rankwise.testing import randomize_trainable, tiny_llama64
+
+VOCAB = 128
+BF16_TOL = 8 * torch.finfo(torch.bfloat16).eps  # a few roundings of bf16 (eps = 2^-7)
+
+
+def batches(n: int = 2, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, VOCAB, (2, 16), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return out
+
+
+def set_fused(model, on: bool) -> int:
+    n = 0
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.fused_lora, n = on, n + 1
+    return n
+
+
+def lora_model(dtype=torch.float32, ckpt=False, nf4=False, tmp=None, rslora=False):
+    if nf4:
+        from transformers import AutoModelForCausalLM
+
+        from rankwise.recipes.model import bnb_config
+        pytest.importorskip("bitsandbytes")
+        tiny_llama64(VOCAB).save_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.bfloat16,
+                                                     quantization_config=bnb_config("nf4", "bfloat16"))
+    else:
+        model = tiny_llama64(VOCAB).to(dtype)
+    torch.manual_seed(3)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets="all-linear", use_rslora=rslora))
+    randomize_trainable(model, seed=7, std=0.05)
+    if ckpt:
+        enable_checkpointing(model)
+    return model.train()
+
+
+def run(model, fused_on: bool, bf16: bool, accum: int = 2):
+    """Sum of the micro-batch losses and the accumulated gradients of ``accum`` micro-batches."""
+    set_fused(model, fused_on)
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for b in batches(accum):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**b).loss / accum
+        loss.backward()
+        losses.append(loss.detach().float())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return torch.stack(losses), grads
+
+
+def check(model, bf16: bool, atol: float, rtol: float):
+    loss_p, grad_p = run(model, False, bf16)
+    loss_f, grad_f = run(model, True, bf16)
+    torch.testing.assert_close(loss_f, loss_p, atol=atol, rtol=rtol)
+    assert grad_f.keys() == grad_p.keys() and len(grad_f) == 2 * 14
+    scale = max(g.abs().max() for g in grad_p.values())
+    for n in grad_p:
+        assert grad_p[n].abs().sum() > 0, n
+        torch.testing.assert_close(grad_f[n], grad_p[n], atol=atol * scale, rtol=rtol, msg=n)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_fp32_equal_to_plain(ckpt):
+    model = lora_model(ckpt=ckpt, rslora=ckpt)
+    calls = []
+    fused_fwd = fused._FusedLora.forward
+    fused._FusedLora.forward = staticmethod(lambda *a: calls.append(1) or fused_fwd(*a))
+    try:
+        check(model, bf16=False, atol=1e-6, rtol=1e-6)
+    finally:
+        fused._FusedLora.forward = staticmethod(fused_fwd)
+    assert len(calls) >= 14 * 2  # every wrapped layer took the fused path, each micro-batch
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_bf16_equal_to_plain(ckpt):
+    check(lora_model(torch.bfloat16, ckpt=ckpt), bf16=True, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_nf4_equal_to_plain(tmp_path):
+    model = lora_model(nf4=True, tmp=tmp_path, ckpt=True)
+    check(model, bf16=True, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_dropout_and_dora_keep_the_plain_path():
+    model = tiny_llama64(VOCAB)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj"], dropout=0.1))
+    layer = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 64)
+    assert fused.eligible(layer.train(), x) is None and fused.eligible(layer.eval(), x) == "default"
+    with torch.no_grad():
+        assert fused.eligible(layer.eval(), x) is None
+    model = tiny_llama64(VOCAB)
+    apply_lora(model, LoraConfig(r=4, alpha=8, targets=["q_proj"], use_dora=True))
+    assert fused.eligible(model.model.layers[0].self_attn.q_proj, x) is None
+
+
+def test_fused_loss_equals_peft():
+    peft = pytest.importorskip("peft")
+    ours = lora_model()
+    theirs = peft.get_peft_model(tiny_llama64(VOCAB), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    dst = dict(theirs.named_parameters())
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if p.requires_grad:
+                path, kind = n.split(".lora_")
+                dst[f"base_model.model.{path}.lora_{kind[0]}.default.weight"].copy_(p)
+    set_fused(ours, True)
+    b = batches(1)[0]
+    loss_o = ours(**b).loss
+    loss_t = theirs.train()(**b).loss
+    torch.testing.assert_close(loss_o, loss_t, atol=1e-6, rtol=0)
+    loss_o.backward()
+    loss_t.backward()
+    g_o = ours.model.layers[1].mlp.down_proj.lora_A["default"].weight.grad
+    g_t = theirs.base_model.model.model.layers[1].mlp.down_proj.lora_A["default"].weight.grad
+    torch.testing.assert_close(g_o, g_t, atol=1e-6, rtol=1e-5)
+
+
+def test_train_key_sets_the_switch_and_keeps_comparison_hashes():
+    from rankwise.recipes.config import build_run_config
+    from rankwise.recipes.runs import config_hash
+    from rankwise.recipes.train import set_fused_lora
+    plan = {"model": {"path": "tiny-llama", "task": "causal-lm"}, "method": {"name": "lora", "r": 2}}
+    auto = {**plan, "train": {"fused_lora": "auto"}}
+    assert config_hash(auto) == config_hash(plan) != config_hash({**plan, "train": {"fused_lora": "off"}})
+    assert build_run_config({**plan, "train": {"fused_lora": False}}).train.fused_lora is False
+    model = tiny_llama64(VOCAB)
+    apply_lora(model, LoraConfig(r=2, alpha=4, targets="all-linear"))
+    for key, on in (("auto", True), ("off", False), (True, True), (False, False)):
+        set_fused_lora(model, key)
+        assert {m.fused_lora for m in model.modules() if isinstance(m, LoraLayer)} == {on}
