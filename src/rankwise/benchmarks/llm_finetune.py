@@ -41,7 +41,6 @@ Run at other sizes with ``python -m rankwise.benchmarks.llm_finetune --preset gp
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import platform
@@ -497,32 +496,9 @@ def run_fused(out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """``python -m rankwise.benchmarks.llm_finetune --out DIR [--preset P] [--set k=v ...]``."""
-    import shlex
-    import sys
-
-    import yaml
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a Sizes field (YAML value), e.g. --set layers=4")
-    args = parser.parse_args(argv)
-    s = copy.deepcopy(PRESETS[args.preset])
-    names = {f.name for f in dataclasses.fields(Sizes)}
-    for item in args.sets:
-        key, _, raw = item.partition("=")
-        if key not in names:
-            parser.error(f"--set {item!r}: unknown field; fields: {', '.join(sorted(names))}")
-        value = yaml.safe_load(raw)
-        setattr(s, key, tuple(value) if isinstance(value, list) else value)
-    cmd = "python -m rankwise.benchmarks.llm_finetune " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    from rankwise.errors import RankwiseError
-    try:
-        return run(args.out, s, command=cmd)
-    except RankwiseError as err:  # one line and exit 2, as the rankwise command does
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    from rankwise.benchmarks.presets import preset_main
+    return preset_main(argv, module="rankwise.benchmarks.llm_finetune", doc=__doc__, presets=PRESETS,
+                       default="cpu", run=run)
 
 
 if __name__ == "__main__":  # pragma: no cover

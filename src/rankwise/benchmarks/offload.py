@@ -16,7 +16,6 @@ path (``copy_on_cpu``) so that the plumbing and the loss equality are still exer
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import statistics
@@ -221,34 +220,9 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
 
 def main(argv: list[str] | None = None) -> dict:
     """``python -m rankwise.benchmarks.offload --out DIR [--preset P] [--set k=v ...]``."""
-    import shlex
-    import sys
-
-    import yaml
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a Sizes field (YAML value), e.g. --set layers=4")
-    args = parser.parse_args(argv)
-    s = copy.deepcopy(PRESETS[args.preset])
-    names = {f.name for f in dataclasses.fields(Sizes)}
-    for item in args.sets:
-        key, _, raw = item.partition("=")
-        if key not in names:
-            parser.error(f"--set {item!r}: unknown field; fields: {', '.join(sorted(names))}")
-        value = yaml.safe_load(raw)
-        setattr(s, key, tuple(value) if isinstance(value, list) else value)
-    cmd = "python -m rankwise.benchmarks.offload " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    from rankwise.errors import RankwiseError
-    try:
-        res = run(args.out, s, command=cmd)
-    except RankwiseError as err:  # one line and exit 2, as the rankwise command does
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(_markdown(res))
-    return res
+    from rankwise.benchmarks.presets import preset_main
+    return preset_main(argv, module="rankwise.benchmarks.offload", doc=__doc__, presets=PRESETS,
+                       default="gpu", run=run, show=_markdown)
 
 
 if __name__ == "__main__":
