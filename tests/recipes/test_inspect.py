@@ -56,7 +56,7 @@ def test_gradient_spectrum_of_a_two_layer_model_matches_a_direct_computation():
 def test_full_select_trains_only_the_top_neurons():
     model, batches = TwoLayer(), _batches()
     entry = registry.get("method", "full")
-    cfg = FullConfig(select="shapley", fraction=0.25, targets=["up", "down"])
+    cfg = FullConfig(select="shapley", fraction=0.25, select_targets=["up", "down"])
     sel = entry.apply(model, cfg, "default", iter(batches), loss_fn=_loss)
     weights = {"up": model.up.weight, "down": model.down.weight}
     scores = neuron_scores("shapley", weights, batches, lambda b: _loss(model, b))

@@ -37,14 +37,15 @@ class FullConfig:
             ``random`` trains only the top ``fraction`` of the targeted layers' output neurons
             by that score (one global ranking over all targets), plus the task head.
         fraction: Share of neurons that train when ``select`` is set, in (0, 1].
-        targets: The linear layers whose neurons are ranked (``select`` only).
+        select_targets: The linear layers whose neurons are ranked (``select`` only; named
+            apart from LoRA's ``targets``, which a compare row would otherwise carry over).
         seed: Seed of ``random``.
     """
 
     name: str = "full"
     select: Optional[Literal["shapley", "grad", "grad_weight", "random"]] = None
     fraction: float = 0.1
-    targets: Union[str, list[str]] = "all-linear"
+    select_targets: Union[str, list[str]] = "all-linear"
     seed: int = 0
 
     def problems(self) -> list[str]:
@@ -114,7 +115,7 @@ def apply_full(model: nn.Module, config: FullConfig, adapter_name: str = "defaul
         raise ValueError(f"method.select: {config.select} needs calibration batches "
                          "(train.calibration_batches >= 1)")
     mods = dict(model.named_modules())
-    paths = find_targets(model, config.targets, what="method.targets")
+    paths = find_targets(model, config.select_targets, what="method.select_targets")
     weights = {p: storage_param(mods[p]) for p in paths}
     transposed = {p for p in paths if is_conv1d(base_layer(mods[p]))}
     loss_fn = loss_fn or _model_loss
