@@ -132,7 +132,8 @@ def test_ctrl_c_stops_every_job_and_keeps_finished_runs(config, tmp_path):
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "rankwise", "compare", str(config), "--methods", "lora", "--seeds", "3",
            "--jobs", "2", "--out", str(out), "--set", "train.steps=20"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal
     deadline = time.time() + 240
     while not list(out.glob("lora/seed*/metrics.json")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)

@@ -112,10 +112,17 @@ def _write_cfg(tmp: Path, steps: int) -> Path:
     return path
 
 
+def default_sigint() -> None:
+    """Give the child the Ctrl-C a terminal gives: an ignored SIGINT is inherited across exec,
+    and a library run earlier in the same pytest worker may have left it ignored there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_and_wait_for_checkpoint(cfg: Path, out: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([RANKWISE, "train", str(cfg), "--out", str(out)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=default_sigint)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "checkpoints" / "step-0000005" / "meta.json").exists():
         if proc.poll() is not None:
