@@ -134,7 +134,7 @@ def _start_and_wait_for_checkpoint(cfg: Path, out: Path) -> subprocess.Popen:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
-    cfg = _write_cfg(tmp_path, steps=300)
+    cfg = _write_cfg(tmp_path, steps=120)
     ref = subprocess.run([RANKWISE, "train", str(cfg), "--out", str(tmp_path / "ref")],
                          capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr[-800:]
