@@ -14,6 +14,7 @@ from typing import Any, Callable
 from torch import nn
 
 from rankwise.engine import evaluate
+from rankwise.errors import RankwiseError
 from rankwise.memory import tensor_bytes
 from rankwise.optim.common import state_bytes
 
@@ -44,6 +45,20 @@ class Settings:
     model: str | None = None
     limit: int | None = None
     rows: tuple[str, ...] | None = None
+
+
+def chosen_rows(bench: str, requested: Any, known: dict,
+                default: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The rows to run: ``requested`` (default: ``default``, else every known row), each checked.
+
+    Raises:
+        RankwiseError: Naming the rows ``bench`` does not know.
+    """
+    rows = tuple(requested or default or known)
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        raise RankwiseError(f"{bench} rows: got {unknown}; expected some of {list(known)}")
+    return rows
 
 
 def with_settings(raw: dict, s: Settings, seed: int) -> dict:
@@ -154,7 +169,6 @@ def main(run: Callable[[Path, Settings], dict], rows: tuple[str, ...], argv: lis
     import argparse
     import sys
 
-    from rankwise.errors import RankwiseError
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default=None, help=f"comma-separated rows of {list(rows)}")

@@ -30,13 +30,12 @@ import torch
 from torch import nn
 
 from rankwise.adapters.lota import LotaLayer, QuantLinear, quantize_linears
-from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, accuracy, markdown_table, memory_record,
+from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
                                            mib, pct, run_row, summarise, with_settings, write)
 from rankwise.core import merge_adapters
 from rankwise.core import weights as layer_weights
 from rankwise.core.inject import replace_module
 from rankwise.core.protocol import adapter_modules
-from rankwise.errors import RankwiseError
 
 BITS, GROUP = 4, 128
 
@@ -126,10 +125,7 @@ def run(out: Path, settings: Settings | None = None) -> dict:
         RankwiseError: On an unknown row.
     """
     s = settings or Settings()
-    rows = tuple(s.rows or DEFAULT_ROWS)
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise RankwiseError(f"lota-qaf rows: got {unknown}; expected some of {list(ROWS)}")
+    rows = chosen_rows("lota-qaf", s.rows, ROWS, DEFAULT_ROWS)
     if "qlora-nf4" in rows and importlib.util.find_spec("bitsandbytes") is None:
         rows = tuple(r for r in rows if r != "qlora-nf4")
     out = Path(out)

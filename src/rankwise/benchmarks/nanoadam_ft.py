@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, accuracy, markdown_table, memory_record,
+from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
                                            mib, pct, run_row, summarise, with_settings, write)
 from rankwise.data.demo import load_demo_records
-from rankwise.errors import RankwiseError
 
 TASK_B_PACKAGES = ("collections", "concurrent", "ctypes", "unittest", "urllib", "wsgiref", "xmlrpc")
 
@@ -84,10 +83,7 @@ def run(out: Path, settings: Settings | None = None) -> dict:
         RankwiseError: On an unknown row.
     """
     s = settings or Settings()
-    rows = tuple(s.rows or ROWS)
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise RankwiseError(f"nanoadam-ft rows: got {unknown}; expected some of {list(ROWS)}")
+    rows = chosen_rows("nanoadam-ft", s.rows, ROWS)
     out = Path(out)
     began = time.time()
     probe_base, head, probe_session = _probe(out, s)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, markdown_table, pct, run_row,
+from rankwise.benchmarks.demo_runs import (DEMO_BASE, Settings, chosen_rows, markdown_table, pct, run_row,
                                            summarise, with_settings, write)
-from rankwise.errors import RankwiseError
 
 LR = 2e-4
 CALIBRATION = {**DEMO_BASE["train"], "calibration_batches": 2}
@@ -44,10 +43,7 @@ def run(out: Path, settings: Settings | None = None) -> dict:
         RankwiseError: On an unknown row.
     """
     s = settings or Settings()
-    rows = tuple(s.rows or ROWS)
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise RankwiseError(f"shapley rows: got {unknown}; expected some of {list(ROWS)}")
+    rows = chosen_rows("shapley", s.rows, ROWS)
     out, began = Path(out), time.time()
     records: dict[str, list[dict]] = {}
     for seed in range(s.seeds):
