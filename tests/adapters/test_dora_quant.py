@@ -14,16 +14,10 @@ peft = pytest.importorskip("peft")
 from rankwise.adapters.lora import LoraConfig, apply_lora, dora, export_peft  # noqa: E402
 from rankwise.core import adapter_modules, quant, weights as layer_weights  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
-from rankwise.testing import pack_4bit_for_cpu, tiny_llama64  # noqa: E402
+from rankwise.testing import pack_4bit_for_cpu  # noqa: E402
 
 VOCAB = 128
 
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama64")
-    tiny_llama64(VOCAB).save_pretrained(folder)
-    return folder
 
 
 def load(folder, quantize):

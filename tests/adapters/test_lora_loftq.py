@@ -12,17 +12,10 @@ from rankwise.adapters.lora import LoraConfig, apply_lora  # noqa: E402
 from rankwise.adapters.lora.initialise import original_weights  # noqa: E402
 from rankwise.core import weights as layer_weights  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
-from rankwise.testing import tiny_llama64  # noqa: E402
 
 VOCAB = 128
 TARGETS = ["q_proj", "down_proj"]
 
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama64-loftq")
-    tiny_llama64(VOCAB).save_pretrained(folder)
-    return folder
 
 
 def load(folder):

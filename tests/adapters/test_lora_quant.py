@@ -18,17 +18,10 @@ from rankwise.core.ops import count_parameters, merge_adapters  # noqa: E402
 from rankwise.core.protocol import adapter_modules  # noqa: E402
 from rankwise.errors import RankwiseError  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
-from rankwise.testing import randomize_trainable, tiny_llama64  # noqa: E402
+from rankwise.testing import randomize_trainable  # noqa: E402
 
 VOCAB = 128
 
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    """A 64-wide, 2-layer Llama (dims >= 64, as bitsandbytes' CPU kernels want) saved to disk."""
-    folder = tmp_path_factory.mktemp("llama64")
-    tiny_llama64(VOCAB).save_pretrained(folder)
-    return folder
 
 
 def load(folder, quantize: str | None, dtype: str = "float32"):

@@ -14,7 +14,6 @@ from rankwise.core import quant  # noqa: E402
 from rankwise.core.ops import disable_adapters  # noqa: E402
 from rankwise.core.protocol import adapter_modules, aux_losses, transform_inputs  # noqa: E402
 from rankwise.recipes.model import bnb_config  # noqa: E402
-from rankwise.testing import tiny_llama64  # noqa: E402
 
 VOCAB = 128
 CONFIGS = {  # small settings; every method here starts at the base output except the prompts
@@ -27,13 +26,6 @@ CONFIGS = {  # small settings; every method here starts at the base output excep
     "capt": ({}, False),
 }
 
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    """A 64-wide, 2-layer Llama (dims >= 64, as bitsandbytes' CPU kernels want) saved to disk."""
-    folder = tmp_path_factory.mktemp("llama64")
-    tiny_llama64(VOCAB).save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

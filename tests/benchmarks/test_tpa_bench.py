@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 
-import rankwise.benchmarks.tpa as bench
 from rankwise.benchmarks.tpa import ROWS, attention_params, build, matched_heads, run, tiny
 from rankwise.benchmarks.tpa.rows import Sizes
 
@@ -30,8 +29,9 @@ def test_rows_have_mhas_attention_parameters_up_to_head_rounding(row):
 def test_tiny_run_measures_the_table_1_cache(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     corpus = torch.randint(0, 256, (4000,), generator=g, dtype=torch.uint8)
-    monkeypatch.setattr(bench, "load_corpus", lambda: (corpus[:3000], corpus[3000:],
-                                                       {"bytes": {"train": 3000, "heldout": 1000}}))
+    from rankwise.benchmarks.lowrank_pretrain import data
+    monkeypatch.setattr(data, "load_corpus", lambda: (corpus[:3000], corpus[3000:],
+                                                      {"bytes": {"train": 3000, "heldout": 1000}}))
     result = run(tmp_path, tiny())
     rows = result["rows"]
     assert list(rows) == list(ROWS)

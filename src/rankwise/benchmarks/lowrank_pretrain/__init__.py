@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rankwise.benchmarks.lowrank_pretrain.data import ByteWindows, load_corpus
+from rankwise.benchmarks.lowrank_pretrain.data import ByteWindows, corpus_windows, load_corpus
 from rankwise.benchmarks.lowrank_pretrain.harness import (build_model, counted_state_bytes, heldout_loss,
                                                           median, peak_tensor_mib, prepared_model,
                                                           train_one)
@@ -77,12 +77,7 @@ def run(out: Path, sizes: Sizes | None = None, methods: tuple[str, ...] = METHOD
     torch.set_num_threads(s.threads)
     t_start = time.time()
     try:
-        train, held, info = load_corpus()
-        g = torch.Generator().manual_seed(s.seed)
-        # steps x batch windows: the engine's batch order visits each once (one epoch).
-        starts = torch.randint(0, train.numel() - s.seq, (s.steps, s.batch), generator=g)
-        eval_starts = torch.randint(0, held.numel() - s.seq, (s.eval_windows,), generator=g)
-        train_windows, heldout = ByteWindows(train, starts, s.seq), ByteWindows(held, eval_starts, s.seq)
+        train_windows, heldout, info, _, _ = corpus_windows(s.seq, s.steps, s.batch, s.eval_windows, s.seed)
         methods = tuple(m for m in dict.fromkeys(("adamw",) + tuple(methods))
                         if ROWS[m].requires is None or importlib.util.find_spec(ROWS[m].requires))
         grids = {m: ROWS[m].grid(s) for m in methods}

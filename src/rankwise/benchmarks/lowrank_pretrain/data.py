@@ -55,3 +55,20 @@ def load_corpus() -> tuple[torch.Tensor, torch.Tensor, dict]:
     data = {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in parts.items()}
     info["bytes"] = {k: int(v.numel()) for k, v in data.items()}
     return data["train"], data["heldout"], info
+
+
+def corpus_windows(seq: int, steps: int, batch: int, eval_windows: int, seed: int):
+    """The benchmarks' pretraining data: ``steps x batch`` training windows (the engine's batch
+    order visits each once, one epoch) and ``eval_windows`` held-out ones, drawn from
+    :func:`load_corpus` by one generator seeded with ``seed``.
+
+    Returns:
+        ``(train, heldout, info, held_bytes, generator)``: the two :class:`ByteWindows`, the
+        corpus info, the held-out bytes, and the generator (for any further draws).
+    """
+    train_bytes, held_bytes, info = load_corpus()
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, train_bytes.numel() - seq, (steps, batch), generator=g)
+    eval_starts = torch.randint(0, held_bytes.numel() - seq, (eval_windows,), generator=g)
+    return (ByteWindows(train_bytes, starts, seq), ByteWindows(held_bytes, eval_starts, seq), info,
+            held_bytes, g)

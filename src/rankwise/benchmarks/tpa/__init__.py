@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rankwise.benchmarks.lowrank_pretrain.data import ByteWindows, load_corpus
+from rankwise.benchmarks.lowrank_pretrain.data import ByteWindows, corpus_windows
 from rankwise.benchmarks.tpa.report import markdown, plot
 from rankwise.benchmarks.tpa.rows import ROWS, Sizes, kv_formula, matched_heads
 from rankwise.engine import Engine, evaluate, get_task
@@ -119,11 +119,7 @@ def run(out: Path, sizes: Sizes | None = None, rows: tuple[str, ...] = ROWS) -> 
     torch.set_num_threads(s.threads)
     t_start = time.time()
     try:
-        train_bytes, held_bytes, info = load_corpus()
-        g = torch.Generator().manual_seed(s.seed)
-        starts = torch.randint(0, train_bytes.numel() - s.seq, (s.steps, s.batch), generator=g)
-        eval_starts = torch.randint(0, held_bytes.numel() - s.seq, (s.eval_windows,), generator=g)
-        train, heldout = ByteWindows(train_bytes, starts, s.seq), ByteWindows(held_bytes, eval_starts, s.seq)
+        train, heldout, info, held_bytes, g = corpus_windows(s.seq, s.steps, s.batch, s.eval_windows, s.seed)
         p0 = int(torch.randint(0, held_bytes.numel() - s.prompt, (1,), generator=g))
         prompt = held_bytes[p0: p0 + s.prompt].long()[None]
         models, res, sweep = {}, {}, {r: {} for r in rows}
