@@ -524,7 +524,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if main and t.progress and console.is_terminal:  # plan's prediction beside the measurement
         # (docs/plan.md); for a person at a terminal: a meta forward costs ~0.3 s
         from rankwise.recipes.planner import predicted_train_peak_mb
-        predicted = predicted_train_peak_mb(cfg, session.device)
+        predicted = predicted_train_peak_mb(cfg, session.device, dist.world)
         if predicted is not None:
             console.print(f"peak memory {mem.peak_mb:.1f} MiB ({mem.meter}); rankwise plan "
                           f"predicted {predicted:.1f} MiB for the training steps at data.max_length="
