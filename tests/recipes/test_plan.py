@@ -236,3 +236,27 @@ def test_nproc_bad_input_is_one_line_and_exit_2(folder, tmp_path):
     ok = CliRunner().invoke(main, ["plan", str(path), "--device", "cpu", "--json", "--nproc", "2"])
     obj = json.loads(ok.output)
     assert (obj["processes"], obj["distributed"], obj["micro_batch"]) == (2, "ddp", 2)
+
+
+@pytest.mark.slow  # a one-step run of tiny-bert (most of it imports shared with the suite)
+def test_train_prints_the_prediction_beside_the_measured_peak(tmp_path):
+    """At a terminal, ``rankwise train`` ends with the measured peak and plan's prediction."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from rankwise.recipes.config import load_run_config
+    from rankwise.recipes.planner import predicted_train_peak_mb
+    from rankwise.recipes.train import train
+    base = {"model": {"path": "tiny-bert", "task": "classification"},
+            "data": {"source": "demo", "max_length": 16, "limit": 16},
+            "method": {"name": "lora", "r": 2, "targets": ["query", "value"]},
+            "train": {"steps": 1, "batch_size": 4, "progress": True}}
+    cfg = load_run_config(None, base=base)
+    buf = io.StringIO()
+    metrics = train(cfg, tmp_path / "run", console=Console(file=buf, force_terminal=True, width=200))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
+    line = next(ln for ln in text.splitlines() if "rankwise plan predicted" in ln)
+    assert f"peak memory {metrics['peak_memory_mb']:.1f} MiB" in line
+    assert f"predicted {predicted_train_peak_mb(cfg, 'cpu'):.1f} MiB" in line
