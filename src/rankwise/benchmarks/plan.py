@@ -109,7 +109,7 @@ BERT = {"model": {"path": "tiny-bert", "task": "classification"},
         "optim": {"name": "adamw", "lr": 5e-3}, "train": {"batch_size": 16, "progress": False}}
 
 
-def measure_prepared(cfg, steps: int = 2) -> dict:
+def measure_prepared(cfg, steps: int = 2, device: str = "cpu") -> dict:
     """A BERT-style row: built by ``prepare`` itself (demo data, padded to the batch's
     longest text). Short texts make the batch padded, so the attention gets a mask; on CPU
     that runs SDPA's math path, which saves the ``(B, heads, T, T)`` probabilities plan does
@@ -117,14 +117,14 @@ def measure_prepared(cfg, steps: int = 2) -> dict:
     from rankwise.core.quant import model_bytes
     from rankwise.memory import PeakMemory, tensor_bytes
     from rankwise.recipes.train import prepare
-    session = prepare(cfg, device="cpu")
+    session = prepare(cfg, device=device)
     engine = session.engine()
     for k in range(steps):
         engine.train_step(k)
     weights = model_bytes(session.model)
     state = tensor_bytes(dict(session.optimizer.state))
     width = session.batch(steps)["input_ids"].shape[1]
-    with PeakMemory("cpu") as mem:
+    with PeakMemory(device) as mem:
         engine.train_step(steps)
     return {"weights_bytes": weights, "state_bytes": state, "step_peak_bytes": mem.peak_bytes,
             "peak_bytes": weights + state + mem.peak_bytes, "meter": mem.meter, "batch_width": width}
@@ -154,7 +154,7 @@ def _local_bytes(*objects) -> int:
     return tensor_bytes(*found) if found else 0
 
 
-def measure(cfg, shape: dict, steps: int = 2, dist=None, repeats: int = 1) -> dict:
+def measure(cfg, shape: dict, steps: int = 2, dist=None, repeats: int = 1, device: str = "cpu") -> dict:
     """Build the run as ``prepare`` does and measure one step after ``steps`` warm-up steps
     (under torchrun: this process's share, the model prepared by ``dist`` as ``prepare`` does;
     ``repeats`` steps measured, the largest peak kept: gloo's communication threads allocate
@@ -168,7 +168,7 @@ def measure(cfg, shape: dict, steps: int = 2, dist=None, repeats: int = 1) -> di
     task = get_task("causal-lm")
     m = cfg.model
     model, _ = load_model(m.path, task, dtype=m.dtype, quantize=m.quantize,
-                          double_quant=m.double_quant, device="cpu")
+                          double_quant=m.double_quant, device=device)
     torch.manual_seed(0)
     registry.get("method", cfg.method.name).apply(model, cfg.method, "default")
     for p in model.parameters():
@@ -185,7 +185,7 @@ def measure(cfg, shape: dict, steps: int = 2, dist=None, repeats: int = 1) -> di
     data = ByteWindows(train, starts, shape["seq"])
     task.loss_chunk_tokens = cfg.train.loss_chunk_for(model.config.vocab_size)  # as rankwise train
     engine = Engine(model, task, opt, data, cfg.train.batch_size, seed=0,
-                    grad_accum=cfg.train.grad_accum, precision=cfg.train.precision, device="cpu",
+                    grad_accum=cfg.train.grad_accum, precision=cfg.train.precision, device=device,
                     per_layer=getattr(cfg.optim, "per_layer", False), dist=dist)
     for k in range(steps):
         engine.train_step(k)
@@ -195,7 +195,7 @@ def measure(cfg, shape: dict, steps: int = 2, dist=None, repeats: int = 1) -> di
         weights, state = model_bytes(model), tensor_bytes(dict(opt.state))
     peaks = []
     for k in range(steps, steps + repeats):
-        with PeakMemory("cpu") as mem:
+        with PeakMemory(device) as mem:
             engine.train_step(k)
         peaks.append(mem.peak_bytes)
     return {"weights_bytes": weights, "state_bytes": state, "step_peak_bytes": max(peaks),
@@ -275,7 +275,7 @@ def run_dist_rows(names: list[str], tmp: Path) -> dict:
     return out
 
 
-def run_row(name: str, tmp: Path) -> dict:
+def run_row(name: str, tmp: Path, device: str = "cpu") -> dict:
     """Predict and measure one row."""
     from rankwise.recipes import plan as P
     from rankwise.recipes.config import build_run_config
@@ -288,8 +288,8 @@ def run_row(name: str, tmp: Path) -> dict:
     raw = BERT if row.get("bert") else run_config(folder, row, shape)
     data, switches = P.split_switches(raw)
     cfg = build_run_config(data)
-    est = Planner(cfg, switches, "cpu", padded=bool(row.get("bert"))).estimate()
-    got = measure_prepared(cfg) if row.get("bert") else measure(cfg, shape)
+    est = Planner(cfg, switches, device, padded=bool(row.get("bert"))).estimate()
+    got = measure_prepared(cfg, device=device) if row.get("bert") else measure(cfg, shape, device=device)
     return {"config": raw if row.get("bert") else run_config(Path("MODEL"), row, shape),
             "shape": None if row.get("bert") else shape,
             "predicted": est.to_json(), "predicted_peak_bytes": est.peak,
@@ -302,8 +302,9 @@ def _markdown(res: dict) -> str:
     lines = ["# rankwise plan: predicted vs measured peak memory", "",
              f"Command: `{res['command']}`", "",
              "Measured = model tensors + optimizer state + the peak of one more step above them "
-             f"(meter `{res['meter']}`, CPU, one torch thread). Predicted = `rankwise plan "
-             "--device cpu --json`'s `peak_mb`, from the run config only (meta device).", "",
+             f"(meter `{res['meter']}`, {res.get('device', 'cpu')}, one torch thread). Predicted = "
+             f"`rankwise plan --device {res.get('device', 'cpu')} --json`'s `peak_mb`, from the run "
+             "config only (meta device).", "",
              "| row | predicted MiB | measured MiB | ratio | weights pred / meas MiB | state pred / "
              "meas MiB | step peak meas MiB | dominant (pred) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in res["rows"].items():
@@ -327,13 +328,17 @@ def _markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run(out: Path, rows: list[str] | None = None, command: str | None = None) -> dict:
+def run(out: Path, rows: list[str] | None = None, command: str | None = None,
+        device: str = "cpu") -> dict:
     """Run the benchmark and write ``out/results.json`` and ``out/results.md``.
 
     Args:
         out: Output folder.
-        rows: Row names (default: all of :data:`ROWS`).
+        rows: Row names (default: all of :data:`ROWS` and :data:`DIST_ROWS`; on ``cuda`` the
+            torchrun rows are left out: they need one GPU per process).
         command: The command line recorded.
+        device: ``cpu`` (the shared meter's live tensors) or ``cuda`` (``max_memory_allocated``;
+            ``bench/gpu/plan.sh``).
 
     Returns:
         The results dict.
@@ -346,14 +351,15 @@ def run(out: Path, rows: list[str] | None = None, command: str | None = None) ->
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    from rankwise.memory import meter_name
     res: dict[str, Any] = {"command": command or f"rankwise bench plan --out {out}", "rows": {},
-                           "meter": "cpu_live_tensors"}
+                           "meter": meter_name(device), "device": device}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            names = rows or list(ROWS) + list(DIST_ROWS)
+            names = rows or list(ROWS) + (list(DIST_ROWS) if device == "cpu" else [])
             for name in names:
                 if name in ROWS:
-                    res["rows"][name] = run_row(name, Path(tmp))
+                    res["rows"][name] = run_row(name, Path(tmp), device)
             dist_names = [n for n in names if n in DIST_ROWS]
             if dist_names:
                 res["rows"].update(run_dist_rows(dist_names, Path(tmp)))
@@ -376,6 +382,13 @@ if __name__ == "__main__":  # pragma: no cover
     if sys.argv[1:2] == ["--worker"]:  # one torchrun process of run_dist_rows
         dist_worker(Path(sys.argv[2]))
         sys.exit(0)
-    names = sys.argv[2:] or None
-    r = run(Path(sys.argv[1]), names)
+    args = sys.argv[1:]
+    dev = "cpu"
+    while "--device" in args:  # python -m rankwise.benchmarks.plan OUT [--device cuda] [ROW ...]
+        k = args.index("--device")  # the last one wins (bench/gpu/plan.sh OUT --device cpu)
+        dev = args[k + 1]
+        del args[k:k + 2]
+    names = args[1:] or None
+    r = run(Path(args[0]), names, device=dev,
+            command=f"python -m rankwise.benchmarks.plan {' '.join(sys.argv[1:])}")
     print(_markdown(r))
