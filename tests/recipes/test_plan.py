@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from rankwise import registry
 from rankwise.cli import main
+from rankwise.errors import RankwiseError
 from rankwise.memory import tensor_bytes
 from rankwise.optim.common import state_bytes
 from rankwise.recipes import plan as P
@@ -227,12 +228,22 @@ def test_nproc_bad_input_is_one_line_and_exit_2(folder, tmp_path):
                          (["--nproc", "8"], "set train.batch_size >= 8"),
                          (["--nproc", "2", "--set", "train.distributed=fsdp", "--set", "optim.name=galore"],
                           "needs whole matrices"),
-                         (["--nproc", "2", "--set", "optim.per_layer=true"], "summed across processes")]:
-        target = full if "optim.per_layer=true" in args else path
+                         (["--nproc", "2", "--set", "optim.per_layer=true"], "summed across processes"),
+                         (["--nproc", "2", "--set", "train.distributed=fsdp", "--set", "optim.state_bits=8"],
+                          "does not run on FSDP2")]:
+        target = full if "optim.per_layer=true" in args or "optim.state_bits=8" in args else path
         result = CliRunner().invoke(main, ["plan", str(target), "--device", "cpu", *args])
         assert result.exit_code == 2, (args, result.output)
         lines = [ln for ln in result.output.strip().splitlines() if ln]
         assert len(lines) == 1 and needle in lines[0], (args, result.output)
+    # the run refuses the same pair before it loads anything (FSDP2 + 8-bit state)
+    from rankwise.engine.distributed import Distributed
+    from rankwise.recipes.train import check_distributed
+    data = P.split_switches(raw(folder, {"name": "full"}, {"name": "adamw", "state_bits": 8},
+                                distributed="fsdp"))[0]
+    with pytest.raises(RankwiseError, match="does not run on FSDP2"):
+        check_distributed(build_run_config(data), Distributed(world=2, kind="fsdp"))
+    check_distributed(build_run_config(data), Distributed(world=1, kind="fsdp"))  # one process: fine
     ok = CliRunner().invoke(main, ["plan", str(path), "--device", "cpu", "--json", "--nproc", "2"])
     obj = json.loads(ok.output)
     assert (obj["processes"], obj["distributed"], obj["micro_batch"]) == (2, "ddp", 2)

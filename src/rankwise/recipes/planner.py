@@ -208,6 +208,9 @@ class Planner:
         if problem is None and sw[("optim", "per_layer")]:
             problem = ("optim.per_layer would step before the gradients are summed across "
                        "processes; set optim.per_layer: false or plan one process (--nproc 1)")
+        if problem is None and kind == "fsdp" and sw[("optim", "state_bits")] == 8:
+            from rankwise.recipes.train import FSDP_STATE_BITS
+            problem = FSDP_STATE_BITS
         if problem is None and kind == "fsdp" and cfg.model.quantize:
             problem = ("plan: train.distributed fsdp with a quantized base (model.quantize) is not "
                        "modelled; plan it with train.distributed: ddp")
@@ -246,10 +249,11 @@ class Planner:
         share = _ceil(t.batch_size, self.nproc)  # this process's examples per step
         micros = [m for m in range(1, share // t.grad_accum + 1)
                   if share % m == 0 and m <= share // t.grad_accum]
-        quant = [False] if full or base.model.quantize or (self.nproc > 1 and t.distributed == "fsdp") \
-            else [False, True]
+        fsdp = self.nproc > 1 and t.distributed == "fsdp"
+        quant = [False] if full or base.model.quantize or fsdp else [False, True]
         for chunk, micro, bits8, per_layer, ckpt, offload, q in itertools.product(
-                [False, True] if causal else [False], sorted(micros, reverse=True), [False, True],
+                [False, True] if causal else [False], sorted(micros, reverse=True),
+                [False] if fsdp else [False, True],
                 [False, True] if full and self.nproc == 1 else [False], [False, True], [False, True], quant):
             accum = share // micro
             if per_layer and (accum > 1 or t.grad_clip):

@@ -98,8 +98,14 @@ class Session:
 def check_distributed(cfg: RunConfig, dist: Distributed) -> None:
     """Raise if the run cannot be split over torchrun's processes (see ``Distributed.problem``)."""
     problem = dist.problem(cfg.train.batch_size, cfg.train.grad_accum, cfg.optim.name)
+    if problem is None and dist.active and dist.kind == "fsdp" and getattr(cfg.optim, "state_bits", None):
+        problem = FSDP_STATE_BITS  # MatrixAdamW sees no matrices among FSDP2's sharded parameters
     if problem:
         raise RankwiseError(problem)
+
+
+FSDP_STATE_BITS = ("optim.state_bits: 8 does not run on FSDP2's sharded parameters; use "
+                   "train.distributed: ddp or set optim.state_bits: null")
 
 
 def pick_device() -> str:
