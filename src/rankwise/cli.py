@@ -311,13 +311,15 @@ def bench(name: str, out: Path | None) -> None:
 @click.option("--fit", is_flag=True, help="Propose the cheapest switches that fit --memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (peak_mb in MiB).")
 @click.option("--padded", is_flag=True, help="Batches carry padding (the attention gets a mask).")
+@click.option("--nproc", type=int, default=1, show_default=True,
+              help="torchrun processes: predict one process's peak under train.distributed.")
 def plan(config: Path, sets: tuple[str, ...], memory: str | None, device: str, fit: bool,
-         as_json: bool, padded: bool) -> None:
+         as_json: bool, padded: bool, nproc: int) -> None:
     """Predict a config's peak memory before it runs (meta device: no weights are read)."""
     import json
 
     from rankwise.recipes.planner import plan as run_plan
-    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded)
+    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded, nproc)
     click.echo(json.dumps(obj) if as_json else text)
 
 
