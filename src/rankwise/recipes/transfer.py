@@ -214,6 +214,8 @@ def transfer_run(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig | 
     session = prepare(new_cfg)
     new, tok_new = session.model, session.tokenizer
     _check_family(new.config.model_type, f"--to {new_base}")
+    load_s = time.perf_counter() - began
+    began = time.perf_counter()
     mem = PeakMemory(session.device)
     with mem:
         w_x, wx_info = _w_x(old, new, tok_old, tok_new)
@@ -256,7 +258,7 @@ def transfer_run(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig | 
     record = {"run": str(run_dir), "new_base": str(new_base), "settings": asdict(cfg),
               "w_x": wx_info, "cka": [[round(float(v), 4) for v in row] for row in sim],
               "layer_mapping": layers, "head_mapping": heads_record, "layers_moved": moved,
-              "not_transferred": skipped, "transfer_s": round(transfer_s, 3),
+              "not_transferred": skipped, "transfer_s": round(transfer_s, 3), "load_s": round(load_s, 3),
               "transfer_peak_memory_mb": round(mem.peak_mb, 1), "memory_meter": mem.meter}
     if cfg.finetune_steps:
         metrics = train(new_cfg, out, session=session, console=console, summary=False)
