@@ -20,6 +20,10 @@ the new tokenizer; the old model's own loss is in another tokenizer and shown ap
 * ``lora-small``: LoRA trained from its usual init for ``small_steps``;
 * ``lora-full``: LoRA trained for ``full_steps`` (the old run's budget).
 
+A control pair repeats the rows (``cont-*``) on the old model pretrained further
+(``cont_steps`` on the next ``cont_mb`` MB): same tokenizer, width and depth, so ``W_x`` is the
+identity and only the weights moved, the kind of upgrade where a transfer has most to keep.
+
 Pieces (``pieces/<name>.json``, committed) are written as each finishes and skipped when present,
 so an interrupted run resumes; models and runs live in ``_work/`` (not committed). Times are
 those of one process on a shared CPU: compare ratios, not seconds.
@@ -63,6 +67,8 @@ class Sizes:
     lora_lr: float = 2e-3
     full_steps: int = 120
     small_steps: int = 15
+    cont_mb: float = 1.5
+    cont_steps: int = 300
     seed: int = 0
 
 
@@ -94,16 +100,23 @@ def train_tokenizer(text: str, vocab: int):
 
 
 def _pretrain(s: Sizes, folder: Path, mb: float, vocab: int, hidden: int, layers: int, heads: int,
-              kv_heads: int, steps: int) -> dict:
-    """Tokenizer + Llama pretrained on the first ``mb`` MB of the corpus; saved in ``folder``."""
+              kv_heads: int, steps: int, start: Path | None = None) -> dict:
+    """Tokenizer + Llama pretrained on the first ``mb`` MB of the corpus; saved in ``folder``.
+    With ``start`` (a model folder): that model and its tokenizer pretrained further on the
+    ``mb`` MB that follow the first ``s.old_mb``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rankwise.benchmarks.lowrank_pretrain.data import ByteWindows, load_corpus
     from rankwise.engine import Engine, evaluate, get_task, linear_schedule
     train_bytes, held_bytes, info = load_corpus()
-    text = bytes(train_bytes[: int(mb * 2 ** 20)].tolist()).decode("utf-8", errors="replace")
+    first = int(s.old_mb * 2 ** 20) if start is not None else 0
+    text = bytes(train_bytes[first: first + int(mb * 2 ** 20)].tolist()).decode("utf-8", errors="replace")
     began = time.perf_counter()
-    tok = train_tokenizer(text, vocab)
+    if start is not None:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(start)
+    else:
+        tok = train_tokenizer(text, vocab)
     tokenizer_s = time.perf_counter() - began
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.int64)
     held_text = bytes(held_bytes[: 2 ** 19].tolist()).decode("utf-8", errors="replace")
@@ -118,7 +131,7 @@ def _pretrain(s: Sizes, folder: Path, mb: float, vocab: int, hidden: int, layers
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=256, bos_token_id=tok.eos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg) if start is None else LlamaForCausalLM.from_pretrained(start)
     task = get_task("causal-lm")
     opt = torch.optim.AdamW(model.parameters(), lr=s.pretrain_lr, weight_decay=0.0)
     engine = Engine(model, task, opt, train, s.batch, seed=s.seed, scheduler=linear_schedule(opt, steps, 0.05))
@@ -182,6 +195,7 @@ def run(out: Path, s: Sizes | None = None) -> dict:
     work = out / "_work"
     work.mkdir(parents=True, exist_ok=True)
     old_base, new_base, old_run = work / "old-base", work / "new-base", work / "lora-old"
+    cont_base = work / "cont-base"
     pieces = {
         "old-base": lambda: _pretrain(s, old_base, s.old_mb, s.old_vocab, s.old_hidden, s.old_layers,
                                       s.old_heads, s.old_heads, s.old_steps),
@@ -194,6 +208,16 @@ def run(out: Path, s: Sizes | None = None) -> dict:
         "lorasuite+ft": lambda: _transfer(old_run, new_base, work / "lorasuite-ft", s.small_steps),
         "lora-small": lambda: _train(s, new_base, s.small_steps, work / "lora-small"),
         "lora-full": lambda: _train(s, new_base, s.full_steps, work / "lora-full"),
+        # the control pair: the old model pretrained further (same tokenizer, width and depth)
+        "cont-base": lambda: _pretrain(s, cont_base, s.cont_mb, s.old_vocab, s.old_hidden, s.old_layers,
+                                       s.old_heads, s.old_heads, s.cont_steps, start=old_base),
+        "cont-base-eval": lambda: _base_only(s, cont_base),
+        "cont-lorasuite": lambda: _transfer(old_run, cont_base, work / "cont-lorasuite", 0),
+        "cont-lorasuite-paper": lambda: _transfer(old_run, cont_base, work / "cont-lorasuite-paper", 0,
+                                                  normalise=False),
+        "cont-lorasuite+ft": lambda: _transfer(old_run, cont_base, work / "cont-lorasuite-ft", s.small_steps),
+        "cont-lora-small": lambda: _train(s, cont_base, s.small_steps, work / "cont-lora-small"),
+        "cont-lora-full": lambda: _train(s, cont_base, s.full_steps, work / "cont-lora-full"),
     }
     for name, piece in pieces.items():  # a half-written folder of an interrupted piece goes first
         if not (out / "pieces" / f"{name}.json").is_file():
@@ -207,9 +231,7 @@ def run(out: Path, s: Sizes | None = None) -> dict:
 
 def _clear(work: Path, name: str) -> None:
     import shutil
-    folder = {"lora-old": "lora-old", "lorasuite": "lorasuite", "lorasuite-paper": "lorasuite-paper",
-              "lorasuite+ft": "lorasuite-ft", "lora-small": "lora-small", "lora-full": "lora-full",
-              "old-base": "old-base", "new-base": "new-base"}.get(name)
+    folder = name.replace("+", "-") if not name.endswith("-eval") else None
     if folder and (work / folder).exists():
         shutil.rmtree(work / folder)
 
@@ -217,7 +239,6 @@ def _clear(work: Path, name: str) -> None:
 def markdown(r: dict, s: Sizes) -> str:
     """The results table."""
     old, new = r["old-base"], r["new-base"]
-    rows = {"new-base": r["new-base-eval"], **{k: r[k] for k in ROWS[1:]}}
     full = r["lora-full"]
     lines = ["# transfer: LoRASuite onto an upgraded model\n",
              f"old base: Llama {old['hidden']} wide, {old['layers']} layers, {old['heads']} heads, BPE "
@@ -230,18 +251,35 @@ def markdown(r: dict, s: Sizes) -> str:
              f"held-out loss {r['lora-old']['eval_loss']:.4f} in the old tokenizer (not comparable with "
              "the rows below).\n",
              f"W_x: {r['lorasuite']['w_x']}; layer mapping (old -> new) {r['lorasuite']['layer_mapping']}.\n",
-             "| row | steps on the new base | held-out loss | train s | transfer s | total s vs lora-full | peak MiB |",
+             _table(r, ""),
+             "\nControl pair: the old model pretrained further "
+             f"({r['cont-base']['steps']} steps on the next {r['cont-base']['corpus_mb']} MB; held-out corpus "
+             f"loss {old['heldout_loss']} -> {r['cont-base']['heldout_loss']}): same tokenizer, width and "
+             f"depth, so W_x = I ({r['cont-lorasuite']['w_x']['kind']}); layer mapping "
+             f"{r['cont-lorasuite']['layer_mapping']}.\n",
+             _table(r, "cont-")]
+    lines.append("\nTimes: one process per piece on a shared CPU (single thread); compare ratios. "
+                 "transfer s: W_x, the CKA forwards, the mappings and the per-head maths (loading the "
+                 "models and data not counted, as a retraining's data preparation is not). Peak memory: "
+                 f"{full['memory_meter']} (training: the run's own meter; transfer: its computation).")
+    return "\n".join(lines) + "\n"
+
+
+def _table(r: dict, p: str) -> str:
+    full = r[f"{p}lora-full"]
+    rows = {f"{p}new-base" if not p else "cont-base": r[f"{p}new-base-eval" if not p else "cont-base-eval"],
+            **{p + k: r[p + k] for k in ROWS[1:]}}
+    lines = ["| row | steps on the new base | held-out loss | train s | transfer s | total s vs lora-full | peak MiB |",
              "|---|---|---|---|---|---|---|"]
     for name, m in rows.items():
         total = m.get("train_time_s", 0.0) + m.get("transfer_s", 0.0)
-        ratio = f"{total / full['train_time_s']:.2f}" if name != "new-base" else "-"
+        base = name.endswith("base")
+        ratio = f"{total / full['train_time_s']:.2f}" if not base else "-"
         peak = max(x for x in (m.get("peak_memory_mb"), m.get("transfer_peak_memory_mb")) if x is not None) \
-            if name != "new-base" else None
+            if not base else None
         lines.append(f"| {name} | {m['steps']} | {m['eval_loss']:.4f} | {m.get('train_time_s', 0.0):.1f} | "
                      f"{m.get('transfer_s', 0.0):.1f} | {ratio} | {'-' if peak is None else f'{peak:.0f}'} |")
-    lines.append("\nTimes: one process per piece on a shared CPU (single thread); compare ratios. Peak memory: "
-                 f"{full['memory_meter']} (training: the run's own meter; transfer: its computation).")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 __all__ = ["ROWS", "Sizes", "lora_config", "markdown", "run", "train_tokenizer"]
