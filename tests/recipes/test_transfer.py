@@ -84,6 +84,7 @@ def _deltas(run):
         return out, model(input_ids=IDS).logits
 
 
+@pytest.mark.slow  # ~4 s: two model loads, a data build, PEFT (the maths alone: tests/adapters/test_lorasuite.py)
 def test_identity_transfer_reproduces_the_adapter_and_exports_to_peft(world):
     out = world["root"] / "same"
     record = transfer_run(world["run"], str(world["base"]), out, TransferConfig(calibration_texts=8))
