@@ -37,6 +37,7 @@ BENCHMARKS = {
     "select": "rankwise.benchmarks.select:run",
     "shapley": "rankwise.benchmarks.shapley:run",
     "skrull": "rankwise.benchmarks.skrull:run",
+    "transfer": "rankwise.benchmarks.transfer:run",
 }
 
 
@@ -126,6 +127,23 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
     from rankwise.recipes.export import export_run
     path = export_run(run_dir, fmt, out, model_path)
     click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+@click.option("--to", "new_base", required=True, metavar="NEW_BASE", help="The new base model's folder.")
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--finetune-steps", type=int, default=None, help="Steps of the run's training after the transfer.")
+@click.option("--calibration-texts", type=int, default=None, help="Examples whose hidden states give the CKA.")
+def transfer(run_dir: Path, new_base: str, out: Path, finetune_steps: int | None,
+             calibration_texts: int | None) -> None:
+    """Move a LoRA run onto an upgraded base model (LoRASuite; docs/transfer.md)."""
+    from rankwise.recipes.transfer import TransferConfig, transfer_run
+    given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts}
+    record = transfer_run(run_dir, new_base, out, TransferConfig(**{k: v for k, v in given.items() if v is not None}))
+    click.echo(f"layers {record['layer_mapping']}  W_x {record['w_x']['kind']}  "
+               f"eval_loss {record['metrics'].get('eval_loss', float('nan')):.4g}")
+    click.echo(f"wrote {out}")
 
 
 @main.command()
