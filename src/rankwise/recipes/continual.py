@@ -407,3 +407,25 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
         say(f"task {t + 1}/{T}: " + "  ".join(f"{r} {sum(matrices[r][-1]) / (t + 1):.3f}" for r in RULES))
     out = {r: {"matrix": m, **summary(m)} for r, m in matrices.items()}
     return {"config": asdict(cfg), "tasks": tasks, "rules": out, "rematch": counts if per_module else None}
+
+
+def continual_command(config: Path, tasks: str, method: str | None, out: Path | None) -> dict:
+    """``rankwise continual``: check the tasks before loading anything, run, print, write."""
+    import json
+
+    from rich.console import Console
+
+    from rankwise.core import atomic
+    from rankwise.data.demo import PACKAGES
+    parsed = parse_tasks(tasks, PACKAGES)
+    cfg = load_config(config, {"method": method} if method else None)
+    console = Console()
+    record = run_continual(cfg, parsed, console)
+    for rule, r in record["rules"].items():
+        f = r["forgetting"]
+        console.print(f"{cfg.method} [{rule}]: average accuracy {r['average_accuracy']:.3f}"
+                      + (f", forgetting {f:.3f}" if f is not None else ""))
+    if out is not None:
+        atomic.write_json(out, record)
+        console.print(f"wrote {out}")
+    return json.loads(json.dumps(record))

@@ -1,0 +1,88 @@
+"""``rankwise bench continual``: HRM-PET against plain key matching, sequential fine-tuning and
+joint training on the demo task split into 4 tasks of 2 packages, 3 task orders.
+
+Quality only (accuracy, forgetting; no time claim). Each (row, order) is one piece
+(``pieces/<row>-<order>.json``, committed), written when it finishes and skipped when present, so
+an interrupted run resumes. Rows:
+
+* ``hrm-pet``: per-task LoRA trained with CTIRD; reported with the hybrid re-matching (``hrm``),
+  and, on the same modules, plain matching, direct re-matching only and the oracle module;
+* ``key-match``: per-task LoRA without CTIRD, key matching (L2P/CODA-style); the same modules are
+  also scored with re-matching, so re-matching is compared without CTIRD as well;
+* ``sequential``: one LoRA trained task after task;
+* ``joint``: one LoRA trained on all tasks (order-independent: run once).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from rankwise.core import atomic
+
+ORDERS = ((0, 1, 2, 3), (3, 2, 1, 0), (2, 0, 3, 1))
+ROWS = ("hrm-pet", "key-match", "sequential", "joint")
+# (row, rule) pairs reported; the first rule of a per-task row is its own inference
+REPORT = (("hrm-pet", "hrm"), ("hrm-pet", "direct"), ("hrm-pet", "match"), ("hrm-pet", "oracle"),
+          ("key-match", "match"), ("key-match", "hrm"), ("key-match", "direct"), ("key-match", "oracle"),
+          ("sequential", "single"), ("joint", "single"))
+
+
+def _cfg():
+    from rankwise.recipes.continual import ContinualConfig
+    return ContinualConfig(steps_per_task=8, eval_per_class=15)
+
+
+def run(out: Path) -> dict:
+    from rankwise.data.demo import PACKAGES, python_version
+    from rankwise.plots import plot_curves
+    from rankwise.recipes.continual import DEMO_TASKS, parse_tasks, run_continual
+    import torch
+    torch.set_num_threads(1)
+    out = Path(out)
+    (out / "pieces").mkdir(parents=True, exist_ok=True)
+    base = parse_tasks(DEMO_TASKS, PACKAGES)
+    records = {}
+    for row in ROWS:
+        for oi, order in enumerate(ORDERS if row != "joint" else ORDERS[:1]):
+            piece = out / "pieces" / f"{row}-{oi}.json"
+            if not piece.exists():
+                rec = run_continual(replace(_cfg(), method=row), [base[i] for i in order])
+                rec["order"] = list(order)
+                atomic.write_json(piece, rec)
+            records[(row, oi)] = json.loads(piece.read_text())
+    table = {}
+    for row, rule in REPORT:
+        recs = [r for (rw, _), r in records.items() if rw == row]
+        acc = [r["rules"][rule]["average_accuracy"] for r in recs]
+        fg = [r["rules"][rule]["forgetting"] for r in recs if r["rules"][rule]["forgetting"] is not None]
+        table[f"{row} [{rule}]"] = {
+            "average_accuracy": acc, "forgetting": fg,
+            "acc_mean": statistics.fmean(acc), "acc_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+            "forget_mean": statistics.fmean(fg) if fg else None,
+            "curve": [statistics.fmean(sum(r["rules"][rule]["matrix"][t]) / (t + 1) for r in recs)
+                      for t in range(len(recs[0]["rules"][rule]["matrix"]))]}
+    rematch = {row: [records[(row, oi)]["rematch"] for oi in range(len(ORDERS))] for row in ("hrm-pet", "key-match")}
+    result = {"python": python_version(), "torch": torch.__version__, "config": records[("hrm-pet", 0)]["config"],
+              "tasks": base, "orders": [list(o) for o in ORDERS], "rows": table, "rematch": rematch}
+    atomic.write_json(out / "results.json", result)
+    lines = ["# rankwise bench continual (HRM-PET)", "",
+             f"Demo task (MiniLM, 8 stdlib packages) as 4 tasks of 2 classes, class-incremental; "
+             f"{result['config']['steps_per_task']} steps x {result['config']['batch_size']} per task, "
+             f"{result['config']['eval_per_class']} eval examples per class; 3 task orders "
+             f"(joint: one run). Python {result['python']}, torch {result['torch']}. Quality only.", "",
+             "| row [inference rule] | average accuracy (mean ± std over orders) | forgetting |",
+             "|---|---:|---:|"]
+    for name, t in table.items():
+        f = "-" if t["forget_mean"] is None else f"{100 * t['forget_mean']:.1f}"
+        lines.append(f"| {name} | {100 * t['acc_mean']:.1f} ± {100 * t['acc_std']:.1f} | {f} |")
+    lines += ["", "Per-order average accuracy (%):", ""]
+    for name, t in table.items():
+        lines.append(f"- {name}: " + ", ".join(f"{100 * a:.1f}" for a in t["average_accuracy"]))
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    curves = {n: list(enumerate(t["curve"], 1)) for n, t in table.items()
+              if n.split(" [")[1].rstrip("]") in ("hrm", "match", "single", "oracle")}
+    plot_curves(curves, out / "accuracy.png", "tasks learned", "average accuracy (seen tasks)",
+                "continual demo task, mean of 3 orders")
+    return result
