@@ -38,3 +38,17 @@ def test_demo_split_is_four_tasks_of_two_packages_and_config_reads_yaml(tmp_path
     cfg.write_text("continual: {steps_per_task: 3, tau: 0.5}\n")
     c = load_config(cfg, {"method": "joint"})
     assert (c.steps_per_task, c.tau, c.method, c.candidates) == (3, 0.5, "joint", 2)
+
+
+@pytest.mark.slow
+def test_hrm_pet_end_to_end_on_a_tiny_model_keeps_earlier_head_rows():
+    from rankwise.recipes.continual import ContinualConfig, run_continual
+    tasks = parse_tasks("asyncio,email/http,importlib/logging,xml", PACKAGES)
+    rec = run_continual(ContinualConfig(model="tiny-bert", steps_per_task=2, batch_size=4, eval_per_class=2,
+                                        key_examples=4), tasks)
+    assert rec["head_drift"] == 0.0        # rows of earlier tasks' classes never move
+    for rule in ("match", "direct", "hrm", "oracle"):
+        m = rec["rules"][rule]["matrix"]
+        assert [len(row) for row in m] == [1, 2, 3]
+        assert rec["rules"][rule]["average_accuracy"] == pytest.approx(sum(m[-1]) / 3)
+    assert len(rec["rematch"]["switched"]) == 3 and rec["rematch"]["unsure"][0] == 0

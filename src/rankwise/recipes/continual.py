@@ -203,7 +203,8 @@ class _Model:
         self.modules.append(name)
         set_adapter(self.model, name)
         self.head.requires_grad_(True)
-        return list(adapter_parameters(self.model, name).values()) + list(self.head.parameters())
+        params = list(adapter_parameters(self.model, name).values()) + list(self.head.parameters())
+        return list({id(p): p for p in params}.values())  # the head may be saved with the adapter
 
     def forward(self, batch: dict, module: str | None) -> torch.Tensor:
         """Logits with ``module`` active (``None``: the frozen base); sets ``self.feature``."""
@@ -323,6 +324,7 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
                               None) for t in range(T)] if per_module else None
     matrices = {r: [] for r in (RULES if per_module else ("single",))}
     counts = {"switched": [], "unsure": []}
+    head_after = []  # head rows after each task: earlier tasks' rows must not move (masked logits)
 
     def train_on(batch_of, steps, allowed, params, teachers):
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -382,6 +384,7 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
             teachers = ([f"task{j}" for j in range(t - 1, -1, -1)][:cfg.distill_modules]
                         if cfg.method == "hrm-pet" and cfg.distill_weight > 0 else [])
         train_on(sampler([data.train[t]]), cfg.steps_per_task, allowed_train, params, teachers)
+        head_after.append(torch.cat([net.head.weight, net.head.bias[:, None]], 1).detach().clone())
         mask = eval_task <= t
         rows_y, rows_task = data.eval_y[mask], eval_task[mask]
         batch = _rows(data.eval_ids, mask.nonzero().flatten())
@@ -406,7 +409,10 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
         counts.setdefault("match_task_accuracy", []).append(float((matched == rows_task).float().mean()))
         say(f"task {t + 1}/{T}: " + "  ".join(f"{r} {sum(matrices[r][-1]) / (t + 1):.3f}" for r in RULES))
     out = {r: {"matrix": m, **summary(m)} for r, m in matrices.items()}
-    return {"config": asdict(cfg), "tasks": tasks, "rules": out, "rematch": counts if per_module else None}
+    drift = max(float((head_after[-1][data.class_task == j] - head_after[j][data.class_task == j]).abs().max())
+                for j in range(T))
+    return {"config": asdict(cfg), "tasks": tasks, "rules": out, "rematch": counts if per_module else None,
+            "head_drift": drift}
 
 
 def continual_command(config: Path, tasks: str, method: str | None, out: Path | None) -> dict:
