@@ -31,7 +31,7 @@ REPORT = (("hrm-pet", "hrm"), ("hrm-pet", "direct"), ("hrm-pet", "match"), ("hrm
 
 def _cfg():
     from rankwise.recipes.continual import ContinualConfig
-    return ContinualConfig(steps_per_task=8, eval_per_class=15)
+    return ContinualConfig(eval_per_class=15)
 
 
 def run(out: Path) -> dict:

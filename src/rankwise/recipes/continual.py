@@ -46,7 +46,9 @@ class ContinualConfig:
             for smoke tests).
         steps_per_task: Optimizer steps per task (``joint``: this times the number of tasks).
         batch_size: Training examples per step.
-        lr: AdamW learning rate (no weight decay: masked head rows must not move).
+        lr: AdamW learning rate of the adapters (no weight decay: masked head rows must not move).
+        head_lr: AdamW learning rate of the classification head (new weights: the demo's
+            frozen-encoder rate).
         r: LoRA rank of each task module (``alpha = 2 r``, every linear layer but the head).
         max_length: Tokens per docstring.
         eval_fraction: Share of the records held out (the demo's hash split).
@@ -64,9 +66,10 @@ class ContinualConfig:
 
     method: str = "hrm-pet"
     model: str = "demo"
-    steps_per_task: int = 12
+    steps_per_task: int = 10
     batch_size: int = 16
     lr: float = 3e-3
+    head_lr: float = 2e-2
     r: int = 8
     max_length: int = 32
     eval_fraction: float = 0.2
@@ -327,7 +330,10 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
     head_after = []  # head rows after each task: earlier tasks' rows must not move (masked logits)
 
     def train_on(batch_of, steps, allowed, params, teachers):
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        head = {id(p) for p in net.head.parameters()}
+        opt = torch.optim.AdamW([{"params": [p for p in params if id(p) not in head], "lr": cfg.lr},
+                                 {"params": [p for p in params if id(p) in head], "lr": cfg.head_lr}],
+                                weight_decay=0.0)
         for _ in range(steps):
             batch, y = batch_of()
             losses = {}
