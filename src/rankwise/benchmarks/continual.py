@@ -35,54 +35,85 @@ def _cfg():
 
 
 def run(out: Path) -> dict:
-    from rankwise.data.demo import PACKAGES, python_version
-    from rankwise.plots import plot_curves
+    """Run the missing pieces (every row's order 0 first, so a cut-short run still compares all
+    rows), then :func:`report`."""
+    from rankwise.data.demo import PACKAGES
     from rankwise.recipes.continual import DEMO_TASKS, parse_tasks, run_continual
     import torch
     torch.set_num_threads(1)
     out = Path(out)
     (out / "pieces").mkdir(parents=True, exist_ok=True)
     base = parse_tasks(DEMO_TASKS, PACKAGES)
-    records = {}
-    for row in ROWS:
-        for oi, order in enumerate(ORDERS if row != "joint" else ORDERS[:1]):
+    for oi, order in enumerate(ORDERS):
+        for row in ROWS:
             piece = out / "pieces" / f"{row}-{oi}.json"
-            if not piece.exists():
-                rec = run_continual(replace(_cfg(), method=row), [base[i] for i in order])
-                rec["order"] = list(order)
-                atomic.write_json(piece, rec)
-            records[(row, oi)] = json.loads(piece.read_text())
+            if (row == "joint" and oi > 0) or piece.exists():
+                continue
+            rec = run_continual(replace(_cfg(), method=row), [base[i] for i in order])
+            rec["order"] = list(order)
+            atomic.write_json(piece, rec)
+    return report(out)
+
+
+def report(out: Path) -> dict:
+    """``results.json``, ``results.md`` and ``accuracy.png`` from the pieces present."""
+    from rankwise.data.demo import PACKAGES, python_version
+    from rankwise.plots import plot_curves
+    from rankwise.recipes.continual import DEMO_TASKS, parse_tasks
+    import torch
+    out = Path(out)
+    base = parse_tasks(DEMO_TASKS, PACKAGES)
+    records = {}
+    for oi in range(len(ORDERS)):
+        for row in ROWS:
+            piece = out / "pieces" / f"{row}-{oi}.json"
+            if piece.exists():
+                records[(row, oi)] = json.loads(piece.read_text())
     table = {}
     for row, rule in REPORT:
         recs = [r for (rw, _), r in records.items() if rw == row]
+        if not recs:
+            continue
         acc = [r["rules"][rule]["average_accuracy"] for r in recs]
         fg = [r["rules"][rule]["forgetting"] for r in recs if r["rules"][rule]["forgetting"] is not None]
         table[f"{row} [{rule}]"] = {
-            "average_accuracy": acc, "forgetting": fg,
+            "average_accuracy": acc, "forgetting": fg, "orders": [r.get("order") for r in recs],
             "acc_mean": statistics.fmean(acc), "acc_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
             "forget_mean": statistics.fmean(fg) if fg else None,
             "curve": [statistics.fmean(sum(r["rules"][rule]["matrix"][t]) / (t + 1) for r in recs)
                       for t in range(len(recs[0]["rules"][rule]["matrix"]))]}
-    rematch = {row: [records[(row, oi)]["rematch"] for oi in range(len(ORDERS))] for row in ("hrm-pet", "key-match")}
-    result = {"python": python_version(), "torch": torch.__version__, "config": records[("hrm-pet", 0)]["config"],
-              "tasks": base, "orders": [list(o) for o in ORDERS], "rows": table, "rematch": rematch}
+    rematch = {row: [r["rematch"] for (rw, _), r in records.items() if rw == row] for row in ("hrm-pet", "key-match")}
+    config = next(iter(records.values()))["config"] if records else None
+    result = {"python": python_version(), "torch": torch.__version__, "config": config,
+              "tasks": base, "orders": [list(o) for o in ORDERS], "pieces": sorted(f"{r}-{o}" for r, o in records),
+              "rows": table, "rematch": rematch}
     atomic.write_json(out / "results.json", result)
+    cfg = config or {}
     lines = ["# rankwise bench continual (HRM-PET)", "",
              f"Demo task (MiniLM, 8 stdlib packages) as 4 tasks of 2 classes, class-incremental; "
-             f"{result['config']['steps_per_task']} steps x {result['config']['batch_size']} per task, "
-             f"{result['config']['eval_per_class']} eval examples per class; 3 task orders "
-             f"(joint: one run). Python {result['python']}, torch {result['torch']}. Quality only.", "",
-             "| row [inference rule] | average accuracy (mean ± std over orders) | forgetting |",
-             "|---|---:|---:|"]
+             f"{cfg.get('steps_per_task')} steps x {cfg.get('batch_size')} per task, "
+             f"{cfg.get('eval_per_class')} eval examples per class; task orders {[list(o) for o in ORDERS]} "
+             f"(joint: one run). Python {result['python']}, torch {result['torch']}. Quality only. "
+             f"Pieces present: {len(records)} of {len(ORDERS) * (len(ROWS) - 1) + 1}.", "",
+             "| row [inference rule] | orders | average accuracy % (mean ± std over orders) | forgetting % |",
+             "|---|---:|---:|---:|"]
     for name, t in table.items():
         f = "-" if t["forget_mean"] is None else f"{100 * t['forget_mean']:.1f}"
-        lines.append(f"| {name} | {100 * t['acc_mean']:.1f} ± {100 * t['acc_std']:.1f} | {f} |")
+        lines.append(f"| {name} | {len(t['average_accuracy'])} | {100 * t['acc_mean']:.1f} ± {100 * t['acc_std']:.1f} | {f} |")
     lines += ["", "Per-order average accuracy (%):", ""]
     for name, t in table.items():
         lines.append(f"- {name}: " + ", ".join(f"{100 * a:.1f}" for a in t["average_accuracy"]))
+    lines += ["", "Re-matching counts per evaluation point (examples switched by the direct rule; examples "
+              "below tau tried by the confidence rule):", ""]
+    for row, recs in rematch.items():
+        for r in recs:
+            if r:
+                lines.append(f"- {row}: switched {r['switched']}, unsure {r['unsure']}, "
+                             f"key-matching task accuracy {[round(a, 3) for a in r['match_task_accuracy']]}")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     curves = {n: list(enumerate(t["curve"], 1)) for n, t in table.items()
               if n.split(" [")[1].rstrip("]") in ("hrm", "match", "single", "oracle")}
-    plot_curves(curves, out / "accuracy.png", "tasks learned", "average accuracy (seen tasks)",
-                "continual demo task, mean of 3 orders")
+    if curves:
+        plot_curves(curves, out / "accuracy.png", "tasks learned", "average accuracy (seen tasks)",
+                    "continual demo task, mean over task orders")
     return result
