@@ -435,7 +435,7 @@ def continual_command(config: Path, tasks: str, method: str | None, out: Path | 
     record = run_continual(cfg, parsed, console)
     for rule, r in record["rules"].items():
         f = r["forgetting"]
-        console.print(f"{cfg.method} [{rule}]: average accuracy {r['average_accuracy']:.3f}"
+        console.print(f"{cfg.method} ({rule}): average accuracy {r['average_accuracy']:.3f}"
                       + (f", forgetting {f:.3f}" if f is not None else ""))
     if out is not None:
         atomic.write_json(out, record)
