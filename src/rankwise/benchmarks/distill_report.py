@@ -6,7 +6,9 @@ from pathlib import Path
 
 LABELS = {"lrc": "Low-Rank Clone (projections of the frozen teacher)",
           "minitron": "width-pruned by activation importance + logit KD (Minitron-style)",
-          "scratch": "same shape from scratch (CE)"}
+          "scratch": "same shape from scratch (CE)",
+          "lrc-t1": "ablation: LRC with the KL at T = 1",
+          "lrc-noclone": "ablation: LRC without the clone terms (CE + KL)"}
 
 
 def _ppl(loss: float) -> str:
