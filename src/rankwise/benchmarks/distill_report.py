@@ -59,6 +59,7 @@ def plot(r: dict, path: Path) -> None:
         ax.plot(xs, ys, marker="o", label=f"{row} (lr {rec['lr']:g})")
     ax.axhline(math.exp(r["teacher"]["heldout_loss"]), ls="--", c="gray", label="teacher")
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("student training tokens (bytes)")
     ax.set_ylabel("held-out perplexity per byte")
     ax.set_title("bench distill")
