@@ -43,7 +43,7 @@ from rankwise.engine import Engine, evaluate, get_task
 
 @dataclass
 class BenchSizes:
-    """Everything that sets the benchmark's size (defaults: ~6 minutes of one core).
+    """Everything that sets the benchmark's size (defaults: ~9 minutes of one core).
 
     Attributes:
         hidden, layers, heads, intermediate: The teacher's Llama shape.
@@ -156,8 +156,8 @@ def _train(model: nn.Module, lr: float, train, heldout, budgets, seed: int, batc
             evals[str(k + 1)] = evaluate(model, task, heldout, 32)["eval_loss"]
             if not math.isfinite(evals[str(k + 1)]):
                 break
-    return {"lr": lr, "heldout_loss": evals, "train_ce_curve": curve[::5], "trainable_params": sum(p.numel() for p in params),
-            "wall_s": time.perf_counter() - t0}
+    return {"lr": lr, "heldout_loss": evals, "train_ce_curve": curve[::5],
+            "trainable_params": sum(p.numel() for p in params), "wall_s": time.perf_counter() - t0}
 
 
 def _piece(out: Path, name: str, fn) -> dict:
@@ -205,7 +205,8 @@ def run(out: Path, sizes: BenchSizes | None = None, only: tuple[str, ...] = ()) 
         def load_teacher():
             if not (work / "teacher" / "config.json").is_file():   # removed after an earlier full run:
                 again = teacher_piece()                               # retrain it (deterministic on CPU)
-                if abs(again["heldout_loss"][str(s.teacher_steps)] - pieces["teacher"]["heldout_loss"][str(s.teacher_steps)]) > 1e-4:
+                key = str(s.teacher_steps)
+                if abs(again["heldout_loss"][key] - pieces["teacher"]["heldout_loss"][key]) > 1e-4:
                     raise RuntimeError("bench distill: the retrained teacher differs from pieces/teacher.json; "
                                        "delete the results folder and run again")
             return AutoModelForCausalLM.from_pretrained(work / "teacher", dtype=torch.float32).eval()
