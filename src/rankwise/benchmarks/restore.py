@@ -58,6 +58,10 @@ class Sizes:
         probes: RestoreLCC probes (the first calibration windows).
         heads: RestoreLCC's fraction of heads.
         threads: torch intra-op threads.
+        model_file: Where to keep the trained Llama with its calibration and held-out windows
+            (``torch.save``): loaded when it exists, written after training when it does not
+            (``None``: train, keep nothing). The training is seeded and single-threaded, so a
+            kept model is the one a fresh run trains.
     """
 
     compress: dict = dataclasses.field(default_factory=dict)
@@ -77,6 +81,7 @@ class Sizes:
     probes: int = 64
     heads: float = 0.25
     threads: int = 1
+    model_file: str | None = None
 
 
 def _batches(ids: torch.Tensor, steps: int, batch: int, seed: int) -> list[torch.Tensor]:
@@ -179,7 +184,13 @@ def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
     results = {"sizes": asdict(s), "compress_sizes": asdict(cs), "python": platform.python_version(),
                "torch": torch.__version__, "machine": f"{platform.machine()}, {s.threads} torch threads", "rows": []}
     try:
-        dense, calib, heldout, info = bench_compress._llama(cs, console)
+        if s.model_file and Path(s.model_file).is_file():
+            dense, calib, heldout, info = torch.load(s.model_file, weights_only=False)
+            info = {**info, "loaded_from": s.model_file}
+        else:
+            dense, calib, heldout, info = bench_compress._llama(cs, console)
+            if s.model_file:
+                torch.save((dense, calib, heldout, info), s.model_file)
         train, _, _ = load_corpus()
         g = torch.Generator().manual_seed(cs.seed + 1)     # other draws than bench compress's windows
         span = torch.arange(cs.llama_seq)
