@@ -51,7 +51,8 @@ def restored():
     cfg = RestoreConfig(enabled=True, probes=16, heads=0.5, steps=4, lr=0.05, batch_size=8)
     lcc = RestoreLCC(cfg, o_paths(model), HEADS, seed=0)
     lcc.record_dense(model, ids)
-    compress_model(model, compressor("wanda", sparsity=0.5), [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    compress_model(model, compressor("wanda", sparsity=0.5), batches)
     pruned = copy.deepcopy(model)
     info = lcc.restore(model, ids)
     return pruned, model, lcc, ids, info

@@ -206,8 +206,9 @@ def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
             pruned = copy.deepcopy(dense)
             chunks = [{"input_ids": c, "attention_mask": torch.ones_like(c)} for c in calib.split(8)]
             paths = list(compress_model(pruned, comp, chunks, "all-linear").layers)
-            row = {"pruning": label, "config": raw, "pruned": {"heldout": _ppl(pruned, heldout), "val": _ppl(pruned, val),
-                                                               "sparsity": _sparsity(pruned, paths)},
+            row = {"pruning": label, "config": raw,
+                   "pruned": {"heldout": _ppl(pruned, heldout), "val": _ppl(pruned, val),
+                              "sparsity": _sparsity(pruned, paths)},
                    "restore": [], "lora": []}
             for lr in s.restore_lrs:
                 row["restore"].append(_restore(dense, pruned, paths, o_paths, calib, train_ids, lr, s, heldout, val))
@@ -253,7 +254,8 @@ def _markdown(results: dict) -> str:
         a = row.get("restore_all_heads")
         every = f"{a['heldout']:.4f} (lr {a['lr']:g})" if a else "-"
         md.append(f"| {row['pruning']} | {row['pruned']['heldout']:.4f} ({row['pruned']['sparsity']:.1%}) | "
-                  f"{r['heldout']:.4f} (lr {r['lr']:g}) | {r['sparsity']:.1%} | {every} | {lo['trained']['heldout']:.4f} "
+                  f"{r['heldout']:.4f} (lr {r['lr']:g}) | {r['sparsity']:.1%} | {every} | "
+                  f"{lo['trained']['heldout']:.4f} "
                   f"(lr {lo['lr']:g}) | {lo['merged']['heldout']:.4f} | {lo['merged']['sparsity']:.1%} | "
                   f"{lo['remasked']['heldout']:.4f} | {lo['remasked']['sparsity']:.1%} | "
                   f"{r['trainable_params']:,} / {lo['trainable_params']:,} |")
