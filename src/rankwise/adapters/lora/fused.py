@@ -11,6 +11,12 @@ that equals the plain path's (:meth:`LoraLayer.forward`: the base layer, then tw
   its cast to the factors' dtype made (under bf16 autocast: ``x`` -> float32 -> bf16, one new
   bf16 tensor per projection, so q/k/v hold three copies of one input; PEFT does the same);
 * no dropout mask: the fused path is taken only while dropout is inactive (``p = 0`` or eval);
+* one product for the layers that read one input (:data:`STACK`): q, k, v (and gate, up) are
+  found by running - consecutive calls on the same tensor object - and then share
+  ``[u_q | u_k | u_v] = x [A_q; A_k; A_v]ᵀ`` and its backward (:class:`_SharedDown`), each
+  finishing with :class:`_FusedLoraUp`; only ``A`` is stacked (GQA's narrower k/v and GoRA's
+  ranks are fine), at run time, from the parameters as the forward sees them (no new
+  parameter, PEFT export and merge unchanged);
 * ``A x`` (``r`` columns) is kept: recomputing it costs ``2 r in`` flops per token to save
   ``r`` values per token (measured in ``docs/fused-lora.md``);
 * a 4-bit base (bitsandbytes ``Linear4bit``) is dequantized in the forward and again in the
