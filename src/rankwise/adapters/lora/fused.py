@@ -275,6 +275,13 @@ class _State(threading.local):
 _STATE = _State()
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward now (a checkpointing recompute is one); ``True``
+    where torch cannot tell, so a pending group then never turns active (per-layer products)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() != -1
+
+
 def _key(x: torch.Tensor):
     dev = x.device.type
     return (x._version, x.device, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -298,7 +305,7 @@ def _partners(layer, x, a) -> list | None:
     if group is None:
         return None
     if group[0] == "pending":
-        if BACKWARDS == group[2] or torch._C._current_graph_task_id() != -1:
+        if BACKWARDS == group[2] or _in_backward():
             return None
         group[0] = "active"
     out = []
