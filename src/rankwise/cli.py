@@ -38,6 +38,8 @@ BENCHMARKS = {
     "shapley": "rankwise.benchmarks.shapley:run",
     "skrull": "rankwise.benchmarks.skrull:run",
     "transfer": "rankwise.benchmarks.transfer:run",
+    "restore": "rankwise.benchmarks.restore:run",
+    "distill": "rankwise.benchmarks.distill:run",
     "continual": "rankwise.benchmarks.continual:run",
 }
 
@@ -297,6 +299,27 @@ def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None
                f"{report['factor_fraction_of_model']:.2%} of the model's {report['model_bytes'] / 2**20:.1f} MiB "
                f"(one mask pair per layer: {report['unshared_factor_bytes'] / 2**20:.3f} MiB)")
     click.echo(f"wrote {report['out']} and {report['factors_path']}")
+
+
+@main.command()
+@click.argument("teacher", type=click.Path(path_type=Path))
+@click.option("--student-hidden", type=int, default=None, help="The student's hidden size (below the teacher's).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (model/ is the student).")
+@click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+              help="YAML with DistillConfig keys (steps, temperature, data, ...).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--resume", is_flag=True, help="Continue from the folder's last checkpoint.")
+def distill(teacher: Path, student_hidden: int | None, out: Path, config: Path | None, sets: tuple[str, ...],
+            resume: bool) -> None:
+    """Low-Rank Clone: distill TEACHER (model or run folder) into a narrower plain Llama (docs/distill.md)."""
+    from rich.console import Console
+
+    from rankwise.recipes.distill import read_config, run_distill
+    m = run_distill(teacher, out, read_config(config, list(sets), student_hidden), resume,
+                    Console(stderr=True))
+    click.echo(f"student {m['student_params']:,} params (teacher {m['teacher_params']:,}): held-out perplexity "
+               f"{m['student_eval_perplexity']:.3f} (teacher {m['teacher_eval_perplexity']:.3f})")
+    click.echo(f"wrote {out}/model")
 
 
 @main.command()
