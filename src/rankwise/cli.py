@@ -40,6 +40,7 @@ BENCHMARKS = {
     "transfer": "rankwise.benchmarks.transfer:run",
     "restore": "rankwise.benchmarks.restore:run",
     "distill": "rankwise.benchmarks.distill:run",
+    "continual": "rankwise.benchmarks.continual:run",
 }
 
 
@@ -332,6 +333,17 @@ def inspect(target: Path, data: Path | None, out: Path | None) -> None:
     out = out or Path("runs") / f"{target.name}-inspect"
     run_inspect(target, data, out)
     click.echo(f"wrote {out}/report.md and {out}/inspect.json")
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--tasks", required=True, help="Classes by ',' and tasks by '/': asyncio,email/http,importlib")
+@click.option("--method", default=None, help="hrm-pet, key-match, sequential or joint (overrides the config).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the record here (JSON).")
+def continual(config: Path, tasks: str, method: str | None, out: Path | None) -> None:
+    """Learn tasks one after another, one LoRA module per task (HRM-PET; docs/continual.md)."""
+    from rankwise.recipes.continual import continual_command
+    continual_command(config, tasks, method, out)
 
 
 @main.command()
