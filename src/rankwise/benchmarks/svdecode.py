@@ -104,7 +104,7 @@ def base(tok, work: Path):
     losses = fit(model.train(), encode(tok, pre), PRE_STEPS, PRE_BATCH, PRE_LR)
     torch.save(model.state_dict(), path)
     info = {"loss_first": losses[0], "loss_last": statistics.fmean(losses[-10:])}
-    atomic.write_text(work / "base.json", json.dumps(info))
+    atomic.write_bytes(work / "base.json", json.dumps(info).encode())
     return model.eval(), info
 
 
@@ -124,7 +124,7 @@ def warm_start(tok, work: Path, method: str):
     losses = fit(model.train(), encode(tok, train), steps, 16, lr)
     torch.save({n: p for n, p in model.state_dict().items() if n in trainable}, path)
     info = {"steps": steps, "lr": lr, "loss_first": losses[0], "loss_last": statistics.fmean(losses[-5:])}
-    atomic.write_text(work / f"{method}.json", json.dumps(info))
+    atomic.write_bytes(work / f"{method}.json", json.dumps(info).encode())
     return model.eval(), info
 
 
@@ -225,8 +225,8 @@ def run(out: Path) -> dict:
 
 
 def _write(out: Path, res: dict) -> None:
-    atomic.write_text(out / "results.json", json.dumps(res, indent=2, default=str))
-    atomic.write_text(out / "results.md", _markdown(res))
+    atomic.write_bytes(out / "results.json", json.dumps(res, indent=2, default=str).encode())
+    atomic.write_bytes(out / "results.md", _markdown(res).encode())
 
 
 def _markdown(res: dict) -> str:
