@@ -17,6 +17,7 @@ from rankwise.errors import RankwiseError, require
 # name -> "module:function"; each function is run(out: Path) -> dict and writes
 # out/results.json and out/results.md.
 BENCHMARKS = {
+    "svdecode": "rankwise.benchmarks.svdecode:run",
     "lora-vs-peft": "rankwise.benchmarks.lora_vs_peft:run",
     "lowrank-pretrain": "rankwise.benchmarks.lowrank_pretrain:run",
     "federated-demo": "rankwise.federated.bench:run",
@@ -189,14 +190,29 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
               help="Bits per cached element of a quantized KV cache.")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="The base model's folder, if it is no longer at the run's model.path.")
+@click.option("--steer", default=None, metavar="svdecode",
+              help="Steer decoding with SVDecode (docs/svdecode.md); needs --steer-from.")
+@click.option("--steer-from", type=click.Path(path_type=Path), default=None,
+              help="The warm-start adapter run (same base) giving P_warm (adapters on) and P_pre (off).")
+@click.option("--steer-mask", type=float, default=None, help="SVDecode mask ratio tau (default 0.1).")
+@click.option("--steer-strength", type=float, default=None, help="SVDecode lambda on mu* (default 1; 0 = plain).")
+@click.option("--steer-max-mu", type=float, default=None, help="SVDecode clip of mu* (default 4).")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
-             kv_bits: int, model_path: Path | None) -> None:
+             kv_bits: int, model_path: Path | None, steer: str | None, steer_from: Path | None,
+             steer_mask: float | None, steer_strength: float | None,
+             steer_max_mu: float | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
+    steer_config = None
+    if steer is not None:
+        from rankwise.engine.svdecode import SVDecodeConfig
+        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu}
+        steer_config = SVDecodeConfig(**{k: v for k, v in given.items() if v is not None})
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
                  echo=click.echo, stream=lambda text: click.echo(text, nl=False),
-                 kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path)
+                 kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path, steer=steer,
+                 steer_from=steer_from, steer_config=steer_config)
 
 
 @main.command()
