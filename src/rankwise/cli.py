@@ -17,7 +17,6 @@ from rankwise.errors import RankwiseError, require
 # name -> "module:function"; each function is run(out: Path) -> dict and writes
 # out/results.json and out/results.md.
 BENCHMARKS = {
-    "svdecode": "rankwise.benchmarks.svdecode:run",
     "lora-vs-peft": "rankwise.benchmarks.lora_vs_peft:run",
     "lowrank-pretrain": "rankwise.benchmarks.lowrank_pretrain:run",
     "federated-demo": "rankwise.federated.bench:run",
@@ -42,6 +41,7 @@ BENCHMARKS = {
     "restore": "rankwise.benchmarks.restore:run",
     "distill": "rankwise.benchmarks.distill:run",
     "continual": "rankwise.benchmarks.continual:run",
+    "svdecode": "rankwise.benchmarks.svdecode:run",
 }
 
 
