@@ -14,9 +14,10 @@ policy: one update per generation, so ``rho = 1`` in value and its gradient is t
 gradient) and ``D = exp(ref - logp) - (ref - logp) - 1`` (the reference ``ref`` is the same
 network with its adapters switched off, :func:`rankwise.core.ops.disable_adapters`)::
 
-    l_t = -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) + beta D
+    l_t = -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) + beta rho D
 
-and the loss normalisation (``loss_type``, the definitions of TRL 1.16's ``GRPOTrainer``):
+(``rho D``: ``kl_ratio``, the unbiased reverse-KL gradient of DeepSeek-V3.2, TRL's default; off,
+the paper's ``beta D``) and the loss normalisation (``loss_type``, the definitions of TRL 1.16's ``GRPOTrainer``):
 
 * ``grpo`` (the paper): the mean over each completion's tokens, then over completions;
 * ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO): the sum over
@@ -93,6 +94,9 @@ class GRPOConfig:
         beta: KL strength ``beta`` (0: no reference forward).
         epsilon: Clip range below 1 (and above, unless ``epsilon_high``).
         epsilon_high: Clip range above 1 (DAPO's clip-higher); ``null``: ``epsilon``.
+        kl_ratio: Multiply the KL term by the ratio ``rho`` (1 in value; it changes the
+            gradient into the unbiased reverse-KL gradient, DeepSeek-V3.2; TRL 1.16's
+            ``use_bias_correction_kl``, on by default there too).
         loss_type: ``grpo``, ``dr_grpo`` or ``dapo`` (see the module docstring).
         scale_rewards: ``group`` (divide by the group's std), ``batch`` (by the step's) or
             ``none`` (Dr. GRPO).
@@ -111,6 +115,7 @@ class GRPOConfig:
     beta: float = 0.04
     epsilon: float = 0.2
     epsilon_high: Union[float, None] = None
+    kl_ratio: bool = True
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     answer_field: str = "answer"
@@ -172,14 +177,17 @@ def token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 def per_token_loss(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
-                   advantages: torch.Tensor, beta: float, eps_low: float, eps_high: float) -> torch.Tensor:
-    """``-min(rho A, clip(rho) A) + beta D`` per completion token ``(R, C)``."""
+                   advantages: torch.Tensor, beta: float, eps_low: float, eps_high: float,
+                   kl_ratio: bool = True) -> torch.Tensor:
+    """``-min(rho A, clip(rho) A) + beta D`` per completion token ``(R, C)`` (``beta rho D`` with
+    ``kl_ratio``)."""
     ratio = torch.exp(logps - old)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     adv = advantages.unsqueeze(1)                                   # (R, 1)
     loss = -torch.min(ratio * adv, clipped * adv)
     if beta != 0.0 and ref is not None:
-        loss = loss + beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        loss = loss + beta * (kl * ratio if kl_ratio else kl)
     return loss
 
 
@@ -309,7 +317,7 @@ class GRPOTask(Task):
         eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
         old = logps.detach()  # pi_old: the sampling policy, one update per rollout (TRL's rule)
         loss = per_token_loss(logps, old, batch.get("ref_logps"), batch["advantages"],
-                              c.beta, c.epsilon, eps_high) * mask
+                              c.beta, c.epsilon, eps_high, c.kl_ratio) * mask
         if c.loss_type == "grpo":
             total = (loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
         elif c.loss_type == "dr_grpo":
