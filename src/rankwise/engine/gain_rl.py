@@ -82,7 +82,11 @@ def last_mlp(model: nn.Module) -> nn.Module:
 def prompt_signals(model: nn.Module, prompts: list[list[int]], cfg: Any, device: str = "cpu") -> list[float]:
     """The angle signal of every prompt (one forward each, in eval mode)."""
     held: list[torch.Tensor] = []
-    hook = last_mlp(model).register_forward_pre_hook(lambda mod, args: held.append(args[0][0].detach()))
+    def grab(mod, args, kwargs):  # the MLP's input, passed by position or by name
+        x = args[0] if args else next(iter(kwargs.values()))
+        held.append(x.detach().reshape(-1, x.shape[-1]))            # (T, d) of the one prompt
+
+    hook = last_mlp(model).register_forward_pre_hook(grab, with_kwargs=True)
     was = model.training
     model.eval()
     out = []
