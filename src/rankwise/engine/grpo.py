@@ -293,11 +293,17 @@ class GRPOTask(Task):
         return out
 
     def before_step(self, model: nn.Module, batches: list[dict], step: int, seed: int) -> list[dict]:
-        """Roll out every micro-batch of step ``step`` (sampling seeded by ``seed`` and ``step``,
-        so a resumed run samples the same groups)."""
-        with torch.random.fork_rng(devices=_devices(batches)):
-            torch.manual_seed(seed * 1_000_003 + step)
-            out = [self.rollout(model, b) for b in batches]
+        """Roll out every micro-batch of step ``step``. Each micro-batch samples from its own
+        seed: ``seed``, ``step`` and its place among the step's micro-batches over all processes
+        (process ``r``'s ``i``-th of ``k``: ``r k + i``), so a resumed run samples the same groups,
+        and two processes sample what one process with twice the micro-batches does."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 0
+        out = []
+        for i, b in enumerate(batches):
+            with torch.random.fork_rng(devices=_devices(batches)):
+                torch.manual_seed((seed * 1_000_003 + step) * 1_009 + rank * len(batches) + i)
+                out.append(self.rollout(model, b))
         if self.sampler is not None:
             self.sampler.observe([float(b["rewards"].mean()) for b in out])
         return out
