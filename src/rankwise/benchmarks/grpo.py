@@ -52,7 +52,7 @@ def _batches(tok, steps: int):
     return out
 
 
-def _build(tok, tmp: Path):
+def _build(tok, tmp: Path, dtype: torch.dtype = torch.float32):
     import peft
     import trl
     from datasets import Dataset
@@ -60,7 +60,7 @@ def _build(tok, tmp: Path):
     from rankwise.adapters.lora import LoraConfig, apply_lora
     from rankwise.core.protocol import adapter_modules, factors
     from rankwise.engine.rewards import length_penalty
-    base = _model(len(tok))
+    base = _model(len(tok)).to(dtype)  # bf16: the base only; both sides keep fp32 adapters
     ours = copy.deepcopy(base)
     apply_lora(ours, LoraConfig(r=R, alpha=ALPHA, targets=TARGETS, dropout=0.0))
     args = trl.GRPOConfig(output_dir=str(tmp), beta=BETA, loss_type="dapo", num_generations=G,
@@ -124,16 +124,52 @@ def _timed(fn, k: int) -> tuple[float, float, float]:
     return time.process_time() - c0, time.perf_counter() - w0, loss
 
 
-def run(out: Path) -> dict:
-    """Run the benchmark and write ``out/results.json`` and ``out/results.md``."""
+def _measure(tok, batches, dtype: torch.dtype) -> dict:
+    """One row: both sides on a base of ``dtype`` (adapters fp32 on both), interleaved."""
     import tempfile
 
+    from rankwise.memory import PeakMemory
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, trainer = _build(tok, Path(tmp), dtype)
+        for name, model in (("rankwise", ours), ("trl", trainer.model)):
+            bad = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+            assert not bad, (name, bad[:2])                            # fp32 adapters on both sides
+        mine, theirs = _steps(ours, trainer, tok, batches)
+        first = (mine(0), theirs(0))
+        for k in range(1, WARMUP):
+            mine(k), theirs(k)
+        cpu = {"rankwise": [], "trl": []}
+        wall = {"rankwise": [], "trl": []}
+        diffs = []
+        for rep in range(REPS):
+            k = WARMUP + rep
+            order = [("rankwise", mine), ("trl", theirs)][:: 1 if rep % 2 == 0 else -1]
+            losses = {}
+            for name, fn in order:
+                c, w, losses[name] = _timed(fn, k)
+                cpu[name].append(c)
+                wall[name].append(w)
+            diffs.append(abs(losses["rankwise"] - losses["trl"]))
+        peak = {}
+        for name, fn in (("rankwise", mine), ("trl", theirs)):
+            with PeakMemory("cpu") as mem:
+                fn(WARMUP + REPS)
+            peak[name] = mem.peak_bytes / 2**20
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    return {"step_cpu_s": med, "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
+            "step_time_ratio": med["rankwise"] / med["trl"],
+            "peak_step_mb": peak, "memory_ratio": peak["rankwise"] / peak["trl"],
+            "first_loss": {"rankwise": first[0], "trl": first[1]},
+            "max_loss_diff_timed_steps": max(diffs)}
+
+
+def run(out: Path) -> dict:
+    """Run the benchmark (fp32 and bf16 bases) and write ``out/results.json`` and ``results.md``."""
     import peft
     import transformers
     import trl
 
     from rankwise.errors import require
-    from rankwise.memory import PeakMemory
     from rankwise.recipes.model import load_tokenizer
     for module in ("peft", "trl"):
         require(module, "bench", "rankwise bench grpo")
@@ -144,40 +180,14 @@ def run(out: Path) -> dict:
         tok = copy.deepcopy(load_tokenizer("tiny-llama"))
         tok.eos_token = tok.eos_token or tok.sep_token
         batches = _batches(tok, WARMUP + REPS + 1)
-        with tempfile.TemporaryDirectory() as tmp:
-            ours, trainer = _build(tok, Path(tmp))
-            mine, theirs = _steps(ours, trainer, tok, batches)
-            first = (mine(0), theirs(0))
-            for k in range(1, WARMUP):
-                mine(k), theirs(k)
-            cpu = {"rankwise": [], "trl": []}
-            wall = {"rankwise": [], "trl": []}
-            diffs = []
-            for rep in range(REPS):
-                k = WARMUP + rep
-                order = [("rankwise", mine), ("trl", theirs)][:: 1 if rep % 2 == 0 else -1]
-                losses = {}
-                for name, fn in order:
-                    c, w, losses[name] = _timed(fn, k)
-                    cpu[name].append(c)
-                    wall[name].append(w)
-                diffs.append(abs(losses["rankwise"] - losses["trl"]))
-            peak = {}
-            for name, fn in (("rankwise", mine), ("trl", theirs)):
-                with PeakMemory("cpu") as mem:
-                    fn(WARMUP + REPS)
-                peak[name] = mem.peak_bytes / 2**20
+        rows = {name: _measure(tok, batches, dtype)
+                for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     finally:
         torch.set_num_threads(threads)
-    med = {k: statistics.median(v) for k, v in cpu.items()}
-    res = {"step_cpu_s": med, "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
-           "step_time_ratio": med["rankwise"] / med["trl"],
-           "peak_step_mb": peak, "memory_ratio": peak["rankwise"] / peak["trl"],
-           "first_loss": {"rankwise": first[0], "trl": first[1]},
-           "max_loss_diff_timed_steps": max(diffs), "reps": REPS, "warmup": WARMUP,
+    res = {**rows["float32"], "rows": rows, "reps": REPS, "warmup": WARMUP,
            "setup": {"prompts": PROMPTS, "num_generations": G, "max_completion_length": MAX_NEW, "r": R,
                      "alpha": ALPHA, "targets": TARGETS, "beta": BETA, "loss_type": "dapo",
-                     "base_dtype": "float32"},
+                     "base_dtypes": list(rows), "nf4": "not run (see results.md)"},
            "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "peft": peft.__version__,
@@ -191,26 +201,33 @@ def run(out: Path) -> dict:
 
 
 def _markdown(res: dict) -> str:
-    s, m, v = res["step_cpu_s"], res["peak_step_mb"], res["versions"]
+    v = res["versions"]
+    table = ["| base | measure (CPU time, 1 thread) | rankwise | TRL + PEFT | ratio | target |",
+             "|---|---|---:|---:|---:|---:|"]
+    for dtype, row in res["rows"].items():
+        s, m = row["step_cpu_s"], row["peak_step_mb"]
+        table += [f"| {dtype} | train step, median s | {s['rankwise']:.4f} | {s['trl']:.4f} | "
+                  f"{row['step_time_ratio']:.3f} | <= 1.0 |",
+                  f"| {dtype} | peak step memory, MiB | {m['rankwise']:.1f} | {m['trl']:.1f} | "
+                  f"{row['memory_ratio']:.3f} | <= 1.0 |"]
+    losses = [f"{d}: first-step loss rankwise {r['first_loss']['rankwise']:.6f}, TRL "
+              f"{r['first_loss']['trl']:.6f}, max |difference| over the timed steps "
+              f"{r['max_loss_diff_timed_steps']:.2e}" for d, r in res["rows"].items()]
     return "\n".join([
         "# GRPO: rankwise LoRA + grpo task vs TRL GRPOTrainer + PEFT LoRA", "",
         "Command: `OMP_NUM_THREADS=1 flock /tmp/bench.lock rankwise bench grpo --out bench/results/grpo`", "",
         f"4-layer 128-wide Llama (30k vocabulary), LoRA r={R} alpha={ALPHA:g} on {'/'.join(TARGETS)}, "
         f"{PROMPTS} docstring prompts x G={G} injected completions (up to {MAX_NEW} tokens) per step, "
-        f"loss dapo, beta={BETA}, reward length-penalty, reference = adapters off on both sides, fp32 "
-        f"base, AdamW. {REPS} interleaved repetitions after {WARMUP} warm-up steps; medians; one process.", "",
-        "| measure (CPU time, 1 thread) | rankwise | TRL + PEFT | ratio | target |",
-        "|---|---:|---:|---:|---:|",
-        f"| train step, median s | {s['rankwise']:.4f} | {s['trl']:.4f} | {res['step_time_ratio']:.3f} | <= 1.0 |",
-        f"| peak step memory, MiB | {m['rankwise']:.1f} | {m['trl']:.1f} | {res['memory_ratio']:.3f} | <= 1.0 |",
-        "",
-        f"First-step loss: rankwise {res['first_loss']['rankwise']:.6f}, TRL {res['first_loss']['trl']:.6f}; "
-        f"max |loss difference| over the timed steps {res['max_loss_diff_timed_steps']:.2e}.", "",
+        f"loss dapo, beta={BETA}, reward length-penalty, reference = adapters off on both sides, "
+        f"adapters fp32 on both sides (the base in the row's dtype, no autocast), AdamW. {REPS} "
+        f"interleaved repetitions after {WARMUP} warm-up steps; medians; one process.", "",
+        *table, "", "; ".join(losses) + ".", "",
         "Sampling is left out on both sides (both call transformers' `generate`); the step is scoring, "
         "advantages, the reference forward, the policy forward + loss, backward and AdamW. TRL's "
         "trainer loop, accelerate and logging are not timed. The machine is shared with other jobs: "
         "the ratio of the two, measured in the same process and interleaved, is the figure to read. "
-        "Not measured: bf16 and NF4 bases (not run in this session).", "",
+        "Not run: an NF4 base (this session's time; the bitsandbytes CPU path is taken on this "
+        "machine, which has avx512_bf16, and not on the CI machines).", "",
         f"Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "
         f"trl {v['trl']}, {v['cpu_count']} CPUs. Total {res['wall_s']:.0f} s.", ""])
 
