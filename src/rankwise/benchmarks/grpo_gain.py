@@ -9,7 +9,7 @@ first and neither SFT (150 steps) nor GRPO (60 steps) left the 1/10 guess. The S
 rankwise fine-tunes the random model (method ``full``, AdamW 3e-3, 16 examples per step) for
 ``SFT_STEPS`` steps on ``a + b = b`` completions, so it answers about half the prompts, then the
 merged export is GRPO's base. GRPO: LoRA r=8 on every linear layer, G=8, 8 prompts per step, at
-most 2 new tokens, beta 0.04, loss ``dapo``, AdamW 1e-2, ``STEPS`` steps, greedy reward on the
+most 2 new tokens, beta 0.04, loss ``dapo``, AdamW ``lr`` (1e-2; 3e-3 in a second run), ``STEPS`` steps, greedy reward on the
 same 100 prompts every ``EVERY`` steps (``eval_reward_mean``: whether the optimisation works, not
 generalisation). "Steps to reach" = the first evaluated step whose reward is >= ``TARGET``.
 """
@@ -72,20 +72,21 @@ def _sft(work: Path, data: Path) -> Path:
     return out
 
 
-def _raw(model: Path, data: Path, order: str, seed: int) -> dict:
+def _raw(model: Path, data: Path, order: str, seed: int, lr: float = 0.01, steps: int = STEPS) -> dict:
     return {"model": {"path": str(model), "task": "grpo"},
             "data": {"source": str(data), "eval_source": str(data), "max_length": 8, "order": order},
             "method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
-            "optim": {"name": "adamw", "lr": 0.01},
+            "optim": {"name": "adamw", "lr": lr},
             "grpo": {"rewards": ["exact-match"], "num_generations": 8, "max_completion_length": 2,
                      "gain_rl": {"pool": 32}},
-            "train": {"steps": STEPS, "batch_size": 8, "eval_batch_size": 100, "eval_every": EVERY,
+            "train": {"steps": steps, "batch_size": 8, "eval_batch_size": 100, "eval_every": EVERY,
                       "save_every": 1000, "log_every": 1, "progress": False, "seed": seed,
                       "warmup_fraction": 0.0}}
 
 
-def run(out: Path) -> dict:
-    """Train every (seed, order); write ``out/results.json`` (after each run) and ``results.md``."""
+def run(out: Path, lr: float = 0.01, steps: int = STEPS) -> dict:
+    """Train every (seed, order) with GRPO's AdamW ``lr`` for ``steps`` steps; write
+    ``out/results.json`` (after each run) and ``results.md``."""
     from rankwise.recipes.config import load_run_config
     from rankwise.recipes.train import prepare, train
     out = Path(out)
@@ -100,7 +101,7 @@ def run(out: Path) -> dict:
             key = f"{order}/{seed}"
             if key in rows:
                 continue
-            raw = _raw(model, data, order, seed)
+            raw = _raw(model, data, order, seed, lr, steps)
             start = prepare(load_run_config(None, base=json.loads(json.dumps(raw)))).evaluate()["eval_reward_mean"]
             run_dir = work / key.replace("/", "-")
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -113,8 +114,8 @@ def run(out: Path) -> dict:
                          "train_reward_first5": statistics.mean(e["reward"] for e in events if "reward" in e
                                                                 and e["step"] <= 5)}
             atomic.write_json(rec_path, {"runs": rows})
-    res = {"runs": rows, "target": TARGET, "steps": STEPS, "every": EVERY, "sft_steps": SFT_STEPS,
-           "seeds": list(SEEDS)}
+    res = {"runs": rows, "target": TARGET, "steps": steps, "lr": lr, "every": EVERY, "sft_steps": SFT_STEPS,
+           "seeds": list(SEEDS), "out": str(out)}
     atomic.write_json(rec_path, res)
     atomic.write_bytes(out / "results.md", _markdown(res).encode())
     shutil.rmtree(work, ignore_errors=True)  # weights and run folders are not results
@@ -125,10 +126,12 @@ def _markdown(res: dict) -> str:
     runs = res["runs"]
     lines = ["# GRPO and GAIN-RL on a synthetic copy task (quality only)", "",
              "Command: `OMP_NUM_THREADS=1 PYTHONPATH=src flock /tmp/bench2.lock python -c \"from "
-             "rankwise.benchmarks.grpo_gain import run; run('bench/results/grpo-gain')\"`", "",
+             f"rankwise.benchmarks.grpo_gain import run; run({res['out']!r}, lr={res['lr']}, "
+             f"steps={res['steps']})\"`", "",
              f"Prompts `a + b =`, answer b, reward exact-match, greedy reward on the 100 training "
              f"prompts. Start model: a random 2-layer 64-wide Llama fine-tuned by rankwise for "
-             f"{res['sft_steps']} SFT steps. GRPO: LoRA r=8, G=8, 8 prompts/step, {res['steps']} steps, "
+             f"{res['sft_steps']} SFT steps. GRPO: LoRA r=8, G=8, 8 prompts/step, AdamW {res['lr']}, "
+             f"{res['steps']} steps, "
              f"evaluated every {res['every']}. Steps to reach = first evaluated step with reward >= "
              f"{res['target']} (None: not reached).", "",
              "| order | seed | SFT start reward | final reward | steps to reach |", "|---|---:|---:|---:|---:|"]
