@@ -42,6 +42,7 @@ BENCHMARKS = {
     "distill": "rankwise.benchmarks.distill:run",
     "continual": "rankwise.benchmarks.continual:run",
     "svdecode": "rankwise.benchmarks.svdecode:run",
+    "grpo": "rankwise.benchmarks.grpo:run",
 }
 
 

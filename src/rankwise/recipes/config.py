@@ -18,6 +18,7 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.data.select import SelectConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
+from rankwise.engine.grpo import GRPOConfig
 from rankwise.engine.preference import DPOConfig
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
@@ -112,6 +113,9 @@ class DataConfig:
         schedule_linear: ``a / b`` of Skrull's cost model in tokens (``null``: 12 x the
             model's hidden size).
         select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
+        order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
+            ``gain-rl`` (``model.task: grpo``: prompts sorted by GAIN-RL's angle concentration,
+            drawn by its Gaussian sampler; :mod:`rankwise.engine.gain_rl`).
     """
 
     source: str = "demo"
@@ -138,6 +142,7 @@ class DataConfig:
     schedule: Literal["none", "skrull"] = "none"
     schedule_linear: Union[float, None] = None
     select: SelectConfig = field(default_factory=SelectConfig)
+    order: Literal["uniform", "gain-rl"] = "uniform"
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -335,6 +340,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     compress: Any = None
     dpo: Union[DPOConfig, None] = None
+    grpo: Union[GRPOConfig, None] = None
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -343,7 +349,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo")
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo", "grpo")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -456,9 +462,12 @@ def build_run_config(data: dict) -> RunConfig:
         compress=part(lambda: compressor_config(data["compress"]))
         if data.get("compress") is not None else None,
         dpo=part(lambda: from_dict(DPOConfig, data["dpo"], "dpo")) if data.get("dpo") is not None else None,
+        grpo=part(lambda: from_dict(GRPOConfig, data["grpo"], "grpo")) if data.get("grpo") is not None else None,
     )
     if cfg.model is not None and cfg.model.task == "dpo" and cfg.dpo is None:
         cfg.dpo = DPOConfig()  # config.yaml records the defaults the run used
+    if cfg.model is not None and cfg.model.task == "grpo" and cfg.grpo is None:
+        cfg.grpo = GRPOConfig()
     if not problems:
         problems.extend(cross_problems(cfg))
     if problems:
@@ -545,6 +554,17 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if m.task == "dpo" and cfg.data.schedule != "none":
         out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
                    "pairs; set data.schedule: none")
+    if cfg.grpo is not None and m.task != "grpo":
+        out.append(f"the grpo section needs model.task: grpo (got {m.task}); remove it or change the task")
+    if cfg.data.order == "gain-rl" and m.task != "grpo":
+        out.append(f"data.order: gain-rl orders GRPO's prompts and needs model.task: grpo (got "
+                   f"{m.task}); set data.order: uniform")
+    if m.task == "grpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt
+                             or cfg.data.schedule != "none"):
+        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
+                else "data.train_on_prompt" if cfg.data.train_on_prompt else "data.schedule")
+        out.append(f"{what} is not supported with model.task: grpo (it trains on its own sampled "
+                   "completions and writes samples.jsonl itself); remove it")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "

@@ -63,6 +63,7 @@ class Session:
     dist: Distributed = field(default_factory=Distributed)
     scope: optim_scope.Scope | None = None  # what the optimizer updates its own way
     schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
+    sampler: Any = None  # data.order: gain-rl's sampler, built once (engine/gain_rl.py)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device (one batch, every
@@ -85,10 +86,26 @@ class Session:
     def schedule(self) -> Skrull | None:
         """The step schedule of ``data.schedule`` for this process (``None``: draw order)."""
         d, dist = self.cfg.data, self.dist
+        if d.order == "gain-rl":
+            return self.gain_rl()
         if d.schedule != "skrull":
             return None
         return Skrull.for_model(self.model, dist.world, dist.rank, self.cfg.train.grad_accum,
                                 d.schedule_linear)
+
+    def gain_rl(self):
+        """GAIN-RL's sampler over the training prompts (their angle signals under the model as
+        it is now; a resumed run restores the saved ones). One process only."""
+        if self.sampler is None:
+            from rankwise.engine.gain_rl import GainRLSampler, prompt_signals
+            if self.dist.active:
+                raise RankwiseError("data.order: gain-rl samples from one process's view of the "
+                                    "rewards; run it without torchrun or set data.order: uniform")
+            g = self.cfg.grpo.gain_rl
+            scores = prompt_signals(self.model, self.train_data.prompts, g, self.device)
+            self.sampler = GainRLSampler(scores, g, self.cfg.train.grad_accum, self.cfg.train.seed)
+            self.task.sampler = self.sampler
+        return self.sampler
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
@@ -144,7 +161,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     problem = precision_problem(cfg.train.precision, device)
     if problem:
         raise RankwiseError(problem)
-    task = get_task(cfg.model.task, cfg.dpo)
+    task = get_task(cfg.model.task, cfg.dpo or cfg.grpo)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.add_tokens, cfg.model.add_special_tokens)
     with dist.main_first():
