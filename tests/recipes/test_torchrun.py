@@ -122,7 +122,8 @@ def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "rankwise", "train", str(cfg), "--out", str(tmp_path / "run"),
            "--set", "train.steps=1000", "--set", "train.save_every=0",
-           "--set", "train.distributed_timeout_s=30"]  # room for start-up on a loaded machine
+           "--set", "train.distributed_timeout_s=30",  # room for start-up on a loaded machine
+           "--set", "train.distributed_step_timeout_s=10"]  # the kill comes after step 3: no start-up left
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     events = tmp_path / "run" / "events.jsonl"
@@ -144,6 +145,8 @@ def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
     assert procs[0].returncode == 2, err[-2000:]
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "lost the others" in line[0] and "--resume" in line[0], err[-2000:]
+    if how == signal.SIGSTOP:   # nothing but the timeout ends this wait: the step one, not start-up's
+        assert "train.distributed_step_timeout_s=10s" in line[0], line[0]
     assert waited < (90 if how == signal.SIGSTOP else 45)
 
 
