@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from rankwise.cli import main
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import train
 
@@ -89,8 +91,10 @@ def test_resume_under_torchrun_and_a_world_size_mismatch(tmp_path):
     shutil.rmtree(part / "checkpoints" / "step-0000004")
     for name in ("metrics.json", "adapter"):
         shutil.rmtree(part / name) if (part / name).is_dir() else (part / name).unlink()
-    wrong = torchrun(tmp_path, part, dropout, n=1, resume=True)
-    assert wrong.returncode == 2 and "resume it with 2" in wrong.stderr.splitlines()[-1], wrong.stderr[-2000:]
+    # one process: refused before any step (in this process: the refusal needs no launch of its own)
+    wrong = CliRunner().invoke(main, ["train", str(tmp_path / "run.yaml"), "--out", str(part), "--set", dropout,
+                                      "--resume"])
+    assert wrong.exit_code == 2 and "resume it with 2" in wrong.stderr.splitlines()[-1], wrong.output[-2000:]
     resumed = torchrun(tmp_path, part, dropout, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = json.loads((tmp_path / "full" / "metrics.json").read_text())
