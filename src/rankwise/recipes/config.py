@@ -202,6 +202,10 @@ class TrainConfig:
             sharded across processes). ``batch_size`` is then the global batch.
         distributed_timeout_s: Seconds a process waits for the others in a collective before
             it gives up (a dead or stuck process ends the run instead of hanging it).
+        distributed_step_timeout_s: The collective timeout from the end of the first
+            optimizer step on, once start-up (loading, the first collectives) is through:
+            ``null`` keeps ``distributed_timeout_s`` throughout. It must still cover the longest
+            wait of a step: an evaluation, or a checkpoint that rank 0 writes.
         threads: Torch CPU threads per process: ``auto`` = the CPUs this process may use
             (affinity mask, cgroup quota) shared by the run's processes on the machine
             (``rankwise.engine.threads``), or a number.
@@ -255,6 +259,7 @@ class TrainConfig:
     log_to: list[Literal["tensorboard"]] = field(default_factory=list)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = 600.0
+    distributed_step_timeout_s: Union[float, None] = None
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
     compile: bool = False
@@ -289,6 +294,9 @@ class TrainConfig:
             out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
+        if self.distributed_step_timeout_s is not None and self.distributed_step_timeout_s <= 0:
+            out.append(f"distributed_step_timeout_s: got {self.distributed_step_timeout_s}; "
+                       "expected seconds > 0 or null")
         if self.compile and self.gradient_checkpointing:
             out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
                        "set train.compile: false or train.gradient_checkpointing: false")

@@ -494,6 +494,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
                   cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True),
                   cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}") if main else None]
     callbacks += report_callbacks(session, out, log, write=main)  # data line, samples, TensorBoard
+    if t.distributed_step_timeout_s is not None and dist.active:
+        from rankwise.engine.distributed import StepTimeout
+        callbacks.append(StepTimeout(dist, t.distributed_step_timeout_s))
     engine = session.engine([c for c in callbacks if c is not None])
     start_step, prior_time = 0, 0.0
     if ckpts:
