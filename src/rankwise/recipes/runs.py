@@ -46,7 +46,8 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("data", "select"), lambda v: not v.get("method") and not v.get("from_")),  # all data
                (("data", "chosen_field"), "chosen"), (("data", "rejected_field"), "rejected"),  # dpo
                (("data", "schedule"), "none"), (("data", "schedule_linear"), None),  # skrull
-               (("train", "compile"), False))
+               (("train", "compile"), False),
+               (("data", "question_free"), False))  # qfft
 
 
 def config_hash(raw: dict) -> str:
