@@ -37,6 +37,7 @@ BENCHMARKS = {
     "select": "rankwise.benchmarks.select:run",
     "shapley": "rankwise.benchmarks.shapley:run",
     "skrull": "rankwise.benchmarks.skrull:run",
+    "preference": "rankwise.benchmarks.preference:run",
 }
 
 
