@@ -170,11 +170,13 @@ def test_bad_pairs_are_dropped_and_counted(tmp_path):
     assert ex["chosen_labels"][prompt:] == ex["chosen_ids"][prompt:]      # completion + EOS
 
 
-@pytest.mark.parametrize("case", ["all-same", "no-column", "classification-model", "section"])
+@pytest.mark.parametrize("case", ["all-same", "all-empty", "no-column", "classification-model", "section"])
 def test_bad_input_is_one_line(case, tmp_path):
     recs = pair_records(24)
     if case == "all-same":
         recs = [dict(r, rejected=r["chosen"]) for r in recs]
+    if case == "all-empty":                                   # the column is there, no value is
+        recs = [dict(r, rejected="") for r in recs]
     if case == "no-column":
         recs = [{"prompt": r["prompt"], "good": r["chosen"], "rejected": r["rejected"]} for r in recs]
     path = tmp_path / "p.jsonl"
@@ -185,7 +187,8 @@ def test_bad_input_is_one_line(case, tmp_path):
     if case == "section":
         raw["model"]["task"] = "causal-lm"
     res = invoke("train", write_yaml(tmp_path / "c.yaml", raw), "--out", tmp_path / "run")
-    needles = {"all-same": ("none of its 24 records", "chosen == rejected"),
+    needles = {"all-same": ("none of its 24 records", "0 lack a prompt, chosen or rejected; 24 have chosen == rejected"),
+               "all-empty": ("none of its 24 records", "24 lack a prompt, chosen or rejected; 0 have"),
                "no-column": ("no 'chosen' field", "data.chosen_field"),
                "classification-model": ("cannot be a causal LM",),
                "section": ("dpo section needs model.task: dpo",)}[case]
