@@ -40,7 +40,7 @@ MAX_LEN, NEW_TOKENS = 48, 32
 R, ALPHA, TARGETS = 16, 32.0, "all-linear"
 SFT_STEPS, SFT_BATCH, SFT_LR = 150, 16, 1e-2
 SAMPLES, DPO_STEPS, DPO_BATCH, DPO_LR, BETA, DPO_R = 8, 40, 8, 2e-3, 0.1, 8
-COMMAND = "OMP_NUM_THREADS=1 flock /tmp/bench2.lock rankwise bench preference --out bench/results/preference"
+COMMAND = "OMP_NUM_THREADS=1 flock /tmp/bench.lock rankwise bench preference --out bench/results/preference"
 
 
 def records() -> tuple[list[dict], list[dict]]:
@@ -243,7 +243,8 @@ def markdown(res: dict) -> str:
     pairs = ", ".join(f"{x['dpo']['pairs']['pairs']}" for x in res["seeds"])
     return "\n".join([
         "# SFT vs QFFT vs DPO on stdlib-functions (quality only)", "",
-        f"Command: `{res['command']}`", "",
+        f"Command: `{res['command']}`, run three times (one seed per run, each within 8 minutes of "
+        "one core; quality only, so `/tmp/bench2.lock` serves as well).", "",
         f"{st['model']}; LoRA r={st['r']} alpha={st['alpha']:g} on {st['targets']}; {st['sft_steps']} steps of "
         f"{st['sft_batch']} examples, AdamW lr {st['sft_lr']} (SFT and QFFT alike); {st['train_prompts']} "
         f"training prompts (docstrings cut to {st['prompt_words']} words), {st['held_out_prompts']} held-out. "
