@@ -37,6 +37,9 @@ BENCHMARKS = {
     "select": "rankwise.benchmarks.select:run",
     "shapley": "rankwise.benchmarks.shapley:run",
     "skrull": "rankwise.benchmarks.skrull:run",
+    "transfer": "rankwise.benchmarks.transfer:run",
+    "restore": "rankwise.benchmarks.restore:run",
+    "distill": "rankwise.benchmarks.distill:run",
     "preference": "rankwise.benchmarks.preference:run",
 }
 
@@ -127,6 +130,23 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
     from rankwise.recipes.export import export_run
     path = export_run(run_dir, fmt, out, model_path)
     click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+@click.option("--to", "new_base", required=True, metavar="NEW_BASE", help="The new base model's folder.")
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--finetune-steps", type=int, default=None, help="Steps of the run's training after the transfer.")
+@click.option("--calibration-texts", type=int, default=None, help="Examples whose hidden states give the CKA.")
+def transfer(run_dir: Path, new_base: str, out: Path, finetune_steps: int | None,
+             calibration_texts: int | None) -> None:
+    """Move a LoRA run onto an upgraded base model (LoRASuite; docs/transfer.md)."""
+    from rankwise.recipes.transfer import TransferConfig, transfer_run
+    given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts}
+    record = transfer_run(run_dir, new_base, out, TransferConfig(**{k: v for k, v in given.items() if v is not None}))
+    click.echo(f"layers {record['layer_mapping']}  W_x {record['w_x']['kind']}  "
+               f"eval_loss {record['metrics'].get('eval_loss', float('nan')):.4g}")
+    click.echo(f"wrote {out}")
 
 
 @main.command()
@@ -282,6 +302,27 @@ def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None
 
 
 @main.command()
+@click.argument("teacher", type=click.Path(path_type=Path))
+@click.option("--student-hidden", type=int, default=None, help="The student's hidden size (below the teacher's).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (model/ is the student).")
+@click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+              help="YAML with DistillConfig keys (steps, temperature, data, ...).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--resume", is_flag=True, help="Continue from the folder's last checkpoint.")
+def distill(teacher: Path, student_hidden: int | None, out: Path, config: Path | None, sets: tuple[str, ...],
+            resume: bool) -> None:
+    """Low-Rank Clone: distill TEACHER (model or run folder) into a narrower plain Llama (docs/distill.md)."""
+    from rich.console import Console
+
+    from rankwise.recipes.distill import read_config, run_distill
+    m = run_distill(teacher, out, read_config(config, list(sets), student_hidden), resume,
+                    Console(stderr=True))
+    click.echo(f"student {m['student_params']:,} params (teacher {m['teacher_params']:,}): held-out perplexity "
+               f"{m['student_eval_perplexity']:.3f} (teacher {m['teacher_eval_perplexity']:.3f})")
+    click.echo(f"wrote {out}/model")
+
+
+@main.command()
 @click.argument("target", metavar="RUN_OR_MODEL", type=click.Path(path_type=Path))
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="Run config whose data: gives the calibration batches (default: the run's own).")
@@ -312,13 +353,15 @@ def bench(name: str, out: Path | None) -> None:
 @click.option("--fit", is_flag=True, help="Propose the cheapest switches that fit --memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (peak_mb in MiB).")
 @click.option("--padded", is_flag=True, help="Batches carry padding (the attention gets a mask).")
+@click.option("--nproc", type=int, default=1, show_default=True,
+              help="torchrun processes: predict one process's peak under train.distributed.")
 def plan(config: Path, sets: tuple[str, ...], memory: str | None, device: str, fit: bool,
-         as_json: bool, padded: bool) -> None:
+         as_json: bool, padded: bool, nproc: int) -> None:
     """Predict a config's peak memory before it runs (meta device: no weights are read)."""
     import json
 
     from rankwise.recipes.planner import plan as run_plan
-    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded)
+    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded, nproc)
     click.echo(json.dumps(obj) if as_json else text)
 
 

@@ -62,8 +62,10 @@ def single(tmp_path_factory) -> Path:
 def test_two_processes_give_the_single_process_metrics(tmp_path, single, kind):
     """The fsdp run also schedules with Skrull (data.schedule: skrull regroups each global step
     over 2 processes x 2 micro-batches by cost, the same number of forwards per process): it
-    still gives the unscheduled single process's losses and adapter."""
-    extra = ["data.schedule=skrull"] if kind == "fsdp" else []
+    still gives the unscheduled single process's losses and adapter. Both computes the loss in
+    chunks of 16 target tokens (train.loss_chunk_tokens; the single process does not): chunked
+    loss under ddp and FSDP2 gives the unchunked single process's numbers."""
+    extra = (["data.schedule=skrull"] if kind == "fsdp" else []) + ["train.loss_chunk_tokens=16"]
     proc = torchrun(tmp_path, tmp_path / "two", f"train.distributed={kind}", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = json.loads((single / "metrics.json").read_text())

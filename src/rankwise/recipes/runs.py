@@ -47,6 +47,7 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("data", "chosen_field"), "chosen"), (("data", "rejected_field"), "rejected"),  # dpo
                (("data", "schedule"), "none"), (("data", "schedule_linear"), None),  # skrull
                (("train", "compile"), False),
+               (("compress", "restore"), lambda v: not isinstance(v, dict) or not v.get("enabled")),  # RestoreLCC off
                (("data", "question_free"), False))  # qfft
 
 

@@ -98,8 +98,14 @@ class Session:
 def check_distributed(cfg: RunConfig, dist: Distributed) -> None:
     """Raise if the run cannot be split over torchrun's processes (see ``Distributed.problem``)."""
     problem = dist.problem(cfg.train.batch_size, cfg.train.grad_accum, cfg.optim.name)
+    if problem is None and dist.active and dist.kind == "fsdp" and getattr(cfg.optim, "state_bits", None):
+        problem = FSDP_STATE_BITS  # MatrixAdamW sees no matrices among FSDP2's sharded parameters
     if problem:
         raise RankwiseError(problem)
+
+
+FSDP_STATE_BITS = ("optim.state_bits: 8 does not run on FSDP2's sharded parameters; use "
+                   "train.distributed: ddp or set optim.state_bits: null")
 
 
 def pick_device() -> str:
@@ -524,7 +530,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if main and t.progress and console.is_terminal:  # plan's prediction beside the measurement
         # (docs/plan.md); for a person at a terminal: a meta forward costs ~0.3 s
         from rankwise.recipes.planner import predicted_train_peak_mb
-        predicted = predicted_train_peak_mb(cfg, session.device)
+        predicted = predicted_train_peak_mb(cfg, session.device, dist.world)
         if predicted is not None:
             console.print(f"peak memory {mem.peak_mb:.1f} MiB ({mem.meter}); rankwise plan "
                           f"predicted {predicted:.1f} MiB for the training steps at data.max_length="
