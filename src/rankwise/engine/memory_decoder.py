@@ -44,6 +44,9 @@ class MemoryDecoderConfig:
             tokenizer) whose hidden states fill the datastore.
         k: Neighbours per query (the paper's 1024).
         temperature: ``T`` of ``softmax(-d / T)`` over squared L2 distances.
+        target_tokens: The sparsified target: the most likely tokens of ``p_kNN`` kept per
+            position (renormalised to sum to 1; nothing is lost when a position's neighbours
+            name no more tokens than this).
         kl_weight: ``w_kl``, weight of ``KL(p_kNN || p_mem)``.
         ce_weight: ``w_ce``, weight of the next-token cross-entropy.
         index: ``flat`` (exact), ``ivf`` (inverted lists, approximate) or ``auto`` (flat when its
@@ -58,6 +61,7 @@ class MemoryDecoderConfig:
     base: str = ""
     k: int = 1024
     temperature: float = 10.0
+    target_tokens: int = 64
     kl_weight: float = 0.5
     ce_weight: float = 0.5
     index: Literal["auto", "flat", "ivf"] = "auto"
@@ -71,9 +75,10 @@ class MemoryDecoderConfig:
         out = []
         if not self.base:
             out.append("base: empty; set memory_decoder.base to the base model's folder")
-        if self.k < 1 or self.temperature <= 0 or self.flat_max_mb <= 0 or self.ivf_probe < 1:
-            out.append(f"k, temperature, flat_max_mb, ivf_probe: got {self.k}, {self.temperature}, "
-                       f"{self.flat_max_mb}, {self.ivf_probe}; expected values > 0")
+        if min(self.k, self.target_tokens, self.ivf_probe) < 1 or min(self.temperature, self.flat_max_mb) <= 0:
+            out.append(f"k, target_tokens, temperature, flat_max_mb, ivf_probe: got {self.k}, "
+                       f"{self.target_tokens}, {self.temperature}, {self.flat_max_mb}, {self.ivf_probe}; "
+                       "expected values > 0")
         if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
             out.append(f"kl_weight, ce_weight: got {self.kl_weight}, {self.ce_weight}; expected "
                        "non-negative weights, not both 0")
@@ -106,10 +111,10 @@ def knn_distribution(dists: torch.Tensor, values: torch.Tensor, vocab: int, temp
 
 
 def sparse_targets(p: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``keep`` most likely tokens of each row of ``p`` ``(P, V)``: ``(ids (P, keep) int64,
-    probs (P, keep) float32)``; with ``keep`` >= the support of a row nothing is lost."""
+    """The ``keep`` most likely tokens of each row of ``p`` ``(P, V)``, renormalised: ``(ids
+    (P, keep) int32, probs (P, keep) float32)``; with ``keep`` >= a row's support it is exact."""
     probs, ids = p.topk(min(keep, p.shape[1]), dim=-1)
-    return ids, probs
+    return ids.int(), probs / probs.sum(-1, keepdim=True).clamp(min=1e-30)
 
 
 def memdec_loss(logits: torch.Tensor, labels: torch.Tensor, knn_ids: torch.Tensor,
@@ -241,7 +246,7 @@ def build_targets(base: nn.Module, datasets: list, config: MemoryDecoderConfig, 
     keys = torch.cat([r[2] for r in feats[store_index]])
     values = torch.cat([r[3] for r in feats[store_index]])
     store = Datastore(keys, values, config)
-    keep = min(config.k, vocab)
+    keep = min(config.k, config.target_tokens, vocab)
     out, offset = [], 0
     for n, rows in enumerate(feats):
         table = {}
@@ -253,7 +258,7 @@ def build_targets(base: nn.Module, datasets: list, config: MemoryDecoderConfig, 
             p = knn_distribution(d, v, vocab, config.temperature, valid)
             ids, probs = sparse_targets(p, keep)
             width = len(ids_key) - 1
-            full_ids = torch.zeros(width, keep, dtype=torch.long)
+            full_ids = torch.zeros(width, keep, dtype=torch.int32)
             full_probs = torch.zeros(width, keep)
             full_ids[pos], full_probs[pos] = ids, probs
             table[ids_key] = (full_ids, full_probs)
@@ -296,7 +301,7 @@ class MemoryDecoderTask(Task):
             return batch  # before prepare(): building the targets collates plain batches
         width = ids.shape[1] - 1
         keep = next(iter(self.targets.values()))[0].shape[1]
-        knn_ids = torch.zeros(len(items), width, keep, dtype=torch.long)
+        knn_ids = torch.zeros(len(items), width, keep, dtype=torch.int32)
         knn_probs = torch.zeros(len(items), width, keep)
         for r, it in enumerate(items):
             found = self.targets.get(tuple(it["input_ids"]))
@@ -321,7 +326,7 @@ class MemoryDecoderTask(Task):
         out, inputs = self._forward(model, inputs)
         labels = inputs["labels"][:, 1:]                                       # (B, T-1)
         keep = labels != IGNORE
-        loss, kl, ce = memdec_loss(out.logits[:, :-1][keep], labels[keep], batch["knn_ids"][keep],
+        loss, kl, ce = memdec_loss(out.logits[:, :-1][keep], labels[keep], batch["knn_ids"][keep].long(),
                                    batch["knn_probs"][keep], self.config.kl_weight, self.config.ce_weight)
         return loss, MemoryDecoderOutput(float(kl), float(ce))
 
