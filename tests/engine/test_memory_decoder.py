@@ -1,5 +1,5 @@
 """Memory Decoder (arXiv 2508.09874): the log-space mixture against the direct formula, the
-faiss kNN distribution against a brute-force one, the task's loss against eq. 3 written out,
+faiss kNN distribution against a brute-force one, the task's loss against 0.5 KL + 0.5 CE written out,
 two-KV-cache decoding against decoding without caches, and the one-line refusals."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``model.task: memory-decoder`` through ``rankwise train`` and ``rankwise generate
---memory-decoder``: the run logs eq. 3's parts, resumes exactly, and the CLI's completion is the
+--memory-decoder``: the run logs the objective's KL and CE parts, resumes exactly, and the CLI's completion is the
 two-cache mixture of the base and the trained decoder; another tokenizer, and a datastore too
 large for a flat index, are refused in one line (exit 2)."""
 from __future__ import annotations

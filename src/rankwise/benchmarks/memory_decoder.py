@@ -119,7 +119,7 @@ def _memdec_config():
 
 
 def _adapt(work: Path, corpus, kind: str) -> dict:
-    """Train the domain piece ``kind``: ``memdec`` (eq. 3), ``dapt`` (CE only) or ``lora``."""
+    """Train the domain piece ``kind``: ``memdec`` (the objective 0.5 KL + 0.5 CE), ``dapt`` (CE only) or ``lora``."""
     import rankwise
     from rankwise.engine import get_task
     from rankwise.engine.memory_decoder import MemoryDecoderTask

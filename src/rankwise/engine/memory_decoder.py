@@ -3,17 +3,20 @@
 Cao et al. 2025, "Memory Decoder: A Pretrained, Plug-and-Play Memory for Large Language
 Models" (arXiv 2508.09874). A datastore holds, for every target position of a domain corpus,
 the base model's hidden state ``h_t`` (the input of its output head) as key and the next token
-``y_t`` as value (kNN-LM, Khandelwal et al. 2020, eq. 2). For each position the ``k`` nearest
+``y_t`` as value (kNN-LM, Khandelwal et al. 2020, Sec. 2). For each position the ``k`` nearest
 keys give the kNN distribution
 
-    p_kNN(v | x_t) = sum_{j in kNN(h_t), y_j = v} softmax_j(-d(h_t, k_j) / T)          (kNN-LM eq. 2)
+    p_kNN(v | x_t) = sum_{j in kNN(h_t), y_j = v} softmax_j(-d(h_t, k_j) / T)    (kNN-LM, with a temperature T)
 
 with ``d`` the squared L2 distance, the position's own entry excluded (the self-hit), and the
 memory decoder ``p_mem`` is trained on
 
-    L = w_kl * KL(p_kNN || p_mem) + w_ce * CE(y_t, p_mem),   w_kl = w_ce = 0.5          (paper eq. 3)
+    L = w_kl * KL(p_kNN || p_mem) + w_ce * CE(y_t, p_mem),   w_kl = w_ce = 0.5   (the objective [O])
 
-At decode time the base and the memory decoder are mixed in log space (paper eq. 4), see
+The paper writes [O] as ``beta * KL + (1 - beta) * CE`` with ``beta = 0.5`` (its training section;
+the authors' ``utils/cal_loss.py``); its equation numbers were not checked against the PDF, so
+this code cites the objective [O] and the interpolation [I] by name. At decode time the base
+and the memory decoder are mixed in log space ([I]), see
 :mod:`rankwise.engine.memory_generation`.
 
 The base model is frozen and only read once, in :meth:`MemoryDecoderTask.prepare`: the
@@ -91,7 +94,7 @@ class MemoryDecoderConfig:
 
 def knn_distribution(dists: torch.Tensor, values: torch.Tensor, vocab: int, temperature: float,
                      valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense kNN-LM distribution from neighbour distances (kNN-LM eq. 2).
+    """Dense kNN-LM distribution from neighbour distances (the module docstring's p_kNN).
 
     Args:
         dists: ``(P, k)`` squared L2 distances of each query's neighbours.
@@ -120,7 +123,7 @@ def sparse_targets(p: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tens
 def memdec_loss(logits: torch.Tensor, labels: torch.Tensor, knn_ids: torch.Tensor,
                 knn_probs: torch.Tensor, kl_weight: float, ce_weight: float
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed Memory Decoder loss (paper eq. 3) over target positions.
+    """Summed Memory Decoder loss (the objective [O]) over target positions.
 
     Args:
         logits: ``(N, V)`` memory-decoder logits at the target positions.
@@ -275,7 +278,7 @@ class MemoryDecoderOutput:
 
 
 class MemoryDecoderTask(Task):
-    """Memory Decoder training (paper eq. 3): next-token examples whose targets are the
+    """Memory Decoder training (the objective [O]): next-token examples whose targets are the
     base model's kNN distribution and the next token.
 
     Args:
@@ -337,7 +340,7 @@ class MemoryDecoderTask(Task):
         stats["ce"] = stats.get("ce", 0.0) + output.ce
 
     def eval_metrics(self, stats):
-        """``eval_loss`` (eq. 3 per token), ``eval_kl``, ``eval_ce`` and ``eval_perplexity``
+        """``eval_loss`` ([O] per token), ``eval_kl``, ``eval_ce`` and ``eval_perplexity``
         (of the memory decoder alone, from its CE)."""
         n = max(stats.get("targets", 0.0), 1.0)
         ce = stats.get("ce", 0.0) / n

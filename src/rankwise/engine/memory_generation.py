@@ -1,6 +1,7 @@
 """Decoding with a base LM and a Memory Decoder mixed in log space, each with its own KV cache.
 
-Cao et al. 2025, "Memory Decoder" (arXiv 2508.09874), eq. 4: at every step
+Cao et al. 2025, "Memory Decoder" (arXiv 2508.09874), the inference interpolation [I] (the
+authors' ``demo/memDec.py``): at every step
 
     p(y | x) = (1 - lambda) p_base(y | x) + lambda p_mem(y | x),
 
@@ -20,7 +21,7 @@ from torch.nn import functional as F
 
 
 def interpolate(logp_base: torch.Tensor, logp_mem: torch.Tensor, lam: float) -> torch.Tensor:
-    """``log((1 - lam) p_base + lam p_mem)`` from log-probabilities (paper eq. 4).
+    """``log((1 - lam) p_base + lam p_mem)`` from log-probabilities (the interpolation [I]).
 
     Args:
         logp_base: ``(..., V)`` log-probabilities of the base.
@@ -53,7 +54,7 @@ def generate_with_memory(base: nn.Module, memory: nn.Module, prompt_ids: list[in
                          eos_id: int, lam: float, temperature: float = 0.0, top_p: float = 1.0,
                          device: str = "cpu", use_cache: bool = True,
                          on_token: Callable[[list[int]], None] | None = None) -> list[int]:
-    """Continue ``prompt_ids`` from the mixture of ``base`` and ``memory`` (eq. 4).
+    """Continue ``prompt_ids`` from the mixture of ``base`` and ``memory`` (the interpolation [I]).
 
     Args:
         base: The base causal LM.
