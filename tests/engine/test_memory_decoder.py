@@ -61,6 +61,10 @@ def test_knn_distribution_equals_brute_force(index):
     got = knn_distribution(d, v, 11, temperature=3.0, valid=valid)
     want = brute_knn(queries, keys, values, own, 7, 3.0, 11)
     assert torch.allclose(got.double(), want, atol=2e-6, rtol=0)
+    # a query whose only neighbour is itself has no kNN target (zeros, not NaN)
+    lone = Datastore(keys[:1], values[:1], MemoryDecoderConfig(base="x", index="flat"))
+    d, v, valid = lone.search(keys[:1], 7, torch.tensor([0]))
+    assert not valid.any() and torch.equal(knn_distribution(d, v, 11, 3.0, valid), torch.zeros(1, 11))
 
 
 def test_flat_index_above_its_memory_names_the_ivf_option():

@@ -104,12 +104,13 @@ def knn_distribution(dists: torch.Tensor, values: torch.Tensor, vocab: int, temp
         valid: ``(P, k)`` bool, neighbours that count (``False``: excluded self-hit / padding).
 
     Returns:
-        ``(P, vocab)`` float32 probabilities.
+        ``(P, vocab)`` float32 probabilities; a row without a valid neighbour is all zeros (its
+        position then trains on the CE term alone).
     """
     logits = -dists.float() / temperature
     if valid is not None:
         logits = logits.masked_fill(~valid, float("-inf"))
-    weights = torch.softmax(logits, dim=-1)                                    # (P, k)
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)                    # (P, k); no neighbour: 0
     return torch.zeros(dists.shape[0], vocab).scatter_add_(1, values.long(), weights)
 
 
