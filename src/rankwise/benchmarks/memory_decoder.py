@@ -40,6 +40,7 @@ from rankwise.core import atomic
 FAMILY = "email"
 SEQ, BATCH, SEED = 128, 16, 0
 HIDDEN, LAYERS, HEADS = 96, 3, 4
+LARGE = (128, 4)  # a second, larger base with the same tokenizer (the plug-and-play claim)
 BASE_STEPS, BASE_LR = 1500, 3e-3
 ADAPT_STEPS, ADAPT_LR, LORA_LR, RANK = 300, 5e-4, 3e-3, 8
 K, TEMPERATURE, TARGET_TOKENS, LISTS, PROBE, LAM = 256, 10.0, 32, 512, 8, 0.25
@@ -71,11 +72,11 @@ def _windows(data: torch.Tensor, stride: int = SEQ, limit: int | None = None):
     return ByteWindows(data, starts, SEQ)
 
 
-def _model():
+def _model(hidden: int = HIDDEN, layers: int = LAYERS):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(SEED)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
 
@@ -95,19 +96,20 @@ def _fit(model, task, data, steps: int, lr: float) -> list[float]:
     return losses
 
 
-def _base(work: Path, corpus) -> dict:
+def _base(work: Path, corpus, name: str = "base", size: tuple[int, int] = (HIDDEN, LAYERS)) -> dict:
     from rankwise.engine import get_task
     from rankwise.benchmarks.lowrank_pretrain.data import ByteWindows
     g = torch.Generator().manual_seed(SEED)
     starts = torch.randint(0, corpus["general"].numel() - SEQ, (BASE_STEPS * BATCH,), generator=g)
-    model = _model()
+    model = _model(*size)
     losses = _fit(model, get_task("causal-lm"), ByteWindows(corpus["general"], starts, SEQ), BASE_STEPS, BASE_LR)
-    torch.save(model.state_dict(), work / "base.pt")
-    return {"steps": BASE_STEPS, "lr": BASE_LR, "tokens": BASE_STEPS * BATCH * SEQ, "losses": losses}
+    torch.save(model.state_dict(), work / f"{name}.pt")
+    return {"steps": BASE_STEPS, "lr": BASE_LR, "tokens": BASE_STEPS * BATCH * SEQ, "hidden": size[0],
+            "layers": size[1], "losses": losses}
 
 
-def _load(work: Path, name: str):
-    model = _model()
+def _load(work: Path, name: str, size: tuple[int, int] = (HIDDEN, LAYERS)):
+    model = _model(*size)
     model.load_state_dict(torch.load(work / f"{name}.pt", weights_only=True))
     return model.eval()
 
@@ -204,6 +206,21 @@ def _eval(work: Path, corpus) -> dict:
     return rows
 
 
+def _eval_large(work: Path, corpus) -> dict:
+    """The larger base alone and with the *same* Memory Decoder (trained on the small base's
+    datastore) at ``LAM``: the plug-and-play claim."""
+    from rankwise.engine.memory_generation import interpolate
+    sets = {"domain": _windows(corpus["domain_held"]),
+            "general": _windows(corpus["general_held"], limit=EVAL_GENERAL)}
+    large, mem = _load(work, "base_large", LARGE), _load(work, "memdec")
+    rows = {}
+    for name, data in sets.items():
+        lb, y = _logprobs(large, data)
+        lm, _ = _logprobs(mem, data)
+        rows[name] = {"large base": _ppl(lb, y), "large base + Memory Decoder": _ppl(interpolate(lb, lm, LAM), y)}
+    return rows
+
+
 def run(out: Path) -> dict:
     """Run (or resume) every piece and write ``results.json`` + ``results.md``."""
     from rankwise.errors import require
@@ -216,7 +233,9 @@ def run(out: Path) -> dict:
     corpus = _corpus()
     steps = {"base": lambda: _base(work, corpus), "memdec": lambda: _adapt(work, corpus, "memdec"),
              "dapt": lambda: _adapt(work, corpus, "dapt"), "lora": lambda: _adapt(work, corpus, "lora"),
-             "eval": lambda: _eval(work, corpus)}
+             "eval": lambda: _eval(work, corpus),
+             "base_large": lambda: _base(work, corpus, "base_large", LARGE),
+             "eval_large": lambda: _eval_large(work, corpus)}
     done = {}
     for name, fn in steps.items():
         path = pieces / f"{name}.json"
@@ -248,6 +267,12 @@ def _markdown(r: dict) -> str:
         gen = ev["general"].get(n)
         lines.append(f"| {n} | {ev['domain'][n]:.3f} | {'' if gen is None else f'{gen:.3f}'} |")
     sweep = ev["domain"]["lambda sweep (base + Memory Decoder)"]
+    if "eval_large" in r:
+        big = r["eval_large"]
+        lines += ["", f"The same Memory Decoder plugged into a larger base ({LARGE[1]} layers, {LARGE[0]} wide, "
+                  "same pretraining data and steps):", "",
+                  "| model | held-out domain ppl | held-out general ppl |", "|---|---|---|"]
+        lines += [f"| {n} | {big['domain'][n]:.3f} | {big['general'][n]:.3f} |" for n in big["domain"]]
     lines += ["", "lambda sweep (domain ppl, base + Memory Decoder): "
               + ", ".join(f"{k}: {v:.3f}" for k, v in sweep.items()), "",
               f"Held-out tokens: domain {ev['domain']['tokens']:,}, general {ev['general']['tokens']:,}. "
