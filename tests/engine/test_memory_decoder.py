@@ -132,3 +132,11 @@ def test_two_kv_caches_decode_as_without_caches(lam):
             pm = torch.softmax(mem(input_ids=torch.tensor([ids])).logits[0, -1].double(), -1)
             ids.append(int(((1 - lam) * pb + lam * pm).argmax()))
     assert cached == ids[len(prompt):]
+
+
+def test_a_base_with_another_vocabulary_is_refused_before_the_datastore():
+    task = MemoryDecoderTask(MemoryDecoderConfig(base="other-base", k=2))
+    task.base_loader = lambda path, device: tiny_llama64(vocab_size=32)
+    with pytest.raises(RankwiseError) as err:
+        task.prepare(tiny_llama64(vocab_size=48), [Windows([{"input_ids": [1, 2, 3]}])], True, 2, "cpu")
+    assert "\n" not in str(err.value) and "32 tokens" in str(err.value) and "tokenizer" in str(err.value)
