@@ -4,8 +4,11 @@
 1. variants of the fused side on the ``nf4`` and ``nf4+ckpt`` rows: the dequantized 4-bit weight
    kept from forward to backward or dequantized again (``KEEP_DEQUANTIZED``), and ``A x`` kept or
    recomputed (``KEEP_AX``) - median step time (process time) and peak memory, interleaved;
-2. a per-operator CPU profile (torch.profiler) of one step of the plain path, the fused path and
-   PEFT on the rows given.
+2. the shared down-projection product (``STACK``: one ``x [A_q; A_k; A_v]`` and one
+   ``x [A_gate; A_up]`` per block) against one product per layer, on the ``fp32``, ``bf16`` and
+   ``nf4`` rows - median step time and peak memory, interleaved;
+3. a per-operator CPU profile (torch.profiler) of one step of the plain path, the fused path and
+   PEFT on the rows given (the fused step profiled after one step, so its products are shared).
 
 Run: ``flock /tmp/bench.lock env OMP_NUM_THREADS=1 PYTHONPATH=src python bench/fused_variants.py
 OUT_DIR [row ...]``; writes ``OUT_DIR/variants.json`` and ``OUT_DIR/profile.md``.
@@ -25,26 +28,33 @@ from rankwise.adapters.lora import fused
 from rankwise.benchmarks import llm_finetune as lf
 
 
+def _set(flags):
+    fused.KEEP_DEQUANTIZED, fused.KEEP_AX, fused.STACK = flags
+
+
 def measure(folder, row, s, data, variants):
+    """``variants``: name -> (KEEP_DEQUANTIZED, KEEP_AX, STACK), each its own model."""
     sides = {}
-    for name, (keep_w, keep_ax) in variants.items():
+    for name, flags in variants.items():
         model, _ = lf.build_ours(folder, row, s, fused=True)
-        sides[name] = (lf._Side(model, data, s, lf.ROWS[row][2]), keep_w, keep_ax)
+        sides[name] = (lf._Side(model, data, s, lf.ROWS[row][2]), flags)
     times = {n: [] for n in sides}
     for k in range(s.warmup + s.steps):
-        for name, (side, keep_w, keep_ax) in sides.items():
-            fused.KEEP_DEQUANTIZED, fused.KEEP_AX = keep_w, keep_ax
+        order = list(sides) if k % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            side, flags = sides[name]
+            _set(flags)
             t0 = time.process_time()
             side.engine.train_step(k)
             if k >= s.warmup:
                 times[name].append(time.process_time() - t0)
     out = {}
-    for name, (side, keep_w, keep_ax) in sides.items():
-        fused.KEEP_DEQUANTIZED, fused.KEEP_AX = keep_w, keep_ax
+    for name, (side, flags) in sides.items():
+        _set(flags)
         held, peak, _ = side.peak_bytes(s.warmup + s.steps)
         out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": held + peak,
                      "step_peak_bytes": peak}
-    fused.KEEP_DEQUANTIZED, fused.KEEP_AX = False, True
+    _set((False, True, True))
     return out
 
 
@@ -72,8 +82,10 @@ def main(out: Path, rows: list[str]) -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     data, _, _ = lf._windows(s)
-    variants = {"dequantize-again+keep-Ax": (False, True), "keep-dequantized+keep-Ax": (True, True),
-                "dequantize-again+recompute-Ax": (False, False)}
+    variants = {"dequantize-again+keep-Ax": (False, True, True),
+                "keep-dequantized+keep-Ax": (True, True, True),
+                "dequantize-again+recompute-Ax": (False, False, True)}
+    stack = {"shared-product": (False, True, True), "product-per-layer": (False, True, False)}
     res = {"sizes": {"hidden": s.hidden, "layers": s.layers, "seq": s.seq, "batch": s.batch,
                      "steps": s.steps}, "timer": "process CPU time, 1 torch thread", "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,6 +93,10 @@ def main(out: Path, rows: list[str]) -> None:
         for row in ("nf4", "nf4+ckpt"):
             res["rows"][row] = measure(Path(tmp), row, s, data, variants)
             print(row, json.dumps(res["rows"][row]), flush=True)
+        res["stack"] = {}
+        for row in ("fp32", "bf16", "nf4"):
+            res["stack"][row] = measure(Path(tmp), row, s, data, stack)
+            print("stack", row, json.dumps(res["stack"][row]), flush=True)
         md = ["# Per-operator CPU profiles of one step (self CPU time), preset cpu-fused", ""]
         for row in rows:
             md.append(profile(Path(tmp), row, s, data))
@@ -90,4 +106,4 @@ def main(out: Path, rows: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or ["fp32", "nf4"])
+    main(Path(sys.argv[1]), sys.argv[2:] or ["fp32", "bf16", "nf4"])

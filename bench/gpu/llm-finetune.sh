@@ -5,6 +5,9 @@
 # transformers + PEFT, plus the fused LoRA path (train.fused_lora: auto) as a third side with its
 # step time, tokens/s and peak memory, 2 warm-up + 10 timed steps per model. Aimed at < 12 minutes on an
 # A100/H100-class GPU; writes the same results.json / results.md as `rankwise bench llm-finetune`.
+# When the liger_kernel package imports (pip install liger-kernel==0.8.5 on the GPU image; it
+# needs triton and CUDA and has no CPU path) a second peer runs too: PEFT on Liger's RMSNorm and
+# SwiGLU kernels (--set liger=true; LIGER=0 turns it off).
 #
 #   bench/gpu/llm-finetune.sh [OUT] [extra arguments of python -m rankwise.benchmarks.llm_finetune]
 #
@@ -18,4 +21,10 @@ PYTHON="${PYTHON:-python}"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
-exec "$PYTHON" -W ignore -m rankwise.benchmarks.llm_finetune --preset gpu-1b --out "$OUT" "$@"
+LIGER_ARGS=()
+if [ "${LIGER:-1}" != 0 ] && "$PYTHON" -c "import torch, liger_kernel; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+  LIGER_ARGS=(--set liger=true)
+else
+  echo "llm-finetune.sh: no Liger peer (liger_kernel not importable or no CUDA)" >&2
+fi
+exec "$PYTHON" -W ignore -m rankwise.benchmarks.llm_finetune --preset gpu-1b --out "$OUT" "${LIGER_ARGS[@]}" "$@"

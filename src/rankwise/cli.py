@@ -38,6 +38,12 @@ BENCHMARKS = {
     "select": "rankwise.benchmarks.select:run",
     "shapley": "rankwise.benchmarks.shapley:run",
     "skrull": "rankwise.benchmarks.skrull:run",
+    "transfer": "rankwise.benchmarks.transfer:run",
+    "restore": "rankwise.benchmarks.restore:run",
+    "distill": "rankwise.benchmarks.distill:run",
+    "continual": "rankwise.benchmarks.continual:run",
+    "svdecode": "rankwise.benchmarks.svdecode:run",
+    "grpo": "rankwise.benchmarks.grpo:run",
 }
 
 
@@ -130,6 +136,23 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
 
 
 @main.command()
+@click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+@click.option("--to", "new_base", required=True, metavar="NEW_BASE", help="The new base model's folder.")
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--finetune-steps", type=int, default=None, help="Steps of the run's training after the transfer.")
+@click.option("--calibration-texts", type=int, default=None, help="Examples whose hidden states give the CKA.")
+def transfer(run_dir: Path, new_base: str, out: Path, finetune_steps: int | None,
+             calibration_texts: int | None) -> None:
+    """Move a LoRA run onto an upgraded base model (LoRASuite; docs/transfer.md)."""
+    from rankwise.recipes.transfer import TransferConfig, transfer_run
+    given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts}
+    record = transfer_run(run_dir, new_base, out, TransferConfig(**{k: v for k, v in given.items() if v is not None}))
+    click.echo(f"layers {record['layer_mapping']}  W_x {record['w_x']['kind']}  "
+               f"eval_loss {record['metrics'].get('eval_loss', float('nan')):.4g}")
+    click.echo(f"wrote {out}")
+
+
+@main.command()
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--method", required=True, metavar="linear|cat|svd|ties|dare-ties|dare-linear")
 @click.option("--weights", required=True, metavar="W1,W2,...", help="One weight per adapter.")
@@ -173,15 +196,30 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
               help="A Memory Decoder (memory-decoder run folder) mixed in (docs/memory-decoder.md).")
 @click.option("--memory-lambda", type=float, default=None,
               help="The memory decoder's share (default: its run's memory_decoder.lam).")
+@click.option("--steer", default=None, metavar="svdecode",
+              help="Steer decoding with SVDecode (docs/svdecode.md); needs --steer-from.")
+@click.option("--steer-from", type=click.Path(path_type=Path), default=None,
+              help="The warm-start adapter run (same base) giving P_warm (adapters on) and P_pre (off).")
+@click.option("--steer-mask", type=float, default=None, help="SVDecode mask ratio tau (default 0.1).")
+@click.option("--steer-strength", type=float, default=None, help="SVDecode lambda on mu* (default 1; 0 = plain).")
+@click.option("--steer-max-mu", type=float, default=None, help="SVDecode clip of mu* (default 4).")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
-             kv_bits: int, model_path: Path | None, memory_decoder: Path | None,
+             kv_bits: int, model_path: Path | None, steer: str | None, steer_from: Path | None,
+             steer_mask: float | None, steer_strength: float | None,
+             steer_max_mu: float | None, memory_decoder: Path | None,
              memory_lambda: float | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
+    steer_config = None
+    if steer is not None:
+        from rankwise.engine.svdecode import SVDecodeConfig
+        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu}
+        steer_config = SVDecodeConfig(**{k: v for k, v in given.items() if v is not None})
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
                  echo=click.echo, stream=lambda text: click.echo(text, nl=False),
-                 kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path,
+                 kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path, steer=steer,
+                 steer_from=steer_from, steer_config=steer_config,
                  memory_decoder=memory_decoder, memory_lambda=memory_lambda)
 
 
@@ -288,6 +326,27 @@ def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None
 
 
 @main.command()
+@click.argument("teacher", type=click.Path(path_type=Path))
+@click.option("--student-hidden", type=int, default=None, help="The student's hidden size (below the teacher's).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (model/ is the student).")
+@click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+              help="YAML with DistillConfig keys (steps, temperature, data, ...).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
+@click.option("--resume", is_flag=True, help="Continue from the folder's last checkpoint.")
+def distill(teacher: Path, student_hidden: int | None, out: Path, config: Path | None, sets: tuple[str, ...],
+            resume: bool) -> None:
+    """Low-Rank Clone: distill TEACHER (model or run folder) into a narrower plain Llama (docs/distill.md)."""
+    from rich.console import Console
+
+    from rankwise.recipes.distill import read_config, run_distill
+    m = run_distill(teacher, out, read_config(config, list(sets), student_hidden), resume,
+                    Console(stderr=True))
+    click.echo(f"student {m['student_params']:,} params (teacher {m['teacher_params']:,}): held-out perplexity "
+               f"{m['student_eval_perplexity']:.3f} (teacher {m['teacher_eval_perplexity']:.3f})")
+    click.echo(f"wrote {out}/model")
+
+
+@main.command()
 @click.argument("target", metavar="RUN_OR_MODEL", type=click.Path(path_type=Path))
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="Run config whose data: gives the calibration batches (default: the run's own).")
@@ -298,6 +357,17 @@ def inspect(target: Path, data: Path | None, out: Path | None) -> None:
     out = out or Path("runs") / f"{target.name}-inspect"
     run_inspect(target, data, out)
     click.echo(f"wrote {out}/report.md and {out}/inspect.json")
+
+
+@main.command()
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option("--tasks", required=True, help="Classes by ',' and tasks by '/': asyncio,email/http,importlib")
+@click.option("--method", default=None, help="hrm-pet, key-match, sequential or joint (overrides the config).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the record here (JSON).")
+def continual(config: Path, tasks: str, method: str | None, out: Path | None) -> None:
+    """Learn tasks one after another, one LoRA module per task (HRM-PET; docs/continual.md)."""
+    from rankwise.recipes.continual import continual_command
+    continual_command(config, tasks, method, out)
 
 
 @main.command()
@@ -318,13 +388,15 @@ def bench(name: str, out: Path | None) -> None:
 @click.option("--fit", is_flag=True, help="Propose the cheapest switches that fit --memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (peak_mb in MiB).")
 @click.option("--padded", is_flag=True, help="Batches carry padding (the attention gets a mask).")
+@click.option("--nproc", type=int, default=1, show_default=True,
+              help="torchrun processes: predict one process's peak under train.distributed.")
 def plan(config: Path, sets: tuple[str, ...], memory: str | None, device: str, fit: bool,
-         as_json: bool, padded: bool) -> None:
+         as_json: bool, padded: bool, nproc: int) -> None:
     """Predict a config's peak memory before it runs (meta device: no weights are read)."""
     import json
 
     from rankwise.recipes.planner import plan as run_plan
-    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded)
+    obj, text, _ = run_plan(config, list(sets), memory, device, fit, padded, nproc)
     click.echo(json.dumps(obj) if as_json else text)
 
 

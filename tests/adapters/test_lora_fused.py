@@ -66,8 +66,28 @@ def run(model, fused_on: bool, bf16: bool, accum: int = 2):
     return torch.stack(losses), grads
 
 
-def check(model, bf16: bool, atol: float, rtol: float):
+class Spy:
+    """Counts the calls of the fused nodes (``down``: how many layers each shared product
+    served)."""
+
+    def __init__(self, monkeypatch):
+        self.whole, self.up, self.down = [], [], []
+        for cls, log in ((fused._FusedLora, self.whole), (fused._FusedLoraUp, self.up)):
+            monkeypatch.setattr(cls, "forward", staticmethod(
+                lambda *a, _f=cls.forward, _log=log: _log.append(1) or _f(*a)))
+        monkeypatch.setattr(fused._SharedDown, "forward", staticmethod(
+            lambda ctx, x, dt, *a, _f=fused._SharedDown.forward: self.down.append(len(a))
+            or _f(ctx, x, dt, *a)))
+
+
+def check(model, bf16: bool, atol: float, rtol: float, monkeypatch, stack: bool = True):
+    """The fused path (products shared after one learning step, or one node per layer)
+    against the plain path: losses, every factor's gradient, and which nodes ran."""
+    monkeypatch.setattr(fused, "STACK", stack)
     loss_p, grad_p = run(model, False, bf16)
+    if stack:
+        run(model, True, bf16)  # learns which layers read one input (q/k/v, gate/up)
+    spy = Spy(monkeypatch)
     loss_f, grad_f = run(model, True, bf16)
     torch.testing.assert_close(loss_f, loss_p, atol=atol, rtol=rtol)
     assert grad_f.keys() == grad_p.keys() and len(grad_f) == 2 * 14
@@ -75,29 +95,30 @@ def check(model, bf16: bool, atol: float, rtol: float):
     for n in grad_p:
         assert grad_p[n].abs().sum() > 0, n
         torch.testing.assert_close(grad_f[n], grad_p[n], atol=atol * scale, rtol=rtol, msg=n)
+    passes = 2 * (2 if model.is_activation_checkpointing else 1)  # micro-batches x recompute
+    if stack:  # per block: one product for q, k, v (GQA: k, v narrower) and one for gate, up
+        assert spy.down == [3, 2] * 2 * passes and len(spy.up) == 5 * 2 * passes
+        assert len(spy.whole) == 2 * 2 * passes  # o and down read their own inputs
+    else:  # every wrapped layer took the fused node, each micro-batch
+        assert spy.down == [] and spy.up == [] and len(spy.whole) == 14 * passes
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_fp32_equal_to_plain(ckpt):
-    model = lora_model(ckpt=ckpt, rslora=ckpt)
-    calls = []
-    fused_fwd = fused._FusedLora.forward
-    fused._FusedLora.forward = staticmethod(lambda *a: calls.append(1) or fused_fwd(*a))
-    try:
-        check(model, bf16=False, atol=1e-6, rtol=1e-6)
-    finally:
-        fused._FusedLora.forward = staticmethod(fused_fwd)
-    assert len(calls) >= 14 * 2  # every wrapped layer took the fused path, each micro-batch
+@pytest.mark.parametrize("stack", [False, True])
+def test_fp32_equal_to_plain(ckpt, stack, monkeypatch):
+    check(lora_model(ckpt=ckpt, rslora=ckpt), bf16=False, atol=1e-6, rtol=1e-6,
+          monkeypatch=monkeypatch, stack=stack)
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_bf16_equal_to_plain(ckpt):
-    check(lora_model(torch.bfloat16, ckpt=ckpt), bf16=True, atol=BF16_TOL, rtol=BF16_TOL)
+def test_bf16_equal_to_plain(ckpt, monkeypatch):
+    check(lora_model(torch.bfloat16, ckpt=ckpt), bf16=True, atol=BF16_TOL, rtol=BF16_TOL,
+          monkeypatch=monkeypatch)
 
 
-def test_nf4_equal_to_plain(tmp_path):
+def test_nf4_equal_to_plain(tmp_path, monkeypatch):
     model = lora_model(nf4=True, tmp=tmp_path, ckpt=True)
-    check(model, bf16=True, atol=BF16_TOL, rtol=BF16_TOL)
+    check(model, bf16=True, atol=BF16_TOL, rtol=BF16_TOL, monkeypatch=monkeypatch)
 
 
 def test_dropout_and_dora_keep_the_plain_path():
@@ -126,14 +147,47 @@ def test_fused_loss_equals_peft():
                 dst[f"base_model.model.{path}.lora_{kind[0]}.default.weight"].copy_(p)
     set_fused(ours, True)
     b = batches(1)[0]
+    ours(**b).loss.backward()  # learns the shared inputs: the compared step stacks q/k/v, gate/up
+    ours.zero_grad(set_to_none=True)
     loss_o = ours(**b).loss
     loss_t = theirs.train()(**b).loss
     torch.testing.assert_close(loss_o, loss_t, atol=1e-6, rtol=0)
     loss_o.backward()
     loss_t.backward()
-    g_o = ours.model.layers[1].mlp.down_proj.lora_A["default"].weight.grad
-    g_t = theirs.base_model.model.model.layers[1].mlp.down_proj.lora_A["default"].weight.grad
-    torch.testing.assert_close(g_o, g_t, atol=1e-6, rtol=1e-5)
+    for path in ("mlp.down_proj", "mlp.up_proj", "self_attn.k_proj"):
+        g_o = ours.get_submodule(f"model.layers.1.{path}").lora_A["default"].weight.grad
+        g_t = theirs.get_submodule(f"base_model.model.model.layers.1.{path}").lora_A["default"].weight.grad
+        torch.testing.assert_close(g_o, g_t, atol=1e-6, rtol=1e-5)
+
+
+def test_shared_product_is_a_compute_path_only(monkeypatch):
+    """The layers that read one tensor are found by running; the stacked product changes no
+    parameter or state-dict key, and a projection called on another tensor (or on the same
+    tensor changed in place) computes its own ``A x``."""
+    monkeypatch.setattr(fused, "STACK", True)
+    model = lora_model()
+    keys = list(model.state_dict())
+    run(model, True, False)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert [r() for r in fused._GROUPS[attn.q_proj][1]] == [attn.k_proj, attn.v_proj]
+    assert [r() for r in fused._GROUPS[mlp.gate_proj][1]] == [mlp.up_proj]
+    assert fused._GROUPS[attn.q_proj][0] == "active"
+    assert attn.o_proj not in fused._GROUPS and mlp.down_proj not in fused._GROUPS
+    assert list(model.state_dict()) == keys
+    x, other = torch.randn(2, 5, 64, requires_grad=True), torch.randn(2, 5, 64)
+    spy = Spy(monkeypatch)
+    q = attn.q_proj(x)
+    x2 = x.detach().clone().requires_grad_()
+    k_alone = attn.k_proj(other)            # another input: not q's product
+    assert spy.down == [3] and len(spy.up) == 1 and len(spy.whole) == 1
+    with torch.no_grad():
+        x.mul_(1)                           # bumps the version: the entry no longer matches
+    v = attn.v_proj(x)
+    assert len(spy.whole) == 2 and len(spy.up) == 1
+    set_fused(model, False)
+    torch.testing.assert_close(q, attn.q_proj(x2), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_alone, attn.k_proj(other), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v, attn.v_proj(x2), atol=1e-6, rtol=1e-6)
 
 
 def test_train_key_sets_the_switch_and_keeps_comparison_hashes():

@@ -70,6 +70,17 @@ def test_gpu_preset_without_a_gpu_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "gpu").exists()
 
 
+def test_liger_peer_without_cuda_or_the_package_is_one_line(tmp_path, capsys):
+    """liger-kernel is Triton only (no CPU path): asking for the Liger peer on CPU is refused
+    with one line before anything is built."""
+    from rankwise.benchmarks.llm_finetune import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "l"), "--preset", "tiny", "--set", "liger=true"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "drop --set liger=true" in err[0]
+    assert not (tmp_path / "l").exists()
+
+
 @pytest.mark.slow
 def test_dora_rows_compare_both_sides_from_the_same_weights(tmp_path):
     """``dora-`` rows: DoRA on both sides from the same factors and magnitudes, so the fp32 row's

@@ -20,7 +20,7 @@ from rankwise.recipes.train import train
 RUN = {
     "model": {"path": "tiny-llama", "task": "causal-lm"},
     "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 48,
-             "limit": 96, "packing": True},
+             "limit": 96, "packing": True, "eval_fraction": 0.05},   # ~70 held-out records, not ~290
     "method": {"name": "lora", "r": 4},
     "optim": {"name": "adamw", "lr": 0.01},
     "train": {"steps": 6, "batch_size": 8, "eval_every": 3, "eval_batch_size": 32, "progress": False},

@@ -193,3 +193,34 @@ def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
     result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--prompt", prompt,
                                        "--kv-cache", "nsnquant", "--kv-bits", "3"])
     assert result.exit_code == 2 and "supports 1 or 2" in result.output
+
+
+@pytest.mark.slow
+def test_steer_svdecode_through_the_cli_strength_zero_is_plain_and_default_steers(runs, tmp_path):
+    """``--steer svdecode --steer-from RUN`` on the run itself: λ = 0 gives plain generate's rows;
+    the default step gives the greedy argmax of the closed form (adapters on / off)."""
+    from rankwise.core.ops import disable_adapters
+    from rankwise.engine.svdecode import SVDecode
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Open a file."}\n')
+    plain = run_generate(runs / "lora", file=prompts, max_new_tokens=5, echo=lambda s: None)
+    result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--file", str(prompts),
+                                       "--max-new-tokens", "5", "--steer", "svdecode", "--steer-from",
+                                       str(runs / "lora"), "--steer-strength", "0"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(x) for x in result.output.splitlines()] == plain
+    cfg, model, tok, enc = load_for_generation(runs / "lora")
+    ids, out = enc.prompt_ids("Open a file."), []
+    with torch.no_grad():
+        for _ in range(5):  # the reference: uncached forwards, the formula, argmax
+            x = torch.tensor([ids + out])
+            z_w = model(input_ids=x).logits[0, -1]
+            with disable_adapters(model):
+                z_0 = model(input_ids=x).logits[0, -1]
+            t = int(SVDecode().steer(z_w, z_w, z_0).argmax())
+            if t == end_id(tok):
+                break
+            out.append(t)
+    steered = run_generate(runs / "lora", file=prompts, max_new_tokens=5, echo=lambda s: None,
+                           steer="svdecode", steer_from=runs / "lora")
+    assert steered[0]["completion"] == tok.decode(out, skip_special_tokens=True)

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from rankwise import registry
 from rankwise.cli import main
+from rankwise.errors import RankwiseError
 from rankwise.memory import tensor_bytes
 from rankwise.optim.common import state_bytes
 from rankwise.recipes import plan as P
@@ -186,3 +187,87 @@ def test_padded_bert_counts_the_masked_attention(tmp_path):
     assert padded.total > full.total
     assert padded.total == sum(seen.values())
     del out
+
+
+def test_nproc_predicts_one_process_under_ddp_and_fsdp(folder):
+    """``--nproc 2``: ddp keeps the whole model and halves the micro-batch; FSDP2 also keeps
+    one dim-0 shard of every parameter (all dims here are even: exactly half) and of AdamW's
+    moments, and adds the gathered root and blocks (the bench measures it under torchrun)."""
+    data, sw = P.split_switches(raw(folder, {"name": "full"}))
+    one = Planner(build_run_config(data), sw, "cpu").estimate()
+    ddp = Planner(build_run_config(data), sw, "cpu", nproc=2).estimate()
+    data["train"]["distributed"] = "fsdp"
+    planner = Planner(build_run_config(data), sw, "cpu", nproc=2)
+    fsdp = planner.estimate()
+    meta = P.meta_model(planner.cfg)
+    params = list(meta.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+    assert (one.micro_batch, ddp.micro_batch, fsdp.micro_batch) == (4, 2, 2)
+    assert ddp.tokens_per_step == fsdp.tokens_per_step == one.tokens_per_step == 4 * 24
+    assert (ddp.weights, ddp.trainable, ddp.optimizer_state) == (one.weights, one.trainable, one.optimizer_state)
+    assert ddp.activations == planner.saved(planner.cfg, 2).total
+    assert fsdp.trainable == one.trainable // 2 == 4 * sum(p.numel() for p in params) // 2
+    assert fsdp.weights == buffers                       # full fine-tuning: nothing frozen
+    assert fsdp.optimizer_state == 2 * fsdp.trainable + 4 * len(params)   # moments + step counters
+    sh = P.fsdp_sharding(meta, 2)
+    block = max(sum(p.numel() * 4 for p in b.parameters()) for b in meta.model.layers)
+    root = 4 * sum(p.numel() for n, p in meta.named_parameters() if ".layers." not in n)
+    assert (sh.block, sh.root) == (block, root)
+    assert fsdp.temporaries >= 2 * block + 2 * root      # two blocks, the root and its gradients
+    assert P.shard_elems(torch.empty(5, 3), 2) == 9      # ceil(5 / 2) rows of 3 (the last padded)
+    from rankwise.recipes.planner import predicted_train_peak_mb
+    assert predicted_train_peak_mb(planner.cfg, "cpu", 2) == (fsdp.peak - fsdp.weights - fsdp.trainable) / 2 ** 20
+
+
+def test_nproc_bad_input_is_one_line_and_exit_2(folder, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw(folder)))
+    full = tmp_path / "full.yaml"
+    full.write_text(yaml.safe_dump(raw(folder, {"name": "full"})))
+    for args, needle in [(["--nproc", "0"], "--nproc: got 0"),
+                         (["--nproc", "8"], "set train.batch_size >= 8"),
+                         (["--nproc", "2", "--set", "train.distributed=fsdp", "--set", "optim.name=galore"],
+                          "needs whole matrices"),
+                         (["--nproc", "2", "--set", "optim.per_layer=true"], "summed across processes"),
+                         (["--nproc", "2", "--set", "train.distributed=fsdp", "--set", "optim.state_bits=8"],
+                          "does not run on FSDP2")]:
+        target = full if "optim.per_layer=true" in args or "optim.state_bits=8" in args else path
+        result = CliRunner().invoke(main, ["plan", str(target), "--device", "cpu", *args])
+        assert result.exit_code == 2, (args, result.output)
+        lines = [ln for ln in result.output.strip().splitlines() if ln]
+        assert len(lines) == 1 and needle in lines[0], (args, result.output)
+    # the run refuses the same pair before it loads anything (FSDP2 + 8-bit state)
+    from rankwise.engine.distributed import Distributed
+    from rankwise.recipes.train import check_distributed
+    data = P.split_switches(raw(folder, {"name": "full"}, {"name": "adamw", "state_bits": 8},
+                                distributed="fsdp"))[0]
+    with pytest.raises(RankwiseError, match="does not run on FSDP2"):
+        check_distributed(build_run_config(data), Distributed(world=2, kind="fsdp"))
+    check_distributed(build_run_config(data), Distributed(world=1, kind="fsdp"))  # one process: fine
+    ok = CliRunner().invoke(main, ["plan", str(path), "--device", "cpu", "--json", "--nproc", "2"])
+    obj = json.loads(ok.output)
+    assert (obj["processes"], obj["distributed"], obj["micro_batch"]) == (2, "ddp", 2)
+
+
+@pytest.mark.slow  # a one-step run of tiny-bert (most of it imports shared with the suite)
+def test_train_prints_the_prediction_beside_the_measured_peak(tmp_path):
+    """At a terminal, ``rankwise train`` ends with the measured peak and plan's prediction."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from rankwise.recipes.config import load_run_config
+    from rankwise.recipes.planner import predicted_train_peak_mb
+    from rankwise.recipes.train import train
+    base = {"model": {"path": "tiny-bert", "task": "classification"},
+            "data": {"source": "demo", "max_length": 16, "limit": 16},
+            "method": {"name": "lora", "r": 2, "targets": ["query", "value"]},
+            "train": {"steps": 1, "batch_size": 4, "progress": True}}
+    cfg = load_run_config(None, base=base)
+    buf = io.StringIO()
+    metrics = train(cfg, tmp_path / "run", console=Console(file=buf, force_terminal=True, width=200))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
+    line = next(ln for ln in text.splitlines() if "rankwise plan predicted" in ln)
+    assert f"peak memory {metrics['peak_memory_mb']:.1f} MiB" in line
+    assert f"predicted {predicted_train_peak_mb(cfg, 'cpu'):.1f} MiB" in line

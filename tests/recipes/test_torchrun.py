@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from rankwise.cli import main
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import train
 
@@ -61,8 +63,10 @@ def single(tmp_path_factory) -> Path:
 def test_two_processes_give_the_single_process_metrics(tmp_path, single, kind):
     """The fsdp run also schedules with Skrull (data.schedule: skrull regroups each global step
     over 2 processes x 2 micro-batches by cost, the same number of forwards per process): it
-    still gives the unscheduled single process's losses and adapter."""
-    extra = ["data.schedule=skrull"] if kind == "fsdp" else []
+    still gives the unscheduled single process's losses and adapter. Both computes the loss in
+    chunks of 16 target tokens (train.loss_chunk_tokens; the single process does not): chunked
+    loss under ddp and FSDP2 gives the unchunked single process's numbers."""
+    extra = (["data.schedule=skrull"] if kind == "fsdp" else []) + ["train.loss_chunk_tokens=16"]
     proc = torchrun(tmp_path, tmp_path / "two", f"train.distributed={kind}", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = json.loads((single / "metrics.json").read_text())
@@ -80,16 +84,19 @@ def test_two_processes_give_the_single_process_metrics(tmp_path, single, kind):
 
 def test_resume_under_torchrun_and_a_world_size_mismatch(tmp_path):
     dropout = "method.dropout=0.1"                     # dropout draws differ per process
-    full = torchrun(tmp_path, tmp_path / "full", dropout)
+    small = "data.eval_fraction=0.05"                  # ~70 held-out records at each end, not ~290
+    full = torchrun(tmp_path, tmp_path / "full", dropout, small)
     assert full.returncode == 0, full.stderr[-3000:]
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "full", part)
     shutil.rmtree(part / "checkpoints" / "step-0000004")
     for name in ("metrics.json", "adapter"):
         shutil.rmtree(part / name) if (part / name).is_dir() else (part / name).unlink()
-    wrong = torchrun(tmp_path, part, dropout, n=1, resume=True)
-    assert wrong.returncode == 2 and "resume it with 2" in wrong.stderr.splitlines()[-1], wrong.stderr[-2000:]
-    resumed = torchrun(tmp_path, part, dropout, resume=True)
+    # one process: refused before any step (in this process: the refusal needs no launch of its own)
+    wrong = CliRunner().invoke(main, ["train", str(tmp_path / "run.yaml"), "--out", str(part), "--set", dropout,
+                                      "--set", small, "--resume"])
+    assert wrong.exit_code == 2 and "resume it with 2" in wrong.stderr.splitlines()[-1], wrong.output[-2000:]
+    resumed = torchrun(tmp_path, part, dropout, small, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = json.loads((tmp_path / "full" / "metrics.json").read_text())
     b = json.loads((part / "metrics.json").read_text())
@@ -120,7 +127,8 @@ def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-m", "rankwise", "train", str(cfg), "--out", str(tmp_path / "run"),
            "--set", "train.steps=1000", "--set", "train.save_every=0",
-           "--set", "train.distributed_timeout_s=30"]  # room for start-up on a loaded machine
+           "--set", "train.distributed_timeout_s=30",  # room for start-up on a loaded machine
+           "--set", "train.distributed_step_timeout_s=10"]  # the kill comes after step 3: no start-up left
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     events = tmp_path / "run" / "events.jsonl"
@@ -142,6 +150,8 @@ def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
     assert procs[0].returncode == 2, err[-2000:]
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "lost the others" in line[0] and "--resume" in line[0], err[-2000:]
+    if how == signal.SIGSTOP:   # nothing but the timeout ends this wait: the step one, not start-up's
+        assert "train.distributed_step_timeout_s=10s" in line[0], line[0]
     assert waited < (90 if how == signal.SIGSTOP else 45)
 
 

@@ -36,6 +36,14 @@ third model per row, rankwise with ``train.fused_lora: auto`` (:mod:`rankwise.ad
 same base, same LoRA init, stepped interleaved with the other two; the ``rankwise`` side then runs
 the plain path (``fused_lora`` off), so the columns compare fused, plain and PEFT in one process.
 
+Liger peer (``--set liger=true``, CUDA only; ``bench/gpu/llm-finetune.sh`` adds it when the
+``liger_kernel`` package imports): a fourth model per row, PEFT on a base whose RMSNorm and SwiGLU
+MLP modules are Liger's Triton kernels (``apply_liger_kernel_to_llama(model=...)``, instance
+patches). Liger's RoPE is a module-global replacement (it would change the other sides too) and
+its fused linear cross-entropy engages only when the model gets ``labels`` (the shared engine
+step computes every side's loss from the logits), so both stay off. liger-kernel has no CPU path
+(every kernel is Triton; its backends are CUDA/ROCm, XPU, Ascend), so it is not a dependency.
+
 Run at other sizes with ``python -m rankwise.benchmarks.llm_finetune --preset gpu-1b`` (what
 ``bench/gpu/llm-finetune.sh`` runs) or ``--set hidden=256 --set layers=4``.
 """
@@ -87,6 +95,7 @@ class Sizes:
         threads: torch threads on CPU.
         seed: Seed of the weights and of the batch order.
         fused: Add the ``fused`` side (rankwise with the fused LoRA path) to every row.
+        liger: Add the ``liger`` side (PEFT on Liger's RMSNorm/SwiGLU kernels; CUDA only).
         vocab: Vocabulary of the model (the data are bytes, ids < 256; a larger vocabulary only
             widens the embeddings, the head and the logits: the chunked-loss measurement).
         loss_chunk_tokens: ``train.loss_chunk_tokens`` of the engine step both sides use (0:
@@ -112,6 +121,7 @@ class Sizes:
     seed: int = 0
     fused: bool = False
     vocab: int = 256
+    liger: bool = False
     loss_chunk_tokens: int = 0
 
 
@@ -184,13 +194,27 @@ def build_ours(folder: Path, row: str, s: Sizes, fused: bool) -> tuple[nn.Module
 def build_pair(folder: Path, row: str, s: Sizes) -> tuple[nn.Module, nn.Module, int]:
     """``(rankwise model, PEFT model, base weight bytes)`` of ``row``, same base, same LoRA init
     (and the same DoRA magnitudes on a ``dora-`` row)."""
+    ours, base_bytes = build_ours(folder, row, s, fused=False)
+    theirs = peft_side(folder, row, s, ours)
+    return ours.train(), theirs.train(), base_bytes
+
+
+def peft_side(folder: Path, row: str, s: Sizes, ours: nn.Module, liger: bool = False) -> nn.Module:
+    """transformers + PEFT of ``row`` with ``ours``'s LoRA factors; ``liger``: on a base whose
+    RMSNorm and SwiGLU MLP modules are Liger's kernels (this instance only)."""
     import peft
 
     from rankwise.core.ops import adapter_parameters
     _, quantize, _, ckpt = ROWS[base_row(row)]
     use_dora = row.startswith(DORA)
-    ours, base_bytes = build_ours(folder, row, s, fused=False)
     theirs = load_base(folder, row, s.device)
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from transformers.models.llama import modeling_llama
+        kept = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)
+        apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                                    rms_norm=True, swiglu=True, model=theirs)
+        modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = kept  # the next models stay plain
     if quantize:
         theirs = peft.prepare_model_for_kbit_training(theirs, use_gradient_checkpointing=ckpt)
     elif ckpt:
@@ -207,7 +231,7 @@ def build_pair(folder: Path, row: str, s: Sizes) -> tuple[nn.Module, nn.Module, 
     n_ours = sum(p.numel() for p in ours.parameters() if p.requires_grad)
     n_theirs = sum(p.numel() for p in theirs.parameters() if p.requires_grad)
     assert n_ours == n_theirs, (row, n_ours, n_theirs)
-    return ours.train(), theirs.train(), base_bytes
+    return theirs
 
 
 def _windows(s: Sizes):
@@ -280,6 +304,8 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
     sides = {"rankwise": _Side(ours, data, s, precision), "peft": _Side(theirs, data, s, precision)}
     if s.fused:
         sides["fused"] = _Side(build_ours(folder, row, s, fused=True)[0], data, s, precision)
+    if s.liger:
+        sides["liger"] = _Side(peft_side(folder, row, s, ours, liger=True).train(), data, s, precision)
     for k in range(s.warmup + s.steps):
         order = list(sides) if k % 2 == 0 else list(sides)[::-1]
         for name in order:
@@ -308,6 +334,15 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
         out["fused_vs_plain_memory"] = f["peak_bytes"] / r["peak_bytes"]
         out["fused_vs_plain_max_loss_diff"] = max(
             abs(a - b) for a, b in zip(sides["fused"].losses, sides["rankwise"].losses))
+    if "liger" in sides:
+        g, p = out["liger"], out["peft"]
+        out["liger_step_time_ratio"] = g["step_s"] / p["step_s"]
+        out["liger_memory_ratio"] = g["peak_bytes"] / p["peak_bytes"]
+        out["liger_max_loss_diff"] = max(
+            abs(a - b) for a, b in zip(sides["liger"].losses, sides["peft"].losses))
+        if "fused" in sides:
+            out["fused_vs_liger_step"] = out["fused"]["step_s"] / g["step_s"]
+            out["fused_vs_liger_memory"] = out["fused"]["peak_bytes"] / g["peak_bytes"]
     if row == "nf4" and not s.fused:
         from rankwise.benchmarks.qlora_checks import requantize_drift
         with tempfile.TemporaryDirectory() as tmp:
@@ -356,6 +391,20 @@ def _markdown(res: dict) -> str:
                          f"{r['fused_memory_ratio']:.3f} | {r['fused_vs_plain_memory']:.3f} | "
                          f"{r['fused_vs_plain_max_loss_diff']:.2e} |")
         lines += ["", f"Fused targets: step time and peak memory <= {FUSED_TARGET}x PEFT's."]
+    liger_rows = {row: r for row, r in res["rows"].items() if "liger" in r}
+    if liger_rows:
+        lines += ["", "Liger peer (PEFT on Liger's RMSNorm and SwiGLU kernels; RoPE and the fused "
+                  "loss off, see the module docstring):", "",
+                  "| row | step s Liger | tokens/s Liger | Liger / PEFT step | peak MiB Liger | "
+                  "Liger / PEFT memory | fused / Liger step | fused / Liger memory | "
+                  "max loss diff Liger vs PEFT |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row, r in liger_rows.items():
+            g = r["liger"]
+            lines.append(f"| {row} | {g['step_s']:.3f} | {g['tokens_per_s']:.0f} | "
+                         f"{r['liger_step_time_ratio']:.3f} | {g['peak_bytes'] / 2**20:.1f} | "
+                         f"{r['liger_memory_ratio']:.3f} | {r.get('fused_vs_liger_step', float('nan')):.3f} | "
+                         f"{r.get('fused_vs_liger_memory', float('nan')):.3f} | "
+                         f"{r['liger_max_loss_diff']:.2e} |")
     lines += ["", f"Targets: step time <= {TARGETS['step_time_ratio']}x PEFT and peak memory <= "
               f"{TARGETS['memory_ratio']}x PEFT on every row; nf4 base weight bytes <= "
               f"{TARGETS['nf4_base_bytes_ratio']}x the bf16 base's."]
@@ -424,6 +473,11 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
     if unknown:
         raise RankwiseError(f"llm-finetune rows {unknown} are unknown; choose from {list(ROWS)}, "
                             f"each also as {DORA}<row>")
+    if s.liger:
+        import importlib.util
+        if not s.device.startswith("cuda") or importlib.util.find_spec("liger_kernel") is None:
+            raise RankwiseError("llm-finetune: liger=true needs a CUDA device and the liger-kernel "
+                                "package (Triton kernels, no CPU path); drop --set liger=true")
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         raise RankwiseError("llm-finetune: device cuda asked for but no CUDA GPU is visible; "
                             "run on a GPU machine or use --preset cpu")

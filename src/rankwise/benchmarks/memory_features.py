@@ -4,9 +4,14 @@
   in code, LoRA r=16 on every linear layer of the blocks, AdamW, fp32; :mod:`.llm_finetune`'s
   pieces) with a 150k vocabulary at sequence 1024. Three sides step the same batches:
   rankwise chunked (512 target tokens a chunk, the ``auto`` value), rankwise unchunked
-  (``loss_chunk_tokens: 0``), and PEFT (``get_peft_model``) with the loss transformers computes
-  from ``labels`` (``model(**batch).loss``: what TRL's ``SFTTrainer`` returns by default, before
-  its extra logit statistics; TRL itself is not installed here).
+  (``loss_chunk_tokens: 0``), PEFT (``get_peft_model``) with the loss transformers computes
+  from ``labels`` (``model(**batch).loss``), and PEFT with TRL's fused LM head: what TRL 1.16's
+  ``SFTTrainer`` computes by default (``loss_type: nll``): ``trl.trainer.utils.add_fused_lm_head``
+  on the base model before PEFT wraps it, ``model(**batch, fused_lm_head=True)``, the loss
+  ``-log_probs.sum() / targets`` - per-token log-probabilities projected through
+  ``lm_head.weight`` in tiles (TRL's ``_ChunkedLogProbFunction``), with the entropy and top-1
+  fields ``SFTTrainer`` asks for. It runs with PEFT as long as ``lm_head`` carries no adapter
+  (``SFTTrainer`` refuses one: the tiles read ``lm_head.weight`` directly).
 * **Per-layer updates** (``optim.per_layer``): full fine-tuning of a small Llama with AdamW,
   ordinary step vs per-layer, against the gradient bytes (= the trainable parameters' bytes).
 
@@ -90,12 +95,57 @@ def chunked_loss(s: Sizes = CHUNK, chunk_tokens: int = CHUNK_TOKENS) -> dict[str
         for k in range(s.warmup):
             hf_step(k)
         out["peft + transformers loss"] = _measure(lambda: hf_step(s.warmup), _held(theirs, opt), s.device)
+        del theirs, opt
+        trl = _trl_side(s, data, Path(tmp))
+        if trl is not None:
+            out["peft + trl fused head"] = trl
+    out["trl_version"] = _trl_version()
     unchunked = out["rankwise unchunked"]["peak_bytes"]
     out["saving_vs_unchunked"] = 1 - out["rankwise chunked"]["peak_bytes"] / unchunked
     out["saving_vs_peft"] = 1 - out["rankwise chunked"]["peak_bytes"] / out["peft + transformers loss"]["peak_bytes"]
+    if "peft + trl fused head" in out:
+        trl_peak = out["peft + trl fused head"]["peak_bytes"]
+        out["trl_saving_vs_unchunked"] = 1 - trl_peak / unchunked
+        out["saving_vs_trl"] = 1 - out["rankwise chunked"]["peak_bytes"] / trl_peak
     out["loss_abs_diff"] = abs(out["rankwise chunked"]["loss"] - out["rankwise unchunked"]["loss"])
     out["logits_fp32_bytes"] = s.batch * (s.seq - 1) * s.vocab * 4
     return out
+
+
+def _trl_version() -> str | None:
+    try:
+        import trl
+    except ImportError:
+        return None
+    return trl.__version__
+
+
+def _trl_side(s: Sizes, data, folder: Path) -> dict[str, Any] | None:
+    """PEFT (the row's LoRA) with TRL's fused LM head, stepped as ``SFTTrainer.compute_loss``
+    steps it by default; ``None`` when TRL is not installed."""
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:
+        return None
+    from rankwise.engine import get_task
+    from rankwise.engine.loop import draw_batches
+    _, model, _ = build_pair(folder, "fp32", s)           # a fresh PEFT model from the same base
+    add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))  # as SFTTrainer
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
+    task = get_task("causal-lm")
+
+    def step(k: int) -> float:
+        batch = draw_batches(data, task, k, s.batch, s.seed, s.device)[0]
+        out = model(**batch, fused_lm_head=True)
+        loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)  # SFTTrainer's nll
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    for k in range(s.warmup):
+        step(k)
+    return _measure(lambda: step(s.warmup), _held(model, opt), s.device)
 
 
 def per_layer(s: Sizes = PER_LAYER) -> dict[str, Any]:
@@ -133,6 +183,15 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def _trl_line(c: dict) -> str:
+    if "peft + trl fused head" not in c:
+        return "TRL is not installed here: no TRL side."
+    return (f"PEFT + TRL {c['trl_version']}'s fused LM head (SFTTrainer's default `nll` loss, tiles of "
+            f"the vocabulary, LoRA on the blocks only: SFTTrainer refuses a LoRA on `lm_head`): "
+            f"{100 * c['trl_saving_vs_unchunked']:.1f} % less peak than rankwise unchunked; rankwise "
+            f"chunked is {100 * c['saving_vs_trl']:.1f} % below it.")
+
+
 def _markdown(res: dict) -> str:
     c, p = res["chunked_loss"], res["per_layer"][0]
     cs, ps = c["sizes"], p["sizes"]
@@ -144,7 +203,9 @@ def _markdown(res: dict) -> str:
              f"head), LoRA r={cs['r']} on every linear layer of the blocks, AdamW, batch {cs['batch']} "
              f"x {cs['seq']} tokens; one fp32 copy of the logits is {_mib(c['logits_fp32_bytes'])} MiB.", "",
              "| side | held MiB | step peak MiB | peak MiB | loss | step CPU s |", "|---|---:|---:|---:|---:|---:|"]
-    for name in ("rankwise chunked", "rankwise unchunked", "peft + transformers loss"):
+    for name in ("rankwise chunked", "rankwise unchunked", "peft + transformers loss", "peft + trl fused head"):
+        if name not in c:
+            continue
         r = c[name]
         lines.append(f"| {name} | {_mib(r['held_bytes'])} | {_mib(r['step_peak_bytes'])} | "
                      f"{_mib(r['peak_bytes'])} | {r['loss']:.5f} | {r['step_cpu_s']:.2f} |")
@@ -152,9 +213,7 @@ def _markdown(res: dict) -> str:
               f"{100 * c['saving_vs_unchunked']:.1f} % less peak (goal >= {100 * GOAL:.0f} %: "
               f"{'held' if c['saving_vs_unchunked'] >= GOAL else 'NOT held'}); vs PEFT + transformers' "
               f"loss: {100 * c['saving_vs_peft']:.1f} % less. |loss chunked - unchunked| = "
-              f"{c['loss_abs_diff']:.2e}. TRL is not installed here: the PEFT side uses the loss "
-              "transformers computes from `labels` (TRL's SFTTrainer default before its own logit "
-              "statistics).", "",
+              f"{c['loss_abs_diff']:.2e}.", "", _trl_line(c), "",
              "## Per-layer updates", "",
              f"Full fine-tuning of a Llama {ps['layers']}x{ps['hidden']} (intermediate "
              f"{ps['intermediate']}, {p['params'] / 1e6:.1f}M parameters), AdamW (weight decay 0.1); "
@@ -200,7 +259,8 @@ def run(out: Path, command: str | None = None) -> dict:
                          f"training step adds above them by the meter '{res['meter']}': "
                          f"{METERS[res['meter']]}.")
     res["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
-                       "transformers": transformers.__version__, "peft": peft.__version__}
+                       "transformers": transformers.__version__, "peft": peft.__version__,
+                       "trl": _trl_version()}
     res["wall_s"] = time.perf_counter() - t0
     out = Path(out)
     atomic.write_json(out / "results.json", res)

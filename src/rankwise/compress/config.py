@@ -86,6 +86,61 @@ class KVCacheConfig:
 
 
 @dataclass
+class RestoreConfig:
+    """``compress.restore``: RestoreLCC recovery after pruning (:mod:`rankwise.compress.restore`;
+    Zhang et al., "Restoring Pruned Large Language Models via Lost Component Compensation",
+    NeurIPS 2025, arXiv 2510.21834). The learned term is folded into the attention output
+    projections' bias, so no pruned weight changes.
+
+    Attributes:
+        enabled: Run it after the pruning method (``compress.method`` must prune).
+        probes: Calibration windows (the first ones) whose last-token head outputs, dense and
+            pruned, give the lost directions and feed the contrastive head probe (paper: 1,000
+            Alpaca prompts).
+        heads: Fraction of all attention heads restored, the best by the contrastive probe
+            (paper: 256 of LLaMA-7B's 1,024 heads, 0.25).
+        steps: Optimizer steps of the causal-LM loss on the calibration windows.
+        lr: AdamW learning rate, decayed linearly to 0 (the released code: 1e-3 with the HF
+            Trainer's linear schedule over 3 epochs of 2,000 samples, ~750 steps; 1e-2 here for
+            the shorter default run: on ``bench restore``'s Wanda 2:4 Llama, 120 steps at 1e-3
+            recovered less than half of what 1e-2 did).
+        batch_size: Windows per step (paper: 8).
+        probe_epochs: Full-batch Adam epochs of each head's linear probe (released code: 200).
+        probe_lr: The probe's Adam learning rate (released code: 0.01).
+        probe_holdout: Fraction of probe pairs held out to score the probe (released code: 0.3).
+        o_proj: Name suffix of the attention output projections, whose input is the
+            concatenated head outputs (Llama, Mistral, Qwen: ``o_proj``).
+    """
+
+    enabled: bool = False
+    probes: int = 64
+    heads: float = 0.25
+    steps: int = 100
+    lr: float = 1e-2
+    batch_size: int = 8
+    probe_epochs: int = 200
+    probe_lr: float = 0.01
+    probe_holdout: float = 0.3
+    o_proj: str = "o_proj"
+
+    def problems(self) -> list[str]:
+        """Return value errors (each ``"field: message"``)."""
+        out = []
+        for key in ("steps", "batch_size", "probe_epochs"):
+            if getattr(self, key) < 1:
+                out.append(f"{key}: got {getattr(self, key)}; expected an integer >= 1")
+        if self.probes < 4:
+            out.append(f"probes: got {self.probes}; the contrastive probe needs at least 4 windows")
+        if not 0.0 < self.heads <= 1.0:
+            out.append(f"heads: got {self.heads}; expected a fraction of the heads in (0, 1] such as 0.25")
+        if self.lr <= 0 or self.probe_lr <= 0:
+            out.append(f"lr / probe_lr: got {self.lr} / {self.probe_lr}; expected positive numbers")
+        if not 0.0 < self.probe_holdout < 1.0:
+            out.append(f"probe_holdout: got {self.probe_holdout}; expected a fraction in (0, 1) such as 0.3")
+        return out
+
+
+@dataclass
 class CompressConfig:
     """Keys every compressor accepts.
 
@@ -96,6 +151,7 @@ class CompressConfig:
         calibration: Text whose activations drive the layer objectives.
         heldout: Held-out text for a causal LM's perplexity.
         kv_cache: Also measure perplexity with a quantized KV cache.
+        restore: RestoreLCC recovery after pruning (off by default).
         batch_size: Windows per calibration / evaluation forward.
         seed: Seeds every random choice (randomized SVD starts, codebooks).
     """
@@ -105,6 +161,7 @@ class CompressConfig:
     calibration: TextConfig = field(default_factory=TextConfig)
     heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    restore: RestoreConfig = field(default_factory=RestoreConfig)
     batch_size: int = 8
     seed: int = 0
 

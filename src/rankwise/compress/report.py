@@ -51,6 +51,12 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += [f"KV cache `{kv['kind']}` at {kv['bits']} bits (chunk {kv['chunk']}): held-out perplexity "
                   f"{kv['eval_perplexity']:.4f}, {kv['bytes_per_token']:.1f} bytes per token "
                   f"(float16 cache: {kv['fp16_bytes_per_token']}).", ""]
+    r = report.get("restore")
+    if r:
+        lines += [f"RestoreLCC: {len(r['heads'])} of {r['heads_total']} heads restored "
+                  f"({r['trainable_params']:,} trained parameters, {r['steps']} steps at lr {r['lr']}), held-out "
+                  f"{_quality(r.get('heldout_pruned'))} after pruning -> {_quality(h.get('after'))} restored; "
+                  f"bias stored as: {r['bias_storage']}; every zero unchanged: {r['zeros_unchanged']}.", ""]
     lines += ["| layer | shape | rel. error ‖WX−ŴX‖²/‖WX‖² | bytes before | bytes after | s |",
               "|---|---|---:|---:|---:|---:|"]
     for path, r in report["layers"].items():

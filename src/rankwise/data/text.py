@@ -297,6 +297,9 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
     if getattr(task, "paired", False):  # preference pairs: their own records and examples
         from rankwise.data.preference import build_pair_data
         return build_pair_data(data_cfg, tokenizer, progress)
+    if getattr(task, "prompts_only", False):  # GRPO: prompts and their fields, no targets
+        from rankwise.data.prompts import build_prompt_data
+        return build_prompt_data(data_cfg, tokenizer, progress)
     quiet_datasets(progress)
     uses_labels = task.uses_labels
     if data_cfg.eval_source:

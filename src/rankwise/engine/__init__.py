@@ -4,6 +4,7 @@ from rankwise import registry
 from rankwise.engine.loop import (Engine, NonFiniteLoss, StepResult, TrainState, batch_indices,
                                   evaluate, linear_schedule)
 from rankwise.engine.memory_decoder import MemoryDecoderConfig, MemoryDecoderTask
+from rankwise.engine.grpo import GRPOConfig, GRPOTask
 from rankwise.engine.preference import DPOConfig, DPOTask
 from rankwise.engine.task import CausalLMTask, ClassificationTask, Task
 
@@ -13,6 +14,8 @@ registry.register("task", DPOTask.name, DPOConfig, DPOTask,
                   summary="dpo (AutoModelForCausalLM; preference pairs, section dpo:)")
 registry.register("task", MemoryDecoderTask.name, MemoryDecoderConfig, MemoryDecoderTask,
                   summary="memory-decoder (AutoModelForCausalLM; kNN-LM imitation, section memory_decoder:)")
+registry.register("task", GRPOTask.name, GRPOConfig, GRPOTask,
+                  summary="grpo (AutoModelForCausalLM; prompts + rewards, section grpo:)")
 
 
 def get_task(name: str, config=None) -> Task:

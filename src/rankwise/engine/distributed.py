@@ -57,6 +57,7 @@ class Distributed:
         local_rank: Rank on this machine (picks the GPU).
         kind: ``ddp`` or ``fsdp``.
         timeout_s: Collective timeout, for messages.
+        timeout_key: The config key that set ``timeout_s``, for messages.
     """
 
     rank: int = 0
@@ -64,6 +65,15 @@ class Distributed:
     local_rank: int = 0
     kind: str = "ddp"
     timeout_s: float = 600.0
+    timeout_key: str = "train.distributed_timeout_s"
+
+    def set_timeout(self, seconds: float, key: str) -> None:
+        """Make ``seconds`` the timeout of every later collective (``train.distributed_step_timeout_s``
+        once start-up is through)."""
+        if self.active:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+            _set_pg_timeout(datetime.timedelta(seconds=seconds))
+        self.timeout_s, self.timeout_key = seconds, key
 
     @property
     def active(self) -> bool:
@@ -258,7 +268,7 @@ class Distributed:
             first = first.rsplit("] ", 1)[-1].split(". ")[0][:120]  # drop gloo's source location
             raise RankwiseError(
                 f"process {self.rank} of {self.world} lost the others ({first}); one of them died or "
-                f"waited more than train.distributed_timeout_s={self.timeout_s:g}s: see its log, "
+                f"waited more than {self.timeout_key}={self.timeout_s:g}s: see its log, "
                 "then rerun with --resume") from None
 
     def _run(self, fn, *args, **kwargs):
@@ -321,6 +331,18 @@ def setup(kind: str = "ddp", timeout_s: float = 600.0) -> Distributed:
             raise RankwiseError(f"cannot join the torchrun process group ({str(err).splitlines()[0]}); "
                                 "check MASTER_ADDR/MASTER_PORT or --rdzv-endpoint") from None
     return Distributed(tdist.get_rank(), tdist.get_world_size(), local, kind, timeout_s)
+
+
+class StepTimeout:
+    """Engine callback: ``train.distributed_step_timeout_s`` from the end of the first step on."""
+
+    def __init__(self, dist: Distributed, seconds: float) -> None:
+        self.dist, self.seconds, self.done = dist, seconds, False
+
+    def on_step_end(self, engine, state, result) -> None:
+        if not self.done:
+            self.dist.set_timeout(self.seconds, "train.distributed_step_timeout_s")
+            self.done = True
 
 
 def teardown() -> None:

@@ -95,4 +95,57 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_i
     return tokens
 
 
-__all__ = ["generate"]
+@torch.no_grad()
+def sample_groups(model: nn.Module, prompts: list[list[int]], num: int, max_new_tokens: int,
+                  eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                  device: str = "cpu") -> list[list[int]]:
+    """``num`` completions of each prompt in one batched ``model.generate`` (KV cache, prompts
+    left-padded): GRPO's groups. Each completion keeps its first EOS (the token the policy
+    chose to stop with, scored like any other) and nothing after it.
+
+    Args:
+        model: A causal LM, adapters in place.
+        prompts: Token ids of each prompt.
+        num: Completions per prompt (GRPO's G).
+        max_new_tokens: Upper bound on new tokens.
+        eos_id: The end-of-sequence token.
+        pad_id: The pad token id.
+        temperature: 0 = greedy (then ``num`` equal completions); otherwise sampling.
+        top_p: Nucleus sampling mass.
+        device: Where the prompts go.
+
+    Returns:
+        ``len(prompts) * num`` token lists, prompt ``i``'s at ``i * num ... i * num + num - 1``.
+    """
+    was = model.training
+    model.eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):                               # (B, P) left-padded
+        ids[row, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    if input_adapters(model):
+        attach_input_hook(model)
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": eos_id,
+                              "pad_token_id": pad_id, "use_cache": True}
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                      num_return_sequences=num)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:]   # (B*G, C)
+    finally:
+        model.train(was)
+    if temperature <= 0:
+        out = out.repeat_interleave(num, dim=0)
+    completions = []
+    for row in out.tolist():
+        if eos_id in row:
+            row = row[: row.index(eos_id) + 1]
+        completions.append(row)
+    return completions
+
+
+__all__ = ["generate", "sample_groups"]

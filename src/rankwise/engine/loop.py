@@ -307,7 +307,7 @@ class Engine:
         """
         model, opt = self.model, self.optimizer
         model.train()
-        batches = self.step_batches(step)
+        batches = self.task.before_step(model, self.step_batches(step), step, self.seed)
         targets = sum(self.task.count_targets(b) for b in batches)
         examples = sum(len(b["input_ids"]) for b in batches)
         if self.dist is not None:  # normalise by the targets of the whole global step
@@ -439,6 +439,8 @@ class Engine:
             out["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
+        if hasattr(self.schedule, "state_dict"):  # a stateful sampler (GAIN-RL)
+            out["schedule"] = self.schedule.state_dict()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -448,6 +450,8 @@ class Engine:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+        if hasattr(self.schedule, "load_state_dict") and "schedule" in state:
+            self.schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["torch_rng"])
 
 

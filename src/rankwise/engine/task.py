@@ -103,6 +103,13 @@ class Task:
         here); default: nothing."""
         return None
 
+    def before_step(self, model: nn.Module, batches: list[dict[str, torch.Tensor]], step: int,
+                    seed: int) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches of training step ``step`` as the loss reads them (GRPO samples its
+        completions here, so the step's targets are known before the backward); default: as
+        they are."""
+        return batches
+
     def mean_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss per target of one batch (GoRA's calibration, simple loops)."""
         total, _ = self.loss_sum(model, batch)

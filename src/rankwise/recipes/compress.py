@@ -237,6 +237,7 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
     began = time.perf_counter()
     compressor = build(ccfg)
     check_layers(model, compressor, ccfg.targets)          # every per-layer problem, before any work
+    restorer = _restorer(model, task, ccfg)
     bytes_before = _param_bytes(model)
     t0 = time.perf_counter()
     before = before if before is not None else evaluate(model, task, heldout, ccfg.batch_size)
@@ -246,11 +247,20 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[layer]}"),
                    console=console or Console(stderr=True), disable=not progress)
+    if restorer is not None:
+        restorer.record_dense(model, calib, ccfg.batch_size)
     with bar:
         job = bar.add_task(f"compress {ccfg.method}", total=None, layer="")
         result = compress_model(model, compressor, batches, ccfg.targets,
                                 on_layer=lambda p, k, n: bar.update(job, completed=k, total=n, layer=p))
     t1 = time.perf_counter()
+    restored = None
+    if restorer is not None:
+        pruned = evaluate(model, task, heldout, ccfg.batch_size)
+        t2 = time.perf_counter()
+        restored = {**restorer.restore(model, calib, ccfg.batch_size), "seconds": time.perf_counter() - t2,
+                    "heldout_pruned": pruned}
+        t1 += time.perf_counter() - t2
     after = evaluate(model, task, heldout, ccfg.batch_size)
     kv = None
     if ccfg.kv_cache.kind != "none" and task.name == "causal-lm":
@@ -278,7 +288,18 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
         "activation_mb_all_blocks": _nbytes_calib(model, calib) / 2**20,
         "layers": result.report,
     }
+    if restored is not None:
+        report["restore"] = restored
     return report, result
+
+
+def _restorer(model: nn.Module, task, ccfg):
+    """The RestoreLCC step of ``compress.restore`` (``None`` when off), checked before any work."""
+    if not ccfg.restore.enabled:
+        return None
+    from rankwise.compress.restore import RestoreLCC, check_restorable
+    paths = check_restorable(model, ccfg, task.name)
+    return RestoreLCC(ccfg.restore, paths, model.config.num_attention_heads, seed=ccfg.seed)
 
 
 def check_output(out: Path, inputs: dict[str, Any], overwrite: bool) -> None:
@@ -343,6 +364,9 @@ def run_compress(config: Path, sets: list[str], out: Path, overwrite: bool = Fal
     from rankwise.data.text import build_data
     out = atomic.check_folder(out)
     run_cfg, ccfg, raw = load_config(config, sets)
+    if ccfg.restore.enabled:
+        from rankwise.compress.restore import check_restore_config
+        check_restore_config(ccfg)                    # before loading the model
     check_output(out, {"model.path": run_cfg.model.path, "--model": model_path}, overwrite)
     model, tok, task, run_cfg = load_input(run_cfg, raw, model_path)
     if task.name not in ("causal-lm", "classification"):

@@ -19,6 +19,7 @@ from rankwise.configs import from_dict
 from rankwise.data.select import SelectConfig
 from rankwise.engine.memory_decoder import MemoryDecoderConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
+from rankwise.engine.grpo import GRPOConfig
 from rankwise.engine.preference import DPOConfig
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
@@ -113,6 +114,9 @@ class DataConfig:
         schedule_linear: ``a / b`` of Skrull's cost model in tokens (``null``: 12 x the
             model's hidden size).
         select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
+        order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
+            ``gain-rl`` (``model.task: grpo``: prompts sorted by GAIN-RL's angle concentration,
+            drawn by its Gaussian sampler; :mod:`rankwise.engine.gain_rl`).
     """
 
     source: str = "demo"
@@ -139,6 +143,7 @@ class DataConfig:
     schedule: Literal["none", "skrull"] = "none"
     schedule_linear: Union[float, None] = None
     select: SelectConfig = field(default_factory=SelectConfig)
+    order: Literal["uniform", "gain-rl"] = "uniform"
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -198,6 +203,10 @@ class TrainConfig:
             sharded across processes). ``batch_size`` is then the global batch.
         distributed_timeout_s: Seconds a process waits for the others in a collective before
             it gives up (a dead or stuck process ends the run instead of hanging it).
+        distributed_step_timeout_s: The collective timeout from the end of the first
+            optimizer step on, once start-up (loading, the first collectives) is through:
+            ``null`` keeps ``distributed_timeout_s`` throughout. It must still cover the longest
+            wait of a step: an evaluation, or a checkpoint that rank 0 writes.
         threads: Torch CPU threads per process: ``auto`` = the CPUs this process may use
             (affinity mask, cgroup quota) shared by the run's processes on the machine
             (``rankwise.engine.threads``), or a number.
@@ -251,6 +260,7 @@ class TrainConfig:
     log_to: list[Literal["tensorboard"]] = field(default_factory=list)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = 600.0
+    distributed_step_timeout_s: Union[float, None] = None
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
     compile: bool = False
@@ -285,6 +295,9 @@ class TrainConfig:
             out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.distributed_timeout_s <= 0:
             out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
+        if self.distributed_step_timeout_s is not None and self.distributed_step_timeout_s <= 0:
+            out.append(f"distributed_step_timeout_s: got {self.distributed_step_timeout_s}; "
+                       "expected seconds > 0 or null")
         if self.compile and self.gradient_checkpointing:
             out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
                        "set train.compile: false or train.gradient_checkpointing: false")
@@ -336,6 +349,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     compress: Any = None
     dpo: Union[DPOConfig, None] = None
+    grpo: Union[GRPOConfig, None] = None
     memory_decoder: Union[MemoryDecoderConfig, None] = None  # exactly when model.task: memory-decoder
 
     def to_dict(self) -> dict:
@@ -345,7 +359,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo",
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo", "grpo",
             "memory_decoder")
 
 
@@ -459,11 +473,14 @@ def build_run_config(data: dict) -> RunConfig:
         compress=part(lambda: compressor_config(data["compress"]))
         if data.get("compress") is not None else None,
         dpo=part(lambda: from_dict(DPOConfig, data["dpo"], "dpo")) if data.get("dpo") is not None else None,
+        grpo=part(lambda: from_dict(GRPOConfig, data["grpo"], "grpo")) if data.get("grpo") is not None else None,
         memory_decoder=part(lambda: from_dict(MemoryDecoderConfig, data["memory_decoder"], "memory_decoder"))
         if data.get("memory_decoder") is not None else None,
     )
     if cfg.model is not None and cfg.model.task == "dpo" and cfg.dpo is None:
         cfg.dpo = DPOConfig()  # config.yaml records the defaults the run used
+    if cfg.model is not None and cfg.model.task == "grpo" and cfg.grpo is None:
+        cfg.grpo = GRPOConfig()
     if cfg.model is not None and cfg.model.task == "memory-decoder" and data.get("memory_decoder") is None:
         problems.append("model.task memory-decoder needs a memory_decoder section with base: the base "
                         "model's folder")
@@ -562,6 +579,17 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if m.task == "dpo" and cfg.data.schedule != "none":
         out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
                    "pairs; set data.schedule: none")
+    if cfg.grpo is not None and m.task != "grpo":
+        out.append(f"the grpo section needs model.task: grpo (got {m.task}); remove it or change the task")
+    if cfg.data.order == "gain-rl" and m.task != "grpo":
+        out.append(f"data.order: gain-rl orders GRPO's prompts and needs model.task: grpo (got "
+                   f"{m.task}); set data.order: uniform")
+    if m.task == "grpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt
+                             or cfg.data.schedule != "none"):
+        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
+                else "data.train_on_prompt" if cfg.data.train_on_prompt else "data.schedule")
+        out.append(f"{what} is not supported with model.task: grpo (it trains on its own sampled "
+                   "completions and writes samples.jsonl itself); remove it")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "

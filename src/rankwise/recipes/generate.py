@@ -147,7 +147,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                  adapter: Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, echo: Callable[[str], None] = print,
                  stream: Callable[[str], None] | None = None, kv_cache: str = "fp",
-                 kv_bits: int = 2, model_path: Path | None = None, memory_decoder: Path | None = None,
+                 kv_bits: int = 2, model_path: Path | None = None, steer: str | None = None,
+                 steer_from: Path | None = None, steer_config: Any = None, memory_decoder: Path | None = None,
                  memory_lambda: float | None = None) -> list[dict]:
     """Generate completions for one prompt or a file of prompts.
 
@@ -167,6 +168,11 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
             quantized on the fly (:func:`rankwise.compress.kv.make_cache`), a fresh cache per prompt.
         kv_bits: Bits per cached element of a quantized cache.
         model_path: ``--model``: the base model's folder, if it moved since training.
+        steer: ``svdecode``: decode with :class:`rankwise.engine.svdecode.SVDecode` (needs
+            ``steer_from``); ``None``: plain decoding.
+        steer_from: The warm-start run (an adapter run on the same base) whose adapters on / off
+            give P_warm / P_pre.
+        steer_config: A :class:`rankwise.engine.svdecode.SVDecodeConfig` (its defaults if None).
         memory_decoder: ``--memory-decoder``: a Memory Decoder (a ``model.task: memory-decoder``
             run folder, or a causal-LM model folder) mixed with the run's model in log space
             (:mod:`rankwise.engine.memory_generation`), each with its own KV cache.
@@ -187,16 +193,23 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                             f"--top-p {top_p}; expected >= 1, >= 0 and a value in (0, 1]")
     from rankwise.compress.kv import find_rotary, make_cache
     make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
+    steerer = _steerer(run_dir, steer, steer_from, steer_config, kv_cache)
     if file is not None and Path(file).is_file() and not Path(file).read_text(errors="replace").strip():
         raise RankwiseError(f"prompts file {file} is empty; write one {{\"prompt\": ...}} object "
                             "per line (or pass --prompt TEXT)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, model, tok, enc = load_for_generation(run_dir, adapter, device, model_path)
+    warm = None
+    if steerer is not None and (adapter is not None or
+                                Path(steer_from).resolve() != Path(run_dir).resolve()):
+        warm = load_for_generation(steer_from, None, device, model_path)[1]
     memory = None
     if memory_decoder is not None:
         if kv_cache != "fp":
             raise RankwiseError(f"--memory-decoder decodes with transformers' own caches; drop "
                                 f"--kv-cache {kv_cache}")
+        if steer is not None:
+            raise RankwiseError("--memory-decoder and --steer each replace the decoding loop; use one")
         memory, memory_lambda = load_memory_decoder(Path(memory_decoder), tok, device, memory_lambda)
     if prompt is not None:
         items: list[Any] = [[{"role": "user", "content": prompt}] if enc.fmt == "chat" else prompt]
@@ -224,13 +237,60 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                     shown[0] = text
             new = generate_with_memory(model, memory, prompt_ids, max_new_tokens, end_id(tok), memory_lambda,
                                        temperature, top_p, device, on_token=on_token if single else None)
+        elif steerer is not None:
+            from rankwise.engine.svdecode import steered_generate
+            new = steered_generate(model, prompt_ids, max_new_tokens, end_id(tok), steerer, warm,
+                                   temperature, top_p, device)
+            if single:
+                stream(decode(new))
         else:
-            new = generate(model, prompt_ids, max_new_tokens, end_id(tok), tok.pad_token_id, temperature,
-                           top_p, device, decode=decode, on_text=stream if single else None, cache=cache)
+            new = generate(model, prompt_ids, max_new_tokens, end_id(tok), tok.pad_token_id,
+                           temperature, top_p, device, decode=decode,
+                           on_text=stream if single else None, cache=cache)
         row = {"prompt": value, "completion": decode(new)}
         out.append(row)
         echo("" if single else json.dumps(row, ensure_ascii=False))
     return out
+
+
+def _steerer(run_dir: Path, steer: str | None, steer_from: Path | None, steer_config: Any,
+             kv_cache: str) -> Any:
+    """The :class:`~rankwise.engine.svdecode.SVDecode` of ``--steer`` (None without it), checked
+    before any model is loaded.
+
+    Raises:
+        RankwiseError: ``--steer`` without ``--steer-from`` (or the reverse), an unknown kind, a
+            quantized KV cache, a steering run that is not an adapter run, or one of another base.
+    """
+    if steer is None and steer_from is None:
+        return None
+    if steer is None:
+        raise RankwiseError("--steer-from needs --steer svdecode (the decoding rule to steer with)")
+    if steer != "svdecode":
+        raise RankwiseError(f"unknown --steer {steer!r}; the one steering rule is svdecode")
+    if steer_from is None:
+        raise RankwiseError("--steer svdecode needs --steer-from RUN: a warm-start adapter run "
+                            "(LoRA, prompt tuning, ...) on the same base model")
+    if kv_cache != "fp":
+        raise RankwiseError("--steer svdecode keeps its own full-precision KV caches; leave out "
+                            f"--kv-cache {kv_cache}")
+    from rankwise.engine.svdecode import SVDecode
+    steerer = SVDecode(steer_config)  # bad values are refused here
+    steer_from = Path(steer_from)
+    if not (steer_from / "config.yaml").is_file():
+        raise RankwiseError(f"--steer-from {steer_from} is not a run folder (no config.yaml); pass "
+                            "the --out folder of a warm-start 'rankwise train'")
+    warm_cfg = load_run_config(steer_from / "config.yaml")
+    if registry.get("method", warm_cfg.method.name).trains == "full":
+        raise RankwiseError(f"--steer-from {steer_from} trained every weight, so it has no adapters "
+                            "to switch off for the base distribution; steer from an adapter run")
+    if Path(run_dir).resolve() != steer_from.resolve() and (Path(run_dir) / "config.yaml").is_file():
+        base = load_run_config(Path(run_dir) / "config.yaml").model
+        if (base.path, base.add_tokens) != (warm_cfg.model.path, warm_cfg.model.add_tokens):
+            raise RankwiseError(f"--steer-from {steer_from} was trained on base {warm_cfg.model.path!r} "
+                                f"but {run_dir} on {base.path!r}; steer from a warm-start run of the "
+                                "same base model")
+    return steerer
 
 
 def same_tokenizer(base, memory, where: str) -> None:
@@ -275,4 +335,4 @@ def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | No
     return memory, lam
 
 
-__all__ = ["run_generate", "load_memory_decoder", "same_tokenizer", "load_for_generation", "read_prompts", "samples_callback"]
+__all__ = ["same_tokenizer", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]

@@ -65,8 +65,10 @@ class Estimate:
         weights, trainable, gradients, optimizer_state, activations, logits_loss,
             temporaries: The parts at the peak.
         peak: Their sum: the predicted peak of live tensors.
-        tokens_per_step: ``micro_batch * seq * grad_accum``.
-        micro_batch, seq, grad_accum: The shape of a step.
+        tokens_per_step: ``micro_batch * seq * grad_accum`` (* processes: the global step).
+        micro_batch, seq, grad_accum: The shape of a step (``micro_batch``: one process's).
+        processes, distributed: torchrun's world size and ``train.distributed`` (``None``
+            for one process); every part is then one process's.
         trainable_params: Exact trainable element count.
         dominant: The name of the largest part.
     """
@@ -83,6 +85,8 @@ class Estimate:
     seq: int = 0
     grad_accum: int = 1
     trainable_params: int = 0
+    processes: int = 1
+    distributed: str | None = None
     notes: list[str] = field(default_factory=list)
 
     PARTS = ("weights", "trainable", "gradients", "optimizer_state", "activations",
@@ -106,7 +110,7 @@ class Estimate:
                    tokens_per_step=self.tokens_per_step, micro_batch=self.micro_batch,
                    seq=self.seq, grad_accum=self.grad_accum,
                    trainable_params=self.trainable_params, dominant=self.dominant,
-                   notes=self.notes)
+                   processes=self.processes, distributed=self.distributed, notes=self.notes)
         return out
 
 
@@ -250,6 +254,67 @@ def optimizer_bytes(model: nn.Module, cfg, state_bits: int) -> int:
     return int(4 * floats)  # an optimizer configured with state_bits counts its codes itself
 
 
+@dataclass
+class Sharding:
+    """What one process holds under FSDP2 (``train.distributed: fsdp``), in bytes.
+
+    :meth:`rankwise.engine.distributed.Distributed.prepare_model` calls ``fully_shard`` on every
+    block of every ``nn.ModuleList`` and on the root: each parameter is split on dim 0 into
+    ``world`` chunks of ``ceil(rows / world)`` rows (the last padded), buffers stay whole.
+
+    Attributes:
+        frozen, trainable: This process's shards (+ every buffer, whole, in ``frozen``).
+        trainable_elems: Trainable elements in the shards (gradients and AdamW moments).
+        biggest: Elements of the largest trainable shard (the CPU optimizer's temporaries).
+        block, block_trainable: The largest block's unsharded parameters (all of them /
+            the trainable ones), gathered while it runs.
+        root, root_trainable: The same for the root's own parameters (embeddings, final norm,
+            head): FSDP2 keeps the root gathered from its forward to the end of the backward.
+    """
+
+    frozen: int = 0
+    trainable: int = 0
+    trainable_elems: int = 0
+    biggest: int = 0
+    block: int = 0
+    block_trainable: int = 0
+    root: int = 0
+    root_trainable: int = 0
+
+
+def shard_elems(p: torch.Tensor, world: int) -> int:
+    """Elements of one FSDP2 shard of ``p`` (dim 0 split in ``ceil(rows / world)`` rows)."""
+    if p.dim() == 0:
+        return 1
+    rows = p.shape[0]
+    return math.ceil(rows / world) * (p.numel() // rows if rows else 0)
+
+
+def fsdp_sharding(model: nn.Module, world: int) -> Sharding:
+    """The per-process bytes of ``model`` under FSDP2 over ``world`` processes."""
+    out = Sharding()
+    blocks = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
+    in_block: set[int] = set()
+    for b in blocks:
+        full = sum(p.numel() * p.element_size() for p in b.parameters())
+        train = sum(p.numel() * p.element_size() for p in b.parameters() if p.requires_grad)
+        out.block, out.block_trainable = max(out.block, full), max(out.block_trainable, train)
+        in_block.update(id(p) for p in b.parameters())
+    for p in {id(p): p for p in model.parameters()}.values():
+        n = shard_elems(p, world)
+        if p.requires_grad:
+            out.trainable += n * p.element_size()
+            out.trainable_elems += n
+            out.biggest = max(out.biggest, n)
+        else:
+            out.frozen += n * p.element_size()
+        if id(p) not in in_block:
+            out.root += p.numel() * p.element_size()
+            out.root_trainable += p.numel() * p.element_size() if p.requires_grad else 0
+    out.frozen += sum(b.numel() * b.element_size() for b in model.buffers())
+    return out
+
+
 # ---------------------------------------------------------------- counting saved tensors
 _MATMULS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
             torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.mm, torch.Tensor.bmm}
@@ -384,5 +449,6 @@ def count_saved(model: nn.Module, batch: int, seq: int, compute: torch.dtype | N
     return out
 
 
-__all__ = ["Estimate", "Saved", "SWITCHES", "check_switches", "count_saved", "meta_model",
-           "optimizer_bytes", "quantized_bytes", "split_switches", "weight_bytes"]
+__all__ = ["Estimate", "Saved", "SWITCHES", "Sharding", "check_switches", "count_saved",
+           "fsdp_sharding", "meta_model", "optimizer_bytes", "quantized_bytes", "shard_elems",
+           "split_switches", "weight_bytes"]

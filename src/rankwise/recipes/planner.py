@@ -50,10 +50,16 @@ class Planner:
         device: ``cpu`` or ``cuda`` (the CUDA optimizer step runs torch's foreach path).
         padded: Batches carry padding (variable-length data without packing): the attention
             then gets a mask (default: full rows, as packed or uniform-length data).
+        nproc: torchrun's processes (``--nproc-per-node`` x nodes); above 1 the prediction is
+            one process's peak under ``train.distributed`` (``ddp``: the whole model, a share
+            of the batch; ``fsdp``: FSDP2 shards, see :meth:`estimate`).
     """
 
-    def __init__(self, cfg, switches: dict, device: str = "cpu", padded: bool = False) -> None:
-        self.cfg, self.device = cfg, device
+    def __init__(self, cfg, switches: dict, device: str = "cpu", padded: bool = False,
+                 nproc: int = 1) -> None:
+        if not isinstance(nproc, int) or nproc < 1:
+            raise RankwiseError(f"--nproc: got {nproc!r}; expected the number of processes (>= 1)")
+        self.cfg, self.device, self.nproc = cfg, device, nproc
         self.padded = ("cuda" if device.startswith("cuda") else "cpu") if padded else None
         self._models: dict = {}
         self._saved: dict = {}
@@ -109,17 +115,42 @@ class Planner:
         P.check_switches(sw, cfg)
         model, frozen, trainable_bytes, deq = self._model(cfg)
         t = cfg.train
+        world = self.nproc
+        kind = t.distributed if world > 1 else None
+        self._check_processes(cfg, sw, world, kind)
         accum, seq = t.grad_accum, cfg.data.max_length
-        micro = t.batch_size // accum
+        # this process's share of the global batch (rank 0 takes the larger share), per micro-batch
+        micro = _ceil(_ceil(t.batch_size, world), accum)
         est = P.Estimate(weights=frozen, trainable=trainable_bytes, micro_batch=micro, seq=seq,
-                         grad_accum=accum, tokens_per_step=t.batch_size * seq)
+                         grad_accum=accum, tokens_per_step=t.batch_size * seq, processes=world,
+                         distributed=kind)
         params = [p for p in model.parameters() if p.requires_grad]
         est.trainable_params = sum(p.numel() for p in params)
         grads = 4 * est.trainable_params
         biggest = 4 * max((p.numel() for p in params), default=0)
         state = P.optimizer_bytes(model, cfg, sw[("optim", "state_bits")])
         # 0-dim step counters of torch's AdamW (one per parameter with state)
-        est.optimizer_state = state + (4 * len(params) if cfg.optim.name == "adamw" else 0)
+        counters = 4 * len(params) if cfg.optim.name == "adamw" else 0
+        est.optimizer_state = state + counters
+        gathered = reduce = 0  # FSDP2: gathered parameters; a block's gradient reduce-scatter
+        if kind == "fsdp":
+            sh = P.fsdp_sharding(model, world)
+            est.weights, est.trainable = sh.frozen, sh.trainable
+            est.optimizer_state = int(state * sh.trainable_elems / max(est.trainable_params, 1)) + counters
+            grads, biggest = 4 * sh.trainable_elems, 4 * sh.biggest
+            # The root stays gathered (with its unsharded gradients) from its forward to the end
+            # of the backward; in the backward a block is gathered while the next one is
+            # prefetched. When a block's backward ends, its gradients are copied into the
+            # reduce-scatter input, the shard output is allocated, and gloo reduces a copy of
+            # the input (NCCL does not copy).
+            gathered = sh.root + sh.root_trainable + 2 * sh.block
+            copy = 0 if self.device.startswith("cuda") else sh.block_trainable
+            reduce = sh.block_trainable + -(-sh.block_trainable // world) + copy
+            est.notes.append(f"one of {world} FSDP2 processes: shards of every parameter, "
+                             "the root and two blocks gathered at a time")
+        elif kind == "ddp":
+            est.notes.append(f"one of {world} processes (ddp): the whole model, "
+                             f"{micro} of the global batch's {t.batch_size} examples per micro-batch")
         if sw[("optim", "per_layer")]:
             grads = biggest
         # activations
@@ -140,23 +171,51 @@ class Planner:
             held, loss = 0, (c + 12) * min(chunk, n) * vocab
         else:  # the engine drops the model's output (the logits) before backward: only the
             held, loss = 0, 12 * n * vocab  # loss's fp32 buffers are alive when the peak comes
-        head_grad = 0  # a trainable output head's gradient arrives first in backward
+        head_grad = 0  # a trainable output head's gradient arrives first in backward (unsharded)
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if out is not None and out.weight.requires_grad:
             head_grad = 4 * out.weight.numel()
         step_tmp = grads if self.device.startswith("cuda") and not sw[("optim", "per_layer")] else 2 * biggest
         if sw[("optim", "per_layer")]:
             step_tmp = 2 * biggest
+        if kind == "ddp":  # sync_grads: every gradient and their flat all-reduce buffer at once
+            step_tmp = max(step_tmp, grads)
+        if kind == "fsdp":
+            head_grad = 0  # counted in the root's unsharded gradients
         earlier = (grads + held) if accum > 1 else head_grad
-        backward = acts + loss + earlier + deq
+        backward = acts + loss + earlier + deq + gathered
+        if reduce:  # FSDP2: the last block's reduce-scatter, its activations and the loss's freed
+            acts_left = max(0, acts - max(s.layers, default=0))
+            if acts_left + earlier + deq + gathered + reduce > backward:
+                acts, loss, deq = acts_left, 0, deq + reduce
+                backward = acts + earlier + deq + gathered
         step = grads + held + step_tmp
         if backward >= step:
             est.activations, est.logits_loss = acts, loss + (held if accum > 1 else 0)
             est.gradients = grads if accum > 1 else head_grad
-            est.temporaries = deq
+            est.temporaries = deq + gathered
         else:
             est.logits_loss, est.gradients, est.temporaries = held, grads, step_tmp
         return est
+
+    def _check_processes(self, cfg, sw: dict, world: int, kind: str | None) -> None:
+        """Refuse what the run itself refuses under ``world`` processes (one line)."""
+        if world == 1:
+            return
+        from rankwise.engine.distributed import Distributed
+        problem = Distributed(world=world, kind=kind).problem(cfg.train.batch_size,
+                                                               cfg.train.grad_accum, cfg.optim.name)
+        if problem is None and sw[("optim", "per_layer")]:
+            problem = ("optim.per_layer would step before the gradients are summed across "
+                       "processes; set optim.per_layer: false or plan one process (--nproc 1)")
+        if problem is None and kind == "fsdp" and sw[("optim", "state_bits")] == 8:
+            from rankwise.recipes.train import FSDP_STATE_BITS
+            problem = FSDP_STATE_BITS
+        if problem is None and kind == "fsdp" and cfg.model.quantize:
+            problem = ("plan: train.distributed fsdp with a quantized base (model.quantize) is not "
+                       "modelled; plan it with train.distributed: ddp")
+        if problem:
+            raise RankwiseError(problem)
 
     def _uses_labels(self, cfg) -> bool:
         from rankwise import registry
@@ -187,13 +246,16 @@ class Planner:
         base, t = self.cfg, self.cfg.train
         full = registry.get("method", base.method.name).trains == "full"
         causal = not self._uses_labels(base)
-        micros = [m for m in range(1, t.batch_size // t.grad_accum + 1)
-                  if t.batch_size % m == 0 and m <= t.batch_size // t.grad_accum]
-        quant = [False] if full or base.model.quantize else [False, True]
+        share = _ceil(t.batch_size, self.nproc)  # this process's examples per step
+        micros = [m for m in range(1, share // t.grad_accum + 1)
+                  if share % m == 0 and m <= share // t.grad_accum]
+        fsdp = self.nproc > 1 and t.distributed == "fsdp"
+        quant = [False] if full or base.model.quantize or fsdp else [False, True]
         for chunk, micro, bits8, per_layer, ckpt, offload, q in itertools.product(
-                [False, True] if causal else [False], sorted(micros, reverse=True), [False, True],
-                [False, True] if full else [False], [False, True], [False, True], quant):
-            accum = t.batch_size // micro
+                [False, True] if causal else [False], sorted(micros, reverse=True),
+                [False] if fsdp else [False, True],
+                [False, True] if full and self.nproc == 1 else [False], [False, True], [False, True], quant):
+            accum = share // micro
             if per_layer and (accum > 1 or t.grad_clip):
                 continue  # refused by the per-layer step: the user must drop clipping first
             if offload and ckpt:
@@ -208,7 +270,7 @@ class Planner:
             if accum != t.grad_accum:
                 cfg.train.grad_accum = accum
                 flags.append(f"train.grad_accum={accum}")
-                cost += 4 * max(0, (t.batch_size // t.grad_accum // micro).bit_length() - 1)
+                cost += 4 * max(0, (share // t.grad_accum // micro).bit_length() - 1)
             if bits8 and sw[("optim", "state_bits")] != 8:
                 sw[("optim", "state_bits")] = 8
                 flags.append("optim.state_bits=8")
@@ -236,8 +298,9 @@ class Planner:
 
 
 def plan(path, sets: list[str], memory: str | None = None, device: str = "cpu",
-         fit: bool = False, padded: bool = False) -> tuple[dict, str, int]:
-    """What ``rankwise plan`` prints: ``(json object, text, exit code)``.
+         fit: bool = False, padded: bool = False, nproc: int = 1) -> tuple[dict, str, int]:
+    """What ``rankwise plan`` prints: ``(json object, text, exit code)``; with ``nproc`` > 1,
+    one process's peak under torchrun with ``train.distributed``.
 
     Raises:
         RankwiseError: On a bad config, ``--memory`` that is not a size, ``--fit`` without
@@ -250,7 +313,7 @@ def plan(path, sets: list[str], memory: str | None = None, device: str = "cpu",
         raise RankwiseError("plan --fit needs a budget: add --memory, e.g. --memory 24GiB")
     data, switches = P.split_switches(apply_sets(read_yaml(path), list(sets)))
     cfg = build_run_config(data)
-    planner = Planner(cfg, switches, device, padded)
+    planner = Planner(cfg, switches, device, padded, nproc)
     est = planner.estimate()
     obj = {**est.to_json(), "device": device, "memory_meter": meter(device)}
     text = render(est, budget)
@@ -272,13 +335,14 @@ def plan(path, sets: list[str], memory: str | None = None, device: str = "cpu",
     return obj, text, 0
 
 
-def predicted_train_peak_mb(cfg, device: str) -> float | None:
+def predicted_train_peak_mb(cfg, device: str, nproc: int = 1) -> float | None:
     """Plan's prediction of ``metrics.json``'s ``peak_memory_mb`` for a run (the peak above the
-    loaded model, at ``data.max_length``), or ``None`` where plan cannot model the run (a
-    calibrating method, a model whose forward does not run on meta)."""
+    loaded model, at ``data.max_length``; one process's under torchrun with ``nproc``
+    processes), or ``None`` where plan cannot model the run (a calibrating method, a model
+    whose forward does not run on meta)."""
     sw = {k: getattr(getattr(cfg, k[0]), k[1], v) for k, v in P.SWITCHES.items()}
     try:
-        est = Planner(cfg, sw, device).estimate()
+        est = Planner(cfg, sw, device, nproc=nproc).estimate()
     except (RankwiseError, RuntimeError, NotImplementedError, AttributeError, TypeError):
         return None
     return (est.peak - est.weights - est.trainable) / P.MiB
@@ -288,6 +352,10 @@ def meter(device: str) -> str:
     """The memory meter the prediction is compared with on ``device``."""
     from rankwise.memory import meter_name
     return meter_name(device)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _copy(cfg):
@@ -304,8 +372,10 @@ def render(est: P.Estimate, budget: int | None = None) -> str:
               "temporaries": "temporaries"}
     lines = [f"{labels[p]:26s} {getattr(est, p) / P.MiB:12,.1f} MiB" for p in est.PARTS]
     lines.append(f"{'predicted peak':26s} {est.peak / P.MiB:12,.1f} MiB ({est.peak / 2 ** 30:.2f} GiB)")
+    per = (f" x {est.processes} processes ({est.distributed}); every part above is one process's"
+           if est.processes > 1 else "")
     lines.append(f"tokens per step {est.tokens_per_step:,} (micro-batch {est.micro_batch} x "
-                 f"sequence {est.seq} x accumulation {est.grad_accum}); trainable parameters "
+                 f"sequence {est.seq} x accumulation {est.grad_accum}{per}); trainable parameters "
                  f"{est.trainable_params:,}")
     if budget is not None:
         verdict = "fits" if est.peak <= budget else "does not fit"

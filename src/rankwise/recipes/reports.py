@@ -58,6 +58,7 @@ def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> l
         cbs.append(AdapterStatistics(out))
     if "tensorboard" in cfg.train.log_to and write:
         cbs.append(TensorBoard(out / "tensorboard", cfg.train.log_every))
+    cbs += getattr(session.task, "run_callbacks", lambda out, write: [])(out, write)  # grpo's samples
     if cfg.eval.samples:
         from rankwise.recipes.generate import samples_callback
         cbs.append(samples_callback(session, out, write))

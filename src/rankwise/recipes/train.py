@@ -63,6 +63,7 @@ class Session:
     dist: Distributed = field(default_factory=Distributed)
     scope: optim_scope.Scope | None = None  # what the optimizer updates its own way
     schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
+    sampler: Any = None  # data.order: gain-rl's sampler, built once (engine/gain_rl.py)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device (one batch, every
@@ -85,10 +86,26 @@ class Session:
     def schedule(self) -> Skrull | None:
         """The step schedule of ``data.schedule`` for this process (``None``: draw order)."""
         d, dist = self.cfg.data, self.dist
+        if d.order == "gain-rl":
+            return self.gain_rl()
         if d.schedule != "skrull":
             return None
         return Skrull.for_model(self.model, dist.world, dist.rank, self.cfg.train.grad_accum,
                                 d.schedule_linear)
+
+    def gain_rl(self):
+        """GAIN-RL's sampler over the training prompts (their angle signals under the model as
+        it is now; a resumed run restores the saved ones). One process only."""
+        if self.sampler is None:
+            from rankwise.engine.gain_rl import GainRLSampler, prompt_signals
+            if self.dist.active:
+                raise RankwiseError("data.order: gain-rl samples from one process's view of the "
+                                    "rewards; run it without torchrun or set data.order: uniform")
+            g = self.cfg.grpo.gain_rl
+            scores = prompt_signals(self.model, self.train_data.prompts, g, self.device)
+            self.sampler = GainRLSampler(scores, g, self.cfg.train.grad_accum, self.cfg.train.seed)
+            self.task.sampler = self.sampler
+        return self.sampler
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
@@ -98,8 +115,14 @@ class Session:
 def check_distributed(cfg: RunConfig, dist: Distributed) -> None:
     """Raise if the run cannot be split over torchrun's processes (see ``Distributed.problem``)."""
     problem = dist.problem(cfg.train.batch_size, cfg.train.grad_accum, cfg.optim.name)
+    if problem is None and dist.active and dist.kind == "fsdp" and getattr(cfg.optim, "state_bits", None):
+        problem = FSDP_STATE_BITS  # MatrixAdamW sees no matrices among FSDP2's sharded parameters
     if problem:
         raise RankwiseError(problem)
+
+
+FSDP_STATE_BITS = ("optim.state_bits: 8 does not run on FSDP2's sharded parameters; use "
+                   "train.distributed: ddp or set optim.state_bits: null")
 
 
 def pick_device() -> str:
@@ -138,7 +161,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     problem = precision_problem(cfg.train.precision, device)
     if problem:
         raise RankwiseError(problem)
-    task = get_task(cfg.model.task, cfg.dpo or cfg.memory_decoder)
+    task = get_task(cfg.model.task, cfg.dpo or cfg.grpo or cfg.memory_decoder)
     if cfg.memory_decoder is not None:  # the datastore's base loads as model.path would
         task.base_loader = lambda path, dev: load_model(path, get_task("causal-lm"), seed=cfg.train.seed,
                                                         device=dev)[0].to(dev).eval()
@@ -474,6 +497,9 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
                   cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True),
                   cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}") if main else None]
     callbacks += report_callbacks(session, out, log, write=main)  # data line, samples, TensorBoard
+    if t.distributed_step_timeout_s is not None and dist.active:
+        from rankwise.engine.distributed import StepTimeout
+        callbacks.append(StepTimeout(dist, t.distributed_step_timeout_s))
     engine = session.engine([c for c in callbacks if c is not None])
     start_step, prior_time = 0, 0.0
     if ckpts:
@@ -527,7 +553,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if main and t.progress and console.is_terminal:  # plan's prediction beside the measurement
         # (docs/plan.md); for a person at a terminal: a meta forward costs ~0.3 s
         from rankwise.recipes.planner import predicted_train_peak_mb
-        predicted = predicted_train_peak_mb(cfg, session.device)
+        predicted = predicted_train_peak_mb(cfg, session.device, dist.world)
         if predicted is not None:
             console.print(f"peak memory {mem.peak_mb:.1f} MiB ({mem.meter}); rankwise plan "
                           f"predicted {predicted:.1f} MiB for the training steps at data.max_length="

@@ -11,6 +11,12 @@ that equals the plain path's (:meth:`LoraLayer.forward`: the base layer, then tw
   its cast to the factors' dtype made (under bf16 autocast: ``x`` -> float32 -> bf16, one new
   bf16 tensor per projection, so q/k/v hold three copies of one input; PEFT does the same);
 * no dropout mask: the fused path is taken only while dropout is inactive (``p = 0`` or eval);
+* one product for the layers that read one input (:data:`STACK`): q, k, v (and gate, up) are
+  found by running - consecutive calls on the same tensor object - and then share
+  ``[u_q | u_k | u_v] = x [A_q; A_k; A_v]ᵀ`` and its backward (:class:`_SharedDown`), each
+  finishing with :class:`_FusedLoraUp`; only ``A`` is stacked (GQA's narrower k/v and GoRA's
+  ranks are fine), at run time, from the parameters as the forward sees them (no new
+  parameter, PEFT export and merge unchanged);
 * ``A x`` (``r`` columns) is kept: recomputing it costs ``2 r in`` flops per token to save
   ``r`` values per token (measured in ``docs/fused-lora.md``);
 * a 4-bit base (bitsandbytes ``Linear4bit``) is dequantized in the forward and again in the
@@ -26,6 +32,9 @@ its compute dtype; anything else runs the plain path.
 """
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -35,6 +44,7 @@ from rankwise.core.inject import is_conv1d
 
 KEEP_DEQUANTIZED = False  # keep a 4-bit base's dense weight from forward to backward
 KEEP_AX = True            # keep A x (r columns) instead of recomputing it in the backward
+STACK = True              # one x [A_1; ...; A_k] product for the layers that read the same input
 
 
 def _four_bit(layer: nn.Module) -> bool:
@@ -84,39 +94,65 @@ def _dtypes(x: torch.Tensor, weight_dtype: torch.dtype | None) -> tuple[torch.dt
     return (weight_dtype or x.dtype), torch.float32
 
 
+
+def _base(x, weight, bias, layer, four_bit, dts):
+    """``x Wᵀ + b`` in the plain path's dtypes ``dts`` (:func:`_dtypes`, read before the caller
+    turned autocast off); returns ``(out, the weight used, base dtype, LoRA dtype)``."""
+    base_dt, lora_dt = dts
+    w = layer_weights.dense_weight(layer) if four_bit else weight
+    wc = w.to(base_dt)
+    out = F.linear(x.to(base_dt), wc, None if bias is None else bias.to(base_dt))
+    if four_bit:
+        out = out.to(x.dtype)
+    return out, wc, base_dt, lora_dt
+
+
+def _add_up(out, u, bl, scale):
+    """``out += s u Bᵀ``: accumulated inside the GEMM when the dtypes allow it."""
+    if out.dtype == u.dtype and out.is_contiguous():
+        out.view(-1, out.shape[-1]).addmm_(u.reshape(-1, u.shape[-1]), bl.t(), alpha=scale)
+    else:
+        out.add_(F.linear(u, bl).to(out.dtype), alpha=scale)
+
+
+def _base_grad(ctx, g, weight):
+    """``g W`` (tokens × in) in the base dtype, ``W`` dequantized again for a 4-bit base."""
+    base_dt = ctx.dts[0]
+    if ctx.four_bit:
+        w = weight if ctx.keep_w else layer_weights.dense_weight(ctx.layer).to(base_dt)
+    else:
+        w = weight.to(base_dt)
+    return torch.mm(g.to(base_dt).reshape(-1, g.shape[-1]), w)
+
+
+def _keep_weight(ctx, four_bit, wc, weight):
+    ctx.keep_w = four_bit and KEEP_DEQUANTIZED
+    return wc if ctx.keep_w else (None if four_bit else weight)
+
+
 class _FusedLora(torch.autograd.Function):
     """LoRA's ``W x + b + s B A x`` (Hu et al. 2021, eq. 3) for a frozen ``W`` (dense, or a
     4-bit layer dequantized on use), with the backward of the module docstring."""
 
     @staticmethod
     def forward(ctx, x, a, b, weight, bias, layer, scale, four_bit):
-        dev = x.device.type
-        if four_bit:
-            base_dt, lora_dt = _dtypes(x, x.dtype)
-        else:
-            base_dt, lora_dt = _dtypes(x, weight.dtype)
-        with torch.autocast(dev, enabled=False):
-            w = layer_weights.dense_weight(layer) if four_bit else weight
-            wc = w.to(base_dt)
-            out = F.linear(x.to(base_dt), wc, None if bias is None else bias.to(base_dt))
-            if four_bit:
-                out = out.to(x.dtype)
+        dts = _dtypes(x, x.dtype if four_bit else weight.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out, wc, base_dt, lora_dt = _base(x, weight, bias, layer, four_bit, dts)
             xl = x.to(lora_dt)
             al, bl = a.to(lora_dt), b.to(lora_dt)
             ax = F.linear(xl, al)
-            if out.dtype == lora_dt and out.is_contiguous():  # out += s (A x) B^T in the GEMM
-                out.view(-1, out.shape[-1]).addmm_(ax.reshape(-1, ax.shape[-1]), bl.t(), alpha=scale)
-            else:
-                out.add_(F.linear(ax, bl).to(out.dtype), alpha=scale)
-        keep_w = four_bit and KEEP_DEQUANTIZED
+            _add_up(out, ax, bl, scale)
         ctx.save_for_backward(x, ax if KEEP_AX else None, a, b,
-                              wc if keep_w else (None if four_bit else weight))
-        ctx.layer, ctx.scale, ctx.four_bit, ctx.keep_w = layer, scale, four_bit, keep_w
+                              _keep_weight(ctx, four_bit, wc, weight))
+        ctx.layer, ctx.scale, ctx.four_bit = layer, scale, four_bit
         ctx.dts = (base_dt, lora_dt, out.dtype)
         return out
 
     @staticmethod
     def backward(ctx, g):
+        global BACKWARDS
+        BACKWARDS += 1
         x, ax, a, b, weight = ctx.saved_tensors
         base_dt, lora_dt, out_dt = ctx.dts
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
@@ -136,17 +172,176 @@ class _FusedLora(torch.autograd.Function):
             if need_a:
                 da = torch.mm(gax.t(), xl.reshape(-1, xl.shape[-1])).to(a.dtype)
             if need_x:
-                if ctx.four_bit:
-                    w = weight if ctx.keep_w else layer_weights.dense_weight(ctx.layer).to(base_dt)
-                else:
-                    w = weight.to(base_dt)
-                dx = torch.mm(g.to(base_dt).reshape(-1, g.shape[-1]), w)      # (tokens, in)
+                dx = _base_grad(ctx, g, weight)                               # (tokens, in)
                 if dx.dtype == lora_dt:  # + d(Ax) A accumulated in the GEMM
                     dx = dx.addmm_(gax, al).to(x.dtype)
                 else:
                     dx = dx.to(x.dtype) + torch.mm(gax, al).to(x.dtype)
                 dx = dx.view(*x.shape[:-1], dx.shape[-1])
         return dx, da, db, None, None, None, None, None
+
+
+class _SharedDown(torch.autograd.Function):
+    """The down-projections of the LoRA layers that read one input, as one product:
+    ``[u_1 | ... | u_k] = x [A_1; ...; A_k]ᵀ`` (the ``A x`` of eq. 3 for each layer), with
+
+        d[A_1; ...; A_k] = [du_1 | ... | du_k]ᵀ x,     dx = [du_1 | ... | du_k] [A_1; ...; A_k]
+
+    - one GEMM each instead of ``k``. The ``A_i`` are stacked at run time (``torch.cat`` of the
+    parameters as they are in this forward: FSDP2's unsharded ones); nothing is stored."""
+
+    @staticmethod
+    def forward(ctx, x, lora_dt, *a):
+        with torch.autocast(x.device.type, enabled=False):
+            stacked = torch.cat([t.to(lora_dt) for t in a])
+            u = F.linear(x.to(lora_dt), stacked)
+        ctx.save_for_backward(x, *a)
+        ctx.lora_dt, ctx.ranks = lora_dt, [t.shape[0] for t in a]
+        return tuple(p.contiguous() for p in u.split(ctx.ranks, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *gu):
+        x, *a = ctx.saved_tensors
+        lora_dt = ctx.lora_dt
+        da, dx = [None] * len(a), None
+        with torch.autocast(x.device.type, enabled=False):
+            du = torch.cat([t.to(lora_dt).reshape(-1, t.shape[-1]) for t in gu], dim=1)
+            if any(ctx.needs_input_grad[2:]):
+                dstack = torch.mm(du.t(), x.to(lora_dt).reshape(-1, x.shape[-1]))
+                da = [d.to(t.dtype) for d, t in zip(dstack.split(ctx.ranks), a)]
+            if ctx.needs_input_grad[0]:
+                stacked = torch.cat([t.to(lora_dt) for t in a])
+                dx = torch.mm(du, stacked).to(x.dtype).view(x.shape)
+        return (dx, None, *da)
+
+
+class _FusedLoraUp(torch.autograd.Function):
+    """The rest of eq. 3 for a layer whose ``u = A x`` came from :class:`_SharedDown`:
+    ``W x + b + s u Bᵀ``, backward ``dB = s gᵀ u``, ``du = s g B``, ``dx = g W`` (the ``du A``
+    part of ``dx`` is the shared node's). Saves ``u`` and no ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, u, b, weight, bias, layer, scale, four_bit):
+        dts = _dtypes(x, x.dtype if four_bit else weight.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out, wc, base_dt, lora_dt = _base(x, weight, bias, layer, four_bit, dts)
+            _add_up(out, u, b.to(lora_dt), scale)
+        ctx.save_for_backward(u, b, _keep_weight(ctx, four_bit, wc, weight))
+        ctx.layer, ctx.scale, ctx.four_bit = layer, scale, four_bit
+        ctx.dts, ctx.x_meta = (base_dt, lora_dt, out.dtype), (x.shape, x.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        global BACKWARDS
+        BACKWARDS += 1
+        u, b, weight = ctx.saved_tensors
+        lora_dt = ctx.dts[1]
+        dx = du = db = None
+        with torch.autocast(g.device.type, enabled=False):
+            gl_ = g.to(lora_dt).reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[2]:
+                db = torch.mm(gl_.t(), u.reshape(-1, u.shape[-1])).mul_(ctx.scale).to(b.dtype)
+            if ctx.needs_input_grad[1]:
+                du = torch.mm(gl_, b.to(lora_dt)).mul_(ctx.scale).view(u.shape)
+            del gl_
+            if ctx.needs_input_grad[0]:
+                shape, dtype = ctx.x_meta
+                dx = _base_grad(ctx, g, weight).to(dtype).view(*shape[:-1], -1)
+        return dx, du, db, None, None, None, None, None
+
+
+# ----- which layers share one product ------------------------------------------------------
+# Learned, not declared: the layers called one after another on the *same tensor object* (q, k,
+# v on the attention's normed input; gate and up) form a run; at the end of a run of two or more
+# its first layer becomes a group's leader ("pending"). A pending group is taken ("active") at the
+# leader's next call made outside any backward and after a fused backward has run since it was
+# learned - so a forward and its checkpointing recompute always make the same choice, and a
+# layer used twice in one forward (tied blocks) decides once per step. An active leader computes
+# the stacked product for its partners and leaves their ``u`` in ``_STATE.entry``, keyed by the
+# input tensor (weak reference, version counter, autocast state); a partner takes its ``u`` only
+# from an entry of the very tensor it was called with, else it computes its own. A caller that
+# runs one projection alone, a hook that replaces an input, a recompute (a new tensor) therefore
+# never sees another call's product.
+BACKWARDS = 0                                      # fused backward calls so far (all threads)
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # leader -> [state, partners, seen]
+
+
+class _State(threading.local):
+    run = None     # (weakref x, key, [weakref layer]): layers called on one input so far
+    entry = None   # (weakref x, key, {id(layer): (u, A, A._version)}): partners' products
+
+
+_STATE = _State()
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward now (a checkpointing recompute is one); ``True``
+    where torch cannot tell, so a pending group then never turns active (per-layer products)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() != -1
+
+
+def _key(x: torch.Tensor):
+    dev = x.device.type
+    return (x._version, x.device, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+
+
+def _observe(layer, x, key) -> None:
+    run = _STATE.run
+    if run is not None and run[0]() is x and run[1] == key and all(r() is not layer for r in run[2]):
+        run[2].append(weakref.ref(layer))
+        return
+    if run is not None and len(run[2]) > 1:
+        members = [r() for r in run[2]]
+        if all(m is not None for m in members) and members[0] not in _GROUPS:
+            _GROUPS[members[0]] = ["pending", tuple(run[2][1:]), BACKWARDS]
+    _STATE.run = (weakref.ref(x), key, [weakref.ref(layer)])
+
+
+def _partners(layer, x, a) -> list | None:
+    """The active group of leader ``layer`` on ``x``: ``[(layer, adapter name), ...]``."""
+    group = _GROUPS.get(layer)
+    if group is None:
+        return None
+    if group[0] == "pending":
+        if BACKWARDS == group[2] or _in_backward():
+            return None
+        group[0] = "active"
+    out = []
+    for ref in group[1]:
+        p = ref()
+        name = eligible(p, x) if p is not None and getattr(p, "fused_lora", False) else None
+        if name is None:
+            continue
+        pa = p.lora_A[name].weight
+        if pa.dtype == a.dtype and pa.device == a.device and pa.shape[1] == a.shape[1]:
+            out.append((p, name))
+    return out or None
+
+
+def _shared_u(layer, x: torch.Tensor, name: str):
+    """``u = A x`` of ``layer`` from a shared product, or ``None`` (then the layer computes it)."""
+    if not STACK or torch.compiler.is_compiling():
+        return None
+    a = layer.lora_A[name].weight
+    key = _key(x)
+    entry = _STATE.entry
+    if entry is not None and entry[0]() is x and entry[1] == key:
+        got = entry[2].pop(id(layer), None)
+        if not entry[2]:
+            _STATE.entry = None
+        if got is not None and got[1] is a and got[2] == a._version:
+            return got[0]
+    _observe(layer, x, key)
+    partners = _partners(layer, x, a)
+    if partners is None:
+        return None
+    weights = [a] + [p.lora_A[n].weight for p, n in partners]
+    us = _SharedDown.apply(x, _dtypes(x, None)[1], *weights)
+    _STATE.entry = (weakref.ref(x), key,
+                    {id(p): (u, w, w._version) for (p, _), u, w in zip(partners, us[1:], weights[1:])})
+    return us[0]
 
 
 def forward(layer, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -156,4 +351,7 @@ def forward(layer, x: torch.Tensor, name: str) -> torch.Tensor:
     a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
     weight = None if four_bit else layer_weights.dense_weight(base)
     bias = getattr(base, "bias", None)
+    u = _shared_u(layer, x, name)
+    if u is not None:
+        return _FusedLoraUp.apply(x, u, b, weight, bias, base, layer.scaling[name], four_bit)
     return _FusedLora.apply(x, a, b, weight, bias, base, layer.scaling[name], four_bit)

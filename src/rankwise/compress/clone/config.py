@@ -1,0 +1,75 @@
+"""Config of ``rankwise distill`` (Low-Rank Clone): the only place its defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rankwise.compress.config import HeldoutConfig, TextConfig
+
+
+@dataclass
+class DistillConfig:
+    """Low-Rank Clone distillation of a frozen teacher into a narrower student.
+
+    Attributes:
+        student_hidden: The student's hidden size ``d_s`` (below the teacher's ``d_t``; the CLI's
+            ``--student-hidden``). Heads, head size, FFN width, depth and vocabulary are the
+            teacher's.
+        temperature: ``T`` of the KL term (the LRC code's default 10; its README runs 40).
+        kl_weight: Weight of ``KL(p_t^T ‖ p_s^T)`` (the code adds it with weight 1, no ``T²``).
+        clone_weight: Weight of the summed activation-clone MSE terms (the code's
+            ``aux_loss_scale_factor`` 0.2).
+        tie_head_projection: One projection for the embedding and the output head (the code's
+            ``tie_word_emb_proj``); ``false`` trains a second one for the head.
+        steps: Optimizer steps.
+        batch: Windows per step.
+        lr: AdamW learning rate of the projections and student norms (the best of 1e-3 and
+            3e-3 in `bench distill`).
+        weight_decay: AdamW weight decay.
+        warmup_fraction: Linear warm-up share of the steps, then linear decay to 0.
+        grad_clip: Max gradient norm (0 = off).
+        seed: Seeds the batch order.
+        eval_every: Held-out perplexity every N steps (0 = only at the end).
+        checkpoint_every: Checkpoint every N steps (0 = only at the end).
+        data: Training windows (default: the standard library's training modules, read with
+            the teacher's tokenizer, or as bytes when the teacher folder has none).
+        heldout: Held-out windows for perplexity (default: the held-out stdlib modules).
+    """
+
+    student_hidden: int = 0
+    temperature: float = 10.0
+    kl_weight: float = 1.0
+    clone_weight: float = 0.2
+    tie_head_projection: bool = True
+    steps: int = 200
+    batch: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_fraction: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 0
+    checkpoint_every: int = 50
+    data: TextConfig = field(default_factory=lambda: TextConfig(sequences=1024, length=128))
+    heldout: HeldoutConfig = field(default_factory=lambda: HeldoutConfig(sequences=32, length=128))
+
+    def problems(self) -> list[str]:
+        """Return value errors (the teacher-dependent check is :func:`check_student`)."""
+        out = []
+        if self.student_hidden < 1:
+            out.append(f"student_hidden: got {self.student_hidden}; expected a positive width below "
+                       "the teacher's hidden size (--student-hidden H)")
+        if self.temperature <= 0:
+            out.append(f"temperature: got {self.temperature}; expected a number > 0")
+        for name in ("kl_weight", "clone_weight", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                out.append(f"{name}: got {getattr(self, name)}; expected a number >= 0")
+        for name in ("steps", "batch"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
+        if self.lr <= 0:
+            out.append(f"lr: got {self.lr}; expected a number > 0")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            out.append(f"warmup_fraction: got {self.warmup_fraction}; expected a fraction in [0, 1)")
+        out += [f"data.{p}" for p in self.data.problems()]
+        out += [f"heldout.{p}" for p in self.heldout.problems()]
+        return out

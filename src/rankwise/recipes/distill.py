@@ -1,0 +1,161 @@
+"""``rankwise distill TEACHER --student-hidden H --out DIR``: Low-Rank Clone distillation.
+
+TEACHER is a transformers model folder or a finished ``rankwise train`` run (its adapters
+merged first, as ``export --format merged`` writes them). The student
+(:class:`rankwise.compress.clone.LowRankClone`) trains through the shared engine (its KL and
+clone terms are auxiliary losses beside the causal-LM cross-entropy); DIR then holds
+
+* ``model/``: the plain student (``LlamaForCausalLM``, safetensors; transformers loads it
+  without rankwise), with the teacher's tokenizer when it has one;
+* ``distill.yaml`` (the resolved config), ``events.jsonl``, ``metrics.json``, ``loss.png``,
+  ``checkpoints/`` (``--resume`` continues from the newest).
+
+Training text defaults to the standard library's training modules, read with the teacher's
+tokenizer, or as UTF-8 bytes (token id = byte) when the teacher folder has no tokenizer, as
+``bench lowrank-pretrain``'s byte-level models are trained.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from rankwise.compress.clone import DistillConfig, LowRankClone, check_student
+from rankwise.configs import from_dict, to_dict
+from rankwise.errors import RankwiseError
+
+CONFIG_FILE = "distill.yaml"
+
+
+class ByteTokenizer:
+    """Text as UTF-8 bytes (token id = byte value, no special tokens): the tokenizer of a model
+    folder without one (rankwise's byte-level pretraining benchmarks)."""
+
+    pad_token_id = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        """``{"input_ids": list(text.encode())}``."""
+        return {"input_ids": list(text.encode("utf-8", errors="replace"))}
+
+
+def read_config(path: Path | None, sets: list[str], student_hidden: int | None) -> DistillConfig:
+    """The validated config: defaults, then the YAML file, ``--set`` and ``--student-hidden``.
+
+    Raises:
+        RankwiseError: Every bad key or value at once.
+    """
+    from rankwise.recipes.config import apply_sets, read_yaml
+    data = read_yaml(path) if path is not None else {}
+    data = apply_sets(data or {}, list(sets))
+    if student_hidden is not None:
+        data["student_hidden"] = student_hidden
+    return from_dict(DistillConfig, data, "distill")
+
+
+def load_teacher(path: Path, student_hidden: int) -> tuple[torch.nn.Module, Any]:
+    """The teacher model (float32, eval) and its tokenizer (:class:`ByteTokenizer` if none).
+
+    A model folder's config is checked (:func:`check_student`) before its weights are read.
+
+    Raises:
+        RankwiseError: A missing folder, a run that is not finished, or a teacher/width that
+            Low-Rank Clone cannot map.
+    """
+    path = Path(path)
+    if (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        from rankwise.core.merged import merge_plain
+        from rankwise.recipes.export import load_run
+        _, model, tok = load_run(path)
+        model = merge_plain(model, dtype=torch.float32)
+        check_student(model.config, student_hidden)
+        return model.float().eval(), tok
+    if not (path / "config.json").is_file():
+        raise RankwiseError(f"distill: TEACHER {path} is neither a transformers model folder (config.json) "
+                            "nor a rankwise run folder (config.yaml)")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    check_student(AutoConfig.from_pretrained(path), student_hidden)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tok = ByteTokenizer()
+    return model.eval(), tok
+
+
+def _check_out(out: Path, resume: bool) -> bool:
+    """Whether to resume: refuse a non-empty folder that is not a distill run, and a distill
+    run without ``--resume``."""
+    from rankwise.recipes.checkpoint import list_checkpoints
+    if not out.exists() or not any(out.iterdir()):
+        return False
+    if not (out / CONFIG_FILE).is_file():
+        raise RankwiseError(f"--out {out} is not empty and holds no distill run; choose a new --out")
+    if not resume:
+        raise RankwiseError(f"--out {out} already holds a distill run; pass --resume to continue it "
+                            "or choose another --out")
+    return bool(list_checkpoints(out))
+
+
+def run_distill(teacher_path: Path, out: Path, cfg: DistillConfig, resume: bool = False,
+                console: Any = None) -> dict:
+    """Distill, bake and write DIR (module docstring).
+
+    Returns:
+        The ``metrics.json`` dict (held-out loss and perplexity of teacher and student,
+        parameter counts, tokens seen).
+
+    Raises:
+        RankwiseError: Bad teacher, width, data or output folder.
+    """
+    from rankwise.engine import Engine, evaluate, get_task, linear_schedule
+    from rankwise.engine.callbacks import Checkpoint, Evaluate, EventLog, LossPlot, ProgressBar
+    from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+    from rankwise.recipes.compress import Windows, token_windows
+    out = Path(out)
+    resuming = _check_out(out, resume)
+    teacher, tok = load_teacher(teacher_path, cfg.student_hidden)
+    pad = getattr(tok, "pad_token_id", None) or 0
+    train = Windows(token_windows(cfg.data, tok, "data"), pad)
+    heldout = Windows(token_windows(cfg.heldout, tok, "heldout"), pad)
+    task = get_task("causal-lm")
+    model = LowRankClone(teacher, cfg.student_hidden, cfg.temperature, cfg.kl_weight, cfg.clone_weight,
+                         cfg.tie_head_projection)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(yaml.safe_dump({"teacher": str(teacher_path), **to_dict(cfg)}, sort_keys=False))
+    log = EventLog(out / "events.jsonl")
+    began = time.perf_counter()
+
+    def save(engine, state):
+        save_checkpoint(out, state.step, engine.model, engine.state_dict(),
+                        meta={"train_time_s": time.perf_counter() - began})
+    engine = Engine(model, task, opt, train, cfg.batch, seed=cfg.seed,
+                    scheduler=linear_schedule(opt, cfg.steps, cfg.warmup_fraction),
+                    grad_clip=cfg.grad_clip or None,
+                    callbacks=[log, Evaluate(heldout, 16, cfg.eval_every, log, at_end=False),
+                               Checkpoint(save, cfg.checkpoint_every), ProgressBar("distill", console, tokens=True),
+                               LossPlot(log, out / "loss.png", "Low-Rank Clone")])
+    start = 0
+    if resuming:
+        start = int(load_checkpoint(list_checkpoints(out)[-1], model, engine)["step"])
+    engine.fit(cfg.steps, start_step=start)
+    student = model.bake()
+    student.save_pretrained(out / "model")
+    if not isinstance(tok, ByteTokenizer):
+        tok.save_pretrained(out / "model")
+    t_eval = evaluate(teacher, task, heldout, 16)
+    s_eval = evaluate(student, task, heldout, 16)
+    metrics = {"teacher_eval_loss": t_eval["eval_loss"], "teacher_eval_perplexity": t_eval["eval_perplexity"],
+               "student_eval_loss": s_eval["eval_loss"], "student_eval_perplexity": s_eval["eval_perplexity"],
+               "teacher_params": sum(p.numel() for p in teacher.parameters()),
+               "student_params": sum(p.numel() for p in student.parameters()),
+               "trainable_params": sum(p.numel() for p in params),
+               "steps": cfg.steps, "tokens_seen": cfg.steps * cfg.batch * cfg.data.length,
+               "student_hidden": cfg.student_hidden, "teacher_hidden": teacher.config.hidden_size}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    return metrics

@@ -1,0 +1,54 @@
+"""``rankwise continual``: bad input ends with one line and exit code 2, before any model loads."""
+import pytest
+from click.testing import CliRunner
+
+from rankwise.cli import main
+from rankwise.data.demo import PACKAGES
+from rankwise.recipes.continual import DEMO_TASKS, load_config, parse_tasks
+
+
+@pytest.mark.parametrize("tasks, says", [
+    ("asyncio,email/http,numpy", "unknown class 'numpy' in task 2"),
+    ("asyncio,email//http", "task 2 has no classes"),
+    ("asyncio,email,http", "at least 2 tasks, got 1"),
+    ("asyncio/asyncio", "class 'asyncio' is in two tasks"),
+])
+def test_bad_tasks_one_line_exit_2(tmp_path, tasks, says):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("continual: {steps_per_task: 1}\n")
+    result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", tasks])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --tasks:") and says in lines[0]
+
+
+def test_bad_config_one_line_exit_2(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("continual: {stepz: 1}\n")
+    result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", DEMO_TASKS])
+    assert result.exit_code == 2 and "unknown continual key(s) ['stepz']" in result.output
+    result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", DEMO_TASKS, "--method", "ewc"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+
+
+def test_demo_split_is_four_tasks_of_two_packages_and_config_reads_yaml(tmp_path):
+    tasks = parse_tasks(DEMO_TASKS, PACKAGES)
+    assert [len(t) for t in tasks] == [2, 2, 2, 2] and sorted(c for t in tasks for c in t) == sorted(PACKAGES)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("continual: {steps_per_task: 3, tau: 0.5}\n")
+    c = load_config(cfg, {"method": "joint"})
+    assert (c.steps_per_task, c.tau, c.method, c.candidates) == (3, 0.5, "joint", 2)
+
+
+@pytest.mark.slow
+def test_hrm_pet_end_to_end_on_a_tiny_model_keeps_earlier_head_rows():
+    from rankwise.recipes.continual import ContinualConfig, run_continual
+    tasks = parse_tasks("asyncio,email/http,importlib/logging,xml", PACKAGES)
+    rec = run_continual(ContinualConfig(model="tiny-bert", steps_per_task=2, batch_size=4, eval_per_class=2,
+                                        key_examples=4), tasks)
+    assert rec["head_drift"] == 0.0        # rows of earlier tasks' classes never move
+    for rule in ("match", "direct", "hrm", "oracle"):
+        m = rec["rules"][rule]["matrix"]
+        assert [len(row) for row in m] == [1, 2, 3]
+        assert rec["rules"][rule]["average_accuracy"] == pytest.approx(sum(m[-1]) / 3)
+    assert len(rec["rematch"]["switched"]) == 3 and rec["rematch"]["unsure"][0] == 0
