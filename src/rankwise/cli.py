@@ -44,6 +44,7 @@ BENCHMARKS = {
     "continual": "rankwise.benchmarks.continual:run",
     "svdecode": "rankwise.benchmarks.svdecode:run",
     "grpo": "rankwise.benchmarks.grpo:run",
+    "preference": "rankwise.benchmarks.preference:run",
 }
 
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,7 @@ from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_tokenizer
 from rankwise.recipes.train import prepare, train
 from test_cli_errors import assert_user_error, invoke, write_yaml
+from test_train import default_sigint
 
 
 def pair_records(n: int = 24) -> list[dict]:
@@ -98,6 +104,39 @@ def test_lora_dpo_logs_rewards_matches_a_hand_count_resumes_and_exports(pairs_js
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted(pairs_jsonl, tmp_path):
+    """``kill -9`` after the step-1 checkpoint of a 4-step run, then ``--resume``: the same
+    step losses, rewards and final metrics, bit for bit, as the run nobody stopped (one torch
+    thread on both sides, so the sums are taken in the same order)."""
+    raw = raw_config(pairs_jsonl, steps=4)
+    raw["train"].update(save_every=1, eval_every=0, threads=1)
+    raw["method"]["dropout"] = 0.1                      # an RNG stream the resume must restore
+    ref = run(raw, tmp_path / "ref")
+    cfg = write_yaml(tmp_path / "c.yaml", raw)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "rankwise", "train", str(cfg), "--out", str(out)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, preexec_fn=default_sigint)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "checkpoints" / "step-0000001" / "meta.json").exists():
+        if proc.poll() is not None:
+            pytest.fail(f"training exited early: {proc.stderr.read().decode()[-500:]}")
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "metrics.json").exists(), "the run finished before the kill"
+    resumed = run(raw, out, resume=True)
+    for key in ("eval_loss", "eval_reward_margin", "eval_reward_accuracy", "steps"):
+        assert resumed[key] == ref[key], key
+
+    def steps(folder: Path) -> list[dict]:
+        lines = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
+        return [{k: e[k] for k in ("step", "loss", "reward_margin")} for e in lines if "loss" in e]
+    assert steps(out) == steps(tmp_path / "ref") and len(steps(out)) == 4
+
+
 @pytest.mark.slow
 def test_full_fine_tuning_precomputes_the_reference_of_the_initial_weights(pairs_jsonl):
     cfg = load_run_config(None, base=raw_config(pairs_jsonl, method="full", steps=2))
@@ -131,11 +170,13 @@ def test_bad_pairs_are_dropped_and_counted(tmp_path):
     assert ex["chosen_labels"][prompt:] == ex["chosen_ids"][prompt:]      # completion + EOS
 
 
-@pytest.mark.parametrize("case", ["all-same", "no-column", "classification-model", "section"])
+@pytest.mark.parametrize("case", ["all-same", "all-empty", "no-column", "classification-model", "section"])
 def test_bad_input_is_one_line(case, tmp_path):
     recs = pair_records(24)
     if case == "all-same":
         recs = [dict(r, rejected=r["chosen"]) for r in recs]
+    if case == "all-empty":                                   # the column is there, no value is
+        recs = [dict(r, rejected="") for r in recs]
     if case == "no-column":
         recs = [{"prompt": r["prompt"], "good": r["chosen"], "rejected": r["rejected"]} for r in recs]
     path = tmp_path / "p.jsonl"
@@ -146,7 +187,8 @@ def test_bad_input_is_one_line(case, tmp_path):
     if case == "section":
         raw["model"]["task"] = "causal-lm"
     res = invoke("train", write_yaml(tmp_path / "c.yaml", raw), "--out", tmp_path / "run")
-    needles = {"all-same": ("none of its 24 records", "chosen == rejected"),
+    needles = {"all-same": ("none of its 24 records", "0 lack a prompt, chosen or rejected; 24 have chosen == rejected"),
+               "all-empty": ("none of its 24 records", "24 lack a prompt, chosen or rejected; 0 have"),
                "no-column": ("no 'chosen' field", "data.chosen_field"),
                "classification-model": ("cannot be a causal LM",),
                "section": ("dpo section needs model.task: dpo",)}[case]

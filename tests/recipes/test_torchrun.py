@@ -37,10 +37,11 @@ RUN = {  # prompt-completion on real text: variable lengths, masked prompts
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def torchrun(tmp: Path, out: Path, *sets: str, n: int = 2, resume: bool = False) -> subprocess.CompletedProcess:
+def torchrun(tmp: Path, out: Path, *sets: str, n: int = 2, resume: bool = False,
+             raw: dict = RUN) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node n -m rankwise train`` (``n == 1``: plain ``python -m rankwise``)."""
     cfg = tmp / "run.yaml"
-    cfg.write_text(yaml.safe_dump(RUN))
+    cfg.write_text(yaml.safe_dump(raw))
     launch = (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else [])
     cmd = [sys.executable, *launch, "-m", "rankwise", "train", str(cfg), "--out", str(out),
            *[x for s in sets for x in ("--set", s)]]
@@ -80,6 +81,26 @@ def test_two_processes_give_the_single_process_metrics(tmp_path, single, kind):
     a, b = load_file(str(single / "adapter" / "adapter.safetensors")), \
         load_file(str(tmp_path / "two" / "adapter" / "adapter.safetensors"))
     assert sorted(a) == sorted(b) and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)   # full tensors
+
+
+def test_dpo_two_processes_give_the_single_process_metrics(tmp_path):
+    """model.task dpo: each process scores its share of the pairs against the adapters-off
+    reference; the step losses (one per pair, normalised by the pairs of the whole step) and the
+    evaluation's reward metrics equal one process's."""
+    from test_dpo_run import pair_records, raw_config
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in pair_records()))
+    raw = raw_config(pairs, steps=3)
+    raw["train"].update(batch_size=8, grad_accum=2, save_every=0)
+    one = train(load_run_config(None, base=json.loads(json.dumps(raw))), tmp_path / "one")
+    proc = torchrun(tmp_path, tmp_path / "two", raw=raw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    for key in ("eval_loss", "eval_reward_margin", "eval_reward_accuracy", "eval_logps_chosen"):
+        # log-probs are float32 sums of magnitude ~10-100 taken in another order: 1e-5 absolute
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-5), key
+    assert one["eval_reward_margin"] != 0.0                            # the adapters moved
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
 
 
 def test_resume_under_torchrun_and_a_world_size_mismatch(tmp_path):

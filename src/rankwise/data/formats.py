@@ -16,6 +16,14 @@
 Truncation keeps the completion: the prompt (everything before the last assistant turn, for
 chat) is cut from the left; an example whose completion alone exceeds ``max_length`` is
 dropped (kept as an empty row, so record numbers stay those of the file) and counted.
+
+Question-free encoding (QFFT, ``data.question_free``; Liu et al. 2025, "QFFT, Question-Free
+Fine-Tuning for Adaptive Reasoning"): a training example is the response alone, ``prefix +
+response + EOS``, with no prompt tokens at all (not masked: absent). For chat the response is the
+assistant messages' contents, each ended by EOS, without the template's markers (the released
+code's ``qwen_qfft`` template writes every turn as its bare content); earlier assistant turns are
+cut from the left to fit, as a prompt is. :func:`rankwise.data.text.build_data` uses it for the
+training rows only; evaluation rows keep the question.
 """
 from __future__ import annotations
 
@@ -128,6 +136,7 @@ class Encoder:
         eval_fraction: Held-out fraction by a hash of each record (``None``: no split column).
         use_id: Key the split on the records' ``id`` column (the demo) instead of
             ``"{row}:{text}"``.
+        question_free: Encode the response alone (QFFT; ``prompt-completion`` and ``chat``).
     """
 
     tokenizer: Any
@@ -143,6 +152,7 @@ class Encoder:
     uses_labels: bool = False
     eval_fraction: float | None = None
     use_id: bool = False
+    question_free: bool = False
 
     def __post_init__(self) -> None:
         self.prefix = special_prefix(self.tokenizer)
@@ -182,6 +192,8 @@ class Encoder:
             ids = self.tokenizer([str(t) for t in batch[self.text_field]], truncation=True,
                                  max_length=self.max_length)["input_ids"]
             out: dict[str, list] = {"input_ids": ids}
+        elif self.question_free:
+            out = self._response_only(batch, indices)
         elif self.fmt == "prompt-completion":
             out = self._prompt_completion(batch)
         else:
@@ -216,6 +228,32 @@ class Encoder:
             ids, labels = self._fit(self.prefix, p, tail,
                                     list(p) if self.train_on_prompt else [IGNORE] * len(p), tail)
             out["input_ids"].append(ids)
+            out["labels"].append(labels)
+        if not self.masked:
+            del out["labels"]
+        return out
+
+    def _response_only(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        """QFFT: ``prefix + response + EOS`` per record; the prompt (for chat: every message
+        that is not the assistant's) is left out, not masked."""
+        if self.fmt == "prompt-completion":
+            turns = [[str(c)] for c in batch[self.completion_field]]
+        else:
+            turns = []
+            for v, i in zip(batch[self.messages_field], indices):
+                said = [m["content"] for m in self.messages(v, i + 1) if m["role"] == "assistant"]
+                if not said:
+                    raise RankwiseError(f"record {i + 1} has no assistant message; question-free "
+                                        "training learns from the assistant's responses alone")
+                turns.append(said)
+        flat = [t for conv in turns for t in conv]
+        ids = iter(self.tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
+        out: dict[str, list] = {"input_ids": [], "labels": []}
+        for conv in turns:
+            segs = [list(next(ids)) + [self.eos] for _ in conv]
+            head, tail = [t for seg in segs[:-1] for t in seg], segs[-1]
+            ids_, labels = self._fit(self.prefix, head, tail, head, tail)
+            out["input_ids"].append(ids_)
             out["labels"].append(labels)
         if not self.masked:
             del out["labels"]

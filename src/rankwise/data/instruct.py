@@ -8,6 +8,7 @@ running Python (nothing is imported), sorted by id, so the set is deterministic 
 from __future__ import annotations
 
 import ast
+import re
 from functools import lru_cache
 
 from rankwise.data.demo import stdlib_dir
@@ -67,4 +68,68 @@ def load_function_records(packages: tuple[str, ...] = PACKAGES) -> list[dict]:
     return records
 
 
-__all__ = ["load_function_records", "def_line", "PACKAGES"]
+def _canonical(text: str) -> str | None:
+    """One ``def`` line from ``text`` with the spacing a word-piece tokenizer's decoding adds
+    undone (``_ get _ name`` -> ``_get_name``, ``- >`` -> ``->``, ``* *`` -> ``**``);
+    ``None`` when it does not start with ``def`` / ``async def``."""
+    lines = text.strip().splitlines()
+    m = re.match(r"(async\s+)?def\s+(.*)", " ".join(lines[0].split()) if lines else "")
+    if m is None:
+        return None
+    rest = re.sub(r"\s*_\s*", "_", m.group(2))
+    rest = re.sub(r"\*\s*\*", "**", re.sub(r"-\s*>", "->", rest))
+    return ("async def " if m.group(1) else "def ") + rest
+
+
+def parsed_name(completion: str) -> str | None:
+    """The function name of ``completion`` if its first line parses as a ``def`` line, else
+    ``None`` (spacing-tolerant, see :func:`_canonical`)."""
+    line = _canonical(completion)
+    if line is None:
+        return None
+    try:
+        tree = ast.parse(line + "\n    pass\n")
+    except (SyntaxError, ValueError):
+        return None
+    node = tree.body[0] if len(tree.body) == 1 else None
+    return node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def def_line_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """The task reward of ``stdlib-functions``: 1.0 where the completion parses as a ``def`` line
+    naming the record's function, else 0.0 (a ``module:function`` reward callable).
+
+    Names compare case-insensitively, and the spacing a word-piece tokenizer's decoding puts
+    around ``_``, ``->`` and ``**`` is undone first (the packaged tiny models use the uncased
+    MiniLM tokenizer, whose decoding writes ``def _ get _ name ( self ) :``).
+
+    Args:
+        prompts: The prompts (docstrings; unused).
+        completions: The generated completions.
+        **columns: The records' other fields, one list each: ``id`` (``module:function:line``,
+            as :func:`load_function_records` writes it), or ``completion`` (the reference
+            ``def`` line), or ``name``.
+
+    Returns:
+        One reward per completion.
+
+    Raises:
+        ValueError: If no column names the expected function.
+    """
+    if "name" in columns:
+        names = list(columns["name"])
+    elif "id" in columns:
+        names = [str(i).split(":")[-2] for i in columns["id"]]
+    elif "completion" in columns:
+        names = [parsed_name(str(c)) for c in columns["completion"]]
+    else:
+        raise ValueError("def_line_reward needs the expected function: pass the records' id, "
+                         "completion or name column")
+    out = []
+    for text, name in zip(completions, names):
+        got = parsed_name(text)
+        out.append(float(got is not None and name is not None and got.lower() == name.lower()))
+    return out
+
+
+__all__ = ["load_function_records", "def_line", "PACKAGES", "def_line_reward", "parsed_name"]

@@ -312,8 +312,12 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         train_ds = eval_ds = _encode(data_cfg.source, data_cfg, enc, uses_labels)
         held_out = _column(train_ds, "_eval")
         train_rows, eval_rows = np.flatnonzero(~held_out), np.flatnonzero(held_out)
+    asked = train_ds  # the records with their questions (what evaluation reads)
+    if data_cfg.question_free:  # QFFT: the training rows hold the responses alone
+        enc.question_free = True
+        train_ds = _encode(data_cfg.source, data_cfg, enc, uses_labels)
     if data_cfg.holdout == "validation":  # carve from training, never eval
-        eval_ds, (train_rows, eval_rows) = train_ds, validation_split(train_rows, data_cfg.validation_fraction)
+        eval_ds, (train_rows, eval_rows) = asked, validation_split(train_rows, data_cfg.validation_fraction)
     if data_cfg.limit:
         train_rows = train_rows[: data_cfg.limit]
     train_len, eval_len = _column(train_ds, "_len")[train_rows], _column(eval_ds, "_len")[eval_rows]

@@ -117,6 +117,9 @@ class DataConfig:
         order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
             ``gain-rl`` (``model.task: grpo``: prompts sorted by GAIN-RL's angle concentration,
             drawn by its Gaussian sampler; :mod:`rankwise.engine.gain_rl`).
+        question_free: QFFT (``prompt-completion`` / ``chat``): training examples are the
+            responses alone, without any question token; evaluation keeps the question
+            (:mod:`rankwise.data.formats`; ``docs/preference-rl.md``).
     """
 
     source: str = "demo"
@@ -144,10 +147,17 @@ class DataConfig:
     schedule_linear: Union[float, None] = None
     select: SelectConfig = field(default_factory=SelectConfig)
     order: Literal["uniform", "gain-rl"] = "uniform"
+    question_free: bool = False
 
     def problems(self) -> list[str]:
         """Return value errors."""
         out = []
+        if self.question_free and self.format == "text":
+            out.append("question_free drops the question of prompt-completion or chat records, and "
+                       "plain text (data.format: text) has none; set data.format or remove question_free")
+        if self.question_free and self.train_on_prompt:
+            out.append("question_free trains on the response alone, so train_on_prompt has no prompt "
+                       "to train; set one of them false")
         if self.schedule == "skrull" and self.packing:
             out.append("schedule: skrull groups whole sequences by length, and packing already "
                        "makes equal blocks; set one of data.schedule: none or data.packing: false")
@@ -576,6 +586,9 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if m.task == "memory-decoder" and (cfg.data.packing or cfg.data.schedule != "none"):
         out.append("data.packing and data.schedule are not supported with model.task: memory-decoder "
                    "(its kNN targets belong to whole examples); remove them")
+    if cfg.data.question_free and m.task != "causal-lm":
+        out.append(f"data.question_free is supervised fine-tuning on responses and needs model.task: "
+                   f"causal-lm (got {m.task}); remove it")
     if m.task == "dpo" and cfg.data.schedule != "none":
         out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
                    "pairs; set data.schedule: none")

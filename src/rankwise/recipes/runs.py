@@ -49,7 +49,8 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("train", "compile"), False),
                (("train", "distributed_step_timeout_s"), None),
                (("compress", "restore"), lambda v: not isinstance(v, dict) or not v.get("enabled")),  # RestoreLCC off
-               (("data", "order"), "uniform"))  # grpo / gain-rl
+               (("data", "order"), "uniform"),  # grpo / gain-rl
+               (("data", "question_free"), False))  # qfft
 
 
 def config_hash(raw: dict) -> str:
