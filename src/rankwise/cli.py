@@ -33,6 +33,7 @@ BENCHMARKS = {
     "vfl": "rankwise.federated.vfl.bench:run",
     "memory-features": "rankwise.benchmarks.memory_features:run",
     "dpo": "rankwise.benchmarks.dpo:run",
+    "memory-decoder": "rankwise.benchmarks.memory_decoder:run",
     "plan": "rankwise.benchmarks.plan:run",
     "select": "rankwise.benchmarks.select:run",
     "shapley": "rankwise.benchmarks.shapley:run",
@@ -192,6 +193,10 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
               help="Bits per cached element of a quantized KV cache.")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="The base model's folder, if it is no longer at the run's model.path.")
+@click.option("--memory-decoder", type=click.Path(path_type=Path), default=None,
+              help="A Memory Decoder (memory-decoder run folder) mixed in (docs/memory-decoder.md).")
+@click.option("--memory-lambda", type=float, default=None,
+              help="The memory decoder's share (default: its run's memory_decoder.lam).")
 @click.option("--steer", default=None, metavar="svdecode",
               help="Steer decoding with SVDecode (docs/svdecode.md); needs --steer-from.")
 @click.option("--steer-from", type=click.Path(path_type=Path), default=None,
@@ -203,7 +208,8 @@ def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path
              max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
              kv_bits: int, model_path: Path | None, steer: str | None, steer_from: Path | None,
              steer_mask: float | None, steer_strength: float | None,
-             steer_max_mu: float | None) -> None:
+             steer_max_mu: float | None, memory_decoder: Path | None,
+             memory_lambda: float | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
     steer_config = None
@@ -214,7 +220,8 @@ def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
                  echo=click.echo, stream=lambda text: click.echo(text, nl=False),
                  kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path, steer=steer,
-                 steer_from=steer_from, steer_config=steer_config)
+                 steer_from=steer_from, steer_config=steer_config,
+                 memory_decoder=memory_decoder, memory_lambda=memory_lambda)
 
 
 @main.command()

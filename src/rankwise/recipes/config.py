@@ -17,6 +17,7 @@ import yaml
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.data.select import SelectConfig
+from rankwise.engine.memory_decoder import MemoryDecoderConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.grpo import GRPOConfig
 from rankwise.engine.preference import DPOConfig
@@ -359,6 +360,7 @@ class RunConfig:
     compress: Any = None
     dpo: Union[DPOConfig, None] = None
     grpo: Union[GRPOConfig, None] = None
+    memory_decoder: Union[MemoryDecoderConfig, None] = None  # exactly when model.task: memory-decoder
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -367,7 +369,8 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo", "grpo")
+SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo", "grpo",
+            "memory_decoder")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -481,11 +484,16 @@ def build_run_config(data: dict) -> RunConfig:
         if data.get("compress") is not None else None,
         dpo=part(lambda: from_dict(DPOConfig, data["dpo"], "dpo")) if data.get("dpo") is not None else None,
         grpo=part(lambda: from_dict(GRPOConfig, data["grpo"], "grpo")) if data.get("grpo") is not None else None,
+        memory_decoder=part(lambda: from_dict(MemoryDecoderConfig, data["memory_decoder"], "memory_decoder"))
+        if data.get("memory_decoder") is not None else None,
     )
     if cfg.model is not None and cfg.model.task == "dpo" and cfg.dpo is None:
         cfg.dpo = DPOConfig()  # config.yaml records the defaults the run used
     if cfg.model is not None and cfg.model.task == "grpo" and cfg.grpo is None:
         cfg.grpo = GRPOConfig()
+    if cfg.model is not None and cfg.model.task == "memory-decoder" and data.get("memory_decoder") is None:
+        problems.append("model.task memory-decoder needs a memory_decoder section with base: the base "
+                        "model's folder")
     if not problems:
         problems.extend(cross_problems(cfg))
     if problems:
@@ -528,7 +536,10 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
 def _absolute_paths(cfg: RunConfig) -> None:
     """Store local paths (``model.path``, ``data.source``, ``data.eval_source``) absolute, so a
     run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
-    for section, key in ((cfg.model, "path"), (cfg.data, "source"), (cfg.data, "eval_source")):
+    pairs = [(cfg.model, "path"), (cfg.data, "source"), (cfg.data, "eval_source")]
+    if cfg.memory_decoder is not None:
+        pairs.append((cfg.memory_decoder, "base"))
+    for section, key in pairs:
         value = getattr(section, key)
         if value and Path(value).expanduser().exists():
             setattr(section, key, str(Path(value).expanduser().resolve()))
@@ -569,6 +580,12 @@ def cross_problems(cfg: RunConfig) -> list[str]:
                 else "data.train_on_prompt")
         out.append(f"{what} is not supported with model.task: dpo (pairs are scored whole, on "
                    "their completions); remove it")
+    if (cfg.memory_decoder is not None) != (m.task == "memory-decoder"):
+        out.append(f"the memory_decoder section goes with model.task: memory-decoder (got {m.task}); "
+                   "set both or neither")
+    if m.task == "memory-decoder" and (cfg.data.packing or cfg.data.schedule != "none"):
+        out.append("data.packing and data.schedule are not supported with model.task: memory-decoder "
+                   "(its kNN targets belong to whole examples); remove them")
     if cfg.data.question_free and m.task != "causal-lm":
         out.append(f"data.question_free is supervised fine-tuning on responses and needs model.task: "
                    f"causal-lm (got {m.task}); remove it")

@@ -148,7 +148,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                  top_p: float = 1.0, seed: int = 0, echo: Callable[[str], None] = print,
                  stream: Callable[[str], None] | None = None, kv_cache: str = "fp",
                  kv_bits: int = 2, model_path: Path | None = None, steer: str | None = None,
-                 steer_from: Path | None = None, steer_config: Any = None) -> list[dict]:
+                 steer_from: Path | None = None, steer_config: Any = None, memory_decoder: Path | None = None,
+                 memory_lambda: float | None = None) -> list[dict]:
     """Generate completions for one prompt or a file of prompts.
 
     Args:
@@ -172,6 +173,11 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         steer_from: The warm-start run (an adapter run on the same base) whose adapters on / off
             give P_warm / P_pre.
         steer_config: A :class:`rankwise.engine.svdecode.SVDecodeConfig` (its defaults if None).
+        memory_decoder: ``--memory-decoder``: a Memory Decoder (a ``model.task: memory-decoder``
+            run folder, or a causal-LM model folder) mixed with the run's model in log space
+            (:mod:`rankwise.engine.memory_generation`), each with its own KV cache.
+        memory_lambda: ``--memory-lambda``: its share; default: the memory-decoder run's
+            ``memory_decoder.lam`` (:class:`~rankwise.engine.memory_decoder.MemoryDecoderConfig`).
 
     Returns:
         ``[{"prompt", "completion"}]``.
@@ -197,6 +203,14 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     if steerer is not None and (adapter is not None or
                                 Path(steer_from).resolve() != Path(run_dir).resolve()):
         warm = load_for_generation(steer_from, None, device, model_path)[1]
+    memory = None
+    if memory_decoder is not None:
+        if kv_cache != "fp":
+            raise RankwiseError(f"--memory-decoder decodes with transformers' own caches; drop "
+                                f"--kv-cache {kv_cache}")
+        if steer is not None:
+            raise RankwiseError("--memory-decoder and --steer each replace the decoding loop; use one")
+        memory, memory_lambda = load_memory_decoder(Path(memory_decoder), tok, device, memory_lambda)
     if prompt is not None:
         items: list[Any] = [[{"role": "user", "content": prompt}] if enc.fmt == "chat" else prompt]
     else:
@@ -212,7 +226,18 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         single = prompt is not None and stream is not None
         cache = None if kv_cache == "fp" else make_cache(
             kv_cache, kv_bits, config=model.config, rotary=find_rotary(model))  # NSNQuant: keys before RoPE
-        if steerer is not None:
+        if memory is not None:
+            from rankwise.engine.memory_generation import generate_with_memory
+            shown = [""]
+
+            def on_token(ids: list[int], shown=shown) -> None:
+                text = decode(ids)
+                if text.startswith(shown[0]) and len(text) > len(shown[0]):
+                    stream(text[len(shown[0]):])
+                    shown[0] = text
+            new = generate_with_memory(model, memory, prompt_ids, max_new_tokens, end_id(tok), memory_lambda,
+                                       temperature, top_p, device, on_token=on_token if single else None)
+        elif steerer is not None:
             from rankwise.engine.svdecode import steered_generate
             new = steered_generate(model, prompt_ids, max_new_tokens, end_id(tok), steerer, warm,
                                    temperature, top_p, device)
@@ -268,4 +293,46 @@ def _steerer(run_dir: Path, steer: str | None, steer_from: Path | None, steer_co
     return steerer
 
 
-__all__ = ["run_generate", "load_for_generation", "read_prompts", "samples_callback"]
+def same_tokenizer(base, memory, where: str) -> None:
+    """Refuse a Memory Decoder whose tokenizer differs from the base's (the mixture adds
+    probabilities of the same token ids).
+
+    Raises:
+        RankwiseError: One line naming the first difference.
+    """
+    a, b = base.get_vocab(), memory.get_vocab()
+    if a == b:
+        return
+    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+    raise RankwiseError(f"the memory decoder {where} has another tokenizer than the base ({len(b)} vs "
+                        f"{len(a)} tokens; first difference: token {diff[0][0]!r} id {diff[0][1]}); "
+                        "train the memory decoder with the base model's tokenizer")
+
+
+def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | None) -> tuple[Any, float]:
+    """``(model, lambda)`` of a Memory Decoder folder: a ``model.task: memory-decoder`` run (its
+    ``memory_decoder.lam`` is the default ``lambda``) or a causal-LM model folder.
+
+    Raises:
+        RankwiseError: Not such a folder, another tokenizer than the base's, or ``lam`` outside [0, 1].
+    """
+    from rankwise.engine.memory_decoder import MemoryDecoderConfig
+    default = MemoryDecoderConfig().lam
+    if (path / "config.yaml").is_file():
+        cfg, memory, tok, _ = load_for_generation(path, device=device)
+        if cfg.memory_decoder is not None:
+            default = cfg.memory_decoder.lam
+    elif (path / "config.json").is_file():
+        memory, tok = load_model(str(path), get_task("causal-lm"), device=device)
+        memory.to(device).eval()
+    else:
+        raise RankwiseError(f"--memory-decoder {path} is neither a run folder (config.yaml) nor a model "
+                            "folder (config.json); pass the --out folder of a memory-decoder run")
+    lam = default if lam is None else lam
+    if not 0.0 <= lam <= 1.0:
+        raise RankwiseError(f"--memory-lambda: got {lam}; expected a value in [0, 1]")
+    same_tokenizer(base_tokenizer, tok, str(path))
+    return memory, lam
+
+
+__all__ = ["same_tokenizer", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]

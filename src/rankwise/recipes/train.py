@@ -161,7 +161,10 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     problem = precision_problem(cfg.train.precision, device)
     if problem:
         raise RankwiseError(problem)
-    task = get_task(cfg.model.task, cfg.dpo or cfg.grpo)
+    task = get_task(cfg.model.task, cfg.dpo or cfg.grpo or cfg.memory_decoder)
+    if cfg.memory_decoder is not None:  # the datastore's base loads as model.path would
+        task.base_loader = lambda path, dev: load_model(path, get_task("causal-lm"), seed=cfg.train.seed,
+                                                        device=dev)[0].to(dev).eval()
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.add_tokens, cfg.model.add_special_tokens)
     with dist.main_first():
