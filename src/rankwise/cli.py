@@ -38,6 +38,7 @@ BENCHMARKS = {
     "shapley": "rankwise.benchmarks.shapley:run",
     "skrull": "rankwise.benchmarks.skrull:run",
     "transfer": "rankwise.benchmarks.transfer:run",
+    "select-functions": "rankwise.benchmarks.select_functions:run",
 }
 
 
