@@ -45,6 +45,7 @@ BENCHMARKS = {
     "svdecode": "rankwise.benchmarks.svdecode:run",
     "grpo": "rankwise.benchmarks.grpo:run",
     "preference": "rankwise.benchmarks.preference:run",
+    "select-functions": "rankwise.benchmarks.select_functions:run",
 }
 
 

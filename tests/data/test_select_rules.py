@@ -199,3 +199,43 @@ def test_qcs_token_weights_keep_the_highest_loss_tokens():
         nll = [0.0] + F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none").detach().tolist()
         keep = sorted(range(len(ids)), key=lambda j: -nll[j])[: max(1, round(0.5 * len(ids)))]
         assert w == pytest.approx([0.9 if j in keep else 0.1 for j in range(len(ids))])
+
+
+def hand_grad_lm(model: TwoLayer, ids: list[int]) -> np.ndarray:
+    """d(mean next-token CE)/d(W1, W2) of one sequence of the causal-LM TwoLayer, chain rule in
+    float64: ``z_t = W2 tanh(W1 e_t)`` predicts ``ids[t+1]``."""
+    e = model.emb.detach().double().numpy()[ids]                                # (T, D)
+    w1, w2 = model.w1.detach().double().numpy(), model.w2.detach().double().numpy()
+    h = np.tanh(e @ w1.T)                                                       # (T, H)
+    dw1, dw2, n = np.zeros_like(w1), np.zeros_like(w2), len(ids) - 1
+    for t in range(n):
+        z = w2 @ h[t]
+        p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        dz = (p - np.eye(V)[ids[t + 1]]) / n
+        dw2 += np.outer(dz, h[t])
+        dw1 += np.outer((w2.T @ dz) * (1 - h[t] ** 2), e[t])
+    return np.concatenate([dw1.ravel(), dw2.ravel()])
+
+
+def test_less_and_jvp_features_of_a_causal_lm_equal_hand_computed_ones():
+    lm, task = TwoLayer(lm=True), get_task("causal-lm")
+    tr, tg = dataset(8, 11), dataset(3, 12)
+    train, target = TextData(tr.ids, None, [], 0), TextData(tg.ids, None, [], 0)
+    sess = SimpleNamespace(model=lm, task=task, train_data=train, device="cpu")
+    cfg = SelectConfig(method="less", budget=3, target="t", proj_dim=0)
+    s, chosen, _, _ = stage.score(sess, cfg, list(range(8)), target, 3)
+    g = np.stack([hand_grad_lm(lm, ids) for ids in train.ids])
+    gt = np.stack([hand_grad_lm(lm, ids) for ids in target.ids])
+    mean_t = (gt / np.linalg.norm(gt, axis=1, keepdims=True)).mean(0)
+    want = np.array([cos(g[i], mean_t) for i in range(8)])
+    np.testing.assert_allclose(s.numpy(), want, rtol=1e-5, atol=1e-7)
+    assert chosen == sorted(np.argsort(-want, kind="stable")[:3].tolist())
+    # JVP embedding: the last token's hidden state h_T = tanh(W1 e_T); W2 does not move it, so
+    # J v = (1 - h_T²) ⊙ (V1 e_T) for the tangent's W1 block V1
+    emb = stage.jvp_embeddings(lm, task, train, list(range(8)), 1, 0, "cpu")
+    gen = torch.Generator().manual_seed(17)
+    v1 = torch.randn(lm.w1.shape, generator=gen).double().numpy()
+    w1, e = lm.w1.detach().double().numpy(), lm.emb.detach().double().numpy()
+    for i, ids in enumerate(train.ids):
+        h = np.tanh(w1 @ e[ids[-1]])
+        np.testing.assert_allclose(emb[i].numpy(), (1 - h**2) * (v1 @ e[ids[-1]]), rtol=1e-3, atol=1e-4)
