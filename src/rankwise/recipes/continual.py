@@ -198,11 +198,11 @@ class _Model:
         return head
 
     def add(self, name: str) -> list[torch.nn.Parameter]:
-        from rankwise.adapters.lora import apply_lora
-        from rankwise.adapters.lora.config import LoraConfig
+        from rankwise import registry
         from rankwise.core.ops import adapter_parameters, set_adapter
         torch.manual_seed(self.cfg.seed + len(self.modules))
-        apply_lora(self.model, LoraConfig(r=self.cfg.r, alpha=2.0 * self.cfg.r), adapter_name=name)
+        lora = registry.get("method", "lora")  # recipes reach a method through the registry
+        lora.apply(self.model, lora.config_cls(r=self.cfg.r, alpha=2.0 * self.cfg.r), adapter_name=name)
         self.modules.append(name)
         set_adapter(self.model, name)
         self.head.requires_grad_(True)

@@ -1,7 +1,7 @@
 """``rankwise transfer RUN --to NEW_BASE --out DIR [--finetune-steps N]``: LoRASuite.
 
 Moves a finished LoRA run onto an upgraded base model (LoRASuite, arXiv 2505.13515; the maths
-and where it departs from the authors' code: :mod:`rankwise.adapters.lora.transfer`):
+and where it departs from the authors' code: :mod:`rankwise.core.lorasuite`):
 
 1. ``W_x`` from the tokens both tokenizers hold (least squares between the input-embedding
    rows), the identity when the vocabularies and widths agree;
@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from rankwise.adapters.lora.inits import RESIDUAL_INITS
-from rankwise.adapters.lora.transfer import ATTENTION, Attention, LoRASuite, cka_matrix, layer_mapping
-from rankwise.adapters.lora.transfer import refactor, transfer_matrix
+from rankwise.core.lorasuite import ATTENTION, Attention, LoRASuite, cka_matrix, layer_mapping
+from rankwise.core.lorasuite import refactor, transfer_matrix
 from rankwise.core import atomic
 from rankwise.core.io import save_adapter
 from rankwise.core.ops import disable_adapters
@@ -46,6 +45,7 @@ from rankwise.recipes.merge import collect_pairs
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROLES = {f"self_attn.{r}_proj": r for r in ATTENTION}
 RECORD = "transfer.json"
+PLAIN_INITS = ("kaiming", "gaussian")  # A random, B = 0: the pair is the whole update
 
 
 @dataclass
@@ -95,8 +95,7 @@ def _check_run(cfg) -> None:
     if m.name != "lora":
         raise RankwiseError(f"the run trained method {m.name!r}; transfer moves LoRA adapters "
                             "(method.name: lora)")
-    if getattr(m, "use_dora", False) or m.init in RESIDUAL_INITS or m.init.startswith("pissa") \
-            or m.init in ("loftq", "eva") or getattr(m, "target_parameters", None) \
+    if getattr(m, "use_dora", False) or m.init not in PLAIN_INITS or getattr(m, "target_parameters", None) \
             or getattr(m, "trainable_tokens", None) or getattr(m, "modules_to_save", None):
         raise RankwiseError("transfer moves plain LoRA pairs (init kaiming or gaussian, no DoRA, "
                             "no trained tokens, expert parameters or whole modules); this run's "

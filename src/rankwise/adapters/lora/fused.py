@@ -11,7 +11,7 @@ that equals the plain path's (:meth:`LoraLayer.forward`: the base layer, then tw
   its cast to the factors' dtype made (under bf16 autocast: ``x`` -> float32 -> bf16, one new
   bf16 tensor per projection, so q/k/v hold three copies of one input; PEFT does the same);
 * no dropout mask: the fused path is taken only while dropout is inactive (``p = 0`` or eval);
-* one product for the layers that read one input (:data:`STACK`): q, k, v (and gate, up) are
+* one product for the layers that read one input (:data:`STACK`, off by default): q, k, v (and gate, up) are
   found by running - consecutive calls on the same tensor object - and then share
   ``[u_q | u_k | u_v] = x [A_q; A_k; A_v]ᵀ`` and its backward (:class:`_SharedDown`), each
   finishing with :class:`_FusedLoraUp`; only ``A`` is stacked (GQA's narrower k/v and GoRA's
@@ -44,7 +44,12 @@ from rankwise.core.inject import is_conv1d
 
 KEEP_DEQUANTIZED = False  # keep a 4-bit base's dense weight from forward to backward
 KEEP_AX = True            # keep A x (r columns) instead of recomputing it in the backward
-STACK = True              # one x [A_1; ...; A_k] product for the layers that read the same input
+# one x [A_1; ...; A_k] product for the layers that read the same input. Off: the groups are
+# learned while running, so a resumed run (or a client rebuilt in another process) computes its
+# first micro-batch unshared where the uninterrupted one shares, and a stacked GEMM rounds
+# differently from separate ones (bf16 resume differed by 6e-6) - exact resume wins, and on CPU
+# the shared product saved no time (docs/fused-lora.md)
+STACK = False
 
 
 def _four_bit(layer: nn.Module) -> bool:
