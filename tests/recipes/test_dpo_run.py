@@ -104,13 +104,24 @@ def test_lora_dpo_logs_rewards_matches_a_hand_count_resumes_and_exports(pairs_js
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
 
 
+def grpo_raw(tmp_path: Path, steps: int) -> dict:
+    """The tiny GRPO run of test_grpo_run (2 prompts x G=3, 4-token completions)."""
+    from test_grpo_run import raw_config as grpo_config, records
+    files = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    for f, n in zip(files, (8, 3)):
+        f.write_text("".join(json.dumps(r) + "\n" for r in records(n)))
+    return grpo_config(files, steps=steps)
+
+
 @pytest.mark.integration
 @pytest.mark.slow
-def test_sigkill_then_resume_equals_uninterrupted(pairs_jsonl, tmp_path):
+@pytest.mark.parametrize("task", ["dpo", "grpo"])
+def test_sigkill_then_resume_equals_uninterrupted(pairs_jsonl, tmp_path, task):
     """``kill -9`` after the step-1 checkpoint of a 4-step run, then ``--resume``: the same
     step losses, rewards and final metrics, bit for bit, as the run nobody stopped (one torch
-    thread on both sides, so the sums are taken in the same order)."""
-    raw = raw_config(pairs_jsonl, steps=4)
+    thread on both sides, so the sums are taken in the same order). GRPO also samples its
+    completions again after the resume: the same samples.jsonl, so the sampling RNG came back."""
+    raw = raw_config(pairs_jsonl, steps=4) if task == "dpo" else grpo_raw(tmp_path, steps=4)
     raw["train"].update(save_every=1, eval_every=0, threads=1)
     raw["method"]["dropout"] = 0.1                      # an RNG stream the resume must restore
     ref = run(raw, tmp_path / "ref")
@@ -128,13 +139,18 @@ def test_sigkill_then_resume_equals_uninterrupted(pairs_jsonl, tmp_path):
     proc.wait()
     assert not (out / "metrics.json").exists(), "the run finished before the kill"
     resumed = run(raw, out, resume=True)
-    for key in ("eval_loss", "eval_reward_margin", "eval_reward_accuracy", "steps"):
+    keys = ("eval_reward_margin", "eval_reward_accuracy") if task == "dpo" else ("eval_reward_mean",)
+    keys = ("eval_loss", *keys)
+    for key in keys + ("steps",):
         assert resumed[key] == ref[key], key
+    reward = "reward_margin" if task == "dpo" else "reward"
 
     def steps(folder: Path) -> list[dict]:
         lines = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
-        return [{k: e[k] for k in ("step", "loss", "reward_margin")} for e in lines if "loss" in e]
+        return [{k: e[k] for k in ("step", "loss", reward)} for e in lines if "loss" in e]
     assert steps(out) == steps(tmp_path / "ref") and len(steps(out)) == 4
+    if task == "grpo":
+        assert (out / "samples.jsonl").read_text() == (tmp_path / "ref" / "samples.jsonl").read_text()
 
 
 @pytest.mark.slow

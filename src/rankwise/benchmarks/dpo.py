@@ -20,6 +20,7 @@ agree.
 from __future__ import annotations
 
 import copy
+import json
 import platform
 import statistics
 import time
@@ -43,6 +44,39 @@ def _model(vocab: int):
         pad_token_id=0, bos_token_id=0, eos_token_id=0))
 
 
+BASES = ("float32", "bfloat16", "nf4")
+
+
+def _base(vocab: int, kind: str):
+    """The benchmark's base in ``kind``: fp32, bf16, or NF4 (bitsandbytes 4-bit, bf16 compute and
+    storage, double quantization: ``model.quantize: nf4`` of a run, quantized as rankwise loads a
+    model built in code). Built afresh per call: the same seed gives the same weights and codes."""
+    model = _model(vocab)
+    if kind == "bfloat16":
+        return model.to(torch.bfloat16)
+    if kind == "nf4":
+        from transformers import AutoModelForCausalLM
+
+        from rankwise.recipes.model import _quantize_in_memory, bnb_config
+        return _quantize_in_memory(model, AutoModelForCausalLM, bnb_config("nf4", "bfloat16"),
+                                   torch.bfloat16, "cpu")
+    return model
+
+
+def fp32_adapters(model) -> None:
+    """Keep a PEFT model's trainable factors in float32. TRL casts them to bf16 on a quantized
+    base (its QLoRA rule); rankwise keeps float32 factors: the rows compare the same model."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def check_fp32_adapters(ours, theirs) -> None:
+    for name, model in (("rankwise", ours), ("trl", theirs)):
+        bad = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+        assert not bad, (name, bad[:2])
+
+
 def _pairs(tok):
     """Preference pairs (rankwise.data.preference's encoding) from the stdlib-functions records."""
     from rankwise.data.formats import Encoder
@@ -63,24 +97,24 @@ def _pairs(tok):
     return PairData(pairs, tok.pad_token_id)
 
 
-def _build(tok, tmp: Path):
+def _build(tok, tmp: Path, kind: str = "float32"):
     import peft
     import trl
     from datasets import Dataset
 
     from rankwise.adapters.lora import LoraConfig, apply_lora
     from rankwise.core.protocol import adapter_modules, factors
-    base = _model(len(tok))
-    ours = copy.deepcopy(base)
+    ours = _base(len(tok), kind)
     apply_lora(ours, LoraConfig(r=R, alpha=ALPHA, targets=TARGETS, dropout=0.0))
     args = trl.DPOConfig(output_dir=str(tmp), beta=BETA, loss_type=["sigmoid"], report_to=[],
                          use_cpu=True, bf16=False, fp16=False)
     data = Dataset.from_dict({"prompt": ["a"], "chosen": [" b"], "rejected": [" c"]})
     tok = copy.deepcopy(tok)
     tok.eos_token = tok.eos_token or tok.sep_token  # TRL appends EOS; MiniLM's tokenizer ends with [SEP]
-    trainer = trl.DPOTrainer(model=copy.deepcopy(base), args=args, train_dataset=data,
+    trainer = trl.DPOTrainer(model=_base(len(tok), kind), args=args, train_dataset=data,
                              processing_class=tok, peft_config=peft.LoraConfig(
                                  r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
+    fp32_adapters(trainer.model)
     named = dict(trainer.model.named_modules())
     with torch.no_grad():
         for path, mod in adapter_modules(ours):
@@ -122,95 +156,136 @@ def _timed(fn, k: int) -> tuple[float, float, float]:
     return time.process_time() - c0, time.perf_counter() - w0, loss
 
 
-def run(out: Path) -> dict:
-    """Run the benchmark and write ``out/results.json`` and ``out/results.md``."""
+def _measure(tok, data, kind: str) -> dict:
+    """One row: both sides on a base of ``kind`` (adapters fp32 on both), interleaved."""
     import tempfile
 
+    from rankwise.memory import PeakMemory
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, trainer = _build(tok, Path(tmp), kind)
+        check_fp32_adapters(ours, trainer.model)
+        mine, theirs = _steps(ours, trainer, data)
+        first = (mine(0), theirs(0))
+        for k in range(1, WARMUP):
+            mine(k), theirs(k)
+        cpu = {"rankwise": [], "trl": []}
+        wall = {"rankwise": [], "trl": []}
+        diffs = []
+        for rep in range(REPS):
+            k = WARMUP + rep
+            order = [("rankwise", mine), ("trl", theirs)][:: 1 if rep % 2 == 0 else -1]
+            losses = {}
+            for name, fn in order:
+                c, w, losses[name] = _timed(fn, k)
+                cpu[name].append(c)
+                wall[name].append(w)
+            diffs.append(abs(losses["rankwise"] - losses["trl"]))
+        peak = {}
+        for name, fn in (("rankwise", mine), ("trl", theirs)):
+            with PeakMemory("cpu") as mem:
+                fn(WARMUP + REPS)
+            peak[name] = mem.peak_bytes / 2**20
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    return {"step_cpu_s": med, "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
+            "step_time_ratio": med["rankwise"] / med["trl"],
+            "peak_step_mb": peak, "memory_ratio": peak["rankwise"] / peak["trl"],
+            "first_loss": {"rankwise": first[0], "trl": first[1]},
+            "max_loss_diff_timed_steps": max(diffs), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def measured_rows(out: Path, setup: dict) -> dict:
+    """The rows an earlier run of the same setup left in ``out/results.json`` (a run measures only
+    the missing rows and writes after each, so a long benchmark can be finished in several runs)."""
+    try:
+        old = json.loads((Path(out) / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    same = {k: v for k, v in old.get("setup", {}).items() if k not in ("base_dtypes", "nf4")} == \
+        {k: v for k, v in setup.items() if k not in ("base_dtypes", "nf4")}
+    return dict(old.get("rows", {})) if same else {}
+
+
+def run(out: Path) -> dict:
+    """Run the benchmark (fp32, bf16 and NF4 bases; rows already in ``out`` of the same setup are
+    kept) and write ``out/results.json`` and ``out/results.md`` after each row."""
     import peft
     import transformers
     import trl
 
     from rankwise.errors import require
-    from rankwise.memory import PeakMemory
     from rankwise.recipes.model import load_tokenizer
-    for module in ("peft", "trl"):
+    for module in ("peft", "trl", "bitsandbytes"):
         require(module, "bench", "rankwise bench dpo")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.perf_counter()
+    setup = {"pairs": PAIRS, "batch_pairs": BATCH, "max_length": MAX_LEN, "r": R, "alpha": ALPHA,
+             "targets": TARGETS, "beta": BETA, "base_dtypes": list(BASES)}
+    rows = measured_rows(out, setup)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         tok = load_tokenizer("tiny-llama")
         data = _pairs(tok)
-        with tempfile.TemporaryDirectory() as tmp:
-            ours, trainer = _build(tok, Path(tmp))
-            mine, theirs = _steps(ours, trainer, data)
-            first = (mine(0), theirs(0))
-            for k in range(1, WARMUP):
-                mine(k), theirs(k)
-            cpu = {"rankwise": [], "trl": []}
-            wall = {"rankwise": [], "trl": []}
-            diffs = []
-            for rep in range(REPS):
-                k = WARMUP + rep
-                order = [("rankwise", mine), ("trl", theirs)][:: 1 if rep % 2 == 0 else -1]
-                losses = {}
-                for name, fn in order:
-                    c, w, losses[name] = _timed(fn, k)
-                    cpu[name].append(c)
-                    wall[name].append(w)
-                diffs.append(abs(losses["rankwise"] - losses["trl"]))
-            peak = {}
-            for name, fn in (("rankwise", mine), ("trl", theirs)):
-                with PeakMemory("cpu") as mem:
-                    fn(WARMUP + REPS)
-                peak[name] = mem.peak_bytes / 2**20
+        for kind in BASES:
+            if kind in rows:
+                continue
+            rows[kind] = _measure(tok, data, kind)
+            res = {**rows.get("float32", rows[kind]), "rows": dict(rows), "reps": REPS, "warmup": WARMUP,
+                   "setup": setup, "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
+                   "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                                "transformers": transformers.__version__, "peft": peft.__version__,
+                                "trl": trl.__version__, "bitsandbytes": __import__("bitsandbytes").__version__,
+                                "cpu_count": __import__("os").cpu_count()},
+                   "wall_s": time.perf_counter() - start}
+            atomic.write_json(out / "results.json", res)
+            atomic.write_bytes(out / "results.md", _markdown(res).encode())
     finally:
         torch.set_num_threads(threads)
-    med = {k: statistics.median(v) for k, v in cpu.items()}
-    res = {"step_cpu_s": med, "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
-           "step_time_ratio": med["rankwise"] / med["trl"],
-           "peak_step_mb": peak, "memory_ratio": peak["rankwise"] / peak["trl"],
-           "first_loss": {"rankwise": first[0], "trl": first[1]},
-           "max_loss_diff_timed_steps": max(diffs), "reps": REPS, "warmup": WARMUP,
-           "setup": {"pairs": len(data), "batch_pairs": BATCH, "max_length": MAX_LEN, "r": R,
-                     "alpha": ALPHA, "targets": TARGETS, "beta": BETA, "base_dtype": "float32"},
-           "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
-           "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "peft": peft.__version__,
-                        "trl": trl.__version__, "cpu_count": __import__("os").cpu_count()},
-           "wall_s": time.perf_counter() - start}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
-    return res
+    return json.loads((out / "results.json").read_text())
+
+
+def ordered(rows: dict) -> list:
+    """The rows in :data:`BASES` order (a JSON round trip sorts them)."""
+    return sorted(rows.items(), key=lambda kv: BASES.index(kv[0]) if kv[0] in BASES else len(BASES))
 
 
 def _markdown(res: dict) -> str:
-    s, m, v = res["step_cpu_s"], res["peak_step_mb"], res["versions"]
+    v = res["versions"]
+    table = ["| base | measure (CPU time, 1 thread) | rankwise | TRL + PEFT | ratio | target |",
+             "|---|---|---:|---:|---:|---:|"]
+    for kind, row in ordered(res["rows"]):
+        s, m = row["step_cpu_s"], row["peak_step_mb"]
+        table += [f"| {kind} | train step, median s | {s['rankwise']:.4f} | {s['trl']:.4f} | "
+                  f"{row['step_time_ratio']:.3f} | <= 1.0 |",
+                  f"| {kind} | peak step memory, MiB | {m['rankwise']:.1f} | {m['trl']:.1f} | "
+                  f"{row['memory_ratio']:.3f} | <= 1.0 |"]
+    losses = [f"{k}: first-step loss rankwise {r['first_loss']['rankwise']:.6f}, TRL "
+              f"{r['first_loss']['trl']:.6f}, max |difference| over the timed steps "
+              f"{r['max_loss_diff_timed_steps']:.2e} (measured {r.get('measured_at', '?')})"
+              for k, r in ordered(res["rows"])]
     return "\n".join([
         "# DPO: rankwise LoRA + dpo task vs TRL DPO loss + PEFT LoRA", "",
         "Command: `OMP_NUM_THREADS=1 flock /tmp/bench.lock rankwise bench dpo --out bench/results/dpo`", "",
         f"4-layer 128-wide Llama (30k vocabulary), LoRA r={R} alpha={ALPHA:g} on {'/'.join(TARGETS)}, "
         f"{res['setup']['pairs']} docstring -> def-line pairs up to {MAX_LEN} tokens, {BATCH} pairs per "
-        f"step, sigmoid loss beta={BETA}, reference = adapters off on both sides, fp32 base, AdamW. "
+        f"step, sigmoid loss beta={BETA}, reference = adapters off on both sides, AdamW; the base in "
+        "fp32, bf16 or NF4 (bitsandbytes 4-bit, bf16 compute and storage, double quantization; the "
+        "same codes on both sides), adapters fp32 on both sides (checked; TRL's own cast of "
+        "adapters to bf16 on a quantized base is undone), no autocast. "
         f"{REPS} interleaved repetitions after {WARMUP} warm-up steps; medians; one process.", "",
-        "| measure (CPU time, 1 thread) | rankwise | TRL + PEFT | ratio | target |",
-        "|---|---:|---:|---:|---:|",
-        f"| train step, median s | {s['rankwise']:.4f} | {s['trl']:.4f} | {res['step_time_ratio']:.3f} | <= 1.0 |",
-        f"| peak step memory, MiB | {m['rankwise']:.1f} | {m['trl']:.1f} | {res['memory_ratio']:.3f} | <= 1.0 |",
-        "",
-        f"First-step loss: rankwise {res['first_loss']['rankwise']:.6f}, TRL {res['first_loss']['trl']:.6f}; "
-        f"max |loss difference| over the timed steps {res['max_loss_diff_timed_steps']:.2e}.", "",
+        *table, "", "; ".join(losses) + ".", "",
         "TRL's step here is `DPOTrainer._compute_loss` + backward + AdamW (its collator, accelerate "
         "and logging loop are not timed). Where the difference comes from (read from TRL 1.16's "
         "code, not profiled): TRL's fused LM head also computes, at every position and over the "
         "whole vocabulary, the entropy, mean logit and top-1 flag it logs, in the policy and the "
-        "reference forward; rankwise normalises the vocabulary only at completion positions. The machine is shared with other jobs: the ratio of the "
-        "two, measured in the same process and interleaved, is the figure to read. Not measured: "
-        "bf16 and NF4 bases.", "",
+        "reference forward; rankwise normalises the vocabulary only at completion positions. The "
+        "machine is shared with other jobs: the ratio of the two, measured in the same process and "
+        "interleaved, is the figure to read. NF4 runs bitsandbytes' CPU path (this machine has "
+        "avx512_bf16).", "",
         f"Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "
-        f"trl {v['trl']}, {v['cpu_count']} CPUs. Total {res['wall_s']:.0f} s.", ""])
+        f"trl {v['trl']}, bitsandbytes {v['bitsandbytes']}, {v['cpu_count']} CPUs. "
+        f"Last run {res['wall_s']:.0f} s.", ""])
 
 
 __all__ = ["run"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rankwise.benchmarks.dpo import _model
+from rankwise.benchmarks.dpo import BASES, _base, check_fp32_adapters, fp32_adapters, measured_rows, ordered
 from rankwise.core import atomic
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -52,7 +52,7 @@ def _batches(tok, steps: int):
     return out
 
 
-def _build(tok, tmp: Path, dtype: torch.dtype = torch.float32):
+def _build(tok, tmp: Path, kind: str = "float32"):
     import peft
     import trl
     from datasets import Dataset
@@ -60,17 +60,17 @@ def _build(tok, tmp: Path, dtype: torch.dtype = torch.float32):
     from rankwise.adapters.lora import LoraConfig, apply_lora
     from rankwise.core.protocol import adapter_modules, factors
     from rankwise.engine.rewards import length_penalty
-    base = _model(len(tok)).to(dtype)  # bf16: the base only; both sides keep fp32 adapters
-    ours = copy.deepcopy(base)
+    ours = _base(len(tok), kind)  # bf16 / NF4: the base only; both sides keep fp32 adapters
     apply_lora(ours, LoraConfig(r=R, alpha=ALPHA, targets=TARGETS, dropout=0.0))
     args = trl.GRPOConfig(output_dir=str(tmp), beta=BETA, loss_type="dapo", num_generations=G,
                           per_device_train_batch_size=PROMPTS * G, max_completion_length=MAX_NEW,
                           report_to=[], use_cpu=True, bf16=False, fp16=False)
-    trainer = trl.GRPOTrainer(model=copy.deepcopy(base), reward_funcs=length_penalty(200), args=args,
+    trainer = trl.GRPOTrainer(model=_base(len(tok), kind), reward_funcs=length_penalty(200), args=args,
                               train_dataset=Dataset.from_dict({"prompt": ["a"]}), processing_class=tok,
                               peft_config=peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
                                                           lora_dropout=0.0))
     trainer.current_gradient_accumulation_steps = 1
+    fp32_adapters(trainer.model)
     named = dict(trainer.model.named_modules())
     with torch.no_grad():
         for path, mod in adapter_modules(ours):
@@ -124,16 +124,14 @@ def _timed(fn, k: int) -> tuple[float, float, float]:
     return time.process_time() - c0, time.perf_counter() - w0, loss
 
 
-def _measure(tok, batches, dtype: torch.dtype) -> dict:
-    """One row: both sides on a base of ``dtype`` (adapters fp32 on both), interleaved."""
+def _measure(tok, batches, kind: str) -> dict:
+    """One row: both sides on a base of ``kind`` (adapters fp32 on both), interleaved."""
     import tempfile
 
     from rankwise.memory import PeakMemory
     with tempfile.TemporaryDirectory() as tmp:
-        ours, trainer = _build(tok, Path(tmp), dtype)
-        for name, model in (("rankwise", ours), ("trl", trainer.model)):
-            bad = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
-            assert not bad, (name, bad[:2])                            # fp32 adapters on both sides
+        ours, trainer = _build(tok, Path(tmp), kind)
+        check_fp32_adapters(ours, trainer.model)
         mine, theirs = _steps(ours, trainer, tok, batches)
         first = (mine(0), theirs(0))
         for k in range(1, WARMUP):
@@ -160,51 +158,58 @@ def _measure(tok, batches, dtype: torch.dtype) -> dict:
             "step_time_ratio": med["rankwise"] / med["trl"],
             "peak_step_mb": peak, "memory_ratio": peak["rankwise"] / peak["trl"],
             "first_loss": {"rankwise": first[0], "trl": first[1]},
-            "max_loss_diff_timed_steps": max(diffs)}
+            "max_loss_diff_timed_steps": max(diffs),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def run(out: Path) -> dict:
-    """Run the benchmark (fp32 and bf16 bases) and write ``out/results.json`` and ``results.md``."""
+    """Run the benchmark (fp32, bf16 and NF4 bases; rows already in ``out`` of the same setup are
+    kept) and write ``out/results.json`` and ``results.md`` after each row."""
+    import json
+
     import peft
     import transformers
     import trl
 
     from rankwise.errors import require
     from rankwise.recipes.model import load_tokenizer
-    for module in ("peft", "trl"):
+    for module in ("peft", "trl", "bitsandbytes"):
         require(module, "bench", "rankwise bench grpo")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.perf_counter()
+    setup = {"prompts": PROMPTS, "num_generations": G, "max_completion_length": MAX_NEW, "r": R,
+             "alpha": ALPHA, "targets": TARGETS, "beta": BETA, "loss_type": "dapo", "base_dtypes": list(BASES)}
+    rows = measured_rows(out, setup)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         tok = copy.deepcopy(load_tokenizer("tiny-llama"))
         tok.eos_token = tok.eos_token or tok.sep_token
         batches = _batches(tok, WARMUP + REPS + 1)
-        rows = {name: _measure(tok, batches, dtype)
-                for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+        for kind in BASES:
+            if kind in rows:
+                continue
+            rows[kind] = _measure(tok, batches, kind)
+            res = {**rows.get("float32", rows[kind]), "rows": dict(rows), "reps": REPS, "warmup": WARMUP,
+                   "setup": setup, "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
+                   "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                                "transformers": transformers.__version__, "peft": peft.__version__,
+                                "trl": trl.__version__, "bitsandbytes": __import__("bitsandbytes").__version__,
+                                "cpu_count": __import__("os").cpu_count()},
+                   "wall_s": time.perf_counter() - start}
+            atomic.write_json(out / "results.json", res)
+            atomic.write_bytes(out / "results.md", _markdown(res).encode())
     finally:
         torch.set_num_threads(threads)
-    res = {**rows["float32"], "rows": rows, "reps": REPS, "warmup": WARMUP,
-           "setup": {"prompts": PROMPTS, "num_generations": G, "max_completion_length": MAX_NEW, "r": R,
-                     "alpha": ALPHA, "targets": TARGETS, "beta": BETA, "loss_type": "dapo",
-                     "base_dtypes": list(rows), "nf4": "not run (see results.md)"},
-           "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
-           "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "peft": peft.__version__,
-                        "trl": trl.__version__, "cpu_count": __import__("os").cpu_count()},
-           "wall_s": time.perf_counter() - start}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
-    return res
+    return json.loads((out / "results.json").read_text())
 
 
 def _markdown(res: dict) -> str:
     v = res["versions"]
     table = ["| base | measure (CPU time, 1 thread) | rankwise | TRL + PEFT | ratio | target |",
              "|---|---|---:|---:|---:|---:|"]
-    for dtype, row in res["rows"].items():
+    for dtype, row in ordered(res["rows"]):
         s, m = row["step_cpu_s"], row["peak_step_mb"]
         table += [f"| {dtype} | train step, median s | {s['rankwise']:.4f} | {s['trl']:.4f} | "
                   f"{row['step_time_ratio']:.3f} | <= 1.0 |",
@@ -212,24 +217,28 @@ def _markdown(res: dict) -> str:
                   f"{row['memory_ratio']:.3f} | <= 1.0 |"]
     losses = [f"{d}: first-step loss rankwise {r['first_loss']['rankwise']:.6f}, TRL "
               f"{r['first_loss']['trl']:.6f}, max |difference| over the timed steps "
-              f"{r['max_loss_diff_timed_steps']:.2e}" for d, r in res["rows"].items()]
+              f"{r['max_loss_diff_timed_steps']:.2e} (measured {r.get('measured_at', 'before NF4 was added')})"
+              for d, r in ordered(res["rows"])]
     return "\n".join([
         "# GRPO: rankwise LoRA + grpo task vs TRL GRPOTrainer + PEFT LoRA", "",
         "Command: `OMP_NUM_THREADS=1 flock /tmp/bench.lock rankwise bench grpo --out bench/results/grpo`", "",
         f"4-layer 128-wide Llama (30k vocabulary), LoRA r={R} alpha={ALPHA:g} on {'/'.join(TARGETS)}, "
         f"{PROMPTS} docstring prompts x G={G} injected completions (up to {MAX_NEW} tokens) per step, "
         f"loss dapo, beta={BETA}, reward length-penalty, reference = adapters off on both sides, "
-        f"adapters fp32 on both sides (the base in the row's dtype, no autocast), AdamW. {REPS} "
+        "adapters fp32 on both sides (the base in the row's dtype, no autocast; NF4: bitsandbytes "
+        "4-bit, bf16 compute and storage, double quantization, the same codes on both sides, TRL's "
+        f"own cast of adapters to bf16 on a quantized base undone), AdamW. {REPS} "
         f"interleaved repetitions after {WARMUP} warm-up steps; medians; one process.", "",
         *table, "", "; ".join(losses) + ".", "",
         "Sampling is left out on both sides (both call transformers' `generate`); the step is scoring, "
         "advantages, the reference forward, the policy forward + loss, backward and AdamW. TRL's "
         "trainer loop, accelerate and logging are not timed. The machine is shared with other jobs: "
         "the ratio of the two, measured in the same process and interleaved, is the figure to read. "
-        "Not run: an NF4 base (this session's time; the bitsandbytes CPU path is taken on this "
-        "machine, which has avx512_bf16, and not on the CI machines).", "",
+        "NF4 runs bitsandbytes' CPU path (this machine has avx512_bf16; CI machines without it "
+        "take another path). Rows measured in different runs are marked with their time.", "",
         f"Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "
-        f"trl {v['trl']}, {v['cpu_count']} CPUs. Total {res['wall_s']:.0f} s.", ""])
+        f"trl {v['trl']}, bitsandbytes {v.get('bitsandbytes', '?')}, {v['cpu_count']} CPUs. "
+        f"Last run {res['wall_s']:.0f} s.", ""])
 
 
 __all__ = ["run"]
