@@ -1,56 +1,23 @@
 """``torchrun --nproc-per-node 2 -m rankwise train``: two gloo processes on CPU give the metrics
-of one process on variable-length data (ddp and FSDP2), only rank 0 writes, ``--resume`` works
-(each process gets its own RNG stream back), a different world size is refused, and a dead or
-stuck process ends the other with one line instead of a hang."""
+of one process on variable-length data (ddp and FSDP2 with a LoRA, DPO, GRPO, FSDP2 over a 4-bit
+base) and only rank 0 writes. Resume, refusals and dead or stuck processes:
+``test_torchrun_faults.py``."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from rankwise.cli import main
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import train
+from tests.recipes.torchrun_helpers import ENV, RUN, losses, torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-RUN = {  # prompt-completion on real text: variable lengths, masked prompts
-    "model": {"path": "tiny-llama", "task": "causal-lm"},
-    "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 48, "limit": 64},
-    "method": {"name": "lora", "r": 4},
-    "optim": {"name": "adamw", "lr": 0.01},
-    "train": {"steps": 4, "batch_size": 8, "grad_accum": 2, "save_every": 2, "log_every": 1,
-              "progress": False},
-}
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def torchrun(tmp: Path, out: Path, *sets: str, n: int = 2, resume: bool = False,
-             raw: dict = RUN) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node n -m rankwise train`` (``n == 1``: plain ``python -m rankwise``)."""
-    cfg = tmp / "run.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    launch = (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else [])
-    cmd = [sys.executable, *launch, "-m", "rankwise", "train", str(cfg), "--out", str(out),
-           *[x for s in sets for x in ("--set", s)]]
-    return subprocess.run(cmd + (["--resume"] if resume else []), env=ENV, capture_output=True,
-                          text=True, timeout=400)
-
-
-def losses(run: Path) -> list[float]:
-    return [e["loss"] for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if "loss" in e]
 
 
 @pytest.fixture(scope="module")
@@ -121,79 +88,6 @@ def test_grpo_two_processes_give_the_single_process_metrics(tmp_path):
     a, b = (load_file(str(tmp_path / p / "adapter" / "adapter.safetensors")) for p in ("one", "two"))
     assert sorted(a) == sorted(b) and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
     assert all(a[k].abs().max() > 0 for k in a if "lora_B" in k)    # the adapters moved (B starts at 0)
-
-
-def test_resume_under_torchrun_and_a_world_size_mismatch(tmp_path):
-    dropout = "method.dropout=0.1"                     # dropout draws differ per process
-    small = "data.eval_fraction=0.05"                  # ~70 held-out records at each end, not ~290
-    full = torchrun(tmp_path, tmp_path / "full", dropout, small)
-    assert full.returncode == 0, full.stderr[-3000:]
-    part = tmp_path / "part"
-    shutil.copytree(tmp_path / "full", part)
-    shutil.rmtree(part / "checkpoints" / "step-0000004")
-    for name in ("metrics.json", "adapter"):
-        shutil.rmtree(part / name) if (part / name).is_dir() else (part / name).unlink()
-    # one process: refused before any step (in this process: the refusal needs no launch of its own)
-    wrong = CliRunner().invoke(main, ["train", str(tmp_path / "run.yaml"), "--out", str(part), "--set", dropout,
-                                      "--set", small, "--resume"])
-    assert wrong.exit_code == 2 and "resume it with 2" in wrong.stderr.splitlines()[-1], wrong.output[-2000:]
-    resumed = torchrun(tmp_path, part, dropout, small, resume=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a = json.loads((tmp_path / "full" / "metrics.json").read_text())
-    b = json.loads((part / "metrics.json").read_text())
-    assert b["eval_loss"] == a["eval_loss"] and losses(part) == losses(tmp_path / "full")
-
-
-def test_a_config_error_prints_once(tmp_path):
-    """Both processes hit the same config error: one ``error:`` line (rank 0's), both exit 2
-    (torchrun then adds its own failure report; a process it stopped first shows SIGTERM)."""
-    proc = torchrun(tmp_path, tmp_path / "run", "optim.lr=-1")
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "optim.lr" in lines[0], proc.stderr[-3000:]
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
-    assert proc.returncode != 0 and "2" in codes and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]
-    assert not (tmp_path / "run").exists()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_dead_or_stuck_process_ends_the_other_with_one_line(tmp_path, how):
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump(RUN))
-    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    cmd = [sys.executable, "-m", "rankwise", "train", str(cfg), "--out", str(tmp_path / "run"),
-           "--set", "train.steps=1000", "--set", "train.save_every=0",
-           "--set", "train.distributed_timeout_s=30",  # room for start-up on a loaded machine
-           "--set", "train.distributed_step_timeout_s=10"]  # the kill comes after step 3: no start-up left
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    events = tmp_path / "run" / "events.jsonl"
-    deadline = time.time() + 240
-    while (time.time() < deadline and procs[0].poll() is None
-           and not (events.is_file() and '"step": 3' in events.read_text())):
-        time.sleep(0.5)
-    try:
-        assert events.is_file(), procs[0].communicate(timeout=5)
-        os.kill(procs[1].pid, how)
-        start = time.time()
-        _, err = procs[0].communicate(timeout=120)
-        waited = time.time() - start
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert procs[0].returncode == 2, err[-2000:]
-    line = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(line) == 1 and "lost the others" in line[0] and "--resume" in line[0], err[-2000:]
-    if how == signal.SIGSTOP:   # nothing but the timeout ends this wait: the step one, not start-up's
-        assert "train.distributed_step_timeout_s=10s" in line[0], line[0]
-    assert waited < (90 if how == signal.SIGSTOP else 45)
 
 
 def test_fsdp2_over_a_4bit_base_gives_the_single_process_metrics(tmp_path):
