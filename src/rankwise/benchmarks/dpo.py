@@ -156,41 +156,48 @@ def _timed(fn, k: int) -> tuple[float, float, float]:
     return time.process_time() - c0, time.perf_counter() - w0, loss
 
 
-def _measure(tok, data, kind: str) -> dict:
-    """One row: both sides on a base of ``kind`` (adapters fp32 on both), interleaved."""
-    import tempfile
-
+def interleaved(mine, theirs, warmup: int = WARMUP, reps: int = REPS) -> dict:
+    """Step both sides (``fn(step) -> loss``) ``warmup`` times, then ``reps`` timed steps in
+    alternating order, then one step each under the memory meter: the row's medians and ratios
+    (``bench dpo`` and ``bench grpo`` measure the same way)."""
     from rankwise.memory import PeakMemory
-    with tempfile.TemporaryDirectory() as tmp:
-        ours, trainer = _build(tok, Path(tmp), kind)
-        check_fp32_adapters(ours, trainer.model)
-        mine, theirs = _steps(ours, trainer, data)
-        first = (mine(0), theirs(0))
-        for k in range(1, WARMUP):
-            mine(k), theirs(k)
-        cpu = {"rankwise": [], "trl": []}
-        wall = {"rankwise": [], "trl": []}
-        diffs = []
-        for rep in range(REPS):
-            k = WARMUP + rep
-            order = [("rankwise", mine), ("trl", theirs)][:: 1 if rep % 2 == 0 else -1]
-            losses = {}
-            for name, fn in order:
-                c, w, losses[name] = _timed(fn, k)
-                cpu[name].append(c)
-                wall[name].append(w)
-            diffs.append(abs(losses["rankwise"] - losses["trl"]))
-        peak = {}
-        for name, fn in (("rankwise", mine), ("trl", theirs)):
-            with PeakMemory("cpu") as mem:
-                fn(WARMUP + REPS)
-            peak[name] = mem.peak_bytes / 2**20
+    first = (mine(0), theirs(0))
+    for k in range(1, warmup):
+        mine(k), theirs(k)
+    cpu = {"rankwise": [], "trl": []}
+    wall = {"rankwise": [], "trl": []}
+    diffs = []
+    for rep in range(reps):
+        k = warmup + rep
+        order = [("rankwise", mine), ("trl", theirs)][:: 1 if rep % 2 == 0 else -1]
+        losses = {}
+        for name, fn in order:
+            c, w, losses[name] = _timed(fn, k)
+            cpu[name].append(c)
+            wall[name].append(w)
+        diffs.append(abs(losses["rankwise"] - losses["trl"]))
+    peak = {}
+    for name, fn in (("rankwise", mine), ("trl", theirs)):
+        with PeakMemory("cpu") as mem:
+            fn(warmup + reps)
+        peak[name] = mem.peak_bytes / 2**20
     med = {k: statistics.median(v) for k, v in cpu.items()}
     return {"step_cpu_s": med, "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
             "step_time_ratio": med["rankwise"] / med["trl"],
             "peak_step_mb": peak, "memory_ratio": peak["rankwise"] / peak["trl"],
             "first_loss": {"rankwise": first[0], "trl": first[1]},
-            "max_loss_diff_timed_steps": max(diffs), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "max_loss_diff_timed_steps": max(diffs),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _measure(tok, data, kind: str) -> dict:
+    """One row: both sides on a base of ``kind`` (adapters fp32 on both), interleaved."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, trainer = _build(tok, Path(tmp), kind)
+        check_fp32_adapters(ours, trainer.model)
+        return interleaved(*_steps(ours, trainer, data))
 
 
 def measured_rows(out: Path, setup: dict) -> dict:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import copy
 import platform
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from rankwise.benchmarks.dpo import BASES, _base, check_fp32_adapters, fp32_adapters, measured_rows, ordered
+from rankwise.benchmarks.dpo import (BASES, _base, check_fp32_adapters, fp32_adapters, interleaved,
+                                     measured_rows, ordered)
 from rankwise.core import atomic
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -118,48 +118,14 @@ def _steps(ours, trainer, tok, batches):
     return mine, trl_step
 
 
-def _timed(fn, k: int) -> tuple[float, float, float]:
-    c0, w0 = time.process_time(), time.perf_counter()
-    loss = fn(k)
-    return time.process_time() - c0, time.perf_counter() - w0, loss
-
-
 def _measure(tok, batches, kind: str) -> dict:
     """One row: both sides on a base of ``kind`` (adapters fp32 on both), interleaved."""
     import tempfile
 
-    from rankwise.memory import PeakMemory
     with tempfile.TemporaryDirectory() as tmp:
         ours, trainer = _build(tok, Path(tmp), kind)
         check_fp32_adapters(ours, trainer.model)
-        mine, theirs = _steps(ours, trainer, tok, batches)
-        first = (mine(0), theirs(0))
-        for k in range(1, WARMUP):
-            mine(k), theirs(k)
-        cpu = {"rankwise": [], "trl": []}
-        wall = {"rankwise": [], "trl": []}
-        diffs = []
-        for rep in range(REPS):
-            k = WARMUP + rep
-            order = [("rankwise", mine), ("trl", theirs)][:: 1 if rep % 2 == 0 else -1]
-            losses = {}
-            for name, fn in order:
-                c, w, losses[name] = _timed(fn, k)
-                cpu[name].append(c)
-                wall[name].append(w)
-            diffs.append(abs(losses["rankwise"] - losses["trl"]))
-        peak = {}
-        for name, fn in (("rankwise", mine), ("trl", theirs)):
-            with PeakMemory("cpu") as mem:
-                fn(WARMUP + REPS)
-            peak[name] = mem.peak_bytes / 2**20
-    med = {k: statistics.median(v) for k, v in cpu.items()}
-    return {"step_cpu_s": med, "step_wall_s": {k: statistics.median(v) for k, v in wall.items()},
-            "step_time_ratio": med["rankwise"] / med["trl"],
-            "peak_step_mb": peak, "memory_ratio": peak["rankwise"] / peak["trl"],
-            "first_loss": {"rankwise": first[0], "trl": first[1]},
-            "max_loss_diff_timed_steps": max(diffs),
-            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        return interleaved(*_steps(ours, trainer, tok, batches), WARMUP, REPS)
 
 
 def run(out: Path) -> dict:
