@@ -215,10 +215,6 @@ def measured_rows(out: Path, setup: dict) -> dict:
 def run(out: Path) -> dict:
     """Run the benchmark (fp32, bf16 and NF4 bases; rows already in ``out`` of the same setup are
     kept) and write ``out/results.json`` and ``out/results.md`` after each row."""
-    import peft
-    import transformers
-    import trl
-
     from rankwise.errors import require
     from rankwise.recipes.model import load_tokenizer
     for module in ("peft", "trl", "bitsandbytes"):
@@ -234,22 +230,32 @@ def run(out: Path) -> dict:
     try:
         tok = load_tokenizer("tiny-llama")
         data = _pairs(tok)
-        for kind in BASES:
-            if kind in rows:
-                continue
-            rows[kind] = _measure(tok, data, kind)
-            res = {**rows.get("float32", rows[kind]), "rows": dict(rows), "reps": REPS, "warmup": WARMUP,
-                   "setup": setup, "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
-                   "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                                "transformers": transformers.__version__, "peft": peft.__version__,
-                                "trl": trl.__version__, "bitsandbytes": __import__("bitsandbytes").__version__,
-                                "cpu_count": __import__("os").cpu_count()},
-                   "wall_s": time.perf_counter() - start}
-            atomic.write_json(out / "results.json", res)
-            atomic.write_bytes(out / "results.md", _markdown(res).encode())
+        record_rows(out, rows, setup, start, lambda kind: _measure(tok, data, kind), _markdown)
     finally:
         torch.set_num_threads(threads)
     return json.loads((out / "results.json").read_text())
+
+
+def record_rows(out: Path, rows: dict, setup: dict, start: float, measure, markdown) -> None:
+    """Measure each base of :data:`BASES` not yet in ``rows`` (``measure(kind) -> row``) and
+    rewrite ``results.json`` / ``results.md`` after each, so an interrupted run resumes (``bench
+    dpo`` and ``bench grpo`` record the same way)."""
+    import peft
+    import transformers
+    import trl
+    for kind in BASES:
+        if kind in rows:
+            continue
+        rows[kind] = measure(kind)
+        res = {**rows.get("float32", rows[kind]), "rows": dict(rows), "reps": REPS, "warmup": WARMUP,
+               "setup": setup, "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
+               "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "peft": peft.__version__,
+                            "trl": trl.__version__, "bitsandbytes": __import__("bitsandbytes").__version__,
+                            "cpu_count": __import__("os").cpu_count()},
+               "wall_s": time.perf_counter() - start}
+        atomic.write_json(out / "results.json", res)
+        atomic.write_bytes(out / "results.md", markdown(res).encode())
 
 
 def ordered(rows: dict) -> list:

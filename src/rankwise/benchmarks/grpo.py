@@ -18,15 +18,13 @@ live tensors one step adds (:mod:`rankwise.memory`). Losses of every timed step 
 from __future__ import annotations
 
 import copy
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from rankwise.benchmarks.dpo import (BASES, _base, check_fp32_adapters, fp32_adapters, interleaved,
-                                     measured_rows, ordered)
-from rankwise.core import atomic
+                                     measured_rows, ordered, record_rows)
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROMPTS, G, MAX_NEW, BETA, LR = 4, 8, 32, 0.04, 1e-4
@@ -133,10 +131,6 @@ def run(out: Path) -> dict:
     kept) and write ``out/results.json`` and ``results.md`` after each row."""
     import json
 
-    import peft
-    import transformers
-    import trl
-
     from rankwise.errors import require
     from rankwise.recipes.model import load_tokenizer
     for module in ("peft", "trl", "bitsandbytes"):
@@ -153,19 +147,7 @@ def run(out: Path) -> dict:
         tok = copy.deepcopy(load_tokenizer("tiny-llama"))
         tok.eos_token = tok.eos_token or tok.sep_token
         batches = _batches(tok, WARMUP + REPS + 1)
-        for kind in BASES:
-            if kind in rows:
-                continue
-            rows[kind] = _measure(tok, batches, kind)
-            res = {**rows.get("float32", rows[kind]), "rows": dict(rows), "reps": REPS, "warmup": WARMUP,
-                   "setup": setup, "targets": {"step_time_ratio": 1.0, "memory_ratio": 1.0},
-                   "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                                "transformers": transformers.__version__, "peft": peft.__version__,
-                                "trl": trl.__version__, "bitsandbytes": __import__("bitsandbytes").__version__,
-                                "cpu_count": __import__("os").cpu_count()},
-                   "wall_s": time.perf_counter() - start}
-            atomic.write_json(out / "results.json", res)
-            atomic.write_bytes(out / "results.md", _markdown(res).encode())
+        record_rows(out, rows, setup, start, lambda kind: _measure(tok, batches, kind), _markdown)
     finally:
         torch.set_num_threads(threads)
     return json.loads((out / "results.json").read_text())
