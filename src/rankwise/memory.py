@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 from typing import Iterator
 
 import torch
@@ -110,28 +112,49 @@ _PROFILER: list = []
 _ACTIVE_CUDA: list["PeakMemory"] = []  # CUDA meters, which share the device's peak counter
 
 
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold Ctrl-C back while the profiler starts or stops: a KeyboardInterrupt raised inside
+    kineto's start or stop leaves it half-registered, and the process then dies with SIGSEGV at
+    exit instead of exiting 130 with its checkpoint (10 runs in 95 did, before this). A SIGINT
+    that arrives meanwhile is only noted, and raised again under the old handler when the block
+    ends (masking the signal is not enough: one already received is raised at the next bytecode)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if held:
+            signal.raise_signal(signal.SIGINT)
+
+
 def _start_profiler() -> None:
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
+    with _ctrl_c_deferred(), _quiet_stderr():
         prof.__enter__()
-    _PROFILER.append(prof)
+        _PROFILER.append(prof)
 
 
 def _fold(restart: bool) -> None:
     """Stop the shared profiler, feed its allocation events to every active CPU meter, and
-    start it again if ``restart``."""
-    if _PROFILER:  # empty only if an interrupt landed between a stop and its restart
-        prof = _PROFILER.pop()
-        with _quiet_stderr():
-            prof.__exit__(None, None, None)
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]"
-                        and e.device_type() == torch.autograd.DeviceType.CPU)
-        for meter in _ACTIVE:
-            meter._add([n for _, n in events])
-    if restart:
-        _start_profiler()
+    start it again if ``restart`` (a Ctrl-C meanwhile is raised after all of it)."""
+    with _ctrl_c_deferred():
+        if _PROFILER:  # empty only if an interrupt left the profiler stopped
+            prof = _PROFILER.pop()
+            with _quiet_stderr():
+                prof.__exit__(None, None, None)
+            events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"
+                            and e.device_type() == torch.autograd.DeviceType.CPU)
+            for meter in _ACTIVE:
+                meter._add([n for _, n in events])
+        if restart:
+            _start_profiler()
 
 
 class PeakMemory:

@@ -53,3 +53,38 @@ def test_a_fit_folds_the_meter_after_every_step_and_peaks_at_one_steps_transient
         engine(loss_hooks={"big": transient}, callbacks=[MeasureMemory(meter)], grad_accum=2).fit(3)
     assert folds == [True, True, True, False]        # one fold per step, then the final one
     assert MB4 <= meter.peak_bytes < MB4 + 64 * 1024
+
+
+def test_ctrl_c_during_a_profiler_fold_is_raised_after_it_not_inside_it(monkeypatch):
+    """A KeyboardInterrupt inside kineto's start/stop killed the process with SIGSEGV at exit
+    (the CI run of stop 30): the fold holds Ctrl-C back and raises it when the profiler is
+    consistent again."""
+    import signal
+
+    import pytest
+
+    import rankwise.memory as memory
+
+    stops = []
+    real_fold = memory._fold
+
+    def fold_with_ctrl_c(restart):
+        monkeypatch.setattr(memory, "_fold", real_fold)  # this fold only
+        prof = memory._PROFILER[-1]
+        real_exit = prof.__exit__
+
+        def exit_hit_by_ctrl_c(*exc):
+            signal.raise_signal(signal.SIGINT)  # arrives while kineto stops
+            stops.append(real_exit(*exc))
+        monkeypatch.setattr(prof, "__exit__", exit_hit_by_ctrl_c)
+        real_fold(restart)
+
+    with pytest.raises(KeyboardInterrupt):
+        with PeakMemory("cpu") as meter:
+            keep = torch.ones(1000, 1000)
+            monkeypatch.setattr(memory, "_fold", fold_with_ctrl_c)
+            meter.flush()  # raises once the fold is whole: stopped, counted, restarted
+    assert stops == [None] and memory._PROFILER == []  # and stopped by the meter's exit
+    assert meter.peak_bytes == MB4  # the events up to the interrupt were still counted
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    del keep
