@@ -119,7 +119,8 @@ def _ctrl_c_deferred() -> Iterator[None]:
     exit instead of exiting 130 with its checkpoint (10 runs in 95 did, before this). A SIGINT
     that arrives meanwhile is only noted, and raised again under the old handler when the block
     ends (masking the signal is not enough: one already received is raised at the next bytecode)."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is None:  # a handler set outside Python: leave it be
         yield
         return
     held: list[int] = []
