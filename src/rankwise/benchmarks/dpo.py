@@ -263,11 +263,12 @@ def ordered(rows: dict) -> list:
     return sorted(rows.items(), key=lambda kv: BASES.index(kv[0]) if kv[0] in BASES else len(BASES))
 
 
-def _markdown(res: dict) -> str:
-    v = res["versions"]
+def vs_trl_table(rows: dict, unstamped: str = "?") -> list[str]:
+    """The ratio table of a bench against TRL + PEFT (``bench dpo``, ``bench grpo``) and the
+    line of first-step losses under it; ``unstamped`` stands for a row recorded without a date."""
     table = ["| base | measure (CPU time, 1 thread) | rankwise | TRL + PEFT | ratio | target |",
              "|---|---|---:|---:|---:|---:|"]
-    for kind, row in ordered(res["rows"]):
+    for kind, row in ordered(rows):
         s, m = row["step_cpu_s"], row["peak_step_mb"]
         table += [f"| {kind} | train step, median s | {s['rankwise']:.4f} | {s['trl']:.4f} | "
                   f"{row['step_time_ratio']:.3f} | <= 1.0 |",
@@ -275,8 +276,13 @@ def _markdown(res: dict) -> str:
                   f"{row['memory_ratio']:.3f} | <= 1.0 |"]
     losses = [f"{k}: first-step loss rankwise {r['first_loss']['rankwise']:.6f}, TRL "
               f"{r['first_loss']['trl']:.6f}, max |difference| over the timed steps "
-              f"{r['max_loss_diff_timed_steps']:.2e} (measured {r.get('measured_at', '?')})"
-              for k, r in ordered(res["rows"])]
+              f"{r['max_loss_diff_timed_steps']:.2e} (measured {r.get('measured_at', unstamped)})"
+              for k, r in ordered(rows)]
+    return [*table, "", "; ".join(losses) + "."]
+
+
+def _markdown(res: dict) -> str:
+    v = res["versions"]
     return "\n".join([
         "# DPO: rankwise LoRA + dpo task vs TRL DPO loss + PEFT LoRA", "",
         "Command: `OMP_NUM_THREADS=1 flock /tmp/bench.lock rankwise bench dpo --out bench/results/dpo`", "",
@@ -287,7 +293,7 @@ def _markdown(res: dict) -> str:
         "same codes on both sides), adapters fp32 on both sides (checked; TRL's own cast of "
         "adapters to bf16 on a quantized base is undone), no autocast. "
         f"{REPS} interleaved repetitions after {WARMUP} warm-up steps; medians; one process.", "",
-        *table, "", "; ".join(losses) + ".", "",
+        *vs_trl_table(res["rows"]), "",
         "TRL's step here is `DPOTrainer._compute_loss` + backward + AdamW (its collator, accelerate "
         "and logging loop are not timed). Where the difference comes from (read from TRL 1.16's "
         "code, not profiled): TRL's fused LM head also computes, at every position and over the "

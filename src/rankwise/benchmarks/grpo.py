@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rankwise.benchmarks.dpo import (BASES, _base, check_fp32_adapters, fp32_adapters, interleaved,
-                                     measured_rows, ordered, record_rows)
+                                     measured_rows, record_rows, vs_trl_table)
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROMPTS, G, MAX_NEW, BETA, LR = 4, 8, 32, 0.04, 1e-4
@@ -155,18 +155,6 @@ def run(out: Path) -> dict:
 
 def _markdown(res: dict) -> str:
     v = res["versions"]
-    table = ["| base | measure (CPU time, 1 thread) | rankwise | TRL + PEFT | ratio | target |",
-             "|---|---|---:|---:|---:|---:|"]
-    for dtype, row in ordered(res["rows"]):
-        s, m = row["step_cpu_s"], row["peak_step_mb"]
-        table += [f"| {dtype} | train step, median s | {s['rankwise']:.4f} | {s['trl']:.4f} | "
-                  f"{row['step_time_ratio']:.3f} | <= 1.0 |",
-                  f"| {dtype} | peak step memory, MiB | {m['rankwise']:.1f} | {m['trl']:.1f} | "
-                  f"{row['memory_ratio']:.3f} | <= 1.0 |"]
-    losses = [f"{d}: first-step loss rankwise {r['first_loss']['rankwise']:.6f}, TRL "
-              f"{r['first_loss']['trl']:.6f}, max |difference| over the timed steps "
-              f"{r['max_loss_diff_timed_steps']:.2e} (measured {r.get('measured_at', 'before NF4 was added')})"
-              for d, r in ordered(res["rows"])]
     return "\n".join([
         "# GRPO: rankwise LoRA + grpo task vs TRL GRPOTrainer + PEFT LoRA", "",
         "Command: `OMP_NUM_THREADS=1 flock /tmp/bench.lock rankwise bench grpo --out bench/results/grpo`", "",
@@ -177,7 +165,7 @@ def _markdown(res: dict) -> str:
         "4-bit, bf16 compute and storage, double quantization, the same codes on both sides, TRL's "
         f"own cast of adapters to bf16 on a quantized base undone), AdamW. {REPS} "
         f"interleaved repetitions after {WARMUP} warm-up steps; medians; one process.", "",
-        *table, "", "; ".join(losses) + ".", "",
+        *vs_trl_table(res["rows"], "before NF4 was added"), "",
         "Sampling is left out on both sides (both call transformers' `generate`); the step is scoring, "
         "advantages, the reference forward, the policy forward + loss, backward and AdamW. TRL's "
         "trainer loop, accelerate and logging are not timed. The machine is shared with other jobs: "
