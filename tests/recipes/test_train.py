@@ -113,8 +113,9 @@ def _write_cfg(tmp: Path, steps: int) -> Path:
 
 
 def default_sigint() -> None:
-    """Give the child the Ctrl-C a terminal gives: an ignored SIGINT is inherited across exec,
-    and a library run earlier in the same pytest worker may have left it ignored there."""
+    """Give the child the Ctrl-C a terminal gives: an ignored SIGINT is inherited across exec, and
+    the suite itself may run with it ignored - a non-interactive shell starts background jobs
+    (``make test &``, ``( ... ) &``) with SIGINT set to SIG_IGN, and Python then keeps it ignored."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
