@@ -23,12 +23,14 @@ demo: $(STAMP)
 	$(BIN)/rankwise demo
 
 # two workers (the CI machine has 2 cores); a test file stays on one worker, so its module
-# fixtures are built once
+# fixtures are built once; files go out in collection order, which tests/conftest.py starts
+# with the files that start processes (the longest), so the short ones even out the end
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -ra $(XDIST)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -ra $(XDIST) -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/rankwise bench lora-vs-peft --out bench/results/lora-vs-peft

@@ -15,10 +15,17 @@ import yaml
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(items) -> None:
-    """A test that starts processes (``integration``) is never in the unit tier: it is ``slow`` too."""
+    """A test that starts processes (``integration``) is never in the unit tier: it is ``slow`` too.
+
+    The files that start processes run first: ``make test`` hands whole files to two workers in
+    collection order (``--dist loadfile --no-loadscope-reorder``), so the long files are shared
+    out at the start and the many short ones even out the end (with xdist's default order - most
+    tests first - the torchrun files came last and one worker ran ~50 s alone)."""
     for item in items:
         if item.get_closest_marker("integration") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+    starts = {item.path for item in items if item.get_closest_marker("integration")}
+    items.sort(key=lambda item: item.path not in starts)  # stable: file order kept otherwise
 
 
 # Real text nobody here wrote: docstrings of public functions/classes of a few stdlib modules.
