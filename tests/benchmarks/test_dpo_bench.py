@@ -1,6 +1,7 @@
-"""The measuring shared by ``bench dpo`` and ``bench grpo``: both sides step from the same step
-index, the timed repetitions alternate which side goes first, ratios are rankwise over TRL, and
-rows are written one at a time so an interrupted run measures only what is missing."""
+"""The measuring shared by ``bench dpo`` and ``bench grpo``: the peer's PEFT LoRA starts from our
+factors, both sides step from the same step index, the timed repetitions alternate which side
+goes first, ratios are rankwise over TRL, and rows are written one at a time so an interrupted run
+measures only what is missing."""
 from __future__ import annotations
 
 import json
@@ -68,3 +69,23 @@ def test_rows_are_written_one_by_one_and_kept_by_the_next_run(tmp_path):
     assert lines[2].endswith("| 0.500 | <= 1.0 |") and lines[7].endswith("| 0.750 | <= 1.0 |")
     assert lines[-1].startswith("float32: first-step loss rankwise 2.000000, TRL 2.000000")
     assert "(measured ?)" in lines[-1]  # these rows carry no date
+
+
+def test_the_peer_starts_from_our_factors():
+    import peft
+
+    from rankwise.adapters.lora import LoraConfig, apply_lora
+    from rankwise.core.protocol import adapter_modules, factors
+    ours = dpo._base(64, "float32")
+    apply_lora(ours, LoraConfig(r=dpo.R, alpha=dpo.ALPHA, targets=dpo.TARGETS, dropout=0.0))
+    torch.nn.init.normal_(next(m for _, m in adapter_modules(ours)).lora_B["default"].weight)  # B != 0
+    peer = peft.get_peft_model(dpo._base(64, "float32"), peft.LoraConfig(
+        r=dpo.R, lora_alpha=dpo.ALPHA, target_modules=dpo.TARGETS, lora_dropout=0.0))
+    dpo.same_factors(ours, peer)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.allclose(ours(input_ids=ids).logits, peer(input_ids=ids).logits, atol=1e-6)
+    named = dict(peer.named_modules())
+    assert len(list(adapter_modules(ours))) == 4 * len(dpo.TARGETS)
+    for path, mod in adapter_modules(ours):
+        assert torch.equal(named["base_model.model." + path].lora_A["default"].weight, factors(mod, "default")[0])

@@ -103,7 +103,6 @@ def _build(tok, tmp: Path, kind: str = "float32"):
     from datasets import Dataset
 
     from rankwise.adapters.lora import LoraConfig, apply_lora
-    from rankwise.core.protocol import adapter_modules, factors
     ours = _base(len(tok), kind)
     apply_lora(ours, LoraConfig(r=R, alpha=ALPHA, targets=TARGETS, dropout=0.0))
     args = trl.DPOConfig(output_dir=str(tmp), beta=BETA, loss_type=["sigmoid"], report_to=[],
@@ -115,14 +114,20 @@ def _build(tok, tmp: Path, kind: str = "float32"):
                              processing_class=tok, peft_config=peft.LoraConfig(
                                  r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0))
     fp32_adapters(trainer.model)
-    named = dict(trainer.model.named_modules())
+    same_factors(ours, trainer.model)
+    return ours.train(), trainer
+
+
+def same_factors(ours, peer) -> None:
+    """Give the peer's PEFT LoRA our LoRA's factors (both sides then start from the same weights)."""
+    from rankwise.core.protocol import adapter_modules, factors
+    named = dict(peer.named_modules())
     with torch.no_grad():
         for path, mod in adapter_modules(ours):
             a, b = factors(mod, "default")
             layer = named["base_model.model." + path]
             layer.lora_A["default"].weight.copy_(a)
             layer.lora_B["default"].weight.copy_(b)
-    return ours.train(), trainer
 
 
 def _steps(ours, trainer, data):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rankwise.benchmarks.dpo import (BASES, _base, check_fp32_adapters, fp32_adapters, interleaved,
-                                     measured_rows, record_rows, vs_trl_table)
+                                     measured_rows, record_rows, same_factors, vs_trl_table)
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROMPTS, G, MAX_NEW, BETA, LR = 4, 8, 32, 0.04, 1e-4
@@ -56,7 +56,6 @@ def _build(tok, tmp: Path, kind: str = "float32"):
     from datasets import Dataset
 
     from rankwise.adapters.lora import LoraConfig, apply_lora
-    from rankwise.core.protocol import adapter_modules, factors
     from rankwise.engine.rewards import length_penalty
     ours = _base(len(tok), kind)  # bf16 / NF4: the base only; both sides keep fp32 adapters
     apply_lora(ours, LoraConfig(r=R, alpha=ALPHA, targets=TARGETS, dropout=0.0))
@@ -69,13 +68,7 @@ def _build(tok, tmp: Path, kind: str = "float32"):
                                                           lora_dropout=0.0))
     trainer.current_gradient_accumulation_steps = 1
     fp32_adapters(trainer.model)
-    named = dict(trainer.model.named_modules())
-    with torch.no_grad():
-        for path, mod in adapter_modules(ours):
-            a, b = factors(mod, "default")
-            layer = named["base_model.model." + path]
-            layer.lora_A["default"].weight.copy_(a)
-            layer.lora_B["default"].weight.copy_(b)
+    same_factors(ours, trainer.model)
     return ours.train(), trainer
 
 
