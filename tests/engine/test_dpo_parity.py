@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
+from rankwise.benchmarks.dpo import same_factors
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.engine.preference import DPOConfig, DPOTask, completion_logps, dpo_losses
 from rankwise.testing import VOCAB, tiny_llama_lm
@@ -43,16 +44,12 @@ def models(tmp_path, loss: str, beta: float):
     trainer = trl_trainer(copy.deepcopy(base), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0), loss, beta, tmp_path)
     g = torch.Generator().manual_seed(5)
-    named = dict(trainer.model.named_modules())
     assert "ref" not in trainer.model.peft_config  # the reference is the adapters switched off
-    for path, mod in adapter_modules(ours):
-        a, b = factors(mod, "default")
-        with torch.no_grad():
-            a.copy_(torch.randn(a.shape, generator=g) * 0.3)
-            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-            layer = named["base_model.model." + path]
-            layer.lora_A["default"].weight.copy_(a)
-            layer.lora_B["default"].weight.copy_(b)
+    with torch.no_grad():
+        for _, mod in adapter_modules(ours):  # non-zero B, so the adapters matter
+            for w in factors(mod, "default"):
+                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
+    same_factors(ours, trainer.model)
     return ours.train(), trainer
 
 

@@ -12,6 +12,7 @@ import torch
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
+from rankwise.benchmarks.dpo import same_factors
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.data.prompts import PromptData
 from rankwise.engine.grpo import GRPOConfig, GRPOTask, group_advantages
@@ -60,15 +61,11 @@ def models(tmp_path, loss_type: str, beta: float):
                               processing_class=tokenizer(), peft_config=peft.LoraConfig(
                                   r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
     g = torch.Generator().manual_seed(5)
-    named = dict(trainer.model.named_modules())
-    for path, mod in adapter_modules(ours):
-        a, b = factors(mod, "default")
-        with torch.no_grad():
-            a.copy_(torch.randn(a.shape, generator=g) * 0.3)
-            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-            layer = named["base_model.model." + path]
-            layer.lora_A["default"].weight.copy_(a)
-            layer.lora_B["default"].weight.copy_(b)
+    with torch.no_grad():
+        for _, mod in adapter_modules(ours):  # non-zero B, so the adapters matter
+            for w in factors(mod, "default"):
+                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
+    same_factors(ours, trainer.model)
     return ours.train(), trainer
 
 
