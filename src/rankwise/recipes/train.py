@@ -76,12 +76,9 @@ class Session:
         """The :class:`~rankwise.engine.Engine` configured by ``cfg.train``."""
         t = self.cfg.train
         return Engine(self.model, self.task, self.optimizer, self.train_data, t.batch_size,
-                      seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
-                      grad_clip=t.grad_clip, precision=t.precision, device=self.device,
-                      callbacks=callbacks or [], dist=self.dist,
-                      offload_activations=t.offload_activations,
-                      per_layer=getattr(self.cfg.optim, "per_layer", False),
-                      schedule=self.schedule())
+                      seed=t.seed, scheduler=self.scheduler, device=self.device,
+                      callbacks=callbacks or [], dist=self.dist, schedule=self.schedule(),
+                      **engine_settings(self.cfg))
 
     def schedule(self) -> Skrull | None:
         """The step schedule of ``data.schedule`` for this process (``None``: draw order)."""
@@ -110,6 +107,24 @@ class Session:
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
         return self.engine().evaluate(self.eval_data, self.cfg.train.eval_batch_size)
+
+
+def engine_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The :class:`~rankwise.engine.Engine` arguments a run config sets, for every loop that
+    trains a run's model: :meth:`Session.engine` and the federated clients' local training
+    (``rankwise.federated.task.local_train``), so a setting cannot reach one and not the other.
+
+    Args:
+        cfg: A validated run config (``train.grad_clip`` already resolved from ``auto``).
+
+    Returns:
+        ``grad_accum``, ``grad_clip``, ``precision``, ``offload_activations`` and ``per_layer``
+        (``optim.per_layer``) as keyword arguments.
+    """
+    t = cfg.train
+    return {"grad_accum": t.grad_accum, "grad_clip": t.grad_clip, "precision": t.precision,
+            "offload_activations": t.offload_activations,
+            "per_layer": getattr(cfg.optim, "per_layer", False)}
 
 
 def check_distributed(cfg: RunConfig, dist: Distributed) -> None:
