@@ -12,7 +12,7 @@ import torch
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
-from rankwise.benchmarks.dpo import same_factors
+from rankwise_bench.dpo import same_factors
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.data.prompts import PromptData
 from rankwise.engine.grpo import GRPOConfig, GRPOTask, group_advantages
