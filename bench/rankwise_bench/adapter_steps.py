@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from rankwise_bench.demo_runs import write
+from rankwise_bench.common import write
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "compare-tuned.yaml"
 ROWS = ("lora", "moe-lora", "smore", "lope", "fvae-lora", "prompt-tuning", "pt-moe", "capt")

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rankwise_bench.demo_runs import pct, write
+from rankwise_bench.common import pct, write
 from rankwise.core import weights as layer_weights
 from rankwise.obfuscation import ObfuscateConfig, memory_report, obfuscate, protect
 

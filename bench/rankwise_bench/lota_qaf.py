@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from rankwise.adapters.lota import LotaLayer, QuantLinear, quantize_linears
-from rankwise_bench.demo_runs import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
+from rankwise_bench.common import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
                                            mib, pct, run_row, summarise, with_settings, write)
 from rankwise.core import merge_adapters
 from rankwise.core import weights as layer_weights
@@ -162,5 +162,5 @@ def run(out: Path, settings: Settings | None = None) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from rankwise_bench.demo_runs import main
+    from rankwise_bench.common import main
     sys.exit(main(run, tuple(ROWS)))

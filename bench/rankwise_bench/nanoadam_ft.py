@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.demo_runs import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
+from rankwise_bench.common import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
                                            mib, pct, run_row, summarise, with_settings, write)
 from rankwise.data.demo import load_demo_records
 
@@ -119,5 +119,5 @@ def run(out: Path, settings: Settings | None = None) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from rankwise_bench.demo_runs import main
+    from rankwise_bench.common import main
     sys.exit(main(run, tuple(ROWS)))

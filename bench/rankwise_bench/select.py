@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.demo_runs import DEMO_BASE, accuracy
+from rankwise_bench.common import DEMO_BASE, accuracy
 
 TARGET = ("email", "http")
 TARGET_SIZE = 32

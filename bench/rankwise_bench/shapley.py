@@ -2,7 +2,7 @@
 Model Shapley (``method: {name: full, select: shapley, fraction: 0.1}``) vs by |g|, |g·θ| and at
 random at the same fraction, and full fine-tuning (docs/inspect.md).
 
-Every row runs through ``rankwise train``'s pipeline on the demo task (demo_runs.DEMO_BASE: the
+Every row runs through ``rankwise train``'s pipeline on the demo task (common.DEMO_BASE: the
 packaged MiniLM, batches of 32, sequences of 32 tokens; ``--steps`` shortens it) with AdamW at one
 learning rate, 2e-4, for all rows (no per-row tuning); the neuron scores use
 ``train.calibration_batches: 2`` (64 examples; Model Shapley takes one backward per example for
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.demo_runs import (DEMO_BASE, Settings, chosen_rows, markdown_table, pct, run_row,
+from rankwise_bench.common import (DEMO_BASE, Settings, chosen_rows, markdown_table, pct, run_row,
                                            summarise, with_settings, write)
 
 LR = 2e-4
@@ -69,5 +69,5 @@ def run(out: Path, settings: Settings | None = None) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from rankwise_bench.demo_runs import main
+    from rankwise_bench.common import main
     sys.exit(main(run, tuple(ROWS)))

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rankwise_bench.demo_runs import Settings, main
+from rankwise_bench.common import Settings, main
 from rankwise_bench import lota_qaf, nanoadam_ft
 
 TOY = Settings(seeds=1, steps=2, model="tiny-bert", limit=64)
