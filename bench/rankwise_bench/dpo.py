@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rankwise.core import atomic
+from rankwise.testing import same_factors
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
 PAIRS, MAX_LEN, BATCH, BETA, LR = 64, 96, 8, 0.1, 1e-4
@@ -116,18 +117,6 @@ def _build(tok, tmp: Path, kind: str = "float32"):
     fp32_adapters(trainer.model)
     same_factors(ours, trainer.model)
     return ours.train(), trainer
-
-
-def same_factors(ours, peer) -> None:
-    """Give the peer's PEFT LoRA our LoRA's factors (both sides then start from the same weights)."""
-    from rankwise.core.protocol import adapter_modules, factors
-    named = dict(peer.named_modules())
-    with torch.no_grad():
-        for path, mod in adapter_modules(ours):
-            a, b = factors(mod, "default")
-            layer = named["base_model.model." + path]
-            layer.lora_A["default"].weight.copy_(a)
-            layer.lora_B["default"].weight.copy_(b)
 
 
 def _steps(ours, trainer, data):

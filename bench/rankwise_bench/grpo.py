@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.dpo import (BASES, _base, check_fp32_adapters, fp32_adapters, interleaved,
-                                     measured_rows, record_rows, same_factors, vs_trl_table)
+from rankwise.testing import same_factors
+from rankwise_bench.dpo import (BASES, _base, check_fp32_adapters, fp32_adapters, interleaved, measured_rows,
+                                record_rows, vs_trl_table)
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROMPTS, G, MAX_NEW, BETA, LR = 4, 8, 32, 0.04, 1e-4

@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from rankwise.testing import same_factors
 from rankwise_bench import dpo
 
 
@@ -81,7 +82,7 @@ def test_the_peer_starts_from_our_factors():
     torch.nn.init.normal_(next(m for _, m in adapter_modules(ours)).lora_B["default"].weight)  # B != 0
     peer = peft.get_peft_model(dpo._base(64, "float32"), peft.LoraConfig(
         r=dpo.R, lora_alpha=dpo.ALPHA, target_modules=dpo.TARGETS, lora_dropout=0.0))
-    dpo.same_factors(ours, peer)
+    same_factors(ours, peer)
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         assert torch.allclose(ours(input_ids=ids).logits, peer(input_ids=ids).logits, atol=1e-6)
