@@ -14,12 +14,11 @@ import copy
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
-from rankwise_bench.common import write
+from rankwise_bench.common import ROOT, torch_threads, write_results
 
-CONFIG = Path(__file__).resolve().parents[2] / "examples" / "compare-tuned.yaml"
+CONFIG = ROOT / "examples" / "compare-tuned.yaml"
 ROWS = ("lora", "moe-lora", "smore", "lope", "fvae-lora", "prompt-tuning", "pt-moe", "capt")
 TARGET = {"moe-lora": 2.0, "smore": 2.0}
 
@@ -55,32 +54,32 @@ def run(out: Path, steps: int = 10, rows: tuple[str, ...] = ROWS, config: Path =
     raw = yaml.safe_load(Path(config).read_text())
     extras = raw.pop("compare", None) or {}
     raw["train"]["steps"] = steps + 1
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        result: dict[str, dict] = {}
+    result: dict[str, dict] = {}
+    with torch_threads(1):
         for row in dict.fromkeys(("lora", *rows)):
             over = {k: v for k, v in (extras.get(row) or {}).items() if k != "lr_grid"}
             secs, trainable = step_time(row_config(copy.deepcopy(raw), row, over), steps)
             result[row] = {"step_s": round(secs, 4), "trainable": trainable}
-    finally:
-        torch.set_num_threads(threads)
     base = result["lora"]["step_s"]
     for r in result.values():
         r["ratio"] = round(r["step_s"] / base, 3)
-    lines = ["# adapter-steps", "",
-             f"CPU time per training step on one torch thread ({steps} steps after one warm-up), "
-             f"MiniLM on the demo task at the budgets of `{Path(config).name}`; target: routed "
-             "adapters <= 2.0x LoRA.", "",
-             "| row | trainable | s/step (CPU) | / LoRA | target |", "|---|---:|---:|---:|---|"]
-    for row, r in result.items():
-        target = TARGET.get(row)
-        verdict = "" if target is None else ("held" if r["ratio"] <= target else "did not hold") + f" (<= {target}x)"
-        lines.append(f"| {row} | {r['trainable']:,} | {r['step_s']:.3f} | {r['ratio']:.2f} | {verdict} |")
-    md = "\n".join(lines) + "\n"
     payload = {"steps": steps, "threads": 1, "config": Path(config).name, "rows": result}
-    write(Path(out), payload, md)
+    write_results(Path(out), payload, markdown(payload))
     return payload
 
 
-__all__ = ["run", "step_time", "ROWS", "TARGET"]
+def markdown(payload: dict) -> str:
+    """``results.md`` from the record: each row's step time and its ratio to LoRA's."""
+    lines = ["# adapter-steps", "",
+             f"CPU time per training step on one torch thread ({payload['steps']} steps after one warm-up), "
+             f"MiniLM on the demo task at the budgets of `{payload['config']}`; target: routed "
+             "adapters <= 2.0x LoRA.", "",
+             "| row | trainable | s/step (CPU) | / LoRA | target |", "|---|---:|---:|---:|---|"]
+    for row, r in payload["rows"].items():
+        target = TARGET.get(row)
+        verdict = "" if target is None else ("held" if r["ratio"] <= target else "did not hold") + f" (<= {target}x)"
+        lines.append(f"| {row} | {r['trainable']:,} | {r['step_s']:.3f} | {r['ratio']:.2f} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["markdown", "run", "step_time", "ROWS", "TARGET"]

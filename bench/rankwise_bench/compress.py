@@ -5,7 +5,7 @@
    its held-out docstrings; calibration = windows of its training docstrings.
 2. **Small Llama on stdlib source**: the low-rank pretraining benchmark's model
    (:func:`rankwise_bench.lowrank_pretrain.build_model`, byte tokens) trained here with
-   AdamW on :func:`~rankwise_bench.lowrank_pretrain.load_corpus`'s training modules;
+   AdamW on :func:`~rankwise_bench.corpus.load_corpus`'s training modules;
    quality = perplexity per byte on its held-out modules; calibration = training windows.
    Its weights are built by the benchmark and deleted afterwards, never committed.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import platform
 import shutil
@@ -34,6 +33,7 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.engine import Engine, evaluate, get_task
 from rankwise.recipes.compress import Windows, measure, token_windows
+from rankwise_bench.common import write_results
 
 
 @dataclass
@@ -120,8 +120,9 @@ KV_ROWS = (("fp", 16), ("nsnquant", 1), ("nsnquant", 2), ("kivi", 1), ("kivi", 2
 
 def _llama(s: Sizes, console) -> tuple[torch.nn.Module, torch.Tensor, Windows, dict]:
     """Train the small Llama; return it with calibration and held-out byte windows."""
+    from rankwise_bench.corpus import load_corpus
     from rankwise_bench.lowrank_pretrain import Sizes as PretrainSizes
-    from rankwise_bench.lowrank_pretrain import build_model, load_corpus
+    from rankwise_bench.lowrank_pretrain import build_model
     train, held, info = load_corpus()
     shape = dataclasses.replace(PretrainSizes(), hidden=s.llama_hidden, layers=s.llama_layers,
                                 heads=s.llama_heads, intermediate=s.llama_intermediate,
@@ -313,13 +314,13 @@ def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
         if not s.keep_models:
             shutil.rmtree(work, ignore_errors=True)
     results["wall_s"] = time.time() - began
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(_markdown(results))
+    write_results(out, results, markdown(results))
     _plot(results, out / "quality_vs_bytes.png")
     return results
 
 
-def _markdown(results: dict) -> str:
+def markdown(results: dict) -> str:
+    """``results.md`` from the record."""
     s = results["sizes"]
     md = ["# compress", "",
           f"Python {results['python']}, torch {results['torch']}, {results['machine']}; "

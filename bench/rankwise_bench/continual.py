@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rankwise.core import atomic
+from rankwise_bench.common import write_results
 
 ORDERS = ((0, 1, 2, 3), (3, 2, 1, 0), (2, 0, 3, 1))
 ROWS = ("hrm-pet", "key-match", "sequential", "joint")
@@ -86,14 +87,23 @@ def report(out: Path) -> dict:
     result = {"python": python_version(), "torch": torch.__version__, "config": config,
               "tasks": base, "orders": [list(o) for o in ORDERS], "pieces": sorted(f"{r}-{o}" for r, o in records),
               "rows": table, "rematch": rematch}
-    atomic.write_json(out / "results.json", result)
-    cfg = config or {}
+    write_results(out, result, markdown(result))
+    if table:
+        _plot(table, out / "accuracy.png")
+    return result
+
+
+def markdown(result: dict) -> str:
+    """``results.md`` from the record (the summary of the pieces that :func:`report` read)."""
+    cfg, rematch = result["config"] or {}, result["rematch"]
+    names = [f"{row} [{rule}]" for row, rule in REPORT]   # REPORT's order (a record's keys may be sorted)
+    table = {n: result["rows"][n] for n in names if n in result["rows"]}
     lines = ["# rankwise bench continual (HRM-PET)", "",
              f"Demo task (MiniLM, 8 stdlib packages) as 4 tasks of 2 classes, class-incremental; "
              f"{cfg.get('steps_per_task')} steps x {cfg.get('batch_size')} per task, "
              f"{cfg.get('eval_per_class')} eval examples per class; task orders {[list(o) for o in ORDERS]} "
              f"(joint: one run). Python {result['python']}, torch {result['torch']}. Quality only. "
-             f"Pieces present: {len(records)} of {len(ORDERS) * (len(ROWS) - 1) + 1}.", "",
+             f"Pieces present: {len(result['pieces'])} of {len(ORDERS) * (len(ROWS) - 1) + 1}.", "",
              "| row [inference rule] | orders | average accuracy % (mean ± std over orders) | forgetting % |",
              "|---|---:|---:|---:|"]
     for name, t in table.items():
@@ -104,15 +114,12 @@ def report(out: Path) -> dict:
         lines.append(f"- {name}: " + ", ".join(f"{100 * a:.1f}" for a in t["average_accuracy"]))
     lines += ["", "Re-matching counts per evaluation point (examples switched by the direct rule; examples "
               "below tau tried by the confidence rule):", ""]
-    for row, recs in rematch.items():
-        for r in recs:
+    for row in ("hrm-pet", "key-match"):
+        for r in rematch.get(row, []):
             if r:
                 lines.append(f"- {row}: switched {r['switched']}, unsure {r['unsure']}, "
                              f"key-matching task accuracy {[round(a, 3) for a in r['match_task_accuracy']]}")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    if table:
-        _plot(table, out / "accuracy.png")
-    return result
+    return "\n".join(lines) + "\n"
 
 
 def _plot(table: dict, path: Path) -> None:

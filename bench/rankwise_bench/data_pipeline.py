@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rankwise_bench.common import worker_env, write_results
+
 SIZES = (100_000, 1_000_000)
 MAX_LENGTH, BATCH, STEPS, TRAIN_BATCH = 128, 32, 5, 8  # TRAIN_BATCH: blocks per training step
 RSS_TARGET = 1.2  # peak RSS at SIZES[1] / at SIZES[0], at most
@@ -168,7 +170,7 @@ def _lists_worker(path: Path, cache: Path) -> dict:
 def _worker(kind: str, n: int, folder: Path) -> dict:
     """Run one measurement in a fresh interpreter and return its JSON result."""
     result = folder / f"{kind}-{n}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = worker_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "rankwise_bench.data_pipeline", kind, str(folder / f"{n}.jsonl"),
            str(folder / f"cache-{kind}-{n}"), str(result)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -177,7 +179,8 @@ def _worker(kind: str, n: int, folder: Path) -> dict:
     return json.loads(result.read_text())
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     rows, lists = res["rankwise"], res["python_lists"]
     small, big = (str(n) for n in SIZES)
     out = ["# Data pipeline: 100k vs 1M prompt-completion records", "",
@@ -231,7 +234,6 @@ def run(out: Path) -> dict:
     Returns:
         The results (per size: times, throughput, memory peaks, pad fractions).
     """
-    from rankwise.core import atomic
     out = Path(out)
     folder = Path(tempfile.mkdtemp(prefix="rankwise-data-pipeline-"))
     try:
@@ -251,9 +253,7 @@ def run(out: Path) -> dict:
     res["anon_ratio_prep"] = big["peak_prep"]["anon"] / small["peak_prep"]["anon"]
     res["rss_target"] = RSS_TARGET
     res["rss_target_held"] = max(res["rss_ratio_prep"], res["rss_ratio_train"]) <= RSS_TARGET
-    out.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(out, res, markdown(res))
     return res
 
 

@@ -2,7 +2,7 @@
 scratch and a width-pruned + distilled student (Minitron-style), at equal training tokens.
 
 The teacher is a byte-level Llama that the benchmark pretrains on the standard library's
-training modules (:func:`rankwise_bench.lowrank_pretrain.data.corpus_windows`, vocabulary
+training modules (:func:`rankwise_bench.corpus.corpus_windows`, vocabulary
 256, so perplexity is per byte). Every student has the teacher's depth, heads, head size and
 FFN width and half its hidden size, sees the same windows in the same order (one epoch, a
 seed of its own, not the teacher's), and is evaluated on the same held-out windows at each
@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rankwise_bench.lowrank_pretrain.data import corpus_windows
 from rankwise.compress.clone import LowRankClone, kl_teacher_student, student_config
 from rankwise.engine import Engine, evaluate, get_task
+from rankwise_bench.common import llama, write_results
+from rankwise_bench.corpus import corpus_windows
+from rankwise_bench.distill_report import markdown, plot
 
 
 @dataclass
@@ -110,13 +112,8 @@ class LogitDistilled(nn.Module):
 
 def build_teacher(s: BenchSizes) -> nn.Module:
     """The teacher's seeded random initialisation."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.heads,
-                      max_position_embeddings=s.seq, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
+    return llama(256, s.hidden, s.layers, s.heads, s.intermediate, positions=s.seq, seed=0,
+                 bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
 
 
 def channel_importance(teacher: nn.Module, windows) -> torch.Tensor:
@@ -249,9 +246,7 @@ def run(out: Path, sizes: BenchSizes | None = None, only: tuple[str, ...] = ()) 
         print(f"bench distill: pieces still to run: {missing}")
         return {"missing": missing}
     result = _results(s, info, pieces)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    from rankwise_bench.distill_report import markdown, plot
-    (out / "results.md").write_text(markdown(result))
+    write_results(out, result, markdown(result))
     plot(result, out / "heldout_ppl.png")
     shutil.rmtree(work, ignore_errors=True)
     return result

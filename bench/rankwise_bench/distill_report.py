@@ -26,7 +26,7 @@ def markdown(r: dict) -> str:
              f"on {s['eval_windows']} windows of {s['seq']} bytes from held-out modules.",
              f"Students: hidden {s['student_hidden']} (teacher's depth, heads, head size, FFN); "
              f"batch {s['batch']} x {s['seq']} bytes; AdamW, 10% warm-up then constant; learning rate "
-             f"best of {s['lrs']} by the final held-out loss. Python {r['python']}, torch {r['torch']}, "
+             f"best of {tuple(s['lrs'])} by the final held-out loss. Python {r['python']}, torch {r['torch']}, "
              "one thread, CPU. Quality only.", "",
              "| row | student params | trained params | lr | start | " +
              " | ".join(f"{r['tokens_per_budget'][b] if b in r['tokens_per_budget'] else r['tokens_per_budget'][int(b)]:,} tok"

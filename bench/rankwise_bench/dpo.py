@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from rankwise.core import atomic
 from rankwise.testing import same_factors
+from rankwise_bench.common import llama, write_results
 
 R, ALPHA, TARGETS = 8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj"]
 PAIRS, MAX_LEN, BATCH, BETA, LR = 64, 96, 8, 0.1, 1e-4
@@ -37,12 +37,8 @@ WARMUP, REPS = 2, 6
 
 
 def _model(vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    return llama(vocab, 128, 4, 4, 256, kv_heads=2, positions=128, seed=0,
+                 pad_token_id=0, bos_token_id=0, eos_token_id=0)
 
 
 BASES = ("float32", "bfloat16", "nf4")
@@ -224,7 +220,7 @@ def run(out: Path) -> dict:
     try:
         tok = load_tokenizer("tiny-llama")
         data = _pairs(tok)
-        record_rows(out, rows, setup, start, lambda kind: _measure(tok, data, kind), _markdown)
+        record_rows(out, rows, setup, start, lambda kind: _measure(tok, data, kind), markdown)
     finally:
         torch.set_num_threads(threads)
     return json.loads((out / "results.json").read_text())
@@ -248,8 +244,7 @@ def record_rows(out: Path, rows: dict, setup: dict, start: float, measure, markd
                             "trl": trl.__version__, "bitsandbytes": __import__("bitsandbytes").__version__,
                             "cpu_count": __import__("os").cpu_count()},
                "wall_s": time.perf_counter() - start}
-        atomic.write_json(out / "results.json", res)
-        atomic.write_bytes(out / "results.md", markdown(res).encode())
+        write_results(out, res, markdown(res))
 
 
 def ordered(rows: dict) -> list:
@@ -275,7 +270,8 @@ def vs_trl_table(rows: dict, unstamped: str = "?") -> list[str]:
     return [*table, "", "; ".join(losses) + "."]
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     v = res["versions"]
     return "\n".join([
         "# DPO: rankwise LoRA + dpo task vs TRL DPO loss + PEFT LoRA", "",

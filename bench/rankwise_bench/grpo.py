@@ -141,13 +141,14 @@ def run(out: Path) -> dict:
         tok = copy.deepcopy(load_tokenizer("tiny-llama"))
         tok.eos_token = tok.eos_token or tok.sep_token
         batches = _batches(tok, WARMUP + REPS + 1)
-        record_rows(out, rows, setup, start, lambda kind: _measure(tok, batches, kind), _markdown)
+        record_rows(out, rows, setup, start, lambda kind: _measure(tok, batches, kind), markdown)
     finally:
         torch.set_num_threads(threads)
     return json.loads((out / "results.json").read_text())
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     v = res["versions"]
     return "\n".join([
         "# GRPO: rankwise LoRA + grpo task vs TRL GRPOTrainer + PEFT LoRA", "",

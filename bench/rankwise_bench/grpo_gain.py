@@ -20,9 +20,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-import torch
-
-from rankwise.core import atomic
+from rankwise_bench.common import llama, write_json, write_results
 
 SFT_STEPS, STEPS, EVERY, TARGET = 12, 40, 5, 0.8
 SEEDS = (0, 1, 2)
@@ -30,16 +28,13 @@ SEEDS = (0, 1, 2)
 
 def _model_folder(folder: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     vocab = {"<pad>": 0, "<eos>": 1, "+": 2, "=": 3, **{str(d): 4 + d for d in range(10)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=32, pad_token_id=0, bos_token_id=1,
-                                         eos_token_id=1))
+    model = llama(len(vocab), 64, 2, 4, 128, kv_heads=2, positions=32, seed=0, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=1)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -113,25 +108,31 @@ def run(out: Path, lr: float = 0.01, steps: int = STEPS) -> dict:
             rows[key] = {"start": start, "final": curve[-1][1], "curve": curve, "steps_to_target": reach,
                          "train_reward_first5": statistics.mean(e["reward"] for e in events if "reward" in e
                                                                 and e["step"] <= 5)}
-            atomic.write_json(rec_path, {"runs": rows})
+            write_json(rec_path, {"runs": rows})
     res = {"runs": rows, "target": TARGET, "steps": steps, "lr": lr, "every": EVERY, "sft_steps": SFT_STEPS,
            "seeds": list(SEEDS), "out": str(out)}
-    atomic.write_json(rec_path, res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(out, res, markdown(res))
     shutil.rmtree(work, ignore_errors=True)  # weights and run folders are not results
     return res
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict, out: str | None = None) -> str:
+    """``results.md`` from the record.
+
+    Args:
+        res: The record.
+        out: The results folder, for a record made before ``res`` kept it (and ``lr``: such a
+            run took :func:`run`'s defaults).
+    """
     runs = res["runs"]
+    options = f" --lr {res['lr']} --steps {res['steps']}" if "lr" in res else ""
     lines = ["# GRPO and GAIN-RL on a synthetic copy task (quality only)", "",
-             "Command: `OMP_NUM_THREADS=1 PYTHONPATH=src flock /tmp/bench2.lock python -c \"from "
-             f"rankwise_bench.grpo_gain import run; run({res['out']!r}, lr={res['lr']}, "
-             f"steps={res['steps']})\"`", "",
+             f"Command: `OMP_NUM_THREADS=1 flock /tmp/bench2.lock rankwise bench grpo-gain --out "
+             f"{res.get('out', out)}{options}`", "",
              f"Prompts `a + b =`, answer b, reward exact-match, greedy reward on the 100 training "
              f"prompts. Start model: a random 2-layer 64-wide Llama fine-tuned by rankwise for "
-             f"{res['sft_steps']} SFT steps. GRPO: LoRA r=8, G=8, 8 prompts/step, AdamW {res['lr']}, "
-             f"{res['steps']} steps, "
+             f"{res['sft_steps']} SFT steps. GRPO: LoRA r=8, G=8, 8 prompts/step, "
+             + (f"AdamW {res['lr']}, " if "lr" in res else "") + f"{res['steps']} steps, "
              f"evaluated every {res['every']}. Steps to reach = first evaluated step with reward >= "
              f"{res['target']} (None: not reached).", "",
              "| order | seed | SFT start reward | final reward | steps to reach |", "|---|---:|---:|---:|---:|"]
@@ -148,4 +149,10 @@ def _markdown(res: dict) -> str:
     return "\n".join(lines + [""])
 
 
-__all__ = ["run"]
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench grpo-gain --out DIR [--lr LR] [--steps N]``."""
+    from rankwise_bench.common import keyword_main
+    return keyword_main(run, argv, "grpo-gain", lr=(float, 0.01), steps=(int, STEPS))
+
+
+__all__ = ["main", "markdown", "run"]

@@ -5,7 +5,7 @@ Setup: a Llama built in code (random init, seeded; byte vocabulary, so its param
 blocks), saved once to a temporary folder so that every model of the benchmark is loaded from the
 same weights by ``from_pretrained`` - in the row's dtype, or quantized on load by the row's
 ``BitsAndBytesConfig``. Data: windows of the Python standard library's source as bytes
-(:func:`rankwise_bench.lowrank_pretrain.load_corpus`). LoRA r=16 on every linear layer of the
+(:func:`rankwise_bench.corpus.load_corpus`). LoRA r=16 on every linear layer of the
 blocks, AdamW.
 
 Each row builds a rankwise model and a PEFT model as their users would:
@@ -44,7 +44,7 @@ its fused linear cross-entropy engages only when the model gets ``labels`` (the 
 step computes every side's loss from the logits), so both stay off. liger-kernel has no CPU path
 (every kernel is Triton; its backends are CUDA/ROCm, XPU, Ascend), so it is not a dependency.
 
-Run at other sizes with ``python -m rankwise_bench.llm_finetune --preset gpu-1b`` (what
+Run at other sizes with ``rankwise bench llm-finetune --preset gpu-1b`` (what
 ``bench/gpu/llm-finetune.sh`` runs) or ``--set hidden=256 --set layers=4``.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rankwise.core import atomic
+from rankwise_bench.common import llama, ordered, write_results
 
 ROWS = {  # name -> (model.dtype, model.quantize, train.precision, gradient checkpointing)
     "fp32": ("float32", None, "fp32", False),
@@ -148,14 +148,8 @@ def base_row(row: str) -> str:
 def build_base(s: Sizes, folder: Path) -> int:
     """Write the benchmark's Llama (seeded random weights, float32) to ``folder``; return its
     parameter count."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(s.seed)
-    cfg = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                      num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                      num_key_value_heads=s.heads, max_position_embeddings=s.seq,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-                      use_cache=False)
-    model = LlamaForCausalLM(cfg)
+    model = llama(s.vocab, s.hidden, s.layers, s.heads, s.intermediate, positions=s.seq, seed=s.seed,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, use_cache=False)
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
@@ -235,7 +229,7 @@ def peft_side(folder: Path, row: str, s: Sizes, ours: nn.Module, liger: bool = F
 
 
 def _windows(s: Sizes):
-    from rankwise_bench.lowrank_pretrain import ByteWindows, load_corpus
+    from rankwise_bench.corpus import ByteWindows, load_corpus
     train, heldout, info = load_corpus()
     g = torch.Generator().manual_seed(s.seed)
     n = s.batch * (s.warmup + s.steps + 1)
@@ -351,9 +345,11 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
     return out
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     s = res["sizes"]
-    dora = any(r.startswith(DORA) for r in res["rows"])
+    rows = ordered(res["rows"], s["rows"])
+    dora = any(r.startswith(DORA) for r in rows)
     lines = ["# LLM fine-tuning: rankwise vs transformers + PEFT", "",
              f"Command: `{res['command']}`", "",
              f"Llama {s['layers']}x{s['hidden']} (intermediate {s['intermediate']}, "
@@ -367,7 +363,7 @@ def _markdown(res: dict) -> str:
              "(rankwise / PEFT) | ratio | base weights MiB | loss after last step (rankwise / PEFT) "
              "| held-out loss (rankwise / PEFT) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row, r in res["rows"].items():
+    for row, r in rows.items():
         a, b = r["rankwise"], r["peft"]
         lines.append(
             f"| {row} | {a['step_s']:.3f} / {b['step_s']:.3f} | {r['step_time_ratio']:.3f} | "
@@ -375,7 +371,7 @@ def _markdown(res: dict) -> str:
             f"{b['peak_bytes'] / 2**20:.1f} | {r['memory_ratio']:.3f} | "
             f"{r['base_weight_bytes'] / 2**20:.1f} | {a['loss_last_step']:.4f} / "
             f"{b['loss_last_step']:.4f} | {a['eval_loss']:.4f} / {b['eval_loss']:.4f} |")
-    fused_rows = {row: r for row, r in res["rows"].items() if "fused" in r}
+    fused_rows = {row: r for row, r in rows.items() if "fused" in r}
     if fused_rows:
         lines += ["", "Fused LoRA path (`train.fused_lora: auto`; the rankwise columns above are "
                   "the plain path):", "",
@@ -391,7 +387,7 @@ def _markdown(res: dict) -> str:
                          f"{r['fused_memory_ratio']:.3f} | {r['fused_vs_plain_memory']:.3f} | "
                          f"{r['fused_vs_plain_max_loss_diff']:.2e} |")
         lines += ["", f"Fused targets: step time and peak memory <= {FUSED_TARGET}x PEFT's."]
-    liger_rows = {row: r for row, r in res["rows"].items() if "liger" in r}
+    liger_rows = {row: r for row, r in rows.items() if "liger" in r}
     if liger_rows:
         lines += ["", "Liger peer (PEFT on Liger's RMSNorm and SwiGLU kernels; RoPE and the fused "
                   "loss off, see the module docstring):", "",
@@ -411,9 +407,9 @@ def _markdown(res: dict) -> str:
     if res.get("nf4_base_bytes_ratio") is not None:
         lines.append(f"nf4 / bf16 base weight bytes: {res['nf4_base_bytes_ratio']:.3f}.")
     lines += ["", "Fastest-step ratios (a noise gauge): " + ", ".join(
-        f"{row} {r['step_time_ratio_min']:.3f}" for row, r in res["rows"].items()) + ". PEFT side: "
-        + "; ".join(f"{row}: {r['peft_setup']}" for row, r in res["rows"].items()) + "."]
-    q = res["rows"].get("nf4", {}).get("requantize")
+        f"{row} {r['step_time_ratio_min']:.3f}" for row, r in rows.items()) + ". PEFT side: "
+        + "; ".join(f"{row}: {r['peft_setup']}" for row, r in rows.items()) + "."]
+    q = rows.get("nf4", {}).get("requantize")
     if q:
         kept = q["gain_kept_after_requantizing"]
         lines += ["", "Re-quantizing the merged QLoRA model (nf4 row, rankwise): held-out loss "
@@ -434,8 +430,11 @@ def _markdown(res: dict) -> str:
                   + f"; every target dequantized to fp32 at once would be "
                     f"{next(iter(g.values()))['dense_fp32_bytes'] / 2**20:.1f} MiB."]
     lines += ["", f"Peak memory = {res['memory_definition']}", "",
-              f"Versions: {res['versions']}. Total time {res['wall_s']:.0f} s.", ""]
+              f"Versions: {ordered(res['versions'], VERSIONS)}. Total time {res['wall_s']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+VERSIONS = ("python", "torch", "transformers", "peft", "bitsandbytes", "machine", "gpu")  # _versions()'s order
 
 
 def _versions() -> dict[str, str]:
@@ -517,9 +516,7 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
                                 f"{METERS[res['memory_meter']]}.")
     res["versions"] = _versions()
     res["wall_s"] = time.perf_counter() - t_start
-    out = Path(out)
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(Path(out), res, markdown(res))
     return res
 
 
@@ -549,9 +546,9 @@ def run_fused(out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m rankwise_bench.llm_finetune --out DIR [--preset P] [--set k=v ...]``."""
-    from rankwise_bench.presets import preset_main
-    return preset_main(argv, module="rankwise_bench.llm_finetune", doc=__doc__, presets=PRESETS,
+    """``rankwise bench llm-finetune --out DIR [--preset P] [--set k=v ...]``."""
+    from rankwise_bench.common import preset_main
+    return preset_main(argv, name="llm-finetune", doc=__doc__, presets=PRESETS,
                        default="cpu", run=run)
 
 

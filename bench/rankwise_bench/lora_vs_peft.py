@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from rankwise.core import atomic
+from rankwise_bench.common import write_results
 
 R, ALPHA, TARGETS = 8, 16.0, ["query", "value"]
 BATCH, SEQ_LEN, N_BATCHES = 32, 64, 4
@@ -150,7 +150,8 @@ def _versions() -> dict[str, object]:
             "cpu_count": __import__("os").cpu_count()}
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     s, m, i = res["step_time_s"], res["peak_step_mb"], res["inference_time_s"]
     t = res["targets"]
     rows = [
@@ -307,6 +308,5 @@ def _run(out: Path) -> dict:
     }
     res["wall_s"] = time.perf_counter() - t_start
     res["load_average"] = [load_start, _load_average()]
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(out, res, markdown(res))
     return res

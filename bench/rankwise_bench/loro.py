@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rankwise_bench.common import pct, write
+from rankwise_bench.common import pct, write_results
 from rankwise.core import weights as layer_weights
 from rankwise.obfuscation import ObfuscateConfig, memory_report, obfuscate, protect
 
@@ -265,11 +265,12 @@ def run(out: Path, settings: LoroSettings | None = None) -> dict:
               "latency": latency, "memory": memory, "chance": 1 / 8,
               "machine": platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "total_time_s": round(time.perf_counter() - began, 1)}
-    write(out, result, _markdown(result))
+    write_results(out, result, markdown(result))
     return result
 
 
-def _markdown(r: dict) -> str:
+def markdown(r: dict) -> str:
+    """``results.md`` from the record."""
     s, mem, lat = r["settings"], r["memory"], r["latency"]
     lines = [f"# LoRO vs the model-stealing attack with prior ({s['model']}, demo task)", "",
              f"Victim: {s['victim_steps']} steps x {s['victim_batch']} full fine-tune. Attacker: "

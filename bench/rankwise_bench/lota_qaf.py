@@ -15,7 +15,7 @@ Rows (every setting not written here comes from the method's and optimizer's own
   s B A`` re-quantized to NF4 (blocks of 64, bitsandbytes' own quantizer). Not in the default
   rows: loading the demo classifier with ``model.quantize: nf4`` quantizes its new,
   uninitialised classification head, whose forward then fails inside bitsandbytes; run it with
-  ``python -m rankwise_bench.lota_qaf --rows qlora-nf4 --out DIR`` once that is fixed.
+  ``rankwise bench lota-qaf --rows qlora-nf4 --out DIR`` once that is fixed.
 
 Memory: the model's storage (packed codes at their packed size), trainable weights, optimizer
 state and the run's peak memory (rankwise's meter).
@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from rankwise.adapters.lota import LotaLayer, QuantLinear, quantize_linears
-from rankwise_bench.common import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
-                                           mib, pct, run_row, summarise, with_settings, write)
 from rankwise.core import merge_adapters
 from rankwise.core import weights as layer_weights
 from rankwise.core.inject import replace_module
 from rankwise.core.protocol import adapter_modules
+from rankwise_bench.common import (DEMO_BASE, Settings, accuracy, chosen_rows, markdown_table, memory_record, mib,
+                                   pct, run_row, seeded_rows, summarise, with_settings, write_results)
 
 BITS, GROUP = 4, 128
 
@@ -129,38 +129,43 @@ def run(out: Path, settings: Settings | None = None) -> dict:
     if "qlora-nf4" in rows and importlib.util.find_spec("bitsandbytes") is None:
         rows = tuple(r for r in rows if r != "qlora-nf4")
     out = Path(out)
-    records: dict[str, list[dict]] = {}
     began = time.time()
-    for row in rows:
-        for seed in range(s.seeds):
-            raw = with_settings(ROWS[row], s, seed)
-            hook = _rtn_base if row == "lora-rtn4" else None
-            metrics, session = run_row(raw, out / row / f"seed{seed}", hook)
-            rec = {"seed": seed, "accuracy": metrics["eval_accuracy"], **memory_record(session, metrics),
-                   "train_time_s": metrics["train_time_s"]}
-            rec.update(_merged_scores(row, session))
-            records.setdefault(row, []).append(rec)
+
+    def one(row: str, seed: int) -> dict:
+        hook = _rtn_base if row == "lora-rtn4" else None
+        metrics, session = run_row(with_settings(ROWS[row], s, seed), out / row / f"seed{seed}", hook)
+        return {"seed": seed, "accuracy": metrics["eval_accuracy"], **memory_record(session, metrics),
+                "train_time_s": metrics["train_time_s"], **_merged_scores(row, session)}
+    records = seeded_rows(rows, s.seeds, one)
     keys = ("accuracy", "merged_accuracy", "merged_int_accuracy", "model_bytes", "trainable_bytes",
             "state_bytes", "peak_memory_mb", "train_time_s")
     summary = summarise(records, keys)
     result = {"settings": s.__dict__, "rows": {r: ROWS[r] for r in rows}, "runs": records,
               "summary": summary, "wall_s": time.time() - began, "torch": torch.__version__}
-    md = ["# lota-qaf on the demo task\n",
-          f"{s.seeds} seed(s); mean ± sample std. Merged accuracies are of the merged model after "
-          "re-quantization to the base's format (see the module docstring).\n",
-          markdown_table(summary, [("accuracy", "accuracy (%)", pct),
-                                   ("merged_accuracy", "merged, re-quantized (%)", pct),
-                                   ("merged_int_accuracy", "merged, integer zero points (%)", pct),
-                                   ("model_bytes", "model MiB", mib), ("trainable_bytes", "trainable MiB", mib),
-                                   ("state_bytes", "optimizer state MiB", mib),
-                                   ("peak_memory_mb", "peak MiB", lambda x: f"{x:.0f}"),
-                                   ("train_time_s", "train s", lambda x: f"{x:.0f}")]), ""]
-    write(out, result, "\n".join(md))
+    write_results(out, result, markdown(result))
     return result
+
+
+def markdown(result: dict) -> str:
+    """``results.md`` from the record: the mean ± std table over seeds."""
+    md = ["# lota-qaf on the demo task\n",
+          f"{result['settings']['seeds']} seed(s); mean ± sample std. Merged accuracies are of the merged model "
+          "after re-quantization to the base's format (see the module docstring).\n",
+          markdown_table(result["summary"], [
+              ("accuracy", "accuracy (%)", pct), ("merged_accuracy", "merged, re-quantized (%)", pct),
+              ("merged_int_accuracy", "merged, integer zero points (%)", pct),
+              ("model_bytes", "model MiB", mib), ("trainable_bytes", "trainable MiB", mib),
+              ("state_bytes", "optimizer state MiB", mib), ("peak_memory_mb", "peak MiB", lambda x: f"{x:.0f}"),
+              ("train_time_s", "train s", lambda x: f"{x:.0f}")]), ""]
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench lota-qaf --out DIR [--rows a,b] [--seeds N] [--steps N] ...``."""
+    from rankwise_bench.common import demo_main
+    return demo_main(run, tuple(ROWS), argv)
 
 
 if __name__ == "__main__":
     import sys
-
-    from rankwise_bench.common import main
-    sys.exit(main(run, tuple(ROWS)))
+    sys.exit(main())

@@ -3,7 +3,7 @@
 
 Setup. Byte-level (vocabulary 256) Llama models built in code. The *base* (3 layers, 96 wide)
 is pretrained from scratch on the standard library's source (the corpus of ``lowrank-pretrain``,
-:func:`rankwise_bench.lowrank_pretrain.data.load_corpus`'s file rule) with the ``email``
+:func:`rankwise_bench.corpus.load_corpus`'s file rule) with the ``email``
 package family left out entirely. The domain is ``email``: its files are split by module name
 into training files and held-out files. From the base and the domain's training windows:
 
@@ -36,6 +36,8 @@ import torch
 from torch.nn import functional as F
 
 from rankwise.core import atomic
+from rankwise_bench.common import llama, write_results
+from rankwise_bench.corpus import ByteWindows
 
 FAMILY = "email"
 SEQ, BATCH, SEED = 128, 16, 0
@@ -65,7 +67,6 @@ def _corpus() -> dict[str, torch.Tensor]:
 
 
 def _windows(data: torch.Tensor, stride: int = SEQ, limit: int | None = None):
-    from rankwise_bench.lowrank_pretrain.data import ByteWindows
     starts = torch.arange(0, data.numel() - SEQ, stride)
     if limit is not None and len(starts) > limit:
         starts = starts[torch.linspace(0, len(starts) - 1, limit).long()]
@@ -73,12 +74,8 @@ def _windows(data: torch.Tensor, stride: int = SEQ, limit: int | None = None):
 
 
 def _model(hidden: int = HIDDEN, layers: int = LAYERS):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(SEED)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
+    return llama(256, hidden, layers, HEADS, 2 * hidden, positions=SEQ, seed=SEED,
+                 bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
 
 
 def _fit(model, task, data, steps: int, lr: float) -> list[float]:
@@ -98,7 +95,6 @@ def _fit(model, task, data, steps: int, lr: float) -> list[float]:
 
 def _base(work: Path, corpus, name: str = "base", size: tuple[int, int] = (HIDDEN, LAYERS)) -> dict:
     from rankwise.engine import get_task
-    from rankwise_bench.lowrank_pretrain.data import ByteWindows
     g = torch.Generator().manual_seed(SEED)
     starts = torch.randint(0, corpus["general"].numel() - SEQ, (BASE_STEPS * BATCH,), generator=g)
     model = _model(*size)
@@ -247,12 +243,12 @@ def run(out: Path) -> dict:
               "memory_decoder": {"k": K, "temperature": TEMPERATURE, "target_tokens": TARGET_TOKENS,
                                  "index": f"ivf lists={LISTS} probe={PROBE}", "lambda": LAM},
               "torch": torch.__version__, "python": platform.python_version(), **done}
-    atomic.write_json(out / "results.json", result)
-    (out / "results.md").write_text(_markdown(result))
+    write_results(out, result, markdown(result))
     return result
 
 
-def _markdown(r: dict) -> str:
+def markdown(r: dict) -> str:
+    """``results.md`` from the record."""
     ev = r["eval"]
     names = [k for k in ev["domain"] if k not in ("windows", "tokens") and not isinstance(ev["domain"][k], dict)]
     lines = [f"# Memory Decoder on the unseen `{r['family']}` package (byte-level, one seed)", "",

@@ -17,7 +17,7 @@
 
 Peak = bytes held between steps (model, optimizer state) + the peak one step adds above them,
 measured on a step after the warm-up (the optimizer state exists then). Run:
-``python -m rankwise_bench.memory_features --out bench/results/chunked-loss``.
+``rankwise bench memory-features --out bench/results/chunked-loss``.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rankwise_bench.common import ordered, write_results
 from rankwise_bench.llm_finetune import Sizes, _windows, build_base, build_pair
-from rankwise.core import atomic
 
 CHUNK = Sizes(hidden=64, layers=2, heads=4, intermediate=176, seq=1024, batch=1, warmup=1,
               steps=1, eval_windows=1, vocab=150_000, rows=("fp32",), gora_batches=0)
@@ -192,7 +192,11 @@ def _trl_line(c: dict) -> str:
             f"chunked is {100 * c['saving_vs_trl']:.1f} % below it.")
 
 
-def _markdown(res: dict) -> str:
+VERSIONS = ("python", "torch", "transformers", "peft", "trl")  # run()'s order
+
+
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     c, p = res["chunked_loss"], res["per_layer"][0]
     cs, ps = c["sizes"], p["sizes"]
     lines = ["# Memory features (issue 21): chunked loss, per-layer updates", "",
@@ -232,7 +236,8 @@ def _markdown(res: dict) -> str:
               "backward (every gradient alive); per-layer updates hold one gradient at a time, so "
               "their peak is the forward's saved activations (plus one gradient): the drop is the "
               "gradient bytes less what the activations add back.", "",
-              f"Peak = {res['definition']}", "", f"Versions: {res['versions']}. Total {res['wall_s']:.0f} s.", ""]
+              f"Peak = {res['definition']}", "",
+              f"Versions: {ordered(res['versions'], VERSIONS)}. Total {res['wall_s']:.0f} s.", ""]
     return "\n".join(lines)
 
 
@@ -248,7 +253,7 @@ def run(out: Path, command: str | None = None) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     try:
-        res: dict[str, Any] = {"command": command or f"python -m rankwise_bench.memory_features --out {out}",
+        res: dict[str, Any] = {"command": command or f"rankwise bench memory-features --out {out}",
                                "timer": "process CPU time, 1 torch thread",
                                "chunked_loss": chunked_loss(copy.deepcopy(CHUNK)),
                                "per_layer": [per_layer(copy.deepcopy(s)) for s in PER_LAYER]}
@@ -262,18 +267,16 @@ def run(out: Path, command: str | None = None) -> dict:
                        "transformers": transformers.__version__, "peft": peft.__version__,
                        "trl": _trl_version()}
     res["wall_s"] = time.perf_counter() - t0
-    out = Path(out)
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(Path(out), res, markdown(res))
     return res
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m rankwise_bench.memory_features --out DIR``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """``rankwise bench memory-features --out DIR``."""
+    parser = argparse.ArgumentParser(prog="rankwise bench memory-features", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    return run(args.out, command=f"python -m rankwise_bench.memory_features --out {args.out}")
+    return run(args.out, command=f"rankwise bench memory-features --out {args.out}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.common import (DEMO_BASE, Settings, chosen_rows, accuracy, markdown_table, memory_record,
-                                           mib, pct, run_row, summarise, with_settings, write)
 from rankwise.data.demo import load_demo_records
+from rankwise_bench.common import (DEMO_BASE, Settings, accuracy, chosen_rows, markdown_table, memory_record, mib,
+                                   pct, run_row, seeded_rows, summarise, with_settings, write_results)
 
 TASK_B_PACKAGES = ("collections", "concurrent", "ctypes", "unittest", "urllib", "wsgiref", "xmlrpc")
 
@@ -87,37 +87,44 @@ def run(out: Path, settings: Settings | None = None) -> dict:
     out = Path(out)
     began = time.time()
     probe_base, head, probe_session = _probe(out, s)
-    records: dict[str, list[dict]] = {}
-    for row in rows:
-        for seed in range(s.seeds):
-            metrics, session = run_row(with_settings(ROWS[row], s, seed), out / row / f"seed{seed}")
-            after = _through_probe(session.model, head, probe_session)
-            records.setdefault(row, []).append({
-                "seed": seed, "accuracy": metrics["eval_accuracy"], "task_b_accuracy": after,
+
+    def one(row: str, seed: int) -> dict:
+        metrics, session = run_row(with_settings(ROWS[row], s, seed), out / row / f"seed{seed}")
+        after = _through_probe(session.model, head, probe_session)
+        return {"seed": seed, "accuracy": metrics["eval_accuracy"], "task_b_accuracy": after,
                 "forgetting": probe_base - after, **memory_record(session, metrics),
-                "train_time_s": metrics["train_time_s"]})
+                "train_time_s": metrics["train_time_s"]}
+    records = seeded_rows(rows, s.seeds, one)
     summary = summarise(records, ("accuracy", "forgetting", "task_b_accuracy", "state_bytes",
                                   "trainable_bytes", "peak_memory_mb", "train_time_s"))
     result = {"settings": s.__dict__, "rows": {r: ROWS[r] for r in rows}, "probe": PROBE,
               "task_b_packages": TASK_B_PACKAGES, "probe_accuracy_base": probe_base,
               "runs": records, "summary": summary, "wall_s": time.time() - began,
               "torch": torch.__version__}
-    md = ["# nanoadam-ft on the demo task\n",
-          f"{s.seeds} seed(s); mean ± sample std. Forgetting: task-B probe accuracy on the base "
-          f"encoder ({pct(probe_base)}%) minus on the fine-tuned one (see the module docstring).\n",
-          markdown_table(summary, [("accuracy", "demo accuracy (%)", pct),
-                                   ("forgetting", "forgetting (points)", pct),
-                                   ("task_b_accuracy", "task-B probe accuracy (%)", pct),
-                                   ("state_bytes", "optimizer state MiB", mib),
-                                   ("trainable_bytes", "trainable MiB", mib),
-                                   ("peak_memory_mb", "peak MiB", lambda x: f"{x:.0f}"),
-                                   ("train_time_s", "train s", lambda x: f"{x:.0f}")]), ""]
-    write(out, result, "\n".join(md))
+    write_results(out, result, markdown(result))
     return result
+
+
+def markdown(result: dict) -> str:
+    """``results.md`` from the record: the mean ± std table over seeds."""
+    md = ["# nanoadam-ft on the demo task\n",
+          f"{result['settings']['seeds']} seed(s); mean ± sample std. Forgetting: task-B probe accuracy on the "
+          f"base encoder ({pct(result['probe_accuracy_base'])}%) minus on the fine-tuned one (see the module "
+          "docstring).\n",
+          markdown_table(result["summary"], [
+              ("accuracy", "demo accuracy (%)", pct), ("forgetting", "forgetting (points)", pct),
+              ("task_b_accuracy", "task-B probe accuracy (%)", pct), ("state_bytes", "optimizer state MiB", mib),
+              ("trainable_bytes", "trainable MiB", mib), ("peak_memory_mb", "peak MiB", lambda x: f"{x:.0f}"),
+              ("train_time_s", "train s", lambda x: f"{x:.0f}")]), ""]
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench nanoadam-ft --out DIR [--rows a,b] [--seeds N] [--steps N] ...``."""
+    from rankwise_bench.common import demo_main
+    return demo_main(run, tuple(ROWS), argv)
 
 
 if __name__ == "__main__":
     import sys
-
-    from rankwise_bench.common import main
-    sys.exit(main(run, tuple(ROWS)))
+    sys.exit(main())

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rankwise.core import atomic
+from rankwise_bench.common import llama, write_results
 
 ROWS = {"plain": (False, False), "offload": (False, True), "ckpt": (True, False),
         "ckpt+offload": (True, True)}  # row -> (gradient checkpointing, offloading)
@@ -84,14 +84,9 @@ class _Tokens(list):
 
 
 def _model(s: Sizes, ckpt: bool) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import rankwise
-    torch.manual_seed(s.seed)
-    cfg = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                      num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                      num_key_value_heads=s.heads, max_position_embeddings=s.seq, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).to(getattr(torch, s.dtype)).to(s.device)
+    model = llama(s.vocab, s.hidden, s.layers, s.heads, s.intermediate, positions=s.seq, seed=s.seed,
+                  pad_token_id=0).to(getattr(torch, s.dtype)).to(s.device)
     rankwise.apply(model, "lora", r=s.r, alpha=s.alpha, targets="all-linear")
     if ckpt:
         from rankwise.recipes.model import enable_checkpointing
@@ -154,7 +149,8 @@ def _compare(rows: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     s = res["sizes"]
     lines = [f"# Activation offloading: Llama {s['layers']} x {s['hidden']}, sequence {s['seq']} x "
              f"batch {s['batch']}, LoRA r={s['r']}, {s['dtype']} base, {s['precision']} ({res['device']})",
@@ -202,7 +198,7 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
     data = _Tokens({"input_ids": torch.randint(1, s.vocab, (s.seq,), generator=g).tolist()}
                    for _ in range(s.batch * (s.warmup + s.steps)))
     t_start = time.perf_counter()
-    res: dict[str, Any] = {"command": command or "python -m rankwise_bench.offload",
+    res: dict[str, Any] = {"command": command or f"rankwise bench offload --out {out}",
                            "sizes": dataclasses.asdict(s), "device": s.device,
                            "rows": {row: run_row(row, s, data) for row in s.rows}}
     from rankwise.memory import meter_name
@@ -213,16 +209,15 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
         res["gpu"] = torch.cuda.get_device_name(s.device)
     res["wall_s"] = time.perf_counter() - t_start
     out = Path(out)
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(out, res, markdown(res))
     return res
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``python -m rankwise_bench.offload --out DIR [--preset P] [--set k=v ...]``."""
-    from rankwise_bench.presets import preset_main
-    return preset_main(argv, module="rankwise_bench.offload", doc=__doc__, presets=PRESETS,
-                       default="gpu", run=run, show=_markdown)
+    """``rankwise bench offload --out DIR [--preset P] [--set k=v ...]``."""
+    from rankwise_bench.common import preset_main
+    return preset_main(argv, name="offload", doc=__doc__, presets=PRESETS,
+                       default="gpu", run=run, show=markdown)
 
 
 if __name__ == "__main__":

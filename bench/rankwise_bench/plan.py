@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from rankwise.core import atomic
+from rankwise_bench.common import llama, ordered, worker_env, write_results
 
 LORA = {"name": "lora", "r": 16, "alpha": 32, "targets": "all-linear"}
 SHAPE = dict(hidden=128, layers=3, heads=4, kv=2, intermediate=352, vocab=256, seq=128, batch=4)
@@ -77,14 +78,9 @@ DIST_REPEATS = 3  # steps measured per process (the largest peak kept)
 
 
 def _write_model(folder: Path, shape: dict, seed: int = 0) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-                      intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-                      num_attention_heads=shape["heads"], num_key_value_heads=shape["kv"],
-                      max_position_embeddings=max(512, shape["seq"]), bos_token_id=0,
-                      eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, use_cache=False)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    llama(shape["vocab"], shape["hidden"], shape["layers"], shape["heads"], shape["intermediate"],
+          kv_heads=shape["kv"], positions=max(512, shape["seq"]), seed=seed, bos_token_id=0, eos_token_id=0,
+          pad_token_id=0, tie_word_embeddings=False, use_cache=False).save_pretrained(folder)
     from rankwise.recipes.model import load_tokenizer
     load_tokenizer("tiny-llama").save_pretrained(folder)  # load_model wants one beside the weights
 
@@ -160,7 +156,7 @@ def measure(cfg, shape: dict, steps: int = 2, dist=None, repeats: int = 1, devic
     ``repeats`` steps measured, the largest peak kept: gloo's communication threads allocate
     while the main thread runs, so the peak of one step depends on their timing)."""
     from rankwise import registry
-    from rankwise_bench.lowrank_pretrain import ByteWindows, load_corpus
+    from rankwise_bench.corpus import ByteWindows, load_corpus
     from rankwise.core.quant import model_bytes
     from rankwise.engine import Engine, get_task
     from rankwise.memory import PeakMemory, tensor_bytes
@@ -232,7 +228,6 @@ def dist_worker(spec_path: Path) -> None:
 def run_dist_rows(names: list[str], tmp: Path) -> dict:
     """Predict (``plan --nproc 2``) and measure (``torchrun --nproc-per-node 2``, gloo) the
     rows of :data:`DIST_ROWS`: the per-process peak is the larger of the two processes'."""
-    import os
     import subprocess
     import sys
 
@@ -253,7 +248,7 @@ def run_dist_rows(names: list[str], tmp: Path) -> dict:
     work = tmp / "dist"
     work.mkdir(exist_ok=True)
     (work / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = worker_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={NPROC}", "-m", "rankwise_bench.plan", "--worker",
                            str(work / "spec.json")], env=env, capture_output=True, text=True, timeout=900)
@@ -298,7 +293,12 @@ def run_row(name: str, tmp: Path, device: str = "cpu") -> dict:
             "ratio": est.peak / got["peak_bytes"]}
 
 
-def _markdown(res: dict) -> str:
+VERSIONS = ("python", "torch", "transformers", "bitsandbytes")  # run()'s order
+
+
+def markdown(res: dict) -> str:
+    """``results.md`` from the record (rows in :data:`ROWS` then :data:`DIST_ROWS` order)."""
+    rows = ordered(res["rows"], [*ROWS, *DIST_ROWS])
     lines = ["# rankwise plan: predicted vs measured peak memory", "",
              f"Command: `{res['command']}`", "",
              "Measured = model tensors + optimizer state + the peak of one more step above them "
@@ -307,13 +307,13 @@ def _markdown(res: dict) -> str:
              "config only (meta device).", "",
              "| row | predicted MiB | measured MiB | ratio | weights pred / meas MiB | state pred / "
              "meas MiB | step peak meas MiB | dominant (pred) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for name, r in res["rows"].items():
+    for name, r in rows.items():
         lines.append(f"| {name} | {r['predicted_peak_bytes'] / 2**20:.2f} | {r['peak_bytes'] / 2**20:.2f} "
                      f"| {r['ratio']:.3f} | {r['predicted_weights_bytes'] / 2**20:.2f} / "
                      f"{r['weights_bytes'] / 2**20:.2f} | {r['predicted_state_bytes'] / 2**20:.3f} / "
                      f"{r['state_bytes'] / 2**20:.3f} | {r['step_peak_bytes'] / 2**20:.2f} | "
                      f"{r['predicted']['dominant']} |")
-    dist = {n: r for n, r in res["rows"].items() if r.get("processes", 1) > 1}
+    dist = {n: r for n, r in rows.items() if r.get("processes", 1) > 1}
     if dist:
         lines += ["", f"Rows ending `x{NPROC}`: `torchrun --standalone --nproc-per-node {NPROC}` (gloo, "
                   "`train.distributed` fsdp or ddp, `train.batch_size` the global batch); measured = the "
@@ -322,9 +322,9 @@ def _markdown(res: dict) -> str:
         for n, r in dist.items():
             per = [f"{b / 2**20:.2f}" for b in r["per_process_peak_bytes"]]
             lines.append(f"- {n}: {' / '.join(per)}")
-    miss = [n for n, r in res["rows"].items() if abs(r["ratio"] - 1) > 0.10]
+    miss = [n for n, r in rows.items() if abs(r["ratio"] - 1) > 0.10]
     lines += ["", f"Goal: every ratio within 10 %. Rows outside: {', '.join(miss) or 'none'}.",
-              f"Versions: {res['versions']}. Total time {res['wall_s']:.0f} s.", ""]
+              f"Versions: {ordered(res['versions'], VERSIONS)}. Total time {res['wall_s']:.0f} s.", ""]
     return "\n".join(lines)
 
 
@@ -371,24 +371,35 @@ def run(out: Path, rows: list[str] | None = None, command: str | None = None,
                        "transformers": transformers.__version__,
                        "bitsandbytes": bitsandbytes.__version__}
     res["wall_s"] = time.perf_counter() - t0
-    out = Path(out)
-    atomic.write_json(out / "results.json", json.loads(json.dumps(res, default=str)))
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(Path(out), json.loads(json.dumps(res, default=str)), markdown(res))
     return res
 
 
-if __name__ == "__main__":  # pragma: no cover
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench plan --out DIR [--device cuda] [ROW ...]`` (``bench/gpu/plan.sh`` runs it
+    on a GPU; the last ``--device`` wins). Prints the table.
+
+    Returns:
+        The exit code.
+    """
+    import argparse
     import sys
-    if sys.argv[1:2] == ["--worker"]:  # one torchrun process of run_dist_rows
+
+    from rankwise_bench.common import command_line
+    ap = argparse.ArgumentParser(prog="rankwise bench plan")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("rows", nargs="*", help=f"rows of {[*ROWS, *DIST_ROWS]} (default: all)")
+    args = sys.argv[1:] if argv is None else list(argv)
+    a = ap.parse_args(args)
+    r = run(a.out, a.rows or None, device=a.device, command=command_line("plan", args))
+    print(markdown(r))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - a torchrun process of run_dist_rows
+    import sys
+    if sys.argv[1:2] == ["--worker"]:
         dist_worker(Path(sys.argv[2]))
         sys.exit(0)
-    args = sys.argv[1:]
-    dev = "cpu"
-    while "--device" in args:  # python -m rankwise_bench.plan OUT [--device cuda] [ROW ...]
-        k = args.index("--device")  # the last one wins (bench/gpu/plan.sh OUT --device cpu)
-        dev = args[k + 1]
-        del args[k:k + 2]
-    names = args[1:] or None
-    r = run(Path(args[0]), names, device=dev,
-            command=f"python -m rankwise_bench.plan {' '.join(sys.argv[1:])}")
-    print(_markdown(r))
+    sys.exit(main())

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from rankwise.core import atomic
+from rankwise_bench.common import write_results
 
 SEEDS = (0, 1, 2)
 TRAIN, HELD_OUT, STRIDE, PROMPT_WORDS = 32, 32, 7, 12
@@ -216,8 +217,7 @@ def run(out: Path) -> dict:
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__},
            "command": COMMAND}
-    atomic.write_json(out / "results.json", res)
-    atomic.write_bytes(out / "results.md", markdown(res).encode())
+    write_results(out, res, markdown(res))
     plot(res, out / "preference.png")
     return res
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.engine import evaluate, get_task
 from rankwise.recipes.compress import Windows
+from rankwise_bench.common import write_results
 
 
 @dataclass
@@ -171,7 +171,7 @@ def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
     from rich.console import Console
 
     from rankwise_bench import compress as bench_compress
-    from rankwise_bench.lowrank_pretrain import load_corpus
+    from rankwise_bench.corpus import load_corpus
     from rankwise.compress.pipeline import compress_model
     console = console or Console(stderr=True)
     s = sizes or Sizes()
@@ -227,12 +227,12 @@ def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
     finally:
         torch.set_num_threads(threads)
     results["wall_s"] = time.time() - began
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(_markdown(results))
+    write_results(out, results, markdown(results))
     return results
 
 
-def _markdown(results: dict) -> str:
+def markdown(results: dict) -> str:
+    """``results.md`` from the record."""
     s, cs, i = results["sizes"], results["compress_sizes"], results["llama"]
     md = ["# restore: RestoreLCC vs LoRA recovery fine-tuning", "",
           f"Python {results['python']}, torch {results['torch']}, {results['machine']}; wall "

@@ -14,14 +14,13 @@ features it used took when first computed. One process; ``seeds`` seeds (default
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from rankwise_bench.common import DEMO_BASE, accuracy
+from rankwise_bench.common import DEMO_BASE, accuracy, write_results
 
 TARGET = ("email", "http")
 TARGET_SIZE = 32
@@ -116,17 +115,27 @@ def run(out: Path, seeds: int = 1) -> dict:
                      "all_accuracy": accuracy(session.model, session)})
     result = {"setup": {"target": TARGET, "target_size": TARGET_SIZE, "budgets": BUDGETS, "steps": STEPS,
                         "method": "frozen (head only)", "seeds": seeds}, "rows": rows}
-    (out / "results.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(runs, ignore_errors=True)
+    write_results(out, result, markdown(result))
+    _plot(rows, out / "accuracy.png")
+    return result
+
+
+def markdown(result: dict) -> str:
+    """``results.md`` from the record: the summary over seeds, then every run."""
     lines = ["| method | budget | k | target acc | all acc | target share | select s |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in result["rows"]:
         share = "" if r["target_share"] is None else f"{r['target_share']:.2f}"
         lines.append(f"| {r['method']} | {r['budget']:.2f} | {r['k']} | {r['target_accuracy']:.3f} | "
                      f"{r['all_accuracy']:.3f} | {share} | {r['seconds']:.1f} |")
-    (out / "results.md").write_text("\n".join(_summary(rows) + ["", "Every run:", ""] + lines) + "\n")
-    _plot(rows, out / "accuracy.png")
-    return result
+    return "\n".join(_summary(result["rows"]) + ["", "Every run:", ""] + lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench select --out DIR [--seeds N]``."""
+    from rankwise_bench.common import keyword_main
+    return keyword_main(run, argv, "select", seeds=(int, 1))
 
 
 def _mean_sd(xs: list[float]) -> str:

@@ -31,6 +31,7 @@ import torch
 
 from rankwise_bench.select import BUDGETS, METHODS
 from rankwise.core import atomic
+from rankwise_bench.common import llama, write_results
 
 TARGET = "email"
 TARGET_SIZE = 32
@@ -81,20 +82,17 @@ def _quiet():
 
 def _base(work: Path) -> dict:
     """Build the Llama, train it fully on every non-target family, save it to ``work/base``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from rankwise_bench.transfer import train_tokenizer
     from rankwise.data.instruct import load_function_records
     from rankwise.recipes.config import build_run_config
     from rankwise.recipes.select import record_ids
     from rankwise.recipes.train import prepare, train
+    from rankwise_bench.transfer import train_tokenizer
     text = "".join(r["prompt"] + r["completion"] + "\n" for r in load_function_records() if family(r["id"]) != TARGET)
     tok = train_tokenizer(text, VOCAB)
-    torch.manual_seed(0)
     init = work / "base-init"
     eos = tok.eos_token_id
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                 pad_token_id=eos, bos_token_id=eos, eos_token_id=eos)).save_pretrained(init)
+    llama(len(tok), 64, 2, 4, 128, kv_heads=2, positions=128, seed=0, pad_token_id=eos, bos_token_id=eos,
+          eos_token_id=eos).save_pretrained(init)
     tok.save_pretrained(init)
     probe = prepare(build_run_config(_raw(str(init), {"name": "full"}, 1, 0)), device="cpu")
     ids = record_ids(probe.cfg.data, probe.train_data)
@@ -192,10 +190,15 @@ def run(out: Path, seeds: int = SEEDS) -> dict:
                         "batch": BATCH, "lora_r": R, "targets": TARGETS, "base": base,
                         "pool": done[0]["pool"] if done else None, "seeds": len(done)},
               "rows": rows, "mean": _means(rows)}
-    atomic.write_json(out / "results.json", result)
-    atomic.write_bytes(out / "results.md", _markdown(result).encode())
+    write_results(out, result, markdown(result))
     _plot(result["mean"], out / "loss.png")
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench select-functions --out DIR [--seeds N]``."""
+    from rankwise_bench.common import keyword_main
+    return keyword_main(run, argv, "select-functions", seeds=(int, SEEDS))
 
 
 def _means(rows: list[dict]) -> list[dict]:
@@ -213,7 +216,8 @@ def _means(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     s = res["setup"]
     lines = [f"Target family `{s['target']}` ({s['target_size']} training records out of the pool of "
              f"{s['pool']}), LoRA r {s['lora_r']} on {'/'.join(s['targets'])}, {s['steps']} steps of {s['batch']}, "

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.common import (DEMO_BASE, Settings, chosen_rows, markdown_table, pct, run_row,
-                                           summarise, with_settings, write)
+from rankwise_bench.common import (DEMO_BASE, Settings, chosen_rows, markdown_table, pct, run_row, seeded_rows,
+                                   summarise, with_settings, write_results)
 
 LR = 2e-4
 CALIBRATION = {**DEMO_BASE["train"], "calibration_batches": 2}
@@ -45,29 +45,38 @@ def run(out: Path, settings: Settings | None = None) -> dict:
     s = settings or Settings()
     rows = chosen_rows("shapley", s.rows, ROWS)
     out, began = Path(out), time.time()
-    records: dict[str, list[dict]] = {}
-    for seed in range(s.seeds):
-        for row in rows:
-            t0 = time.time()
-            metrics, session = run_row(with_settings(ROWS[row], s, seed), out / "runs" / row / f"seed{seed}")
-            records.setdefault(row, []).append({"seed": seed, "accuracy": metrics["eval_accuracy"],
-                                                "eval_loss": metrics["eval_loss"],
-                                                "wall_s": time.time() - t0})
+
+    def one(row: str, seed: int) -> dict:
+        t0 = time.time()
+        metrics, _ = run_row(with_settings(ROWS[row], s, seed), out / "runs" / row / f"seed{seed}")
+        return {"seed": seed, "accuracy": metrics["eval_accuracy"], "eval_loss": metrics["eval_loss"],
+                "wall_s": time.time() - t0}
+    records = seeded_rows(rows, s.seeds, one, rows_first=False)
     summary = summarise(records, ("accuracy", "eval_loss", "wall_s"))
     result = {"settings": s.__dict__, "rows": {r: ROWS[r] for r in rows}, "runs": records,
               "summary": summary, "wall_s": time.time() - began, "torch": torch.__version__}
-    md = ["# shapley: top-10 % neurons on the demo task\n",
-          f"{s.seeds} seed(s); mean ± sample std; AdamW lr {LR} for every row; wall seconds taken "
-          "while other processes shared the CPU.\n",
-          markdown_table(summary, [("accuracy", "demo accuracy (%)", pct),
-                                   ("eval_loss", "eval loss", lambda x: f"{x:.3f}"),
-                                   ("wall_s", "wall s (selection + training)", lambda x: f"{x:.0f}")]), ""]
-    write(out, result, "\n".join(md))
+    write_results(out, result, markdown(result))
     return result
+
+
+def markdown(result: dict) -> str:
+    """``results.md`` from the record: the mean ± std table over seeds."""
+    md = ["# shapley: top-10 % neurons on the demo task\n",
+          f"{result['settings']['seeds']} seed(s); mean ± sample std; AdamW lr {LR} for every row; wall seconds "
+          "taken while other processes shared the CPU.\n",
+          markdown_table(result["summary"], [("accuracy", "demo accuracy (%)", pct),
+                                             ("eval_loss", "eval loss", lambda x: f"{x:.3f}"),
+                                             ("wall_s", "wall s (selection + training)", lambda x: f"{x:.0f}")]),
+          ""]
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench shapley --out DIR [--rows a,b] [--seeds N] [--steps N] ...``."""
+    from rankwise_bench.common import demo_main
+    return demo_main(run, tuple(ROWS), argv)
 
 
 if __name__ == "__main__":
     import sys
-
-    from rankwise_bench.common import main
-    sys.exit(main(run, tuple(ROWS)))
+    sys.exit(main())

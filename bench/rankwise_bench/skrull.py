@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rankwise_bench.common import llama, worker_env, write_results
+
 EXAMPLES, CAP, BATCH, ACCUM, STEPS, WARMUP = 256, 4096, 8, 2, 3, 1
 
 
@@ -63,13 +65,8 @@ class Examples(list):
 
 
 def _model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
     from rankwise.adapters.lora import LoraConfig, apply_lora
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, max_position_embeddings=CAP,
-                                         pad_token_id=0, use_cache=False))
+    model = llama(257, 64, 2, 4, 128, kv_heads=2, positions=CAP, seed=seed, pad_token_id=0, use_cache=False)
     apply_lora(model, LoraConfig(r=8, targets="all-linear", dropout=0.0))
     return model
 
@@ -128,7 +125,7 @@ def worker(row: str, out: str) -> None:
 
 
 def _row(row: str, tmp: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = worker_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "rankwise_bench.skrull", row, str(tmp / row)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -171,7 +168,8 @@ def compile_rows(steps: int = 5) -> dict:
     return out
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     lines = ["# Skrull scheduling: 2 gloo processes, mixed-length stdlib source", "",
              f"{res['examples']} examples cut at top-level defs (bytes, <= {CAP} tokens; length "
              f"median {res['length_median']}, p90 {res['length_p90']}, max {res['length_max']}); "
@@ -210,8 +208,7 @@ def run(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         res["rows"] = [_row(row, Path(tmp)) for row in ("none", "packed", "skrull")]
     res["compile"] = compile_rows()
-    (out / "results.json").write_text(json.dumps(res, indent=1))
-    (out / "results.md").write_text(_markdown(res))
+    write_results(out, res, markdown(res))
 
 
 if __name__ == "__main__":  # a torchrun worker: python -m rankwise_bench.skrull ROW OUT

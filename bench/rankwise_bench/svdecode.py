@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from rankwise.core import atomic
+from rankwise_bench.common import write_results
 
 PRE, TRAIN, HELD_OUT, PROMPT_WORDS = 384, 48, 48, 12
 MAX_LEN, NEW_TOKENS = 48, 24
@@ -225,11 +226,11 @@ def run(out: Path) -> dict:
 
 
 def _write(out: Path, res: dict) -> None:
-    atomic.write_bytes(out / "results.json", json.dumps(res, indent=2, default=str).encode())
-    atomic.write_bytes(out / "results.md", _markdown(res).encode())
+    write_results(out, res, markdown(res))
 
 
-def _markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
+    """``results.md`` from the record."""
     lines = ["# SVDecode vs plain decoding of the warm-start PEFT model", "",
              "stdlib-functions def-line accuracy, greedy; λ = 0 is plain decoding (adapter on).", ""]
     for method, q in res.get("quality", {}).items():

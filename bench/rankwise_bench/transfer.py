@@ -2,7 +2,7 @@
 retraining LoRA on the new model with the same small budget and with the full budget.
 
 The models (both Llama, pretrained here on the Python standard library's own source,
-:func:`rankwise_bench.lowrank_pretrain.data.load_corpus`'s training modules):
+:func:`rankwise_bench.corpus.load_corpus`'s training modules):
 
 * old: a byte-level BPE tokenizer of :attr:`Sizes.old_vocab` entries trained with ``tokenizers``
   on the first ``old_mb`` MB of the corpus, a small Llama pretrained on that part;
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from rankwise.core import atomic
+from rankwise_bench.common import write_results
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EOS = "<|endoftext|>"
@@ -104,10 +105,11 @@ def _pretrain(s: Sizes, folder: Path, mb: float, vocab: int, hidden: int, layers
     """Tokenizer + Llama pretrained on the first ``mb`` MB of the corpus; saved in ``folder``.
     With ``start`` (a model folder): that model and its tokenizer pretrained further on the
     ``mb`` MB that follow the first ``s.old_mb``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from rankwise_bench.lowrank_pretrain.data import ByteWindows, load_corpus
     from rankwise.engine import Engine, evaluate, get_task, linear_schedule
+    from rankwise_bench.common import llama
+    from rankwise_bench.corpus import ByteWindows, load_corpus
     train_bytes, held_bytes, info = load_corpus()
     first = int(s.old_mb * 2 ** 20) if start is not None else 0
     text = bytes(train_bytes[first: first + int(mb * 2 ** 20)].tolist()).decode("utf-8", errors="replace")
@@ -126,12 +128,13 @@ def _pretrain(s: Sizes, folder: Path, mb: float, vocab: int, hidden: int, layers
     train = ByteWindows(ids, starts, s.seq)
     heldout = ByteWindows(held, torch.randint(0, held.numel() - s.seq, (s.eval_windows,), generator=g), s.seq)
     train.pad_id = heldout.pad_id = tok.pad_token_id
-    torch.manual_seed(s.seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=256, bos_token_id=tok.eos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg) if start is None else LlamaForCausalLM.from_pretrained(start)
+    if start is None:
+        model = llama(len(tok), hidden, layers, heads, hidden * 8 // 3, kv_heads=kv_heads, positions=256,
+                      seed=s.seed, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    else:
+        torch.manual_seed(s.seed)
+        model = LlamaForCausalLM.from_pretrained(start)
     task = get_task("causal-lm")
     opt = torch.optim.AdamW(model.parameters(), lr=s.pretrain_lr, weight_decay=0.0)
     engine = Engine(model, task, opt, train, s.batch, seed=s.seed, scheduler=linear_schedule(opt, steps, 0.05))
@@ -224,8 +227,7 @@ def run(out: Path, s: Sizes | None = None) -> dict:
             _clear(work, name)
     records = {name: _piece(out, name, fn) for name, fn in pieces.items()}
     result = {"sizes": asdict(s), "pieces": records, "torch": torch.__version__}
-    atomic.write_json(out / "results.json", result)
-    (out / "results.md").write_text(markdown(records, s))
+    write_results(out, result, markdown(result))
     return result
 
 
@@ -236,8 +238,9 @@ def _clear(work: Path, name: str) -> None:
         shutil.rmtree(work / folder)
 
 
-def markdown(r: dict, s: Sizes) -> str:
-    """The results table."""
+def markdown(result: dict) -> str:
+    """``results.md`` from the record: the two tables of the pieces."""
+    r, s = result["pieces"], result["sizes"]
     old, new = r["old-base"], r["new-base"]
     full = r["lora-full"]
     lines = ["# transfer: LoRASuite onto an upgraded model\n",
@@ -247,7 +250,7 @@ def markdown(r: dict, s: Sizes) -> str:
              f"new base: Llama {new['hidden']} wide, {new['layers']} layers, {new['heads']} heads / "
              f"{new['kv_heads']} KV heads, its own BPE {new['vocab']}, {new['params']:,} parameters, "
              f"{new['steps']} steps on {new['corpus_mb']} MB (held-out corpus loss {new['heldout_loss']}).  ",
-             f"Task stdlib-functions, LoRA r {s.r} on q/k/v/o. The old run ({s.full_steps} steps) reaches "
+             f"Task stdlib-functions, LoRA r {s['r']} on q/k/v/o. The old run ({s['full_steps']} steps) reaches "
              f"held-out loss {r['lora-old']['eval_loss']:.4f} in the old tokenizer (not comparable with "
              "the rows below).\n",
              f"W_x: {r['lorasuite']['w_x']}; layer mapping (old -> new) {r['lorasuite']['layer_mapping']}.\n",

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from rankwise.core import atomic
+from rankwise_bench.common import write_results
 
 BASE = dict(dataset="digits", passive_columns=list(range(32)), active_columns=list(range(32, 64)),
             hidden=512, embed=32, top_hidden=64, batch_size=32, epochs=8, lr=0.1,
@@ -112,9 +113,7 @@ def run(out: Path) -> dict:
               "bench_wall_s": time.perf_counter() - started, "rows": rows, "raw": {
                   s: {r: ms for r, ms in runs.items()} for s, runs in raw.items()},
               "text_raw": {k: v[1] for k, v in text.items()}}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out / "results.json", result)
-    atomic.write_bytes(out / "results.md", _markdown(result).encode())
+    write_results(out, result, markdown(result))
     return result
 
 
@@ -124,12 +123,13 @@ def _fmt(v, spec=".2f"):
 
 def render(out: Path) -> str:
     """Rewrite ``out/results.md`` from ``out/results.json`` (no new measurement)."""
-    text = _markdown(json.loads((out / "results.json").read_text()))
+    text = markdown(json.loads((out / "results.json").read_text()))
     atomic.write_bytes(out / "results.md", text.encode())
     return text
 
 
-def _markdown(result: dict) -> str:
+def markdown(result: dict) -> str:
+    """``results.md`` from the record."""
     lines = [f"# rankwise bench vfl ({result['cores']} cores, shared; medians of up to {result['repeats']} "
              f"interleaved repeats; {result['bench_wall_s']:.0f} s in all)", "",
              "Digits (passive: pixel columns 0-31, active: 32-63 + labels), bottom MLPs 32-512-32, top 64-64-10, "

@@ -14,44 +14,21 @@ import click
 
 from rankwise.errors import RankwiseError, require
 
-# name -> "module:function"; each function is run(out: Path) -> dict and writes
-# out/results.json and out/results.md.
-BENCHMARKS = {
-    "lora-vs-peft": "rankwise_bench.lora_vs_peft:run",
-    "lowrank-pretrain": "rankwise_bench.lowrank_pretrain:run",
-    "federated-demo": "rankwise_bench.federated_demo:run",
-    "data-pipeline": "rankwise_bench.data_pipeline:run",
-    "llm-finetune": "rankwise_bench.llm_finetune:run",
-    "llm-finetune-dora": "rankwise_bench.llm_finetune:run_dora",
-    "llm-finetune-fused": "rankwise_bench.llm_finetune:run_fused",
-    "compress": "rankwise_bench.compress:run",
-    "lota-qaf": "rankwise_bench.lota_qaf:run",
-    "nanoadam-ft": "rankwise_bench.nanoadam_ft:run",
-    "adapter-steps": "rankwise_bench.adapter_steps:run",
-    "loro": "rankwise_bench.loro:run",
-    "tpa": "rankwise_bench.tpa:run",
-    "vfl": "rankwise_bench.vfl:run",
-    "memory-features": "rankwise_bench.memory_features:run",
-    "dpo": "rankwise_bench.dpo:run",
-    "memory-decoder": "rankwise_bench.memory_decoder:run",
-    "plan": "rankwise_bench.plan:run",
-    "select": "rankwise_bench.select:run",
-    "shapley": "rankwise_bench.shapley:run",
-    "skrull": "rankwise_bench.skrull:run",
-    "transfer": "rankwise_bench.transfer:run",
-    "restore": "rankwise_bench.restore:run",
-    "distill": "rankwise_bench.distill:run",
-    "continual": "rankwise_bench.continual:run",
-    "svdecode": "rankwise_bench.svdecode:run",
-    "grpo": "rankwise_bench.grpo:run",
-    "preference": "rankwise_bench.preference:run",
-    "select-functions": "rankwise_bench.select_functions:run",
-}
+def _bench_folder() -> Path:
+    """``bench/`` of the source checkout that holds the benchmarks (``bench/rankwise_bench``): the
+    one beside this package's source tree, else the current directory's or a parent's.
 
-
-def _load(spec: str):
-    mod, _, fn = spec.partition(":")
-    return getattr(importlib.import_module(mod), fn)
+    Raises:
+        RankwiseError: When neither exists (an installed wheel has no benchmarks).
+    """
+    here = Path(__file__).resolve().parents[2]
+    cwd = Path.cwd().resolve()
+    for root in (here, cwd, *cwd.parents):
+        if (root / "bench" / "rankwise_bench" / "__init__.py").is_file():
+            return root / "bench"
+    raise RankwiseError("rankwise bench runs the benchmarks of a source checkout (bench/rankwise_bench), "
+                        "which the installed package does not hold: clone the rankwise repository and "
+                        "run `rankwise bench NAME` from it")
 
 
 def _shared_by_rank_0() -> bool:
@@ -372,14 +349,16 @@ def continual(config: Path, tasks: str, method: str | None, out: Path | None) ->
     continual_command(config, tasks, method, out)
 
 
-@main.command()
-@click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
-@click.option("--out", type=click.Path(path_type=Path), default=None)
-def bench(name: str, out: Path | None) -> None:
-    """Run a benchmark against the peer implementation; writes results.json and results.md."""
-    out = out or Path("bench/results") / name
-    _load(BENCHMARKS[name])(out)
-    click.echo(f"wrote {out}/results.json and {out}/results.md")
+@main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Run a benchmark of the checkout: NAME [--out DIR] [options] (no NAME: list them)."""
+    folder = _bench_folder()
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    code = importlib.import_module("rankwise_bench").main(list(args))
+    if code:
+        sys.exit(code)
 
 
 @main.command()

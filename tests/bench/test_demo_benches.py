@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rankwise_bench.common import Settings, main
+from rankwise_bench.common import Settings
 from rankwise_bench import lota_qaf, nanoadam_ft
 
 TOY = Settings(seeds=1, steps=2, model="tiny-bert", limit=64)
@@ -22,9 +22,8 @@ def test_lota_qaf_bench(tmp_path):
 
 @pytest.mark.slow
 def test_nanoadam_bench(tmp_path):
-    assert main(nanoadam_ft.run, tuple(nanoadam_ft.ROWS),
-                ["--out", str(tmp_path), "--seeds", "1", "--steps", "2", "--model", "tiny-bert",
-                 "--limit", "64"]) == 0
+    assert nanoadam_ft.main(["--out", str(tmp_path), "--seeds", "1", "--steps", "2", "--model", "tiny-bert",
+                             "--limit", "64"]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     runs = {row: recs[0] for row, recs in result["runs"].items()}
     assert set(runs) == {"nanoadam", "adamw-full", "lora"}
@@ -34,5 +33,5 @@ def test_nanoadam_bench(tmp_path):
 
 
 def test_unknown_row_is_one_line(tmp_path, capsys):
-    assert main(lota_qaf.run, tuple(lota_qaf.ROWS), ["--out", str(tmp_path), "--rows", "lorax"]) == 2
+    assert lota_qaf.main(["--out", str(tmp_path), "--rows", "lorax"]) == 2
     assert "lota-qaf rows: got ['lorax']" in capsys.readouterr().err

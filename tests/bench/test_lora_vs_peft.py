@@ -30,7 +30,7 @@ def test_markdown_table_has_the_three_ratios():
         "versions": {"python": "3.11", "torch": "2", "transformers": "5", "peft": "0.21",
                      "machine": "x86_64", "cpu_count": 2, "torch_threads": 1, "platform": "linux"},
     }
-    text = bench._markdown(res)
+    text = bench.markdown(res)
     assert "| train step, median s (vs PEFT) | 0.9000 | 1.0000 | 0.900 | <= 0.95 |" in text
     assert "0.950" in text and "Load average" in text and "--out bench/results/lora-vs-peft" in text
     assert "fused" not in text  # a record without the fused side keeps its form
@@ -38,7 +38,7 @@ def test_markdown_table_has_the_three_ratios():
     res["targets"].update(fused_step_time_ratio=0.9, fused_memory_ratio=1.0)
     res.update(fused_step_time_ratio=0.85, fused_memory_ratio=0.9, fused_step_time_ratio_min=0.8,
                fused_vs_plain_step_ratio=0.85 / 0.9, fused_max_loss_diff=0.0)
-    text = bench._markdown(res)
+    text = bench.markdown(res)
     assert "| train step, median s (fused vs PEFT) | 0.8500 | 1.0000 | 0.850 | <= 0.9 |" in text
     assert "| peak step memory, MiB (fused vs PEFT) | 9.0 | 10.0 | 0.900 | <= 1.0 |" in text
     assert "fused / plain step 0.944" in text

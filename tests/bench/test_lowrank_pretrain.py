@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rankwise import registry
-from rankwise_bench.lowrank_pretrain import (METHODS, ROWS, SIZES, ByteWindows, Sizes, build_model,
-                                                  load_corpus, prepared_model, run)
+from rankwise_bench.corpus import ByteWindows, load_corpus
+from rankwise_bench.lowrank_pretrain import METHODS, ROWS, SIZES, Sizes, build_model, prepared_model, run
 from rankwise_bench.lowrank_pretrain.__main__ import parse
 
 REPO = Path(__file__).resolve().parents[2]

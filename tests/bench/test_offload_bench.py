@@ -1,4 +1,4 @@
-"""``bench/gpu/offload.sh`` (``python -m rankwise_bench.offload``) at its tiny CPU size: the
+"""``bench/gpu/offload.sh`` (``rankwise bench offload``) at its tiny CPU size: the
 rows, the loss equality, the bytes the checkpointed row moves against a hand count, and the
 GPU preset the script runs (it cannot run here: no GPU in the unit tests)."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_tiny_run_has_every_row_with_equal_losses(tmp_path):
 
 def test_the_gpu_script_runs_the_gpu_preset():
     script = (ROOT / "bench" / "gpu" / "offload.sh").read_text()
-    assert "-m rankwise_bench.offload --preset gpu" in script
+    assert "-m rankwise_bench offload --preset gpu" in script
     gpu = PRESETS["gpu"]
     assert (gpu.seq, gpu.device, gpu.dtype, gpu.precision) == (2048, "cuda", "bfloat16", "bf16")
     assert set(gpu.rows) == set(ROWS)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from rankwise_bench import BENCHMARKS
 from rankwise_bench import select_functions as bench
-from rankwise.cli import BENCHMARKS
 
 
 def test_family_is_the_top_level_package_of_the_id():
     assert bench.family("email.mime.text:MIMEText.__init__:17") == "email"
     assert bench.family("json:dumps:183") == "json"
-    assert BENCHMARKS["select-functions"] == "rankwise_bench.select_functions:run"
+    assert BENCHMARKS["select-functions"].module == "select_functions"
 
 
 def test_means_average_each_method_and_budget_over_seeds():
@@ -24,6 +24,6 @@ def test_means_average_each_method_and_budget_over_seeds():
     assert (less["n"], less["target_loss"], less["seconds"]) == (3, pytest.approx(4.0), pytest.approx(2.0))
     assert less["target_loss_std"] == pytest.approx(1.0)  # sample std of 3, 4, 5
     assert got[("base", 0.0)]["target_share"] is None and got[("base", 0.0)]["target_loss_std"] == 0.0
-    assert "| less | 0.05 | 53 | 4.000 ± 1.000 | 4.000 | 0.50 | 2.0 |" in bench._markdown(
+    assert "| less | 0.05 | 53 | 4.000 ± 1.000 | 4.000 | 0.50 | 2.0 |" in bench.markdown(
         {"setup": {"target": "email", "target_size": 32, "pool": 1069, "lora_r": 8, "targets": ["q_proj"],
                    "steps": 60, "batch": 16, "seeds": 3}, "mean": bench._means(rows)})

@@ -29,7 +29,7 @@ def test_rows_have_mhas_attention_parameters_up_to_head_rounding(row):
 def test_tiny_run_measures_the_table_1_cache(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     corpus = torch.randint(0, 256, (4000,), generator=g, dtype=torch.uint8)
-    from rankwise_bench.lowrank_pretrain import data
+    from rankwise_bench import corpus as data
     monkeypatch.setattr(data, "load_corpus", lambda: (corpus[:3000], corpus[3000:],
                                                       {"bytes": {"train": 3000, "heldout": 1000}}))
     result = run(tmp_path, tiny())

@@ -10,12 +10,11 @@ reported. Runs are interleaved (all rows at the first learning rate, then the se
 load from other processes spreads over all of them and step-time ratios to AdamW are measured
 under the same conditions. Steps run through the shared :class:`rankwise.engine.Engine` with the
 ``causal-lm`` task (:mod:`.harness`). Sizes are presets (``small`` on CPU by default, ``medium``,
-``1b`` on a GPU in bf16): ``python -m rankwise_bench.lowrank_pretrain --size 1b ...``.
+``1b`` on a GPU in bf16): ``rankwise bench lowrank-pretrain --size 1b ...``.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import platform
 import time
@@ -24,16 +23,23 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.lowrank_pretrain.data import ByteWindows, corpus_windows, load_corpus
+from rankwise.errors import RankwiseError
+from rankwise_bench.common import torch_threads, write_results
+from rankwise_bench.corpus import corpus_windows
 from rankwise_bench.lowrank_pretrain.harness import (build_model, counted_state_bytes, heldout_loss,
-                                                          median, peak_tensor_mib, prepared_model,
-                                                          train_one)
+                                                     median, peak_tensor_mib, prepared_model, train_one)
 from rankwise_bench.lowrank_pretrain.report import markdown, plot
 from rankwise_bench.lowrank_pretrain.rows import METHODS, ROWS, SIZES, Row, Sizes, sizes
-from rankwise.errors import RankwiseError
 
-__all__ = ["ByteWindows", "METHODS", "ROWS", "Row", "SIZES", "Sizes", "build_model", "counted_state_bytes",
-           "heldout_loss", "load_corpus", "prepared_model", "run", "sizes", "train_one"]
+__all__ = ["main", "markdown", "METHODS", "ROWS", "Row", "SIZES", "Sizes", "build_model", "counted_state_bytes",
+           "heldout_loss", "prepared_model", "run", "sizes", "train_one"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench lowrank-pretrain --out DIR [--size S] [--rows a,b] [--set FIELD=VALUE ...]``
+    (:mod:`.__main__`)."""
+    from rankwise_bench.lowrank_pretrain.__main__ import main as command
+    return command(argv)
 
 
 def _ratios(methods: tuple[str, ...], runs: list[dict]) -> dict:
@@ -73,10 +79,8 @@ def run(out: Path, sizes: Sizes | None = None, methods: tuple[str, ...] = METHOD
         raise RankwiseError(f"lowrank-pretrain device {s.device!r}: no CUDA device here; set device=cpu")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(s.threads)
     t_start = time.time()
-    try:
+    with torch_threads(s.threads):
         train_windows, heldout, info, _, _ = corpus_windows(s.seq, s.steps, s.batch, s.eval_windows, s.seed)
         methods = tuple(m for m in dict.fromkeys(("adamw",) + tuple(methods))
                         if ROWS[m].requires is None or importlib.util.find_spec(ROWS[m].requires))
@@ -91,8 +95,6 @@ def run(out: Path, sizes: Sizes | None = None, methods: tuple[str, ...] = METHOD
             ok = [r for r in runs if r["method"] == m and math.isfinite(r["heldout_loss"])]
             best[m] = min(ok, key=lambda r: r["heldout_loss"]) if ok else [r for r in runs if r["method"] == m][0]
             best[m]["peak_mib"] = peak_tensor_mib(m, best[m]["lr"], s, train_windows)
-    finally:
-        torch.set_num_threads(threads)
     ratios = _ratios(methods, runs)
     result = {
         "sizes": asdict(s), "corpus": info, "tokenizer": "bytes (vocab 256)",
@@ -115,8 +117,7 @@ def run(out: Path, sizes: Sizes | None = None, methods: tuple[str, ...] = METHOD
             result["peer"]["apollo-torch"] = version("apollo-torch")
     except Exception:  # pragma: no cover - the peer is a bench-only extra
         result["peer"] = None
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(markdown(result, best, ratios, s))
+    write_results(out, result, markdown(result))
     plot(best, runs, out / "loss_curves.png")
     return result
 

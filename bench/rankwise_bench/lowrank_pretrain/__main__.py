@@ -1,9 +1,9 @@
-"""``python -m rankwise_bench.lowrank_pretrain``: the benchmark at a named size, with rows
+"""``rankwise bench lowrank-pretrain``'s command line: the benchmark at a named size, with rows
 and size fields chosen on the command line (``bench/gpu/lowrank-pretrain.sh`` runs the 1b size).
 
 Example::
 
-    python -m rankwise_bench.lowrank_pretrain --size 1b --rows adamw,galore,galore-oja \\
+    rankwise bench lowrank-pretrain --size 1b --rows adamw,galore,galore-oja \\
         --set steps=500 --out bench/results/lowrank-pretrain-1b
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def parse(argv: list[str]) -> tuple:
     Raises:
         RankwiseError: On an unknown size field or row, or a value that is not valid YAML.
     """
-    ap = argparse.ArgumentParser(prog="python -m rankwise_bench.lowrank_pretrain")
+    ap = argparse.ArgumentParser(prog="rankwise bench lowrank-pretrain")
     ap.add_argument("--out", required=True)
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--rows", default=",".join(METHODS), help=f"comma-separated rows of {list(ROWS)}")

@@ -12,24 +12,19 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise_bench.lowrank_pretrain.data import ByteWindows
-from rankwise_bench.lowrank_pretrain.rows import ROWS, Sizes
 from rankwise.engine import Engine, NonFiniteLoss, evaluate, get_task
 from rankwise.engine.loop import PRECISIONS
 from rankwise.optim.common import state_bytes
+from rankwise_bench.common import llama
+from rankwise_bench.corpus import ByteWindows
+from rankwise_bench.lowrank_pretrain.rows import ROWS, Sizes
 
 
 def build_model(s: Sizes) -> nn.Module:
     """A Llama-style causal LM built from ``LlamaConfig`` with seeded random weights (float32
     master weights, created directly on ``s.device``; ``meta`` counts parameters for free)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(s.seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                      num_hidden_layers=s.layers, num_attention_heads=s.heads,
-                      num_key_value_heads=s.heads, max_position_embeddings=s.seq,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
-    with torch.device(s.device):
-        return LlamaForCausalLM(cfg)
+    return llama(256, s.hidden, s.layers, s.heads, s.intermediate, positions=s.seq, seed=s.seed,
+                 device=s.device, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
 
 
 def prepared_model(name: str, s: Sizes) -> nn.Module:

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.lowrank_pretrain.rows import Sizes
-
 
 def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.3f}"
@@ -20,10 +18,10 @@ def _peak(r: dict) -> str:
     return f"{p['total']:.2f}" if p.get("optimizer") is None else f"{p['total']:.2f} ({p['optimizer']:.2f})"
 
 
-def table(best: dict, ratios: dict, s: Sizes) -> str:
+def table(best: dict, ratios: dict, rank: int) -> str:
     """The Markdown results table, one line per row at its best learning rate."""
     lines = ["| optimizer | best lr | held-out loss (nats/byte) | ppl/byte | loss after rank-"
-             f"{s.rank} truncation | state MiB counted | state MiB formula | params+grads+state MiB | "
+             f"{rank} truncation | state MiB counted | state MiB formula | params+grads+state MiB | "
              "peak MiB, shared meter (optimizer's share) | "
              "step time / AdamW, measured | step time / AdamW, common fwd+bwd | optimizer.step / "
              "AdamW's | slowest optimizer.step ms |",
@@ -64,13 +62,15 @@ def plot(best: dict, runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def markdown(result: dict, best: dict, ratios: dict, s: Sizes) -> str:
-    """The whole ``results.md``: one line of setup, then :func:`table`."""
-    info = result["corpus"]
-    head = (f"Llama {s.layers}x{s.hidden} (intermediate {s.intermediate}, {result['model_params']:,} params), "
-            f"byte tokens, seq {s.seq}, batch {s.batch}, {s.steps} steps, rank {s.rank}, refresh every "
-            f"{s.update_every}, {s.precision} on {s.device}; corpus {info['bytes']['train']:,} train / "
-            f"{info['bytes']['heldout']:,} held-out bytes of the Python {result['python']} standard "
-            f"library. {result['machine']}, {s.threads} thread(s), torch {result['torch']}, wall "
-            f"{result['wall_s']:.0f} s.\n")
-    return "\n".join(["# lowrank-pretrain\n", head, table(best, ratios, s), ""])
+def markdown(result: dict) -> str:
+    """The whole ``results.md`` from the record: one line of setup, then :func:`table` of each
+    row at its best learning rate (``result["best"]``)."""
+    info, s = result["corpus"], result["sizes"]
+    head = (f"Llama {s['layers']}x{s['hidden']} (intermediate {s['intermediate']}, {result['model_params']:,} "
+            f"params), byte tokens, seq {s['seq']}, batch {s['batch']}, {s['steps']} steps, rank {s['rank']}, "
+            f"refresh every {s['update_every']}, {s['precision']} on {s['device']}; corpus "
+            f"{info['bytes']['train']:,} train / {info['bytes']['heldout']:,} held-out bytes of the Python "
+            f"{result['python']} standard library. {result['machine']}, {s['threads']} thread(s), torch "
+            f"{result['torch']}, wall {result['wall_s']:.0f} s.\n")
+    return "\n".join(["# lowrank-pretrain\n", head,
+                      table(result["best"], result["step_time_ratio_to_adamw"], s["rank"]), ""])

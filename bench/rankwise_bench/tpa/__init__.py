@@ -8,12 +8,11 @@ row trains on the same windows in the same order from the same seed, through the
 :class:`~rankwise.engine.Engine` and ``causal-lm`` task (equal tokens), then reports its
 held-out loss, its KV cache per token and layer (measured on the cache after a prefill, beside
 the paper's Table 1 formula) and its greedy decoding speed with that cache (rows interleaved
-over rounds; ratios to MHA within a round). The corpus is ``lowrank-pretrain``'s
-(:func:`rankwise_bench.lowrank_pretrain.data.load_corpus`).
+over rounds; ratios to MHA within a round). The corpus is the benchmarks' one
+(:func:`rankwise_bench.corpus.load_corpus`).
 """
 from __future__ import annotations
 
-import json
 import math
 import platform
 import time
@@ -23,13 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rankwise_bench.lowrank_pretrain.data import ByteWindows, corpus_windows
-from rankwise_bench.tpa.report import markdown, plot
-from rankwise_bench.tpa.rows import ROWS, Sizes, kv_formula, matched_heads
 from rankwise.engine import Engine, evaluate, get_task
 from rankwise.errors import RankwiseError
+from rankwise_bench.common import torch_threads, write_results
+from rankwise_bench.corpus import ByteWindows, corpus_windows
+from rankwise_bench.tpa.report import markdown, plot
+from rankwise_bench.tpa.rows import ROWS, Sizes, kv_formula, matched_heads
 
-__all__ = ["ROWS", "Sizes", "attention_params", "build", "matched_heads", "run"]
+__all__ = ["ROWS", "Sizes", "attention_params", "build", "markdown", "matched_heads", "run"]
 
 
 def build(row: str, s: Sizes) -> nn.Module:
@@ -115,10 +115,8 @@ def run(out: Path, sizes: Sizes | None = None, rows: tuple[str, ...] = ROWS) -> 
     rows = tuple(dict.fromkeys(("mha",) + tuple(rows)))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(s.threads)
     t_start = time.time()
-    try:
+    with torch_threads(s.threads):
         train, heldout, info, held_bytes, g = corpus_windows(s.seq, s.steps, s.batch, s.eval_windows, s.seed)
         p0 = int(torch.randint(0, held_bytes.numel() - s.prompt, (1,), generator=g))
         prompt = held_bytes[p0: p0 + s.prompt].long()[None]
@@ -146,8 +144,6 @@ def run(out: Path, sizes: Sizes | None = None, rows: tuple[str, ...] = ROWS) -> 
             for r in rows:
                 speeds[r].append(s.new_tokens / sec[r])
                 ratios[r].append(sec["mha"] / sec[r])
-    finally:
-        torch.set_num_threads(threads)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     mha_params = 4 * s.hidden ** 2
     for r in rows:
@@ -158,8 +154,7 @@ def run(out: Path, sizes: Sizes | None = None, rows: tuple[str, ...] = ROWS) -> 
               "python": platform.python_version(), "torch": torch.__version__,
               "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "wall_s": time.time() - t_start, "rows": res}
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "results.md").write_text(markdown(result))
+    write_results(out, result, markdown(result))
     plot(result, out / "tpa.png")
     return result
 

@@ -1,11 +1,17 @@
-"""The corpus of ``lowrank-pretrain``: the Python standard library's own source, as bytes."""
+"""The benchmarks' one corpus loader: the Python standard library's own source, as bytes.
+
+The split is the one of ``rankwise.data.corpus`` (``data.source: stdlib-source``): a module is
+held out when ``crc32(module name) % 10 == 0``. ``lowrank-pretrain``, ``tpa``, ``compress``,
+``restore``, ``distill``, ``transfer``, ``memory-decoder``, ``llm-finetune`` and ``plan`` read it.
+"""
 from __future__ import annotations
 
 import sysconfig
-import zlib
 from pathlib import Path
 
 import torch
+
+from rankwise.data.corpus import SKIP, heldout_module
 
 
 class ByteWindows:
@@ -42,14 +48,13 @@ def load_corpus() -> tuple[torch.Tensor, torch.Tensor, dict]:
         line) and a dict with file and byte counts.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
     parts: dict[str, list[bytes]] = {"train": [], "heldout": []}
     for f in sorted(root.rglob("*.py")):
         rel = f.relative_to(root)
-        if skip & set(rel.parts):
+        if SKIP & set(rel.parts):
             continue
         module = ".".join(rel.with_suffix("").parts)
-        split = "heldout" if zlib.crc32(module.encode()) % 10 == 0 else "train"
+        split = "heldout" if heldout_module(module) else "train"
         parts[split].append(f.read_bytes() + b"\n\n")
     info = {"stdlib": str(root), "files": {k: len(v) for k, v in parts.items()}}
     data = {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in parts.items()}
