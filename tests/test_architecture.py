@@ -201,7 +201,8 @@ def test_nothing_in_the_library_imports_bench():
     hits = [f"{path.relative_to(SRC)}:{line}: {mod}" for path in sorted((SRC / "rankwise").rglob("*.py"))
             for mod, line in _imported_tops(path) if mod.split(".")[0] in ("rankwise_bench", "bench")]
     assert hits == []
-    named = sorted(str(p.relative_to(SRC)) for p in (SRC / "rankwise").rglob("*.py") if "rankwise_bench" in p.read_text())
+    named = sorted(str(p.relative_to(SRC)) for p in (SRC / "rankwise").rglob("*.py")
+                   if "rankwise_bench" in p.read_text())
     assert named == ["rankwise/cli.py"]
 
 
