@@ -246,6 +246,10 @@ class TrainConfig:
             adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
             backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
             same losses and gradients. ``off`` (or ``false``): the plain path.
+        neftune_noise_alpha: NEFTune (Jain et al. 2024): uniform noise of scale
+            ``alpha / sqrt(L d)`` on the input embeddings of the training forwards only, ``L``
+            each example's real tokens (:mod:`rankwise.engine.neftune`; the paper uses 5-15);
+            ``null``: off.
     """
 
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
@@ -276,6 +280,7 @@ class TrainConfig:
     compile: bool = False
     fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
+    neftune_noise_alpha: Union[float, None] = None
 
     def loss_chunk_for(self, vocab: int | None) -> int:
         """Target tokens per loss chunk for a model of ``vocab`` entries (0 = unchunked)."""
@@ -316,6 +321,9 @@ class TrainConfig:
         if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             out.append(f"loss_chunk_tokens: got {self.loss_chunk_tokens}; expected auto, 0 (off) "
                        "or a number of tokens per chunk")
+        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha > 0:
+            out.append(f"neftune_noise_alpha: got {self.neftune_noise_alpha}; expected alpha > 0 "
+                       "(the paper uses 5 to 15) or null for no noise")
         return out
 
 

@@ -32,6 +32,7 @@ from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.compile import compile_model, compile_problem
 from rankwise.engine.loop import precision_problem
+from rankwise.engine.neftune import add_neftune
 from rankwise.engine.skrull import Skrull
 from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
@@ -207,6 +208,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
             p.data = p.data.float()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
+    if cfg.train.neftune_noise_alpha:  # noise on the input embeddings of training forwards
+        add_neftune(model, cfg.train.neftune_noise_alpha)
     set_fused_lora(model, cfg.train.fused_lora)
     if cfg.data.select.method or cfg.data.select.from_:  # data.select: keep the chosen records
         from rankwise.recipes.select import select_training
