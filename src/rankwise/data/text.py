@@ -22,6 +22,8 @@ import numpy as np
 from rankwise.data.demo import load_demo_records
 from rankwise.data.files import check_fields, quiet_datasets, read_dataset, release_pages
 from rankwise.data.formats import Encoder, resolve_chat_template
+from rankwise.data.presets import PRESETS, base_format
+from rankwise.data.presets import required as preset_fields
 from rankwise.errors import RankwiseError
 
 # Records per tokenizer call and per record batch of the encoded file: every record batch costs
@@ -189,15 +191,19 @@ def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -
                         "data.packing: false")
     if problems:
         raise RankwiseError("; ".join(problems))
-    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.format == "chat" else None
-    return Encoder(tokenizer, data_cfg.format, data_cfg.max_length, data_cfg.text_field,
+    fmt = base_format(data_cfg.format)  # a preset (alpaca, sharegpt) encodes as its base format
+    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if fmt == "chat" else None
+    return Encoder(tokenizer, fmt, data_cfg.max_length, data_cfg.text_field,
                    data_cfg.prompt_field, data_cfg.completion_field, data_cfg.messages_field,
                    data_cfg.label_field, data_cfg.train_on_prompt, template, task.uses_labels,
-                   eval_fraction, use_id=data_cfg.source in BUILTIN)
+                   eval_fraction, use_id=data_cfg.source in BUILTIN,
+                   preset=data_cfg.format if data_cfg.format in PRESETS else None)
 
 
 def _required(data_cfg, uses_labels: bool) -> tuple[list[str], str]:
     fmt = data_cfg.format
+    if fmt in PRESETS:
+        return preset_fields(fmt)
     if fmt == "prompt-completion":
         return [data_cfg.prompt_field, data_cfg.completion_field], "data.prompt_field/data.completion_field"
     if fmt == "chat":
@@ -343,11 +349,12 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         names = sorted(seen)
         index = {n: i for i, n in enumerate(names)}
     pad = tokenizer.pad_token_id
-    train_data = ArrowData(train_ds, train_rows, names, index, pad, data_cfg.format, dropped[0])
+    fmt = base_format(data_cfg.format)
+    train_data = ArrowData(train_ds, train_rows, names, index, pad, fmt, dropped[0])
     if data_cfg.label_noise:  # flip a fixed fraction of training labels
         from rankwise.data.noise import flip_labels
         train_data = flip_labels(train_data, data_cfg.label_noise, data_cfg.label_noise_seed)
-    return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, data_cfg.format, dropped[1])
+    return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, fmt, dropped[1])
 
 
 __all__ = ["TextData", "ArrowData", "build_data", "encoder_for", "builtin_dataset", "BUILTIN"]

@@ -82,6 +82,10 @@ class DataConfig:
         format: ``text`` (every token trains; classification uses it), ``prompt-completion``
             (loss on the completion + EOS only) or ``chat`` (a list of ``{role, content}``
             messages through the chat template; loss on assistant turns only). Causal LM.
+            Presets of those (:mod:`rankwise.data.presets`; ``model.task: causal-lm``): ``alpaca``
+            (``{instruction, input, output}`` records through the Alpaca prompt, as
+            ``prompt-completion``) and ``sharegpt`` (``{conversations: [{from, value}]}``, as
+            ``chat``).
         text_field: Column/key holding the text.
         label_field: Column/key holding the label (classification).
         prompt_field: Column/key of the prompt (``prompt-completion``).
@@ -123,7 +127,7 @@ class DataConfig:
     """
 
     source: str = "demo"
-    format: Literal["text", "prompt-completion", "chat"] = "text"
+    format: Literal["text", "prompt-completion", "chat", "alpaca", "sharegpt"] = "text"
     text_field: str = "text"
     label_field: str = "label"
     prompt_field: str = "prompt"
@@ -597,6 +601,12 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if cfg.data.question_free and m.task != "causal-lm":
         out.append(f"data.question_free is supervised fine-tuning on responses and needs model.task: "
                    f"causal-lm (got {m.task}); remove it")
+    if cfg.data.format in ("alpaca", "sharegpt") and m.task != "causal-lm" and \
+            not registry.get("task", m.task).builder().uses_labels:  # (those: the check above)
+        base = "prompt-completion" if cfg.data.format == "alpaca" else "chat"
+        out.append(f"data.format: {cfg.data.format} is a record layout for supervised fine-tuning "
+                   f"(model.task: causal-lm, got {m.task}); use data.format: {base} and name the "
+                   "fields (data.prompt_field, ...)")
     if m.task == "dpo" and cfg.data.schedule != "none":
         out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
                    "pairs; set data.schedule: none")
