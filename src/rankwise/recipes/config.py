@@ -21,6 +21,7 @@ from rankwise.engine.memory_decoder import MemoryDecoderConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.grpo import GRPOConfig
 from rankwise.engine.preference import DPOConfig
+from rankwise.engine.reference import resolve as resolve_reference
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
@@ -48,6 +49,10 @@ class ModelConfig:
             mean of the existing rows (:mod:`rankwise.recipes.tokens`).
         add_special_tokens: New special tokens (never split, e.g. a chat template's
             ``<|im_start|>``), added and initialised the same way.
+        adapter: Start from an existing adapter instead of a fresh one: a PEFT LoRA folder, a
+            rankwise adapter folder or a finished train run (:mod:`rankwise.recipes.start`). Its
+            method, ranks and weights continue (the ``method`` section becomes the adapter's);
+            DPO's / GRPO's reference is then the starting model (``dpo.reference``).
     """
 
     path: str = "demo"
@@ -58,6 +63,7 @@ class ModelConfig:
     double_quant: bool = True
     add_tokens: list[str] = field(default_factory=list)
     add_special_tokens: list[str] = field(default_factory=list)
+    adapter: Union[str, None] = None
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -546,9 +552,9 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
 
 
 def _absolute_paths(cfg: RunConfig) -> None:
-    """Store local paths (``model.path``, ``data.source``, ``data.eval_source``) absolute, so a
+    """Store local paths (``model.path``, ``model.adapter``, ``data.source``, ``data.eval_source``) absolute, so a
     run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
-    pairs = [(cfg.model, "path"), (cfg.data, "source"), (cfg.data, "eval_source")]
+    pairs = [(cfg.model, "path"), (cfg.model, "adapter"), (cfg.data, "source"), (cfg.data, "eval_source")]
     if cfg.memory_decoder is not None:
         pairs.append((cfg.memory_decoder, "base"))
     for section, key in pairs:
@@ -585,6 +591,16 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
                 else f"data.format {cfg.data.format}")
         out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
+    trains_full = registry.get("method", cfg.method.name).trains == "full"
+    for name, section in (("dpo", cfg.dpo), ("grpo", cfg.grpo)):  # reference: initial needs a start
+        try:
+            if section is not None:
+                resolve_reference(section.reference, name, trains_full, bool(m.adapter), "adapters-off")
+        except RankwiseError as err:
+            out.append(str(err))
+    if m.adapter and cfg.federated is not None:
+        out.append("model.adapter starts a rankwise train run from an adapter; a federated run "
+                   "starts from its server's global adapter: remove model.adapter")
     if cfg.dpo is not None and m.task != "dpo":
         out.append(f"the dpo section needs model.task: dpo (got {m.task}); remove it or change the task")
     if m.task == "dpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt):
