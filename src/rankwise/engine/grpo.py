@@ -87,7 +87,8 @@ class GRPOConfig:
 
     Attributes:
         rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
-            ``length-penalty``) or ``module:function`` (:mod:`rankwise.engine.rewards`).
+            ``length-penalty``), ``module:function`` (:mod:`rankwise.engine.rewards`), or Python
+            callables given to ``rankwise.train`` (recorded as names).
         reward_weights: One weight per reward (``null``: all 1); the reward is their weighted sum.
         num_generations: ``G``, completions per prompt (>= 2).
         max_completion_length: New tokens per completion, at most.
@@ -106,6 +107,8 @@ class GRPOConfig:
         pattern: ``regex``'s pattern.
         length_target: ``length-penalty``'s characters per unit of penalty.
         gain_rl: GAIN-RL's settings (used with ``data.order: gain-rl``).
+        rewards_dir: A folder ``module:function`` rewards are also imported from, after
+            ``PYTHONPATH`` (``null``: the config file's folder; ``config.yaml`` records it).
         reference: The KL's reference: ``adapters-off`` (the base), ``initial`` (the model as
             the run starts, from a frozen copy of its trainable tensors; with ``model.adapter``
             or a full fine-tune) or ``auto`` (``initial`` with ``model.adapter``, else
@@ -128,6 +131,7 @@ class GRPOConfig:
     pattern: Union[str, None] = None
     length_target: int = 200
     gain_rl: GainRLConfig = field(default_factory=GainRLConfig)
+    rewards_dir: Union[str, None] = None
     reference: Literal["auto", "adapters-off", "initial"] = "auto"
 
     def problems(self) -> list[str]:
@@ -212,7 +216,8 @@ class GRPOTask(Task):
 
     def __init__(self, config: GRPOConfig | None = None) -> None:
         self.config = c = config or GRPOConfig()
-        self.fns = {name: R.resolve(name, c.answer_field, c.pattern, c.length_target) for name in c.rewards}
+        self.fns = {name: R.resolve(name, c.answer_field, c.pattern, c.length_target, c.rewards_dir)
+                    for name in c.rewards}
         self.weights = list(c.reward_weights or [1.0] * len(c.rewards))
         self.data: dict[int, Any] = {}
         self.seed = 0

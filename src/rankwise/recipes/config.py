@@ -676,4 +676,7 @@ def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict
         RankwiseError: On any problem with the file, the overrides or the values.
     """
     data = read_yaml(path) if path is not None else dict(base or {})
-    return build_run_config(apply_sets(data, list(sets or [])))
+    cfg = build_run_config(apply_sets(data, list(sets or [])))
+    if path is not None and cfg.grpo is not None and cfg.grpo.rewards_dir is None:
+        cfg.grpo.rewards_dir = str(Path(path).expanduser().resolve().parent)  # module:function rewards
+    return cfg

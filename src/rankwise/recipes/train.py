@@ -306,6 +306,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
             d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
+            d.get("grpo", {}).pop("rewards_dir", None)  # where the config was read: same rewards
             if (now.get("model") or {}).get("adapter"):  # the method is model.adapter's, read
                 d.pop("method", None)                    # again by prepare (config.yaml has it)
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
