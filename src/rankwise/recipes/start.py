@@ -77,19 +77,8 @@ def load_start(model: nn.Module, path: str | Path) -> Any:
         meta = load_adapter(model, folder)
         method = dict(meta.get("method") or {})
         return from_dict(registry.get("method", str(method.get("name"))).config_cls, method, "method")
-    from rankwise.adapters.lora.config import LoraConfig
-    from rankwise.adapters.lora.peft import load_peft
-    from rankwise.core.io import structure
-    from rankwise.core.ops import modules_to_save
-    peft = load_peft(model, folder)
-    layers = structure(model)
-    modules = [p for p, d in layers.items() if "parameters" not in d and "r" in d]
-    params = [f"{p}.{n}" for p, d in layers.items() for n in d.get("parameters", [])]
-    return from_dict(LoraConfig, {
-        "targets": modules, "target_parameters": params, "r": int(peft.get("r", 8)),
-        "alpha": float(peft.get("lora_alpha", 8)), "dropout": float(peft.get("lora_dropout") or 0.0),
-        "use_rslora": bool(peft.get("use_rslora", False)), "use_dora": bool(peft.get("use_dora", False)),
-        "modules_to_save": modules_to_save(model) or None}, "method")
+    peft = registry.get("exporter", "peft")  # the format's registered loader (the LoRA package's)
+    return peft.loaded_config(model, peft.loader(model, folder))
 
 
 def check_method(given: Any, start: Any, path: str) -> None:
