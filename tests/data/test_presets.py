@@ -37,6 +37,18 @@ def test_alpaca_is_prompt_completion_through_the_alpaca_template(tmp_path):
         examples(tmp_path / "b", by_hand, format="prompt-completion")
 
 
+def test_a_tokenizer_learns_from_the_same_training_texts(tmp_path):
+    from rankwise.data.text import training_texts
+    from rankwise.recipes.config import DataConfig
+    from test_formats import write_jsonl
+    by_hand = [{"prompt": alpaca_prompt(r["instruction"], r.get("input")), "completion": r["output"]}
+               for r in ALPACA]
+    texts = [list(training_texts(DataConfig(source=str(write_jsonl(tmp_path / f"{fmt}.jsonl", recs)),
+                                            format=fmt, eval_fraction=0.5)))
+             for fmt, recs in (("alpaca", ALPACA), ("prompt-completion", by_hand))]
+    assert texts[0] == texts[1] and 0 < len(texts[0]) < len(ALPACA)
+
+
 def test_sharegpt_is_chat_with_mapped_roles_and_the_system_first(tmp_path):
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
     by_hand = [{"messages": ([{"role": "system", "content": r["system"]}] if "system" in r else []) +
