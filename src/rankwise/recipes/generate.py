@@ -17,6 +17,7 @@ import torch
 from rankwise import registry
 from rankwise.data.files import json_lines
 from rankwise.data.formats import Encoder, end_id, split_example
+from rankwise.data.presets import prompt_key
 from rankwise.data.text import encoder_for
 from rankwise.engine import get_task
 from rankwise.engine.generation import generate
@@ -124,7 +125,8 @@ def start_id(tokenizer, model) -> int:
 
 def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
     """Yield the prompts of a JSONL file: the ``data.prompt_field`` text of each line, or its
-    ``data.messages_field`` list for chat runs (a plain JSON string is taken as the prompt).
+    ``data.messages_field`` list for chat runs (a plain JSON string is taken as the prompt);
+    ``data.format: alpaca`` runs read Alpaca records, ``sharegpt`` runs their ``conversations``.
 
     Raises:
         RankwiseError: A missing file, a line that is not JSON, or a line without the field.
@@ -133,12 +135,12 @@ def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
     if not path.is_file():
         raise RankwiseError(f"prompts file {path} not found; pass a .jsonl file with one "
                             "{\"prompt\": ...} object per line")
-    field = enc.messages_field if enc.fmt == "chat" else enc.prompt_field
+    field = prompt_key(enc.preset) or (enc.messages_field if enc.fmt == "chat" else enc.prompt_field)
     for n, obj in json_lines(path, f"{path} "):
         if isinstance(obj, str) and enc.fmt != "chat":
             yield obj
         elif isinstance(obj, dict) and obj.get(field) is not None:
-            yield obj[field]
+            yield obj if enc.preset == "alpaca" else obj[field]  # alpaca: instruction and input
         else:
             raise RankwiseError(f"{path} line {n} has no {field!r} field; each line needs one")
 
