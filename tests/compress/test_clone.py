@@ -196,6 +196,7 @@ def test_distill_command_writes_a_plain_student_and_resumes(tmp_path):
     m = run_distill(tmp_path / "t", tmp_path / "a", cfg)
     assert m["student_params"] < m["teacher_params"] and m["tokens_seen"] == 4 * 2 * 16
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["student_hidden"] == D_S
+    assert json.loads((tmp_path / "a" / "rankwise.json").read_text()) == {"kind": "distill"}
     # a run stopped after step 2: keep only that checkpoint, then resume
     import shutil
     shutil.copytree(tmp_path / "a", tmp_path / "b")

@@ -179,6 +179,7 @@ def test_merged_model_loads_in_transformers(world):
     torch.testing.assert_close(_logits(model), _logits(adapter), atol=1e-5, rtol=0)
     assert (_logits(model) - _logits(_load_base(world["base"]))).abs().max() > 1e-3
     assert json.loads((out / "merge.json").read_text())["weights"] == [1.0, 0.5]
+    assert json.loads((out / "rankwise.json").read_text()) == {"kind": "merge"}  # its kind, recorded
 
 
 def _run_folder(world, folder, base_dir, seed: int):
@@ -242,7 +243,7 @@ def test_bad_input_is_one_line(world, tmp_path):
     (tmp_path / "file").write_text("keep me")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
-    for out, words in ((tmp_path / "file", "is an existing file"), (tmp_path / "full", "is not empty")):
+    for out, words in ((tmp_path / "file", "is an existing file"), (tmp_path / "full", "files that no rankwise command wrote")):
         result = _cli(a, b, "--method", "cat", "--weights", "1,1", "--out", out)
         assert result.exit_code == 2 and words in result.output, result.output
     assert (tmp_path / "file").read_text() == "keep me"

@@ -121,7 +121,7 @@ def _source(path: Path) -> Source:
     if found == "adapter":
         meta = _json(path / RANKWISE_CONFIG)
         return Source(path, "adapter", meta.get("base_model"), meta.get("fingerprint"))
-    if found == "peft":
+    if found in ("peft", "merge"):  # an earlier merge's output is a PEFT LoRA folder
         return Source(path, "peft", _json(path / PEFT_CONFIG).get("base_model_name_or_path"))
     return _bad(path, found)
 
@@ -251,8 +251,10 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
     if problems:
         raise RankwiseError("; ".join(problems))
     out = atomic.check_folder(out)
-    if out.exists() and any(out.iterdir()):
-        raise RankwiseError(f"merge target {out} is not empty; choose a new --out or delete it first")
+    folders.check_kind(out, "merge", "merge writes only into a new or empty folder: choose another --out")
+    if folders.entries(out):
+        raise RankwiseError(f"--out {out} already holds {folders.WHAT['merge']}; choose a new --out "
+                            "or delete it first")
     sources = [_source(Path(p)) for p in paths]
     check_same_base(sources, model_path)
     if sum(1 for s in sources if _has_heads(s)) > 1:
@@ -301,6 +303,7 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
             shutil.move(str(f), str(tmp / f.name))
         (tmp / "peft").rmdir()
         atomic.write_json(tmp / RECORD, record)
+        folders.record(tmp, "merge")
         if merged:
             from rankwise.core.merged import export_merged
             dtype = None if m.quantize else torch_dtype(m.dtype)
