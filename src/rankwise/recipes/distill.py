@@ -53,6 +53,10 @@ def read_config(path: Path | None, sets: list[str], student_hidden: int | None) 
     data = apply_sets(data or {}, list(sets))
     if student_hidden is not None:
         data["student_hidden"] = student_hidden
+    wrong = [f"distill.{k}: got {data[k]!r}; expected a mapping such as {{source: {data[k]}, "
+             "sequences: 1024, length: 128}" for k in ("data", "heldout") if isinstance(data.get(k), str)]
+    if wrong:  # a file name where the windows' section goes
+        raise RankwiseError("; ".join(wrong))
     return from_dict(DistillConfig, data, "distill")
 
 
