@@ -49,7 +49,8 @@ def read_config(path: Path | None, sets: list[str], student_hidden: int | None) 
         RankwiseError: Every bad key or value at once.
     """
     from rankwise.recipes.config import apply_sets, read_yaml
-    data = read_yaml(path) if path is not None else {}
+    from rankwise.recipes.paths import DISTILL_PATHS
+    data = read_yaml(path, DISTILL_PATHS) if path is not None else {}
     data = apply_sets(data or {}, list(sets))
     if student_hidden is not None:
         data["student_hidden"] = student_hidden

@@ -24,7 +24,7 @@ def load_config(config_path: Path | None, sets: list[str] | None = None, base: d
             labels with both parties, a column out of range, ...), all reported at once.
     """
     from rankwise.recipes.config import apply_sets, read_yaml
-    data = read_yaml(config_path) if config_path is not None else dict(base or {})
+    data = read_yaml(config_path, {}) if config_path is not None else dict(base or {})  # no paths
     data = apply_sets(data, list(sets or []))
     extra = sorted(set(data) - {"vfl"})
     if extra:
