@@ -15,13 +15,13 @@ the pages of the Arrow files that tokenizing, checking or reading touched are re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from rankwise.data.demo import load_demo_records
 from rankwise.data.files import check_fields, quiet_datasets, read_dataset, release_pages
-from rankwise.data.formats import Encoder, resolve_chat_template
+from rankwise.data.formats import Encoder, held_out, resolve_chat_template
 from rankwise.errors import RankwiseError
 
 # Records per tokenizer call and per record batch of the encoded file: every record batch costs
@@ -160,18 +160,22 @@ def builtin_dataset(name: str):
     """A built-in source as an in-memory ``datasets.Dataset`` with an ``id`` column.
 
     ``demo``: ``text``, ``label`` (the demo task); ``stdlib-functions``: ``prompt``,
-    ``completion`` (:mod:`rankwise.data.instruct`).
+    ``completion`` (:mod:`rankwise.data.instruct`); ``stdlib-source``: ``text`` (one module's
+    source) and ``heldout``, the source's own split of whole modules (:mod:`rankwise.data.corpus`).
     """
     import datasets
     if name == "demo":
         records, keys = load_demo_records()[0], ("text", "label", "id")
+    elif name == "stdlib-source":
+        from rankwise.data.corpus import load_source_records
+        records, keys = load_source_records(), ("text", "id", "heldout")
     else:
         from rankwise.data.instruct import load_function_records
         records, keys = load_function_records(), ("prompt", "completion", "id")
     return datasets.Dataset.from_dict({k: [r[k] for r in records] for k in keys})
 
 
-BUILTIN = ("demo", "stdlib-functions")
+BUILTIN = ("demo", "stdlib-functions", "stdlib-source")
 
 
 def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -> Encoder:
@@ -184,6 +188,9 @@ def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -
     if task.uses_labels and data_cfg.format != "text":
         problems.append(f"data.format {data_cfg.format!r} needs model.task: causal-lm (got "
                         f"{task.name}); use data.format: text")
+    if task.uses_labels and data_cfg.split_long:
+        problems.append(f"data.split_long needs model.task: causal-lm (got {task.name}); set "
+                        "data.split_long: false")
     if task.uses_labels and data_cfg.packing:
         problems.append(f"data.packing needs model.task: causal-lm (got {task.name}); set "
                         "data.packing: false")
@@ -193,7 +200,8 @@ def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -
     return Encoder(tokenizer, data_cfg.format, data_cfg.max_length, data_cfg.text_field,
                    data_cfg.prompt_field, data_cfg.completion_field, data_cfg.messages_field,
                    data_cfg.label_field, data_cfg.train_on_prompt, template, task.uses_labels,
-                   eval_fraction, use_id=data_cfg.source in BUILTIN)
+                   eval_fraction, use_id=data_cfg.source in BUILTIN,
+                   split_long=data_cfg.split_long)
 
 
 def _required(data_cfg, uses_labels: bool) -> tuple[list[str], str]:
@@ -276,6 +284,41 @@ def validation_split(rows: np.ndarray, fraction: float) -> tuple[np.ndarray, np.
     return rows[~held], rows[held]
 
 
+def training_texts(data_cfg) -> Iterator[str]:
+    """The raw text of ``data.source``'s training records, in record order (what
+    ``model.train_tokenizer`` learns from): never the evaluation split (``data.eval_fraction``
+    or the source's own, as :class:`~rankwise.data.formats.Encoder` decides it), all of the
+    source when ``data.eval_source`` is set.
+
+    Yields:
+        One string per record: its text (``text``), prompt and completion (``prompt-completion``)
+        or message contents (``chat``), joined by newlines.
+
+    Raises:
+        RankwiseError: A missing source or field.
+    """
+    source = data_cfg.source
+    raw = builtin_dataset(source) if source in BUILTIN else read_dataset(source, data_cfg.cache_dir)
+    fields = {"text": [data_cfg.text_field],
+              "prompt-completion": [data_cfg.prompt_field, data_cfg.completion_field],
+              "chat": [data_cfg.messages_field]}[data_cfg.format]
+    check_fields(raw, source, fields, "data.text_field/data.prompt_field/data.messages_field")
+    key = fields[0]
+    for start in range(0, len(raw), BATCH):
+        batch = raw[start:start + BATCH]
+        indices = list(range(start, start + len(batch[key])))
+        keep = ([False] * len(indices) if data_cfg.eval_source else
+                held_out(batch, indices, data_cfg.eval_fraction, source in BUILTIN, key))
+        for r, held in enumerate(keep):
+            if held:
+                continue
+            parts = [batch[f][r] for f in fields]
+            if data_cfg.format == "chat":
+                parts = [m.get("content", "") for m in (parts[0] or []) if isinstance(m, dict)]
+            yield "\n".join(str(p) for p in parts)
+    release_pages(raw)
+
+
 def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[ArrowData, ArrowData]:
     """Build ``(train, eval)`` from a :class:`~rankwise.recipes.config.DataConfig`.
 
@@ -350,4 +393,5 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
     return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, data_cfg.format, dropped[1])
 
 
-__all__ = ["TextData", "ArrowData", "build_data", "encoder_for", "builtin_dataset", "BUILTIN"]
+__all__ = ["TextData", "ArrowData", "build_data", "encoder_for", "builtin_dataset", "training_texts",
+           "BUILTIN"]

@@ -34,20 +34,26 @@ def resolve(config_path: Path | None, sets: list[str], base: dict | None = None)
         ``(RunConfig, FederatedConfig)``.
 
     Raises:
-        RankwiseError: On any problem in any section, the strategy name or its options.
+        RankwiseError: On any problem in any section, the strategy name or its options, and on
+            each run setting federated training does not follow
+            (:func:`rankwise.federated.task.train_problems`), all in one message.
     """
+    from rankwise.federated.task import train_problems
     from rankwise.recipes.config import load_run_config
     cfg = load_run_config(config_path, sets, base)
     fed = cfg.federated or FederatedConfig()  # validated with the run config
     entry = registry.get("strategy", fed.strategy_name())
     from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
+    problems = train_problems(cfg, fed)
     if entry.builder.needs_factors and not registry.get("method", cfg.method.name).factorized:
         factorized = [n for n in registry.names("method") if registry.get("method", n).factorized]
-        raise RankwiseError(f"federated.strategy {entry.name} needs method.name: lora (or another method "
-                            f"with low-rank factors: {', '.join(factorized)}); got {cfg.method.name!r}")
+        problems.append(f"federated.strategy {entry.name} needs method.name: lora (or another method "
+                        f"with low-rank factors: {', '.join(factorized)}); got {cfg.method.name!r}")
     bad = [p for p in fed.faults if int(p) >= fed.clients]
     if bad:
-        raise RankwiseError(f"federated.faults: partitions {bad} do not exist; expected 0..{fed.clients - 1}")
+        problems.append(f"federated.faults: partitions {bad} do not exist; expected 0..{fed.clients - 1}")
+    if problems:
+        raise RankwiseError("; ".join(problems))
     return cfg, fed
 
 

@@ -21,6 +21,8 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.core import atomic
 from rankwise.engine import evaluate
+from rankwise.engine.loop import autocast
+from rankwise.engine.threads import use_threads
 from rankwise.federated import keys
 from rankwise.federated.checkpoint import load_round, save_round
 from rankwise.federated.payload import to_record
@@ -62,7 +64,9 @@ class TrueRounds(logging.Filter):
 
 
 class Evaluator:
-    """Central evaluation of a strategy's views on the run's evaluation split.
+    """Central evaluation of a strategy's views on the run's evaluation split (under
+    ``train.precision``'s autocast and on ``train.threads`` threads, as ``rankwise train``
+    evaluates).
 
     A view ``(tensors, config, partitions)`` is evaluated on all examples (``partitions`` is
     ``None``) or on the examples whose label belongs mostly to those partitions' training data
@@ -114,7 +118,10 @@ class Evaluator:
                 idx = [i for i in idx if self.owner.get(ev.labels[i]) in parts]
             if not idx:
                 continue
-            res = evaluate(model, task, ev.subset(idx), self.cfg.train.eval_batch_size, "cpu")
+            t, device = self.cfg.train, self.session.device
+            with use_threads(t.threads):  # under train.precision, as rankwise train evaluates
+                res = evaluate(model, task, ev.subset(idx), t.eval_batch_size, device,
+                               lambda: autocast(t.precision, device))
             for k, v in res.items():
                 totals[k] = totals.get(k, 0.0) + v * len(idx)
             count += len(idx)
@@ -188,7 +195,8 @@ def run_server(grid: Grid, config_path: str, out: str | Path, resume: bool = Fal
         with rounds_path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
         if server_round > 0:
-            save_round(out, server_round, strategy, lines, time.perf_counter() - began)
+            save_round(out, server_round, strategy, lines, time.perf_counter() - began,
+                       keep=cfg.train.keep_checkpoints)
         LOG.info("round %d: %s", server_round, metrics)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 

@@ -17,6 +17,7 @@ import yaml
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.data.select import SelectConfig
+from rankwise.data.tokenizer import TokenizerTrainConfig
 from rankwise.engine.memory_decoder import MemoryDecoderConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.grpo import GRPOConfig
@@ -48,6 +49,14 @@ class ModelConfig:
             mean of the existing rows (:mod:`rankwise.recipes.tokens`).
         add_special_tokens: New special tokens (never split, e.g. a chat template's
             ``<|im_start|>``), added and initialised the same way.
+        init: Where the weights start: ``pretrained`` (the folder's weights), ``random`` (a
+            fresh initialisation from the folder's ``config.json``, seeded by ``train.seed``:
+            pretraining from scratch, ``method: full``), or ``auto`` (``random`` when the folder
+            holds a ``config.json`` and no weights, else ``pretrained``).
+        train_tokenizer: Learn a tokenizer from the run's training text before the model is
+            built (:class:`~rankwise.data.tokenizer.TokenizerTrainConfig`; saved in the run
+            folder's ``tokenizer/``, reused on ``--resume``); the model's vocabulary is sized to
+            it. Needs ``init: random`` (or a config-only folder). ``null``: the folder's tokenizer.
     """
 
     path: str = "demo"
@@ -58,6 +67,8 @@ class ModelConfig:
     double_quant: bool = True
     add_tokens: list[str] = field(default_factory=list)
     add_special_tokens: list[str] = field(default_factory=list)
+    init: Literal["auto", "pretrained", "random"] = "auto"
+    train_tokenizer: Union[TokenizerTrainConfig, None] = None
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -67,6 +78,9 @@ class ModelConfig:
         for key in ("add_tokens", "add_special_tokens"):
             if not all(getattr(self, key)):
                 return [f"{key}: got an empty token string; list the new tokens, e.g. ['<|im_end|>']"]
+        if self.train_tokenizer is not None and self.init == "pretrained":
+            return ["train_tokenizer gives the model a new vocabulary, which pretrained weights "
+                    "do not know; set model.init: random (or remove train_tokenizer)"]
         return []
 
 
@@ -76,7 +90,9 @@ class DataConfig:
 
     Attributes:
         source: ``demo`` (stdlib docstring topics), ``stdlib-functions`` (prompt = a stdlib
-            function's docstring, completion = its ``def`` line), a ``.jsonl``/``.csv``/``.parquet``
+            function's docstring, completion = its ``def`` line), ``stdlib-source`` (one text
+            per standard-library module, whole modules held out: a pretraining corpus,
+            :mod:`rankwise.data.corpus`), a ``.jsonl``/``.csv``/``.parquet``
             file, or a folder written by ``datasets.Dataset.save_to_disk`` (all read through
             ``datasets``: memory-mapped Arrow, tokenization cached).
         format: ``text`` (every token trains; classification uses it), ``prompt-completion``
@@ -94,8 +110,12 @@ class DataConfig:
             tokenizer's own; needed when the tokenizer has none.
         packing: Pack several examples into each ``max_length`` block for training (causal
             LM); they never attend to each other and their positions restart.
-        max_length: Tokens per example. Text is cut from the right; a prompt is cut from the
-            left, and an example whose completion alone is longer is dropped and counted.
+        max_length: Tokens per example. Text is cut from the right (unless ``split_long``); a
+            prompt is cut from the left, and an example whose completion alone is longer is
+            dropped and counted.
+        split_long: ``text`` format, causal LM: a text longer than ``max_length`` becomes
+            several consecutive examples (``BOS + text + EOS`` in windows of ``max_length``)
+            instead of being cut, so pretraining sees all of every document.
         eval_source: A separate evaluation file; else a held-out fraction of ``source``.
         eval_fraction: Held-out fraction, chosen by a hash of each record (deterministic).
         limit: Use at most this many training records (``None`` = all).
@@ -135,6 +155,7 @@ class DataConfig:
     chat_template: Union[str, None] = None
     packing: bool = False
     max_length: int = 64
+    split_long: bool = False
     eval_source: Union[str, None] = None
     eval_fraction: float = 0.2
     limit: Union[int, None] = None
@@ -158,6 +179,9 @@ class DataConfig:
         if self.question_free and self.train_on_prompt:
             out.append("question_free trains on the response alone, so train_on_prompt has no prompt "
                        "to train; set one of them false")
+        if self.split_long and self.format != "text":
+            out.append(f"split_long cuts plain text into windows, and data.format is {self.format!r}; "
+                       "set data.format: text or remove split_long")
         if self.schedule == "skrull" and self.packing:
             out.append("schedule: skrull groups whole sequences by length, and packing already "
                        "makes equal blocks; set one of data.schedule: none or data.packing: false")
