@@ -150,6 +150,7 @@ def _spend_unknown_free_warning() -> None:
         prof.__enter__()
         del canary
         prof.__exit__(None, None, None)
+    prof.profiler = None  # its results would wait for the cyclic collector (see _fold)
     _UNKNOWN_FREE_SEEN.append(True)
 
 
