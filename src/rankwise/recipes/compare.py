@@ -31,6 +31,8 @@ from rankwise.core import atomic
 from rankwise.engine.callbacks import EventLog
 from rankwise.recipes import folders as kinds
 from rankwise.recipes import runs, sweep
+
+INTERRUPTED = "interrupted; rerun the same command to continue"  # what Ctrl-C of compare prints
 from rankwise.errors import RankwiseError, closest
 
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")
@@ -383,6 +385,7 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
 
     Raises:
         RankwiseError: On unknown rows, fewer than one seed, or an invalid config.
+        KeyboardInterrupt: On Ctrl-C (message :data:`INTERRUPTED`), once every run checkpointed.
     """
     from rich.console import Console
 
@@ -406,8 +409,11 @@ def run_compare(config_path: Path | None, methods: list[str], seeds: int, sets: 
         raise RankwiseError(f"--lr-grid: got {lr_grid}; expected 0 (off) or the number of points")
     if jobs < 1:
         raise RankwiseError(f"--jobs: got {jobs}; expected an integer >= 1")
-    chosen = sweep_rows(plans, grids, lr_grid, out, console, jobs)
-    metrics = run_seeds(plans, seeds, out, console, jobs)
+    try:
+        chosen = sweep_rows(plans, grids, lr_grid, out, console, jobs)
+        metrics = run_seeds(plans, seeds, out, console, jobs)
+    except KeyboardInterrupt:  # every run checkpointed; the same command reuses and continues them
+        raise KeyboardInterrupt(INTERRUPTED) from None
     meta = {"config": str(config_path) if config_path else None, "sets": list(sets), "seeds": seeds,
             "lr_grid": lr_grid}
     return report(metrics, plans, chosen, raw, out, console, meta)

@@ -38,7 +38,9 @@ def model_folder(path: str) -> Path:
     folder = demo_model_path() if path == "demo" else Path(path)
     if not folder.is_dir():
         raise RankwiseError(f"model folder {folder} not found; set model.path to a local "
-                            "Hugging Face model folder, 'demo', or a tiny-* test model")
+                            "Hugging Face model folder, 'demo', or a tiny-* test model (relative paths "
+                            "are read from the config file's folder, --set values from the current "
+                            "directory)")
     if not (folder / "config.json").is_file():
         raise RankwiseError(f"model folder {folder} has no config.json; point model.path at a "
                             "folder written by save_pretrained")

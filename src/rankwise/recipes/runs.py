@@ -239,8 +239,10 @@ def _run_parallel(jobs: list[tuple[str, dict, Path]], n_jobs: int, console) -> l
                 for fut in done:
                     i = futures[fut]
                     err = fut.exception()
+                    if isinstance(err, KeyboardInterrupt):  # Ctrl-C reached the worker first
+                        raise KeyboardInterrupt
                     if err is not None:
-                        raise RankwiseError(f"{jobs[i][2]}: {err}") from None
+                        raise RankwiseError(f"{jobs[i][2]}: {err or type(err).__name__}") from None
                     results[i] = fut.result()
                     bars.update(tasks[i], completed=bars.tasks[tasks[i]].total)
                 for fut in pending:
