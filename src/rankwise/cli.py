@@ -51,8 +51,8 @@ class _Group(click.Group):
             if not _shared_by_rank_0():  # under torchrun: a config error once, not once per process
                 click.echo(f"error: {err}", err=True)
             sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+        except KeyboardInterrupt as err:  # a command may say how to continue (compare does)
+            click.echo(str(err) or "interrupted", err=True)
             sys.exit(130)
 
 
