@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rankwise.data import presets
 from rankwise.data.demo import split_of
 from rankwise.errors import RankwiseError
 
@@ -161,6 +162,8 @@ class Encoder:
             ``"{row}:{text}"``; a built-in source with a ``heldout`` column (``stdlib-source``)
             decides the split itself.
         question_free: Encode the response alone (QFFT; ``prompt-completion`` and ``chat``).
+        preset: A record layout of :mod:`rankwise.data.presets` (``alpaca``: ``fmt`` is
+            ``prompt-completion``; ``sharegpt``: ``chat``) turned into ``fmt``'s fields first.
         split_long: ``text`` (causal LM): a record becomes ``prefix + text + EOS`` cut into
             consecutive windows of ``max_length`` tokens (the last one shorter) instead of
             being cut at ``max_length``: the pretraining layout, where no text is thrown away.
@@ -181,6 +184,7 @@ class Encoder:
     eval_fraction: float | None = None
     use_id: bool = False
     question_free: bool = False
+    preset: str | None = None
     split_long: bool = False
 
     def __post_init__(self) -> None:
@@ -217,6 +221,9 @@ class Encoder:
         Raises:
             RankwiseError: A record with malformed messages or an unknown role (1-based number).
         """
+        if self.preset:  # alpaca / sharegpt records -> prompt-completion / chat fields
+            batch = presets.convert(self.preset, batch, {"prompt": self.prompt_field, "completion":
+                                    self.completion_field, "messages": self.messages_field}, indices)
         if self.fmt == "text" and self.split_long:
             texts = self.tokenizer([str(t) for t in batch[self.text_field]],
                                    add_special_tokens=False)["input_ids"]
@@ -400,11 +407,14 @@ class Encoder:
         """Token ids that ask the model to continue ``value`` as in training.
 
         Args:
-            value: A text (``text`` / ``prompt-completion``) or a list of messages (``chat``).
+            value: A text (``text`` / ``prompt-completion``; an Alpaca instruction, or record,
+                for ``alpaca``) or a list of messages (``chat``; ShareGPT's for ``sharegpt``).
 
         Raises:
             RankwiseError: Malformed messages.
         """
+        if self.preset:
+            value = presets.prompt_of(self.preset, value)
         if self.fmt == "chat":
             text = self.render(self.messages(value, 0), generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

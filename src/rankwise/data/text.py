@@ -22,6 +22,9 @@ import numpy as np
 from rankwise.data.demo import load_demo_records
 from rankwise.data.files import check_fields, quiet_datasets, read_dataset, release_pages
 from rankwise.data.formats import Encoder, held_out, resolve_chat_template
+from rankwise.data.presets import PRESETS, base_format
+from rankwise.data.presets import convert as convert_preset
+from rankwise.data.presets import required as preset_fields
 from rankwise.errors import RankwiseError
 
 # Records per tokenizer call and per record batch of the encoded file: every record batch costs
@@ -196,16 +199,20 @@ def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -
                         "data.packing: false")
     if problems:
         raise RankwiseError("; ".join(problems))
-    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.format == "chat" else None
-    return Encoder(tokenizer, data_cfg.format, data_cfg.max_length, data_cfg.text_field,
+    fmt = base_format(data_cfg.format)  # a preset (alpaca, sharegpt) encodes as its base format
+    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if fmt == "chat" else None
+    return Encoder(tokenizer, fmt, data_cfg.max_length, data_cfg.text_field,
                    data_cfg.prompt_field, data_cfg.completion_field, data_cfg.messages_field,
                    data_cfg.label_field, data_cfg.train_on_prompt, template, task.uses_labels,
                    eval_fraction, use_id=data_cfg.source in BUILTIN,
-                   split_long=data_cfg.split_long)
+                   split_long=data_cfg.split_long,
+                   preset=data_cfg.format if data_cfg.format in PRESETS else None)
 
 
 def _required(data_cfg, uses_labels: bool) -> tuple[list[str], str]:
     fmt = data_cfg.format
+    if fmt in PRESETS:
+        return preset_fields(fmt)
     if fmt == "prompt-completion":
         return [data_cfg.prompt_field, data_cfg.completion_field], "data.prompt_field/data.completion_field"
     if fmt == "chat":
@@ -299,21 +306,27 @@ def training_texts(data_cfg) -> Iterator[str]:
     """
     source = data_cfg.source
     raw = builtin_dataset(source) if source in BUILTIN else read_dataset(source, data_cfg.cache_dir)
+    fmt = base_format(data_cfg.format)  # a preset's records are read as its base format's
     fields = {"text": [data_cfg.text_field],
               "prompt-completion": [data_cfg.prompt_field, data_cfg.completion_field],
-              "chat": [data_cfg.messages_field]}[data_cfg.format]
-    check_fields(raw, source, fields, "data.text_field/data.prompt_field/data.messages_field")
+              "chat": [data_cfg.messages_field]}[fmt]
+    given = preset_fields(data_cfg.format) or (fields, "data.text_field/data.prompt_field/data.messages_field")
+    check_fields(raw, source, *given)
     key = fields[0]
+    names = {"prompt": data_cfg.prompt_field, "completion": data_cfg.completion_field,
+             "messages": data_cfg.messages_field}
     for start in range(0, len(raw), BATCH):
         batch = raw[start:start + BATCH]
-        indices = list(range(start, start + len(batch[key])))
+        indices = list(range(start, start + len(batch[given[0][0]])))
+        if data_cfg.format in PRESETS:  # the fields (and split keys) the Encoder sees
+            batch = convert_preset(data_cfg.format, batch, names, indices)
         keep = ([False] * len(indices) if data_cfg.eval_source else
                 held_out(batch, indices, data_cfg.eval_fraction, source in BUILTIN, key))
         for r, held in enumerate(keep):
             if held:
                 continue
             parts = [batch[f][r] for f in fields]
-            if data_cfg.format == "chat":
+            if fmt == "chat":
                 parts = [m.get("content", "") for m in (parts[0] or []) if isinstance(m, dict)]
             yield "\n".join(str(p) for p in parts)
     release_pages(raw)
@@ -386,11 +399,12 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         names = sorted(seen)
         index = {n: i for i, n in enumerate(names)}
     pad = tokenizer.pad_token_id
-    train_data = ArrowData(train_ds, train_rows, names, index, pad, data_cfg.format, dropped[0])
+    fmt = base_format(data_cfg.format)
+    train_data = ArrowData(train_ds, train_rows, names, index, pad, fmt, dropped[0])
     if data_cfg.label_noise:  # flip a fixed fraction of training labels
         from rankwise.data.noise import flip_labels
         train_data = flip_labels(train_data, data_cfg.label_noise, data_cfg.label_noise_seed)
-    return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, data_cfg.format, dropped[1])
+    return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, fmt, dropped[1])
 
 
 __all__ = ["TextData", "ArrowData", "build_data", "encoder_for", "builtin_dataset", "training_texts",

@@ -22,6 +22,7 @@ from rankwise.engine.memory_decoder import MemoryDecoderConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.grpo import GRPOConfig
 from rankwise.engine.preference import DPOConfig
+from rankwise.engine.reference import resolve as resolve_reference
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
@@ -57,6 +58,10 @@ class ModelConfig:
             built (:class:`~rankwise.data.tokenizer.TokenizerTrainConfig`; saved in the run
             folder's ``tokenizer/``, reused on ``--resume``); the model's vocabulary is sized to
             it. Needs ``init: random`` (or a config-only folder). ``null``: the folder's tokenizer.
+        adapter: Start from an existing adapter instead of a fresh one: a PEFT LoRA folder, a
+            rankwise adapter folder or a finished train run (:mod:`rankwise.recipes.start`). Its
+            method, ranks and weights continue (the ``method`` section becomes the adapter's);
+            DPO's / GRPO's reference is then the starting model (``dpo.reference``).
     """
 
     path: str = "demo"
@@ -69,6 +74,7 @@ class ModelConfig:
     add_special_tokens: list[str] = field(default_factory=list)
     init: Literal["auto", "pretrained", "random"] = "auto"
     train_tokenizer: Union[TokenizerTrainConfig, None] = None
+    adapter: Union[str, None] = None
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -98,6 +104,10 @@ class DataConfig:
         format: ``text`` (every token trains; classification uses it), ``prompt-completion``
             (loss on the completion + EOS only) or ``chat`` (a list of ``{role, content}``
             messages through the chat template; loss on assistant turns only). Causal LM.
+            Presets of those (:mod:`rankwise.data.presets`; ``model.task: causal-lm``): ``alpaca``
+            (``{instruction, input, output}`` records through the Alpaca prompt, as
+            ``prompt-completion``) and ``sharegpt`` (``{conversations: [{from, value}]}``, as
+            ``chat``).
         text_field: Column/key holding the text.
         label_field: Column/key holding the label (classification).
         prompt_field: Column/key of the prompt (``prompt-completion``).
@@ -143,7 +153,7 @@ class DataConfig:
     """
 
     source: str = "demo"
-    format: Literal["text", "prompt-completion", "chat"] = "text"
+    format: Literal["text", "prompt-completion", "chat", "alpaca", "sharegpt"] = "text"
     text_field: str = "text"
     label_field: str = "label"
     prompt_field: str = "prompt"
@@ -270,6 +280,10 @@ class TrainConfig:
             adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
             backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
             same losses and gradients. ``off`` (or ``false``): the plain path.
+        neftune_noise_alpha: NEFTune (Jain et al. 2024): uniform noise of scale
+            ``alpha / sqrt(L d)`` on the input embeddings of the training forwards only, ``L``
+            each example's real tokens (:mod:`rankwise.engine.neftune`; the paper uses 5-15);
+            ``null``: off.
     """
 
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
@@ -300,6 +314,7 @@ class TrainConfig:
     compile: bool = False
     fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
+    neftune_noise_alpha: Union[float, None] = None
 
     def loss_chunk_for(self, vocab: int | None) -> int:
         """Target tokens per loss chunk for a model of ``vocab`` entries (0 = unchunked)."""
@@ -340,6 +355,9 @@ class TrainConfig:
         if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             out.append(f"loss_chunk_tokens: got {self.loss_chunk_tokens}; expected auto, 0 (off) "
                        "or a number of tokens per chunk")
+        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha > 0:
+            out.append(f"neftune_noise_alpha: got {self.neftune_noise_alpha}; expected alpha > 0 "
+                       "(the paper uses 5 to 15) or null for no noise")
         return out
 
 
@@ -437,8 +455,13 @@ def apply_sets(data: dict, sets: list[str]) -> dict:
     return data
 
 
-def read_yaml(path: Path) -> dict:
-    """Read a YAML mapping from ``path`` (YAML 1.2 numbers, no duplicate keys: :mod:`.yamlfile`).
+def read_yaml(path: Path, paths: dict | None = None) -> dict:
+    """Read a YAML mapping from ``path`` (YAML 1.2 numbers, no duplicate keys: :mod:`.yamlfile`);
+    its relative paths are read from its folder (:mod:`rankwise.recipes.paths`).
+
+    Args:
+        path: The YAML file.
+        paths: Which keys hold paths (default: a run config's, ``paths.RUN_PATHS``).
 
     Raises:
         RankwiseError: Missing/unreadable/empty file, malformed YAML, a duplicate key (naming
@@ -464,7 +487,8 @@ def read_yaml(path: Path) -> dict:
                             "e.g. model: {path: demo} (see examples/)")
     if not isinstance(data, dict):
         raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
-    return data
+    from rankwise.recipes.paths import RUN_PATHS, resolve_relative
+    return resolve_relative(data, path.parent, RUN_PATHS if paths is None else paths)
 
 
 def build_run_config(data: dict) -> RunConfig:
@@ -558,9 +582,9 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
 
 
 def _absolute_paths(cfg: RunConfig) -> None:
-    """Store local paths (``model.path``, ``data.source``, ``data.eval_source``) absolute, so a
+    """Store local paths (``model.path``, ``model.adapter``, ``data.source``, ``data.eval_source``) absolute, so a
     run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
-    pairs = [(cfg.model, "path"), (cfg.data, "source"), (cfg.data, "eval_source")]
+    pairs = [(cfg.model, "path"), (cfg.model, "adapter"), (cfg.data, "source"), (cfg.data, "eval_source")]
     if cfg.memory_decoder is not None:
         pairs.append((cfg.memory_decoder, "base"))
     for section, key in pairs:
@@ -597,6 +621,16 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
                 else f"data.format {cfg.data.format}")
         out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
+    trains_full = registry.get("method", cfg.method.name).trains == "full"
+    for name, section in (("dpo", cfg.dpo), ("grpo", cfg.grpo)):  # reference: initial needs a start
+        try:
+            if section is not None:
+                resolve_reference(section.reference, name, trains_full, bool(m.adapter), "adapters-off")
+        except RankwiseError as err:
+            out.append(str(err))
+    if m.adapter and cfg.federated is not None:
+        out.append("model.adapter starts a rankwise train run from an adapter; a federated run "
+                   "starts from its server's global adapter: remove model.adapter")
     if cfg.dpo is not None and m.task != "dpo":
         out.append(f"the dpo section needs model.task: dpo (got {m.task}); remove it or change the task")
     if m.task == "dpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt):
@@ -613,6 +647,12 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if cfg.data.question_free and m.task != "causal-lm":
         out.append(f"data.question_free is supervised fine-tuning on responses and needs model.task: "
                    f"causal-lm (got {m.task}); remove it")
+    if cfg.data.format in ("alpaca", "sharegpt") and m.task != "causal-lm" and \
+            not registry.get("task", m.task).builder().uses_labels:  # (those: the check above)
+        base = "prompt-completion" if cfg.data.format == "alpaca" else "chat"
+        out.append(f"data.format: {cfg.data.format} is a record layout for supervised fine-tuning "
+                   f"(model.task: causal-lm, got {m.task}); use data.format: {base} and name the "
+                   "fields (data.prompt_field, ...)")
     if m.task == "dpo" and cfg.data.schedule != "none":
         out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
                    "pairs; set data.schedule: none")
@@ -666,4 +706,7 @@ def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict
         RankwiseError: On any problem with the file, the overrides or the values.
     """
     data = read_yaml(path) if path is not None else dict(base or {})
-    return build_run_config(apply_sets(data, list(sets or [])))
+    cfg = build_run_config(apply_sets(data, list(sets or [])))
+    if path is not None and cfg.grpo is not None and cfg.grpo.rewards_dir is None:
+        cfg.grpo.rewards_dir = str(Path(path).expanduser().resolve().parent)  # module:function rewards
+    return cfg

@@ -32,6 +32,7 @@ from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.compile import compile_model, compile_problem
 from rankwise.engine.loop import precision_problem
+from rankwise.engine.neftune import add_neftune
 from rankwise.engine.skrull import Skrull
 from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
@@ -43,6 +44,7 @@ from rankwise.recipes.config import RunConfig, build_run_config
 from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer, starts_random
 from rankwise.recipes.reports import data_info, report_callbacks
 from rankwise.recipes.resume import dotted_diff, schedule_factor, set_schedule
+from rankwise.recipes.start import check_method, load_start
 from rankwise.recipes.tokens import TOKENIZER_DIR, adds_tokens, apply_trainable_tokens, save_tokenizer
 from rankwise.recipes.tokens import save_tokenizer_files
 
@@ -209,7 +211,12 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     entry = registry.get("method", cfg.method.name)
     torch.manual_seed(cfg.train.seed)
     session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device, dist)  # type: ignore[arg-type]
-    if saved is not None:
+    if m.adapter:  # model.adapter: continue an existing adapter (its method; a resume loads it too)
+        start_method = load_start(model, m.adapter)
+        check_method(cfg.method, start_method, m.adapter)
+        cfg.method, task.from_adapter = start_method, True
+        entry = registry.get("method", cfg.method.name)
+    elif saved is not None:
         rebuild(model, cfg.method, "default", saved.get("layers") or {}, saved.get("modules_to_save"))
     else:
         batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
@@ -228,12 +235,17 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
             p.data = p.data.float()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
+    if cfg.train.neftune_noise_alpha:  # noise on the input embeddings of training forwards
+        add_neftune(model, cfg.train.neftune_noise_alpha)
     set_fused_lora(model, cfg.train.fused_lora)
     if cfg.data.select.method or cfg.data.select.from_:  # data.select: keep the chosen records
         from rankwise.recipes.select import select_training
         (selected if selected is not None else {}).update(full=train_data, selection=select_training(session))
     task.prepare(model, [session.train_data, eval_data], entry.trains == "full",
                  cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
+    if getattr(task, "snapshot", None) is not None and dist.active and dist.kind == "fsdp":
+        raise RankwiseError("the reference 'initial' swaps in a copy of the weights, which FSDP2 "
+                            "shards; use train.distributed: ddp (or, for DPO, dpo.reference: precomputed)")
     if cfg.data.packing:
         session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
     if cfg.train.compile:  # the blocks compiled; a method dynamo cannot trace is refused here
@@ -339,6 +351,9 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
             d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
+            d.get("grpo", {}).pop("rewards_dir", None)  # where the config was read: same rewards
+            if (now.get("model") or {}).get("adapter"):  # the method is model.adapter's, read
+                d.pop("method", None)                    # again by prepare (config.yaml has it)
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
             now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
         diff = [k for k in dotted_diff(saved, now) if k != "train.steps"]
