@@ -15,8 +15,9 @@ from pathlib import Path
 import yaml
 
 from rankwise.federated.run import run_federated, write_results
+from rankwise_bench.common import ROOT
 
-CONFIG = Path(__file__).resolve().parents[3] / "examples" / "federated-demo.yaml"
+CONFIG = ROOT / "examples" / "federated-demo.yaml"
 STRATEGIES = ("fedit", "ffa-lora", "rolora", "fedlease", "yoco", "leff")
 
 
