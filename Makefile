@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-fast bench setup clean
+.PHONY: demo test test-fast bench reference-base setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/rankwise bench lora-vs-peft --out bench/results/lora-vs-peft
+
+# the reference base the causal-LM benchmarks start from (bench/reference-base/README): pretrain
+# (resumes from the last checkpoint; a finished run is left as it is), then export it with its card
+reference-base: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/rankwise train bench/reference-base/pretrain.yaml --resume --out runs/reference-base
+	$(BIN)/python bench/reference-base/card.py runs/reference-base bench/reference-base/model
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

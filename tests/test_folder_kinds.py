@@ -174,6 +174,8 @@ def test_federated_compare_and_demo_refuse_a_train_run(tmp_path, tiny_bert_run):
     shutil.copytree(tiny_bert_run, run)
     before = tree(run)
     raw = yaml.safe_load((run / "config.yaml").read_text())
+    from rankwise.federated.task import NOT_FOLLOWED
+    raw["train"] = {k: v for k, v in raw["train"].items() if k not in NOT_FOLLOWED}  # a valid federated config
     fed = write_yaml(tmp_path / "fed.yaml", {**raw, "federated": {"clients": 2, "rounds": 1}})
     one_line(invoke("federated", fed, "--out", run), "holds a train run")
     one_line(invoke("compare", run / "config.yaml", "--methods", "lora", "--seeds", "1", "--out", run),

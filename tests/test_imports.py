@@ -37,3 +37,9 @@ def test_save_adapter_loads_safetensors_when_called(tmp_path):
             "cfg = rankwise.apply(m, 'lora', r=2)\n"
             f"rankwise.save_adapter(m, {str(tmp_path / 'a')!r}, cfg)\n")
     assert _loaded_after(code) == ["safetensors"]
+
+
+@pytest.mark.integration
+def test_the_run_api_is_reached_without_loading_the_heavy_stack():
+    code = "import rankwise\nassert callable(rankwise.train) and callable(rankwise.load_config)\n"
+    assert _loaded_after(code) == []

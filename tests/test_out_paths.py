@@ -115,6 +115,8 @@ def test_federated_refuses_a_folder_holding_a_train_run(tmp_path, tiny_bert_run)
     shutil.copytree(tiny_bert_run, run)
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     cfg = yaml.safe_load((run / "config.yaml").read_text())
+    from rankwise.federated.task import NOT_FOLLOWED
+    cfg["train"] = {k: v for k, v in cfg["train"].items() if k not in NOT_FOLLOWED}  # a valid federated config
     cfg["federated"] = {"clients": 2, "rounds": 1}
     (tmp_path / "fed.yaml").write_text(yaml.safe_dump(cfg))
     _one_line(_invoke("federated", tmp_path / "fed.yaml", "--out", run), "holds no federated run")

@@ -9,6 +9,10 @@ Quick start::
     ...train...
     rankwise.save_adapter(model, "my-adapter", rankwise.method_config("lora", r=8))
 
+A whole run, as ``rankwise train`` (docs/python-api.md)::
+
+    metrics = rankwise.train({"model": {"path": "demo"}, "train": {"steps": 50}}, "runs/demo")
+
 ``import rankwise`` needs only torch: file formats (safetensors), transformers, rich and
 Flower load when a function that needs them is first called.
 """
@@ -37,6 +41,8 @@ _LAZY = {
     "print_summary": "rankwise.core.summary:print_summary",
     "export_peft": "rankwise.adapters.lora.peft:export_peft",
     "load_peft": "rankwise.adapters.lora.peft:load_peft",
+    "train": "rankwise.recipes.api:train",
+    "load_config": "rankwise.recipes.api:load_config",
 }
 
 
@@ -106,5 +112,5 @@ __all__ = [
     "RankwiseError", "apply", "optimizer", "method_config", "registry", "save_adapter",
     "load_adapter", "export_peft", "load_peft", "export_merged", "print_summary",
     "adapter_state_dict", "count_parameters", "disable_adapters", "merge_adapters",
-    "unmerge_adapters", "merge_and_unload", "set_adapter", "__version__",
+    "unmerge_adapters", "merge_and_unload", "set_adapter", "train", "load_config", "__version__",
 ]

@@ -59,6 +59,9 @@ class Entry:
         loader: For exporters: ``loader(model, folder, adapter_name="default")`` puts an
             adapter saved in this format onto ``model`` in place (``rankwise generate
             --adapter``); ``None`` when the format can only be written.
+        loaded_config: For exporters with a loader: ``loaded_config(model, loaded)`` is the
+            method config of the adapter the loader just put on ``model`` (``loaded``: what the
+            loader returned), so a run can continue it (``model.adapter``).
         grad_clip: For optimizers: the gradient-norm clip a run uses when ``train.grad_clip``
             is ``auto`` (its default): ``1.0``, or ``None`` (off) for optimizers that set their
             own step from the gradient's norm and that clipping would defeat (NGN-M's step
@@ -82,6 +85,7 @@ class Entry:
     lr_grid: tuple[float, ...] = ()
     exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
     loader: Callable[..., Any] | None = None
+    loaded_config: Callable[..., Any] | None = None
     grad_clip: float | None = 1.0
     layer_score: Callable[..., float] | None = None
 

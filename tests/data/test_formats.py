@@ -161,3 +161,36 @@ def test_text_format_is_todays_tokenization(tmp_path, tok, docstrings_jsonl):
     want = tok(texts, truncation=True, max_length=24)["input_ids"]
     got = [ex["input_ids"] for ex in all_examples(train) + all_examples(evals)]
     assert sorted(got) == sorted(want) and all("labels" not in train[i] for i in range(3))
+
+
+def test_split_long_cuts_text_into_windows_and_loses_no_token(tok):
+    """``data.split_long``: ``BOS + text + EOS`` in consecutive ``max_length`` windows, the last
+    shorter; their concatenation is the whole encoded text, and each window keeps its record's
+    split; a lone last token (nothing to predict) is not a window of its own."""
+    from rankwise.data.formats import Encoder
+    texts = [load_function_records()[i]["prompt"] * 6 for i in range(3)] + ["short"]
+    enc = Encoder(tok, "text", max_length=16, split_long=True, eval_fraction=0.5)
+    rows = list(range(len(texts)))
+    out = enc({"text": texts}, rows)
+    flags = enc.held_out({"text": texts}, rows)
+    assert 0 < sum(flags) < len(texts)                                  # both splits occur
+    assert all(len(w) <= 16 for w in out["input_ids"]) and out["_len"] == [len(w) for w in out["input_ids"]]
+    start = 0
+    for r, text in enumerate(texts):
+        whole = enc.prefix + tok(text, add_special_tokens=False)["input_ids"] + [enc.eos]
+        if len(whole) % 16 == 1:
+            whole = whole[:-1]                                          # the lone EOS window
+        n = -(-len(whole) // 16)
+        assert [t for w in out["input_ids"][start:start + n] for t in w] == whole
+        assert out["_eval"][start:start + n] == [flags[r]] * n
+        start += n
+    assert start == len(out["input_ids"]) > len(texts)
+
+
+def test_split_long_needs_plain_text_and_a_causal_lm(tok):
+    with pytest.raises(Exception, match="split_long"):
+        from rankwise.configs import from_dict
+        from_dict(DataConfig, {"format": "prompt-completion", "split_long": True}, "data")
+    cfg = DataConfig(source="demo", split_long=True)
+    with pytest.raises(RankwiseError, match="split_long needs model.task: causal-lm"):
+        build_data(cfg, get_task("classification"), tok)

@@ -132,3 +132,28 @@ def test_evaluations_are_measured_apart_and_a_resume_keeps_the_recorded_peak():
     other = MeasureMemory(PeakMemory("cpu"))
     other.restore({"peak_memory_mb": 5.0, "memory_meter": "cuda_max_allocated"})
     assert other.peaks()["peak_memory_mb"] == 0.0
+
+
+def test_flushing_releases_each_steps_profiler_events_without_the_cyclic_collector():
+    """The CPU meter's profiler results sit in a reference cycle that only the cyclic collector
+    frees, and the collector rarely runs (their memory is C++ memory Python does not count): a
+    6M-parameter pretraining run grew ~150 MiB a step until the OOM killer stopped it. With the
+    collector off, eight flushed steps of allocation-heavy work keep the resident set flat."""
+    import gc
+
+    from rankwise.memory import rss_mb
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(16)])
+    x = torch.randn(256, 128)
+    gc.collect()
+    gc.disable()
+    try:
+        sizes = []
+        with PeakMemory("cpu") as mem:
+            for _ in range(8):
+                for _ in range(6):
+                    model(x).sum().backward()       # ~6k allocation events per "step"
+                mem.flush()
+                sizes.append(rss_mb())
+    finally:
+        gc.enable()
+    assert sizes[-1] - sizes[1] < 15, sizes        # a kept profiler costs ~10 MiB per step here

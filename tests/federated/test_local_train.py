@@ -20,6 +20,7 @@ from rankwise.federated.strategies import FedIt, Leff, Yoco
 from rankwise.federated.task import Client, local_train
 from rankwise.federated.wire import factor_roles, mark_wire
 from rankwise.optim.adamw import AdamWConfig
+from rankwise.recipes.config import TrainConfig
 from rankwise.testing import VOCAB, tiny_bert_cls
 
 PID, SEED, BS, CLIP, LR = 1, 3, 4, 0.5, 0.01
@@ -41,7 +42,7 @@ def make_client(strategy, rounds_trained: int = 0) -> Client:
     ids = [torch.randint(1, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
            for _ in range(18)]
     data = TextData(ids, [i % 3 for i in range(18)], ["a", "b", "c"], 0)
-    cfg = SimpleNamespace(optim=AdamWConfig(lr=1.0), train=SimpleNamespace(seed=SEED, grad_clip=CLIP, batch_size=BS))
+    cfg = SimpleNamespace(optim=AdamWConfig(lr=1.0), train=TrainConfig(seed=SEED, grad_clip=CLIP, batch_size=BS))
     return Client(cfg, FederatedConfig(clients=2, local_steps=3), PID, model, get_task("classification"),
                   data, names, factor_roles(model), strategy, rounds_trained)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rankwise.data import presets
 from rankwise.data.demo import split_of
 from rankwise.errors import RankwiseError
 
@@ -121,6 +122,29 @@ def tokenizer_digest(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def held_out(batch: dict[str, list], indices: list[int], eval_fraction: float, use_id: bool,
+             key_field: str) -> list[bool]:
+    """Whether each record of ``batch`` is in the evaluation split.
+
+    Args:
+        batch: Columns of a batch of records.
+        indices: The records' row numbers.
+        eval_fraction: ``data.eval_fraction``.
+        use_id: The source is built in: its own ``heldout`` column decides (``stdlib-source``),
+            else a hash of its ``id`` column.
+        key_field: Otherwise the split hashes ``"{row}:{record[key_field]}"``.
+
+    Returns:
+        One flag per record.
+    """
+    if use_id and "heldout" in batch:
+        return [bool(v) for v in batch["heldout"]]
+    keys = batch["id"] if use_id else [
+        f"{i}:{k if isinstance(k, str) else json.dumps(k, sort_keys=True)}"
+        for i, k in zip(indices, batch[key_field])]
+    return [split_of(k, eval_fraction) == "eval" for k in keys]
+
+
 @dataclass
 class Encoder:
     """Turns a batch of records into model examples (a ``datasets.Dataset.map`` function).
@@ -135,8 +159,15 @@ class Encoder:
         uses_labels: Records carry a class label (classification).
         eval_fraction: Held-out fraction by a hash of each record (``None``: no split column).
         use_id: Key the split on the records' ``id`` column (the demo) instead of
-            ``"{row}:{text}"``.
+            ``"{row}:{text}"``; a built-in source with a ``heldout`` column (``stdlib-source``)
+            decides the split itself.
         question_free: Encode the response alone (QFFT; ``prompt-completion`` and ``chat``).
+        preset: A record layout of :mod:`rankwise.data.presets` (``alpaca``: ``fmt`` is
+            ``prompt-completion``; ``sharegpt``: ``chat``) turned into ``fmt``'s fields first.
+        split_long: ``text`` (causal LM): a record becomes ``prefix + text + EOS`` cut into
+            consecutive windows of ``max_length`` tokens (the last one shorter) instead of
+            being cut at ``max_length``: the pretraining layout, where no text is thrown away.
+            Each window inherits its record's split.
     """
 
     tokenizer: Any
@@ -153,6 +184,8 @@ class Encoder:
     eval_fraction: float | None = None
     use_id: bool = False
     question_free: bool = False
+    preset: str | None = None
+    split_long: bool = False
 
     def __post_init__(self) -> None:
         self.prefix = special_prefix(self.tokenizer)
@@ -188,10 +221,17 @@ class Encoder:
         Raises:
             RankwiseError: A record with malformed messages or an unknown role (1-based number).
         """
-        if self.fmt == "text":
+        if self.preset:  # alpaca / sharegpt records -> prompt-completion / chat fields
+            batch = presets.convert(self.preset, batch, {"prompt": self.prompt_field, "completion":
+                                    self.completion_field, "messages": self.messages_field}, indices)
+        if self.fmt == "text" and self.split_long:
+            texts = self.tokenizer([str(t) for t in batch[self.text_field]],
+                                   add_special_tokens=False)["input_ids"]
+            out: dict[str, list] = {"input_ids": [self.prefix + list(t) + [self.eos] for t in texts]}
+        elif self.fmt == "text":
             ids = self.tokenizer([str(t) for t in batch[self.text_field]], truncation=True,
                                  max_length=self.max_length)["input_ids"]
-            out: dict[str, list] = {"input_ids": ids}
+            out = {"input_ids": ids}
         elif self.question_free:
             out = self._response_only(batch, indices)
         elif self.fmt == "prompt-completion":
@@ -202,11 +242,26 @@ class Encoder:
         if self.uses_labels:
             out["_label"] = [str(v) for v in batch[self.label_field]]
         if self.eval_fraction is not None:
-            keys = batch["id"] if self.use_id else [
-                f"{i}:{k if isinstance(k, str) else json.dumps(k, sort_keys=True)}"
-                for i, k in zip(indices, batch[self.key_field])]
-            out["_eval"] = [split_of(k, self.eval_fraction) == "eval" for k in keys]
-        return out
+            out["_eval"] = self.held_out(batch, indices)
+        return self._windows(out) if self.split_long and self.fmt == "text" else out
+
+    def held_out(self, batch: dict[str, list], indices: list[int]) -> list[bool]:
+        """Whether each record of ``batch`` is in the evaluation split (:func:`held_out`)."""
+        return held_out(batch, indices, self.eval_fraction or 0.0, self.use_id, self.key_field)
+
+    def _windows(self, out: dict[str, list]) -> dict[str, list]:
+        """``split_long``: every row cut into ``max_length`` windows; the other columns repeat."""
+        size = self.max_length
+        rows: dict[str, list] = {k: [] for k in out}
+        for r, ids in enumerate(out["input_ids"]):
+            for start in range(0, len(ids), size):
+                if len(ids) - start < 2 and start:  # a lone last token has nothing to predict
+                    break
+                rows["input_ids"].append(ids[start:start + size])
+                rows["_len"].append(len(rows["input_ids"][-1]))
+                for k in out.keys() - {"input_ids", "_len"}:
+                    rows[k].append(out[k][r])
+        return rows
 
     def _fit(self, prefix: list[int], head: list[int], tail: list[int], head_labels: list[int],
              tail_labels: list[int]) -> tuple[list[int], list[int]]:
@@ -352,11 +407,14 @@ class Encoder:
         """Token ids that ask the model to continue ``value`` as in training.
 
         Args:
-            value: A text (``text`` / ``prompt-completion``) or a list of messages (``chat``).
+            value: A text (``text`` / ``prompt-completion``; an Alpaca instruction, or record,
+                for ``alpaca``) or a list of messages (``chat``; ShareGPT's for ``sharegpt``).
 
         Raises:
             RankwiseError: Malformed messages.
         """
+        if self.preset:
+            value = presets.prompt_of(self.preset, value)
         if self.fmt == "chat":
             text = self.render(self.messages(value, 0), generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -15,13 +15,16 @@ the pages of the Arrow files that tokenizing, checking or reading touched are re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from rankwise.data.demo import load_demo_records
 from rankwise.data.files import check_fields, quiet_datasets, read_dataset, release_pages
-from rankwise.data.formats import Encoder, resolve_chat_template
+from rankwise.data.formats import Encoder, held_out, resolve_chat_template
+from rankwise.data.presets import PRESETS, base_format
+from rankwise.data.presets import convert as convert_preset
+from rankwise.data.presets import required as preset_fields
 from rankwise.errors import RankwiseError
 
 # Records per tokenizer call and per record batch of the encoded file: every record batch costs
@@ -160,18 +163,22 @@ def builtin_dataset(name: str):
     """A built-in source as an in-memory ``datasets.Dataset`` with an ``id`` column.
 
     ``demo``: ``text``, ``label`` (the demo task); ``stdlib-functions``: ``prompt``,
-    ``completion`` (:mod:`rankwise.data.instruct`).
+    ``completion`` (:mod:`rankwise.data.instruct`); ``stdlib-source``: ``text`` (one module's
+    source) and ``heldout``, the source's own split of whole modules (:mod:`rankwise.data.corpus`).
     """
     import datasets
     if name == "demo":
         records, keys = load_demo_records()[0], ("text", "label", "id")
+    elif name == "stdlib-source":
+        from rankwise.data.corpus import load_source_records
+        records, keys = load_source_records(), ("text", "id", "heldout")
     else:
         from rankwise.data.instruct import load_function_records
         records, keys = load_function_records(), ("prompt", "completion", "id")
     return datasets.Dataset.from_dict({k: [r[k] for r in records] for k in keys})
 
 
-BUILTIN = ("demo", "stdlib-functions")
+BUILTIN = ("demo", "stdlib-functions", "stdlib-source")
 
 
 def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -> Encoder:
@@ -184,20 +191,28 @@ def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -
     if task.uses_labels and data_cfg.format != "text":
         problems.append(f"data.format {data_cfg.format!r} needs model.task: causal-lm (got "
                         f"{task.name}); use data.format: text")
+    if task.uses_labels and data_cfg.split_long:
+        problems.append(f"data.split_long needs model.task: causal-lm (got {task.name}); set "
+                        "data.split_long: false")
     if task.uses_labels and data_cfg.packing:
         problems.append(f"data.packing needs model.task: causal-lm (got {task.name}); set "
                         "data.packing: false")
     if problems:
         raise RankwiseError("; ".join(problems))
-    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.format == "chat" else None
-    return Encoder(tokenizer, data_cfg.format, data_cfg.max_length, data_cfg.text_field,
+    fmt = base_format(data_cfg.format)  # a preset (alpaca, sharegpt) encodes as its base format
+    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if fmt == "chat" else None
+    return Encoder(tokenizer, fmt, data_cfg.max_length, data_cfg.text_field,
                    data_cfg.prompt_field, data_cfg.completion_field, data_cfg.messages_field,
                    data_cfg.label_field, data_cfg.train_on_prompt, template, task.uses_labels,
-                   eval_fraction, use_id=data_cfg.source in BUILTIN)
+                   eval_fraction, use_id=data_cfg.source in BUILTIN,
+                   split_long=data_cfg.split_long,
+                   preset=data_cfg.format if data_cfg.format in PRESETS else None)
 
 
 def _required(data_cfg, uses_labels: bool) -> tuple[list[str], str]:
     fmt = data_cfg.format
+    if fmt in PRESETS:
+        return preset_fields(fmt)
     if fmt == "prompt-completion":
         return [data_cfg.prompt_field, data_cfg.completion_field], "data.prompt_field/data.completion_field"
     if fmt == "chat":
@@ -276,6 +291,47 @@ def validation_split(rows: np.ndarray, fraction: float) -> tuple[np.ndarray, np.
     return rows[~held], rows[held]
 
 
+def training_texts(data_cfg) -> Iterator[str]:
+    """The raw text of ``data.source``'s training records, in record order (what
+    ``model.train_tokenizer`` learns from): never the evaluation split (``data.eval_fraction``
+    or the source's own, as :class:`~rankwise.data.formats.Encoder` decides it), all of the
+    source when ``data.eval_source`` is set.
+
+    Yields:
+        One string per record: its text (``text``), prompt and completion (``prompt-completion``)
+        or message contents (``chat``), joined by newlines.
+
+    Raises:
+        RankwiseError: A missing source or field.
+    """
+    source = data_cfg.source
+    raw = builtin_dataset(source) if source in BUILTIN else read_dataset(source, data_cfg.cache_dir)
+    fmt = base_format(data_cfg.format)  # a preset's records are read as its base format's
+    fields = {"text": [data_cfg.text_field],
+              "prompt-completion": [data_cfg.prompt_field, data_cfg.completion_field],
+              "chat": [data_cfg.messages_field]}[fmt]
+    given = preset_fields(data_cfg.format) or (fields, "data.text_field/data.prompt_field/data.messages_field")
+    check_fields(raw, source, *given)
+    key = fields[0]
+    names = {"prompt": data_cfg.prompt_field, "completion": data_cfg.completion_field,
+             "messages": data_cfg.messages_field}
+    for start in range(0, len(raw), BATCH):
+        batch = raw[start:start + BATCH]
+        indices = list(range(start, start + len(batch[given[0][0]])))
+        if data_cfg.format in PRESETS:  # the fields (and split keys) the Encoder sees
+            batch = convert_preset(data_cfg.format, batch, names, indices)
+        keep = ([False] * len(indices) if data_cfg.eval_source else
+                held_out(batch, indices, data_cfg.eval_fraction, source in BUILTIN, key))
+        for r, held in enumerate(keep):
+            if held:
+                continue
+            parts = [batch[f][r] for f in fields]
+            if fmt == "chat":
+                parts = [m.get("content", "") for m in (parts[0] or []) if isinstance(m, dict)]
+            yield "\n".join(str(p) for p in parts)
+    release_pages(raw)
+
+
 def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[ArrowData, ArrowData]:
     """Build ``(train, eval)`` from a :class:`~rankwise.recipes.config.DataConfig`.
 
@@ -343,11 +399,13 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         names = sorted(seen)
         index = {n: i for i, n in enumerate(names)}
     pad = tokenizer.pad_token_id
-    train_data = ArrowData(train_ds, train_rows, names, index, pad, data_cfg.format, dropped[0])
+    fmt = base_format(data_cfg.format)
+    train_data = ArrowData(train_ds, train_rows, names, index, pad, fmt, dropped[0])
     if data_cfg.label_noise:  # flip a fixed fraction of training labels
         from rankwise.data.noise import flip_labels
         train_data = flip_labels(train_data, data_cfg.label_noise, data_cfg.label_noise_seed)
-    return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, data_cfg.format, dropped[1])
+    return train_data, ArrowData(eval_ds, eval_rows, names, index, pad, fmt, dropped[1])
 
 
-__all__ = ["TextData", "ArrowData", "build_data", "encoder_for", "builtin_dataset", "BUILTIN"]
+__all__ = ["TextData", "ArrowData", "build_data", "encoder_for", "builtin_dataset", "training_texts",
+           "BUILTIN"]

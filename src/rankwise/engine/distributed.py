@@ -188,19 +188,23 @@ class Distributed:
             yield
             return
         from torch.distributed.tensor import DTensor, distribute_tensor
-        swapped = []
+        swapped, gathered = [], {}
         for module in model.modules():
             for name, p in list(module._parameters.items()):
                 if isinstance(p, DTensor):
-                    full = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                    if id(p) not in gathered:  # a tied parameter stays one tensor
+                        gathered[id(p)] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                    full = gathered[id(p)]
                     module._parameters[name] = full
                     swapped.append((module, name, p, full))
         try:
             yield
         finally:
             with torch.no_grad():
+                restored = set()
                 for module, name, sharded, full in swapped:
-                    if sharded.requires_grad:
+                    if sharded.requires_grad and id(sharded) not in restored:
+                        restored.add(id(sharded))
                         local = distribute_tensor(full.data, sharded.device_mesh, sharded.placements)
                         sharded.to_local().copy_(local.to_local())
                     module._parameters[name] = sharded

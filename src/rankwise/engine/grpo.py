@@ -12,7 +12,9 @@ its reward relative to its group (``scale_rewards: group``)::
 Per completion token ``t`` with ratio ``rho = pi(o_t) / pi_old(o_t)`` (``pi_old`` = the sampling
 policy: one update per generation, so ``rho = 1`` in value and its gradient is the policy
 gradient) and ``D = exp(ref - logp) - (ref - logp) - 1`` (the reference ``ref`` is the same
-network with its adapters switched off, :func:`rankwise.core.ops.disable_adapters`)::
+network with its adapters switched off, :func:`rankwise.core.ops.disable_adapters`, or, for a run
+that starts from ``model.adapter``, that starting model: ``grpo.reference``,
+:mod:`rankwise.engine.reference`)::
 
     l_t = -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) + beta rho D
 
@@ -43,8 +45,8 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
-from rankwise.core.ops import disable_adapters
 from rankwise.engine import rewards as R
+from rankwise.engine.reference import WeightSnapshot, reference, resolve
 from rankwise.engine.generation import sample_groups
 from rankwise.engine.task import Task
 
@@ -85,7 +87,8 @@ class GRPOConfig:
 
     Attributes:
         rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
-            ``length-penalty``) or ``module:function`` (:mod:`rankwise.engine.rewards`).
+            ``length-penalty``), ``module:function`` (:mod:`rankwise.engine.rewards`), or Python
+            callables given to ``rankwise.train`` (recorded as names).
         reward_weights: One weight per reward (``null``: all 1); the reward is their weighted sum.
         num_generations: ``G``, completions per prompt (>= 2).
         max_completion_length: New tokens per completion, at most.
@@ -104,6 +107,12 @@ class GRPOConfig:
         pattern: ``regex``'s pattern.
         length_target: ``length-penalty``'s characters per unit of penalty.
         gain_rl: GAIN-RL's settings (used with ``data.order: gain-rl``).
+        rewards_dir: A folder ``module:function`` rewards are also imported from, after
+            ``PYTHONPATH`` (``null``: the config file's folder; ``config.yaml`` records it).
+        reference: The KL's reference: ``adapters-off`` (the base), ``initial`` (the model as
+            the run starts, from a frozen copy of its trainable tensors; with ``model.adapter``
+            or a full fine-tune) or ``auto`` (``initial`` with ``model.adapter``, else
+            ``adapters-off``).
     """
 
     rewards: list[str] = field(default_factory=lambda: ["exact-match"])
@@ -122,6 +131,8 @@ class GRPOConfig:
     pattern: Union[str, None] = None
     length_target: int = 200
     gain_rl: GainRLConfig = field(default_factory=GainRLConfig)
+    rewards_dir: Union[str, None] = None
+    reference: Literal["auto", "adapters-off", "initial"] = "auto"
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -205,7 +216,8 @@ class GRPOTask(Task):
 
     def __init__(self, config: GRPOConfig | None = None) -> None:
         self.config = c = config or GRPOConfig()
-        self.fns = {name: R.resolve(name, c.answer_field, c.pattern, c.length_target) for name in c.rewards}
+        self.fns = {name: R.resolve(name, c.answer_field, c.pattern, c.length_target, c.rewards_dir)
+                    for name in c.rewards}
         self.weights = list(c.reward_weights or [1.0] * len(c.rewards))
         self.data: dict[int, Any] = {}
         self.seed = 0
@@ -213,6 +225,8 @@ class GRPOTask(Task):
         self.sampler: Any = None           # GAIN-RL's sampler, told each step's accuracy
         self._sums: dict[str, float] = {}
         self.samples: list[dict] = []      # this step's samples, for samples.jsonl
+        self.from_adapter = False          # the run starts from model.adapter (set by the recipe)
+        self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
 
     # ----- data ---------------------------------------------------------------------------------
     def collate(self, items, pad_id):
@@ -229,7 +243,11 @@ class GRPOTask(Task):
                 "data": torch.tensor([it["data"] for it in items])}
 
     def prepare(self, model, datasets, trains_full, batch_size, device):
-        """Remember the datasets (their texts and fields feed the rewards) and the EOS token."""
+        """Remember the datasets (their texts and fields feed the rewards) and the EOS token;
+        resolve ``grpo.reference`` (``initial``: copy the trainable tensors now)."""
+        mode = resolve(self.config.reference, "grpo", trains_full, self.from_adapter, "adapters-off")
+        if mode == "initial" and self.config.beta != 0.0:
+            self.snapshot = WeightSnapshot(model)
         for d in datasets:
             self.data[id(d)] = d
             tok = getattr(d, "tokenizer", None)
@@ -286,7 +304,7 @@ class GRPOTask(Task):
         out = rows_of(prompts, completions, g, pad, device)
         out.update(advantages=adv.to(device), rewards=rewards.to(device))
         if c.beta != 0.0:
-            with disable_adapters(model):
+            with reference(model, self.snapshot):
                 out["ref_logps"] = token_logps(model, out)
         if model.training:
             self._log(data, rows, texts, values, rewards, adv, out["completion_mask"])
@@ -384,7 +402,7 @@ class GRPOTask(Task):
     def eval_metrics(self, stats):
         """``eval_reward_mean`` over the evaluation prompts, and ``eval_loss`` = its negative."""
         mean = stats.get("reward", 0.0) / max(stats.get("prompts", 0.0), 1.0)
-        return {"eval_loss": -mean, "eval_reward_mean": mean}
+        return {"eval_loss": 0.0 - mean, "eval_reward_mean": mean}  # 0 - 0 is 0, where -0.0 printed "-0"
 
 
 def rows_of(prompts: list[list[int]], completions: list[list[int]], group: int, pad: int,

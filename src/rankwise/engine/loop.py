@@ -85,6 +85,13 @@ def _probe(precision: str, dtype: torch.dtype, device: str) -> None:
         loss.backward()
 
 
+def autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on ``device`` in the dtype of ``precision`` (``fp32``: a null context)."""
+    dtype = PRECISIONS[precision]
+    kind = str(device).split(":")[0]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(kind, dtype=dtype)
+
+
 def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     """Example indices of training step ``step`` (0-based), independent of any state.
 
@@ -283,10 +290,7 @@ class Engine:
     # ----- one step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
         """The autocast context of the configured precision (a no-op for fp32)."""
-        dtype = PRECISIONS[self.precision]
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.split(":")[0], dtype=dtype)
+        return autocast(self.precision, self.device)
 
     def offload(self) -> contextlib.AbstractContextManager:
         """The context around each micro-batch's forward: ``self.offloader`` (an
@@ -499,5 +503,5 @@ def linear_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup_fractio
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-__all__ = ["Engine", "StepResult", "TrainState", "NonFiniteLoss", "batch_indices", "split",
+__all__ = ["Engine", "StepResult", "TrainState", "NonFiniteLoss", "autocast", "batch_indices", "split",
            "evaluate", "linear_schedule", "precision_problem", "PRECISIONS"]

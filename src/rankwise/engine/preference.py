@@ -17,7 +17,10 @@ reward of a completion is ``r(y) = beta * (log pi(y|x) - log pi_ref(y|x))`` and,
 The reference ``pi_ref`` is the same network with its adapters switched off
 (:func:`rankwise.core.ops.disable_adapters`, no second copy), or, for full fine-tuning,
 log-probabilities computed once before training with the initial weights and kept with the
-dataset (:meth:`DPOTask.prepare`). A batch holds the chosen rows, then the rejected rows.
+dataset (:meth:`DPOTask.prepare`), or, for a run that starts from an existing adapter
+(``model.adapter``), that starting model through a frozen copy of its trainable tensors
+(``initial``, :mod:`rankwise.engine.reference`; TRL's ``ref`` adapter). A batch holds the chosen
+rows, then the rejected rows.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.core.ops import disable_adapters
+from rankwise.engine.reference import WeightSnapshot, reference, resolve
 from rankwise.engine.task import IGNORE, CausalLMTask, Task, pad
 
 LOSSES = ("sigmoid", "ipo", "hinge")
@@ -44,15 +47,17 @@ class DPOConfig:
         label_smoothing: Conservative DPO's ``eps`` in [0, 0.5): the share of pairs assumed
             mislabelled (``sigmoid`` only).
         reference: Where ``pi_ref`` comes from: ``adapters-off`` (the model with its adapters
-            disabled, at every step), ``precomputed`` (log-probs of the initial weights,
-            computed once before training), ``auto`` (``precomputed`` for methods that train
-            every weight, else ``adapters-off``).
+            disabled, at every step: the base), ``precomputed`` (log-probs of the initial
+            weights, computed once before training), ``initial`` (the model as the run starts,
+            from a frozen copy of its trainable tensors, at every step; with ``model.adapter``
+            or a full fine-tune), ``auto`` (``initial`` with ``model.adapter``, ``precomputed``
+            for methods that train every weight, else ``adapters-off``).
     """
 
     loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
-    reference: Literal["auto", "adapters-off", "precomputed"] = "auto"
+    reference: Literal["auto", "adapters-off", "precomputed", "initial"] = "auto"
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -141,6 +146,8 @@ class DPOTask(Task):
     def __init__(self, config: DPOConfig | None = None) -> None:
         self.config = config or DPOConfig()
         self._sums: dict[str, float] = {}
+        self.from_adapter = False  # the run starts from model.adapter (set by the recipe)
+        self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
 
     def collate(self, items, pad_id):
         """Rows ``0..B-1`` are the chosen completions, ``B..2B-1`` the rejected ones."""
@@ -166,15 +173,15 @@ class DPOTask(Task):
         return logps.view(2, -1).T, counts.view(2, -1).T, out      # (2B,) -> (B, 2)
 
     def loss_sum(self, model, batch):
-        """Summed per-pair loss; the reference is ``batch["ref_logps"]`` or the model with its
-        adapters disabled (no gradient)."""
+        """Summed per-pair loss; the reference is ``batch["ref_logps"]``, or the model with its
+        adapters disabled or its initial weights swapped in (no gradient)."""
         policy, lengths, _ = self.sequence_logps(model, batch)
-        reference = batch.get("ref_logps")
-        if reference is None:
-            with torch.no_grad(), disable_adapters(model):
-                reference, _, _ = self.sequence_logps(model, batch)
+        ref = batch.get("ref_logps")
+        if ref is None:
+            with torch.no_grad(), reference(model, self.snapshot):
+                ref, _, _ = self.sequence_logps(model, batch)
         c = self.config
-        losses, rewards = dpo_losses(policy, reference.to(policy.device), lengths, c.loss, c.beta,
+        losses, rewards = dpo_losses(policy, ref.to(policy.device), lengths, c.loss, c.beta,
                                      c.label_smoothing)
         output = DPOOutput(policy.detach(), rewards)
         if model.training:
@@ -218,14 +225,18 @@ class DPOTask(Task):
     def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
                 device: str) -> str:
         """Resolve ``dpo.reference`` and, for ``precomputed``, store the reference log-probs of
-        the model as it is now (before the first step) with each dataset (``ref_logps``).
+        the model as it is now (before the first step) with each dataset (``ref_logps``); for
+        ``initial``, copy its trainable tensors (:class:`~rankwise.engine.reference.WeightSnapshot`).
 
         Returns:
-            The reference in force (``adapters-off`` or ``precomputed``).
+            The reference in force (``adapters-off``, ``precomputed`` or ``initial``).
+
+        Raises:
+            RankwiseError: ``initial`` for an adapter trained from scratch.
         """
-        mode = self.config.reference
-        if mode == "auto":
-            mode = "precomputed" if trains_full else "adapters-off"
+        mode = resolve(self.config.reference, "dpo", trains_full, self.from_adapter, "precomputed")
+        if mode == "initial":
+            self.snapshot = WeightSnapshot(model)
         if mode == "precomputed":
             for data in datasets:
                 data.ref_logps = reference_logps(self, model, data, batch_size, device)

@@ -18,6 +18,12 @@ Built-ins (``grpo.rewards``):
 * ``python-parses``: 1.0 when the completion parses as Python (``ast.parse``), also when it is a
   block header whose body is missing (``def f(x):`` parses with ``pass`` appended), else 0.0;
 * ``length-penalty``: ``-len(completion) / grpo.length_target`` (characters).
+
+``module:function`` imports ``module`` from ``PYTHONPATH`` first, then from ``grpo.rewards_dir``
+(the config file's folder by default), so a ``rewards.py`` next to the config needs no
+``PYTHONPATH``. Python callables handed to ``rankwise.train`` (TRL's ``reward_funcs=[fn]``) are
+named by :func:`name_callables`: ``module:function`` when that imports back to the same function
+(a resumed run from the CLI finds it), else ``python:<name>``, which resolves in this process only.
 """
 from __future__ import annotations
 
@@ -25,12 +31,14 @@ import ast
 import importlib
 import math
 import re
+import sys
 from typing import Any, Callable
 
 from rankwise.errors import RankwiseError
 
 BUILTINS = ("exact-match", "regex", "python-parses", "length-penalty")
 RewardFn = Callable[..., list]
+CALLABLES: dict[str, RewardFn] = {}  # python:<name> -> the callable handed over in this process
 
 
 def _answers(columns: dict[str, list], field: str, n: int) -> list[str]:
@@ -82,9 +90,49 @@ def length_penalty(target: int) -> RewardFn:
     return reward
 
 
+def _importable_name(fn: Any) -> str | None:
+    """``module:function`` if importing it gives back ``fn`` itself (not ``__main__``, a lambda,
+    a nested function or a method)."""
+    module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not module or not qual or module == "__main__" or not qual.isidentifier():
+        return None
+    try:
+        found = getattr(importlib.import_module(module), qual)
+    except Exception:  # noqa: BLE001 - any failure means: not importable by name
+        return None
+    return f"{module}:{qual}" if found is fn else None
+
+
+def name_callables(rewards: list) -> list[str]:
+    """``grpo.rewards`` with each callable replaced by a name :func:`resolve` finds.
+
+    Args:
+        rewards: Names and callables (``fn(prompts, completions, **columns) -> list[float]``).
+
+    Returns:
+        Names: ``module:function`` for importable functions, else ``python:<name>`` (``#2``... for
+        two callables of one name), registered in :data:`CALLABLES` for this process.
+    """
+    out: list[str] = []
+    for item in rewards:
+        if not callable(item):
+            out.append(item)
+            continue
+        name = _importable_name(item)
+        if name is None:
+            base = f"python:{getattr(item, '__qualname__', None) or type(item).__name__}"
+            name, k = base, 2
+            while name in out:
+                name, k = f"{base}#{k}", k + 1
+            CALLABLES[name] = item
+        out.append(name)
+    return out
+
+
 def resolve(name: str, answer_field: str = "answer", pattern: str | None = None,
-            length_target: int = 200) -> RewardFn:
-    """The reward function ``name``: a built-in or an importable ``module:function``.
+            length_target: int = 200, rewards_dir: str | None = None) -> RewardFn:
+    """The reward function ``name``: a built-in, an importable ``module:function`` (from
+    ``PYTHONPATH``, then ``rewards_dir``) or a ``python:`` callable of this process.
 
     Raises:
         RankwiseError: An unknown name, a module or function that cannot be imported, or a
@@ -103,12 +151,22 @@ def resolve(name: str, answer_field: str = "answer", pattern: str | None = None,
     if ":" not in name:
         raise RankwiseError(f"grpo.rewards: got {name!r}; expected one of {BUILTINS} or "
                             "'module:function'")
+    if name.startswith("python:"):
+        if name not in CALLABLES:
+            raise RankwiseError(f"grpo.rewards: {name!r} was a Python callable handed to "
+                                "rankwise.train in another process; pass it to rankwise.train again "
+                                "(resume=True continues the run), or name an importable module:function")
+        return CALLABLES[name]
     module, _, attr = name.partition(":")
+    if rewards_dir and rewards_dir not in sys.path:
+        sys.path.append(rewards_dir)  # after PYTHONPATH: an installed module of the name wins
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
+        where = f"PYTHONPATH or {rewards_dir}" if rewards_dir else "PYTHONPATH"
         raise RankwiseError(f"grpo.rewards: cannot import {name!r} ({type(err).__name__}: {err}); "
-                            "check the module is on PYTHONPATH and the function's name") from None
+                            f"check the module is on {where} (grpo.rewards_dir) and the function's "
+                            "name") from None
     if not callable(fn):
         raise RankwiseError(f"grpo.rewards: {name!r} is not callable")
     return fn
@@ -159,4 +217,4 @@ def _span(records: list[Any]) -> str:
     return ", ".join(str(r) for r in unique[:5]) + (" ..." if len(unique) > 5 else "")
 
 
-__all__ = ["BUILTINS", "resolve", "score", "exact_match", "regex", "python_parses", "length_penalty"]
+__all__ = ["BUILTINS", "CALLABLES", "name_callables", "resolve", "score", "exact_match", "regex", "python_parses", "length_penalty"]

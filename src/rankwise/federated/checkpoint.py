@@ -36,8 +36,9 @@ def list_rounds(out: Path) -> list[Path]:
                   and (p / "round.json").is_file() and (p / "global.safetensors").is_file())
 
 
-def save_round(out: Path, server_round: int, strategy, lines: list[dict], elapsed: float) -> Path:
-    """Write the checkpoint of a completed round (and drop all but the newest :data:`KEEP`).
+def save_round(out: Path, server_round: int, strategy, lines: list[dict], elapsed: float,
+               keep: int = KEEP) -> Path:
+    """Write the checkpoint of a completed round (and drop all but the newest ``keep``).
 
     Args:
         out: The run folder.
@@ -45,6 +46,8 @@ def save_round(out: Path, server_round: int, strategy, lines: list[dict], elapse
         strategy: The run's :class:`~rankwise.federated.strategies.base.AdapterStrategy`.
         lines: The ``rounds.jsonl`` lines so far (round 0 included).
         elapsed: Seconds the run has taken so far (earlier sessions included).
+        keep: Checkpoints kept (``train.keep_checkpoints``; 0 keeps every one, as in
+            ``rankwise train``).
 
     Returns:
         The checkpoint folder.
@@ -56,7 +59,7 @@ def save_round(out: Path, server_round: int, strategy, lines: list[dict], elapse
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "global.safetensors"))
         atomic.write_json(tmp / "round.json", {"round": server_round, "strategy": strategy.name,
                                                "state": state, "lines": lines, "elapsed_s": elapsed})
-    for old in list_rounds(out)[:-KEEP]:
+    for old in list_rounds(out)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return path
 

@@ -34,20 +34,26 @@ def resolve(config_path: Path | None, sets: list[str], base: dict | None = None)
         ``(RunConfig, FederatedConfig)``.
 
     Raises:
-        RankwiseError: On any problem in any section, the strategy name or its options.
+        RankwiseError: On any problem in any section, the strategy name or its options, and on
+            each run setting federated training does not follow
+            (:func:`rankwise.federated.task.train_problems`), all in one message.
     """
+    from rankwise.federated.task import train_problems
     from rankwise.recipes.config import load_run_config
     cfg = load_run_config(config_path, sets, base)
     fed = cfg.federated or FederatedConfig()  # validated with the run config
     entry = registry.get("strategy", fed.strategy_name())
     from_dict(entry.config_cls, {"name": entry.name, **fed.strategy_options()}, "federated.strategy")
+    problems = train_problems(cfg, fed)
     if entry.builder.needs_factors and not registry.get("method", cfg.method.name).factorized:
         factorized = [n for n in registry.names("method") if registry.get("method", n).factorized]
-        raise RankwiseError(f"federated.strategy {entry.name} needs method.name: lora (or another method "
-                            f"with low-rank factors: {', '.join(factorized)}); got {cfg.method.name!r}")
+        problems.append(f"federated.strategy {entry.name} needs method.name: lora (or another method "
+                        f"with low-rank factors: {', '.join(factorized)}); got {cfg.method.name!r}")
     bad = [p for p in fed.faults if int(p) >= fed.clients]
     if bad:
-        raise RankwiseError(f"federated.faults: partitions {bad} do not exist; expected 0..{fed.clients - 1}")
+        problems.append(f"federated.faults: partitions {bad} do not exist; expected 0..{fed.clients - 1}")
+    if problems:
+        raise RankwiseError("; ".join(problems))
     return cfg, fed
 
 
@@ -111,7 +117,8 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
         trained = max(m["rounds"], 1)
         rows[label] = {"strategy": m["strategy"], "eval_accuracy": m.get("eval_accuracy"),
                        "eval_loss": m.get("eval_loss"),
-                       "initial_eval_accuracy": m.get("initial_eval_accuracy"), "rounds": m["rounds"],
+                       "initial_eval_accuracy": m.get("initial_eval_accuracy"),
+                       "majority_accuracy": m.get("majority_accuracy"), "rounds": m["rounds"],
                        "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"],
                        "bytes_total": m["bytes_total"], "bytes_per_round": m["bytes_total"] / trained,
                        "rejected": m["rejected"], "failed": m["failed"], "missing": m["missing"],
@@ -122,14 +129,19 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
         for key in ("eval_accuracy", "eval_loss"):
             if any(key in e for e in lines):
                 curves.setdefault(key, {})[label] = [(e["cum_bytes"] / 1e6, e[key]) for e in lines if key in e]
-    md = ["| run | strategy | final acc. | initial acc. | final eval loss | rounds | MB up | MB down | MB total | MB/round |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+    # runs recorded before majority_accuracy existed keep their table as it was
+    majority = any(r["majority_accuracy"] is not None for r in rows.values())
+    md = ["| run | strategy | final acc. | initial acc. | " + ("majority | " if majority else "")
+          + "final eval loss | rounds | MB up | MB down | MB total | MB/round |",
+          "|---|---|---|---|" + ("---|" if majority else "") + "---|---|---|---|---|---|"]
     for label, r in rows.items():
         acc = "—" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.4f}"
         init = "—" if r["initial_eval_accuracy"] is None else f"{r['initial_eval_accuracy']:.4f}"
+        major = "—" if r["majority_accuracy"] is None else f"{r['majority_accuracy']:.4f}"
         loss = "—" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        md.append(f"| {label} | {r['strategy']} | {acc} | {init} | {loss} | {r['rounds']} | {r['bytes_up'] / 1e6:.3f} | "
-                  f"{r['bytes_down'] / 1e6:.3f} | {r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
+        md.append(f"| {label} | {r['strategy']} | {acc} | {init} | " + (f"{major} | " if majority else "")
+                  + f"{loss} | {r['rounds']} | {r['bytes_up'] / 1e6:.3f} | {r['bytes_down'] / 1e6:.3f} | "
+                  f"{r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
     atomic.write_bytes(out / "results.md", ("\n".join(md) + "\n").encode())
     atomic.write_json(out / "results.json", rows)
     if curves.get("eval_accuracy"):

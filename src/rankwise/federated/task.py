@@ -2,7 +2,9 @@
 
 Built from the run config with the same blocks as ``rankwise train``
 (:func:`rankwise.recipes.train.prepare`), so any model/data/method the train command accepts
-works here, and trained by the same :class:`rankwise.engine.Engine`. A client's *exchangeable
+works here, and trained by the same :class:`rankwise.engine.Engine` with the same settings
+(``recipes.train.engine_settings``); :func:`train_problems` refuses the ``train:`` keys whose
+loop a federation replaces by its own (docs/federated.md). A client's *exchangeable
 tensors* are named by its strategy (``wire_parameters``: the parameters its method trains,
 named as in ``model.named_parameters()``, unless the strategy restructures the model); they
 are all that ever leaves a client. What a strategy changes on a client (loss terms, which
@@ -25,6 +27,8 @@ from rankwise import registry
 from rankwise.data.text import TextData
 from rankwise.engine import Engine, NonFiniteLoss, Task
 from rankwise.engine.loop import LossHook
+from rankwise.engine.threads import use_threads
+from rankwise.errors import RankwiseError
 from rankwise.federated import keys
 from rankwise.federated.config import FederatedConfig
 from rankwise.federated.partition import partition
@@ -44,7 +48,8 @@ def load_run(config_path: str | Path) -> tuple:
         ``(RunConfig, FederatedConfig, key)``; ``key`` identifies the config's content.
 
     Raises:
-        RankwiseError: On any config problem.
+        RankwiseError: On any config problem, and on each setting federated training does not
+            follow (:func:`train_problems`), all in one message.
     """
     from rankwise.recipes.config import load_run_config
     text = Path(config_path).read_text()
@@ -52,8 +57,59 @@ def load_run(config_path: str | Path) -> tuple:
     if key not in _RUNS:
         cfg = load_run_config(Path(config_path))
         fed = cfg.federated or FederatedConfig()
+        problems = train_problems(cfg, fed)  # a deployment's run.yaml never went through resolve
+        if problems:
+            raise RankwiseError("; ".join(problems))
         _RUNS[key] = (cfg, fed, key)
     return _RUNS[key]
+
+
+# train: keys whose loop a federation replaces by its own (docs/federated.md, "What train: means")
+NOT_FOLLOWED = {
+    "steps": "a client trains federated.local_steps steps in each of federated.rounds rounds",
+    "warmup_fraction": "clients train at the constant learning rate the server sends (federated.lr, "
+                       "else optim.lr), with a fresh optimizer every round",
+    "eval_every": "the server evaluates the global adapter after every round",
+    "save_every": "the server writes a checkpoint after every round",
+    "log_every": "the server writes one line per round to rounds.jsonl",
+    "early_stopping_patience": "the server runs every round of federated.rounds",
+    "log_to": "a federated run logs to rounds.jsonl only",
+    "distributed": "each client trains in one process, never under torchrun",
+    "distributed_timeout_s": "each client trains in one process, never under torchrun",
+    "distributed_step_timeout_s": "each client trains in one process, never under torchrun",
+    "offload_activations": "clients train on the CPU, where activations already live in CPU memory",
+}
+
+
+def train_problems(cfg, fed: FederatedConfig) -> list[str]:
+    """The run settings a federated run cannot follow as ``rankwise train`` does, one line each.
+
+    Every other ``train:`` key reaches the clients (through :func:`build_session`, which is
+    ``rankwise train``'s ``prepare``, and through ``engine_settings``) and the server; a key of
+    :data:`NOT_FOLLOWED` is accepted only at its default, and ``data.schedule`` /
+    ``data.order`` only at theirs (no client step is scheduled by cost or by GAIN-RL).
+
+    Args:
+        cfg: A validated run config.
+        fed: Its federated settings.
+
+    Returns:
+        ``"train.KEY: got VALUE, which rankwise federated does not follow (WHY); remove it"``
+        lines (empty when the run can be followed).
+    """
+    t, default = cfg.train, type(cfg.train)()
+    out = [f"train.{key}: got {getattr(t, key)!r}, which rankwise federated does not follow ({why}); "
+           "remove it" for key, why in NOT_FOLLOWED.items() if getattr(t, key) != getattr(default, key)]
+    if fed.batch_size and fed.batch_size % t.grad_accum:
+        out.append(f"train.grad_accum: got {t.grad_accum}, which does not divide federated.batch_size "
+                   f"{fed.batch_size} (a client's examples per step); choose a divisor of it")
+    if cfg.data.schedule != "none":
+        out.append(f"data.schedule: got {cfg.data.schedule!r}, which rankwise federated does not follow "
+                   "(a client draws its micro-batches in order); set data.schedule: none")
+    if cfg.data.order != "uniform":
+        out.append(f"data.order: got {cfg.data.order!r}, which rankwise federated does not follow "
+                   "(a client draws its batches uniformly); set data.order: uniform")
+    return out
 
 
 def partitions(cfg, fed: FederatedConfig, data: TextData) -> list[list[int]]:
@@ -81,6 +137,7 @@ class Client:
         strategy: The strategy class (its class-level client hooks are used).
         rounds_trained: Rounds of local training done so far.
         run_id: The Flower run the client was built for (a process may serve several runs).
+        device: Where its model and batches live.
     """
 
     cfg: Any
@@ -94,6 +151,7 @@ class Client:
     strategy: Any
     rounds_trained: int = 0
     run_id: Any = None
+    device: str = "cpu"
 
     @property
     def batch_size(self) -> int:
@@ -148,7 +206,6 @@ def freeze_head(model: nn.Module) -> list[str]:
         RankwiseError: If the method trains no head, or nothing would be left to train.
     """
     from rankwise.core.ops import modules_to_save
-    from rankwise.errors import RankwiseError
     paths = modules_to_save(model)
     if not paths:
         raise RankwiseError("federated.head: frozen, but the method trains no task head (nothing in "
@@ -211,7 +268,6 @@ def build_client(config_path: str | Path, partition_id: int) -> Client:
     Raises:
         RankwiseError: If ``partition_id`` is outside ``0 .. clients - 1`` or the config is bad.
     """
-    from rankwise.errors import RankwiseError
     cfg, fed, _ = load_run(config_path)
     if not 0 <= partition_id < fed.clients:
         raise RankwiseError(f"partition-id {partition_id} is outside 0..{fed.clients - 1}; start "
@@ -223,7 +279,7 @@ def build_client(config_path: str | Path, partition_id: int) -> Client:
     strategy = registry.get("strategy", fed.strategy_name()).builder
     return Client(cfg, fed, partition_id, session.model, session.task,
                   session.train_data.subset(parts[partition_id]), names,
-                  factor_roles(session.model), strategy)
+                  factor_roles(session.model), strategy, device=session.device)
 
 
 def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -236,7 +292,11 @@ def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor],
     process happens to serve the client or what it ran before, so reruns reproduce exactly.
     The strategy's hooks choose what trains (``train_names``) and add loss terms
     (``loss_hooks``); ``federated.proximal_mu`` adds FedProx's :func:`proximal_term` over the
-    tensors that train. A non-finite loss ends the round
+    tensors that train. The engine gets the run's ``train.precision``, ``grad_accum``,
+    ``grad_clip`` and ``optim.per_layer`` as ``rankwise train``'s does (one function,
+    ``recipes.train.engine_settings``), and the steps run on ``train.threads`` threads; the
+    learning rate is the round's, constant over its steps (no ``train.warmup_fraction``
+    schedule: see :func:`train_problems`). A non-finite loss ends the round
     early (logged); the server then rejects the update if its tensors are not finite.
 
     Args:
@@ -259,16 +319,22 @@ def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor],
     hooks = dict(strategy.loss_hooks(model, client.roles, cfg_rec, first, steps))
     if fed.proximal_mu > 0:
         hooks["proximal"] = proximal_term({n: params[n] for n in names}, fed.proximal_mu)
+    from rankwise.recipes.train import engine_settings
     engine = Engine(model, client.task, opt, client.train_data, client.batch_size,
-                    seed=cfg.train.seed + 1000 * client.partition_id, grad_clip=cfg.train.grad_clip,
-                    loss_hooks=hooks)
+                    seed=cfg.train.seed + 1000 * client.partition_id, device=client.device,
+                    loss_hooks=hooks, **engine_settings(cfg))
     losses = []
-    for step in range(first, first + steps):
-        try:
-            losses.append(engine.train_step(step).loss)
-        except NonFiniteLoss as err:
-            LOG.warning("partition %d: %s; local training stopped", client.partition_id, err)
-            break
+    try:
+        with use_threads(cfg.train.threads):
+            for step in range(first, first + steps):
+                try:
+                    losses.append(engine.train_step(step).loss)
+                except NonFiniteLoss as err:
+                    LOG.warning("partition %d: %s; local training stopped", client.partition_id, err)
+                    break
+    finally:
+        if engine.per_layer is not None:  # this round's optimizer leaves the parameters' hooks
+            engine.per_layer.remove()
     client.rounds_trained += 1
     sent = {k: params[k].detach().float().clone() for k in names}
     metrics = {keys.NUM_EXAMPLES: len(client.train_data), keys.TRAIN_LOSS: sum(losses) / max(len(losses), 1),

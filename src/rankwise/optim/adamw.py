@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from rankwise import registry
+from rankwise.configs import KEY_HINTS
+from rankwise.optim import loraplus
 from rankwise.optim.common import MatrixAdamW, check_common, trainable_parameters
 from rankwise.optim.lowbit import bits_problems, moment_floats
 
@@ -29,6 +31,12 @@ class AdamWConfig:
         state_bits: ``8``: both moments stored as blockwise 8-bit codes plus one float32 maximum
             per 256 elements (Dettmers et al. 2022; :mod:`rankwise.optim.lowbit`); ``null``:
             float32 (``torch.optim.AdamW`` itself).
+        loraplus_lr_ratio: LoRA+ (Hayou et al. 2024): the B factor of every low-rank pair (and
+            every trainable 1-D tensor, as PEFT's ``create_loraplus_optimizer``) steps at
+            ``lr * loraplus_lr_ratio``, A and the rest at ``lr`` (:mod:`rankwise.optim.loraplus`;
+            the paper suggests 16); ``null``: one rate for all.
+        loraplus_lr_embedding: With LoRA+, the rate of pairs on embedding layers (PEFT's
+            ``loraplus_lr_embedding``).
     """
 
     name: str = "adamw"
@@ -38,10 +46,13 @@ class AdamWConfig:
     eps: float = 1e-8
     per_layer: bool = False
     state_bits: Optional[int] = None
+    loraplus_lr_ratio: Optional[float] = None
+    loraplus_lr_embedding: float = 1e-6
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        return check_common(self.lr, self.weight_decay, self.betas, self.eps) + bits_problems(self.state_bits)
+        return (check_common(self.lr, self.weight_decay, self.betas, self.eps) + bits_problems(self.state_bits)
+                + loraplus.problems(self.loraplus_lr_ratio, self.loraplus_lr_embedding))
 
 
 def build_adamw(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:
@@ -53,12 +64,19 @@ def build_adamw(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:
 
     Returns:
         The optimizer: with ``state_bits``, :class:`rankwise.optim.common.MatrixAdamW` with no
-        projected group (AdamW's arithmetic, moments quantised), else ``torch.optim.AdamW``.
+        projected group (AdamW's arithmetic, moments quantised), else ``torch.optim.AdamW``;
+        with ``loraplus_lr_ratio``, over LoRA+'s param groups.
+
+    Raises:
+        RankwiseError: ``loraplus_lr_ratio`` on a model without trainable low-rank pairs.
     """
+    params = (trainable_parameters(model) if config.loraplus_lr_ratio is None else
+              loraplus.loraplus_param_groups(model, config.lr, config.loraplus_lr_ratio,
+                                             config.loraplus_lr_embedding))
     if config.state_bits:
-        return MatrixAdamW(trainable_parameters(model), lr=config.lr, betas=tuple(config.betas),
+        return MatrixAdamW(params, lr=config.lr, betas=tuple(config.betas),
                            eps=config.eps, weight_decay=config.weight_decay, state_bits=config.state_bits)
-    return torch.optim.AdamW(trainable_parameters(model), lr=config.lr, betas=tuple(config.betas),
+    return torch.optim.AdamW(params, lr=config.lr, betas=tuple(config.betas),
                              eps=config.eps, weight_decay=config.weight_decay)
 
 
@@ -68,6 +86,9 @@ def adamw_state_floats(model: nn.Module, config: AdamWConfig) -> float:
     bits = getattr(config, "state_bits", None)
     return sum(2 * moment_floats(p.numel(), bits) for p in trainable_parameters(model))
 
+
+for _key in ("loraplus_lr_ratio", "loraplus_lr_embedding"):  # on any other optimizer: one line
+    KEY_HINTS[f"optim.{_key}"] = loraplus.HINT
 
 registry.register("optimizer", "adamw", AdamWConfig, build_adamw, summary="torch.optim.AdamW",
                   state_floats=adamw_state_floats, lr_grid=(1e-3, 3e-3, 1e-2))

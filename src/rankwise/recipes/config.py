@@ -17,10 +17,12 @@ import yaml
 from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.data.select import SelectConfig
+from rankwise.data.tokenizer import TokenizerTrainConfig
 from rankwise.engine.memory_decoder import MemoryDecoderConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.engine.grpo import GRPOConfig
 from rankwise.engine.preference import DPOConfig
+from rankwise.engine.reference import resolve as resolve_reference
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
@@ -48,6 +50,18 @@ class ModelConfig:
             mean of the existing rows (:mod:`rankwise.recipes.tokens`).
         add_special_tokens: New special tokens (never split, e.g. a chat template's
             ``<|im_start|>``), added and initialised the same way.
+        init: Where the weights start: ``pretrained`` (the folder's weights), ``random`` (a
+            fresh initialisation from the folder's ``config.json``, seeded by ``train.seed``:
+            pretraining from scratch, ``method: full``), or ``auto`` (``random`` when the folder
+            holds a ``config.json`` and no weights, else ``pretrained``).
+        train_tokenizer: Learn a tokenizer from the run's training text before the model is
+            built (:class:`~rankwise.data.tokenizer.TokenizerTrainConfig`; saved in the run
+            folder's ``tokenizer/``, reused on ``--resume``); the model's vocabulary is sized to
+            it. Needs ``init: random`` (or a config-only folder). ``null``: the folder's tokenizer.
+        adapter: Start from an existing adapter instead of a fresh one: a PEFT LoRA folder, a
+            rankwise adapter folder or a finished train run (:mod:`rankwise.recipes.start`). Its
+            method, ranks and weights continue (the ``method`` section becomes the adapter's);
+            DPO's / GRPO's reference is then the starting model (``dpo.reference``).
     """
 
     path: str = "demo"
@@ -58,6 +72,9 @@ class ModelConfig:
     double_quant: bool = True
     add_tokens: list[str] = field(default_factory=list)
     add_special_tokens: list[str] = field(default_factory=list)
+    init: Literal["auto", "pretrained", "random"] = "auto"
+    train_tokenizer: Union[TokenizerTrainConfig, None] = None
+    adapter: Union[str, None] = None
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -67,6 +84,9 @@ class ModelConfig:
         for key in ("add_tokens", "add_special_tokens"):
             if not all(getattr(self, key)):
                 return [f"{key}: got an empty token string; list the new tokens, e.g. ['<|im_end|>']"]
+        if self.train_tokenizer is not None and self.init == "pretrained":
+            return ["train_tokenizer gives the model a new vocabulary, which pretrained weights "
+                    "do not know; set model.init: random (or remove train_tokenizer)"]
         return []
 
 
@@ -76,12 +96,18 @@ class DataConfig:
 
     Attributes:
         source: ``demo`` (stdlib docstring topics), ``stdlib-functions`` (prompt = a stdlib
-            function's docstring, completion = its ``def`` line), a ``.jsonl``/``.csv``/``.parquet``
+            function's docstring, completion = its ``def`` line), ``stdlib-source`` (one text
+            per standard-library module, whole modules held out: a pretraining corpus,
+            :mod:`rankwise.data.corpus`), a ``.jsonl``/``.csv``/``.parquet``
             file, or a folder written by ``datasets.Dataset.save_to_disk`` (all read through
             ``datasets``: memory-mapped Arrow, tokenization cached).
         format: ``text`` (every token trains; classification uses it), ``prompt-completion``
             (loss on the completion + EOS only) or ``chat`` (a list of ``{role, content}``
             messages through the chat template; loss on assistant turns only). Causal LM.
+            Presets of those (:mod:`rankwise.data.presets`; ``model.task: causal-lm``): ``alpaca``
+            (``{instruction, input, output}`` records through the Alpaca prompt, as
+            ``prompt-completion``) and ``sharegpt`` (``{conversations: [{from, value}]}``, as
+            ``chat``).
         text_field: Column/key holding the text.
         label_field: Column/key holding the label (classification).
         prompt_field: Column/key of the prompt (``prompt-completion``).
@@ -94,8 +120,12 @@ class DataConfig:
             tokenizer's own; needed when the tokenizer has none.
         packing: Pack several examples into each ``max_length`` block for training (causal
             LM); they never attend to each other and their positions restart.
-        max_length: Tokens per example. Text is cut from the right; a prompt is cut from the
-            left, and an example whose completion alone is longer is dropped and counted.
+        max_length: Tokens per example. Text is cut from the right (unless ``split_long``); a
+            prompt is cut from the left, and an example whose completion alone is longer is
+            dropped and counted.
+        split_long: ``text`` format, causal LM: a text longer than ``max_length`` becomes
+            several consecutive examples (``BOS + text + EOS`` in windows of ``max_length``)
+            instead of being cut, so pretraining sees all of every document.
         eval_source: A separate evaluation file; else a held-out fraction of ``source``.
         eval_fraction: Held-out fraction, chosen by a hash of each record (deterministic).
         limit: Use at most this many training records (``None`` = all).
@@ -123,7 +153,7 @@ class DataConfig:
     """
 
     source: str = "demo"
-    format: Literal["text", "prompt-completion", "chat"] = "text"
+    format: Literal["text", "prompt-completion", "chat", "alpaca", "sharegpt"] = "text"
     text_field: str = "text"
     label_field: str = "label"
     prompt_field: str = "prompt"
@@ -135,6 +165,7 @@ class DataConfig:
     chat_template: Union[str, None] = None
     packing: bool = False
     max_length: int = 64
+    split_long: bool = False
     eval_source: Union[str, None] = None
     eval_fraction: float = 0.2
     limit: Union[int, None] = None
@@ -158,6 +189,9 @@ class DataConfig:
         if self.question_free and self.train_on_prompt:
             out.append("question_free trains on the response alone, so train_on_prompt has no prompt "
                        "to train; set one of them false")
+        if self.split_long and self.format != "text":
+            out.append(f"split_long cuts plain text into windows, and data.format is {self.format!r}; "
+                       "set data.format: text or remove split_long")
         if self.schedule == "skrull" and self.packing:
             out.append("schedule: skrull groups whole sequences by length, and packing already "
                        "makes equal blocks; set one of data.schedule: none or data.packing: false")
@@ -246,6 +280,10 @@ class TrainConfig:
             adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
             backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
             same losses and gradients. ``off`` (or ``false``): the plain path.
+        neftune_noise_alpha: NEFTune (Jain et al. 2024): uniform noise of scale
+            ``alpha / sqrt(L d)`` on the input embeddings of the training forwards only, ``L``
+            each example's real tokens (:mod:`rankwise.engine.neftune`; the paper uses 5-15);
+            ``null``: off.
     """
 
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
@@ -276,6 +314,7 @@ class TrainConfig:
     compile: bool = False
     fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
+    neftune_noise_alpha: Union[float, None] = None
 
     def loss_chunk_for(self, vocab: int | None) -> int:
         """Target tokens per loss chunk for a model of ``vocab`` entries (0 = unchunked)."""
@@ -316,6 +355,9 @@ class TrainConfig:
         if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             out.append(f"loss_chunk_tokens: got {self.loss_chunk_tokens}; expected auto, 0 (off) "
                        "or a number of tokens per chunk")
+        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha > 0:
+            out.append(f"neftune_noise_alpha: got {self.neftune_noise_alpha}; expected alpha > 0 "
+                       "(the paper uses 5 to 15) or null for no noise")
         return out
 
 
@@ -413,8 +455,13 @@ def apply_sets(data: dict, sets: list[str]) -> dict:
     return data
 
 
-def read_yaml(path: Path) -> dict:
-    """Read a YAML mapping from ``path`` (YAML 1.2 numbers, no duplicate keys: :mod:`.yamlfile`).
+def read_yaml(path: Path, paths: dict | None = None) -> dict:
+    """Read a YAML mapping from ``path`` (YAML 1.2 numbers, no duplicate keys: :mod:`.yamlfile`);
+    its relative paths are read from its folder (:mod:`rankwise.recipes.paths`).
+
+    Args:
+        path: The YAML file.
+        paths: Which keys hold paths (default: a run config's, ``paths.RUN_PATHS``).
 
     Raises:
         RankwiseError: Missing/unreadable/empty file, malformed YAML, a duplicate key (naming
@@ -440,7 +487,8 @@ def read_yaml(path: Path) -> dict:
                             "e.g. model: {path: demo} (see examples/)")
     if not isinstance(data, dict):
         raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
-    return data
+    from rankwise.recipes.paths import RUN_PATHS, resolve_relative
+    return resolve_relative(data, path.parent, RUN_PATHS if paths is None else paths)
 
 
 def build_run_config(data: dict) -> RunConfig:
@@ -534,9 +582,9 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
 
 
 def _absolute_paths(cfg: RunConfig) -> None:
-    """Store local paths (``model.path``, ``data.source``, ``data.eval_source``) absolute, so a
+    """Store local paths (``model.path``, ``model.adapter``, ``data.source``, ``data.eval_source``) absolute, so a
     run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
-    pairs = [(cfg.model, "path"), (cfg.data, "source"), (cfg.data, "eval_source")]
+    pairs = [(cfg.model, "path"), (cfg.model, "adapter"), (cfg.data, "source"), (cfg.data, "eval_source")]
     if cfg.memory_decoder is not None:
         pairs.append((cfg.memory_decoder, "base"))
     for section, key in pairs:
@@ -573,6 +621,16 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
                 else f"data.format {cfg.data.format}")
         out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
+    trains_full = registry.get("method", cfg.method.name).trains == "full"
+    for name, section in (("dpo", cfg.dpo), ("grpo", cfg.grpo)):  # reference: initial needs a start
+        try:
+            if section is not None:
+                resolve_reference(section.reference, name, trains_full, bool(m.adapter), "adapters-off")
+        except RankwiseError as err:
+            out.append(str(err))
+    if m.adapter and cfg.federated is not None:
+        out.append("model.adapter starts a rankwise train run from an adapter; a federated run "
+                   "starts from its server's global adapter: remove model.adapter")
     if cfg.dpo is not None and m.task != "dpo":
         out.append(f"the dpo section needs model.task: dpo (got {m.task}); remove it or change the task")
     if m.task == "dpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt):
@@ -589,6 +647,12 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     if cfg.data.question_free and m.task != "causal-lm":
         out.append(f"data.question_free is supervised fine-tuning on responses and needs model.task: "
                    f"causal-lm (got {m.task}); remove it")
+    if cfg.data.format in ("alpaca", "sharegpt") and m.task != "causal-lm" and \
+            not registry.get("task", m.task).builder().uses_labels:  # (those: the check above)
+        base = "prompt-completion" if cfg.data.format == "alpaca" else "chat"
+        out.append(f"data.format: {cfg.data.format} is a record layout for supervised fine-tuning "
+                   f"(model.task: causal-lm, got {m.task}); use data.format: {base} and name the "
+                   "fields (data.prompt_field, ...)")
     if m.task == "dpo" and cfg.data.schedule != "none":
         out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
                    "pairs; set data.schedule: none")
@@ -642,4 +706,7 @@ def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict
         RankwiseError: On any problem with the file, the overrides or the values.
     """
     data = read_yaml(path) if path is not None else dict(base or {})
-    return build_run_config(apply_sets(data, list(sets or [])))
+    cfg = build_run_config(apply_sets(data, list(sets or [])))
+    if path is not None and cfg.grpo is not None and cfg.grpo.rewards_dir is None:
+        cfg.grpo.rewards_dir = str(Path(path).expanduser().resolve().parent)  # module:function rewards
+    return cfg

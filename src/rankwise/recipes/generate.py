@@ -17,6 +17,7 @@ import torch
 from rankwise import registry
 from rankwise.data.files import json_lines
 from rankwise.data.formats import Encoder, end_id, split_example
+from rankwise.data.presets import prompt_key
 from rankwise.data.text import encoder_for
 from rankwise.engine import get_task
 from rankwise.engine.generation import generate
@@ -124,7 +125,8 @@ def start_id(tokenizer, model) -> int:
 
 def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
     """Yield the prompts of a JSONL file: the ``data.prompt_field`` text of each line, or its
-    ``data.messages_field`` list for chat runs (a plain JSON string is taken as the prompt).
+    ``data.messages_field`` list for chat runs (a plain JSON string is taken as the prompt);
+    ``data.format: alpaca`` runs read Alpaca records, ``sharegpt`` runs their ``conversations``.
 
     Raises:
         RankwiseError: A missing file, a line that is not JSON, or a line without the field.
@@ -133,12 +135,12 @@ def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
     if not path.is_file():
         raise RankwiseError(f"prompts file {path} not found; pass a .jsonl file with one "
                             "{\"prompt\": ...} object per line")
-    field = enc.messages_field if enc.fmt == "chat" else enc.prompt_field
+    field = prompt_key(enc.preset) or (enc.messages_field if enc.fmt == "chat" else enc.prompt_field)
     for n, obj in json_lines(path, f"{path} "):
         if isinstance(obj, str) and enc.fmt != "chat":
             yield obj
         elif isinstance(obj, dict) and obj.get(field) is not None:
-            yield obj[field]
+            yield obj if enc.preset == "alpaca" else obj[field]  # alpaca: instruction and input
         else:
             raise RankwiseError(f"{path} line {n} has no {field!r} field; each line needs one")
 
@@ -194,6 +196,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     from rankwise.compress.kv import find_rotary, make_cache
     make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
     steerer = _steerer(run_dir, steer, steer_from, steer_config, kv_cache)
+    if memory_decoder is not None:
+        check_memory_decoder(Path(memory_decoder))  # before any model is loaded
     if file is not None and Path(file).is_file() and not Path(file).read_text(errors="replace").strip():
         raise RankwiseError(f"prompts file {file} is empty; write one {{\"prompt\": ...}} object "
                             "per line (or pass --prompt TEXT)")
@@ -309,6 +313,28 @@ def same_tokenizer(base, memory, where: str) -> None:
                         "train the memory decoder with the base model's tokenizer")
 
 
+def check_memory_decoder(path: Path) -> None:
+    """Refuse a ``--memory-decoder`` folder that holds no Memory Decoder: only a ``model.task:
+    memory-decoder`` run, or a causal-LM model folder (such a run's ``model/``), is mixed in.
+
+    Raises:
+        RankwiseError: A run of another task (a plain LoRA run, say), another command's output,
+            or a missing / empty folder; one line naming what to pass.
+    """
+    fix = "pass the --out folder of a model.task: memory-decoder run (docs/memory-decoder.md)"
+    found = folders.kind(path) if path.is_dir() else None
+    if found == "model":
+        return
+    if found == "train" and (path / "config.yaml").is_file():
+        cfg = load_run_config(path / "config.yaml")
+        if cfg.model.task == "memory-decoder":
+            return
+        raise RankwiseError(f"--memory-decoder {path} is a {cfg.model.task} run (method "
+                            f"{cfg.method.name}), not a memory-decoder run; {fix}")
+    held = folders.WHAT[found] if found else "nothing (missing or empty)"
+    raise RankwiseError(f"--memory-decoder {path} holds {held}, not a memory-decoder run; {fix}")
+
+
 def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | None) -> tuple[Any, float]:
     """``(model, lambda)`` of a Memory Decoder folder: a ``model.task: memory-decoder`` run (its
     ``memory_decoder.lam`` is the default ``lambda``) or a causal-LM model folder.
@@ -335,4 +361,4 @@ def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | No
     return memory, lam
 
 
-__all__ = ["same_tokenizer", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]
+__all__ = ["same_tokenizer", "check_memory_decoder", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]

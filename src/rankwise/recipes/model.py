@@ -38,7 +38,9 @@ def model_folder(path: str) -> Path:
     folder = demo_model_path() if path == "demo" else Path(path)
     if not folder.is_dir():
         raise RankwiseError(f"model folder {folder} not found; set model.path to a local "
-                            "Hugging Face model folder, 'demo', or a tiny-* test model")
+                            "Hugging Face model folder, 'demo', or a tiny-* test model (relative paths "
+                            "are read from the config file's folder, --set values from the current "
+                            "directory)")
     if not (folder / "config.json").is_file():
         raise RankwiseError(f"model folder {folder} has no config.json; point model.path at a "
                             "folder written by save_pretrained")
@@ -102,7 +104,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True):
+CLASSIFIER_HEADS = ["classifier", "score"]  # the new heads of *ForSequenceClassification models
+
+
+def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True,
+               skip: list[str] | None = None):
     """The transformers ``BitsAndBytesConfig`` of ``model.quantize`` (also what a PEFT user
     passes to load the same 4-bit base).
 
@@ -114,6 +120,8 @@ def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True
         quantize: ``nf4``, ``fp4`` or ``int8``.
         dtype: ``model.dtype`` (compute and storage dtype of 4-bit weights).
         double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
+        skip: Modules left unquantized (``llm_int8_skip_modules``): a classifier's new head,
+            which is not in the checkpoint and trains in full, must stay a float layer.
 
     Returns:
         A ``transformers.BitsAndBytesConfig``.
@@ -123,12 +131,13 @@ def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True
     """
     require("bitsandbytes", "quant", f"model.quantize: {quantize}")
     from transformers import BitsAndBytesConfig
+    extra = {"llm_int8_skip_modules": list(skip)} if skip else {}
     if quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **extra)
     t = torch_dtype(dtype)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize,
                               bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=t,
-                              bnb_4bit_quant_storage=t)
+                              bnb_4bit_quant_storage=t, **extra)
 
 
 def dtype_kwargs(dtype: torch.dtype) -> dict:
@@ -138,10 +147,46 @@ def dtype_kwargs(dtype: torch.dtype) -> dict:
     return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf")
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether a model folder holds weight files (else it is a ``config.json``-only folder)."""
+    return any(next(Path(folder).glob(p), None) is not None for p in WEIGHT_FILES)
+
+
+def starts_random(path: str, init: str = "auto") -> bool:
+    """Whether ``model.path`` / ``model.init`` start from random weights (pretraining):
+    ``init: random``, or ``auto`` on a local folder holding a ``config.json`` and no weights."""
+    if init != "auto" or path == "demo" or path in TINY:
+        return init == "random"
+    folder = Path(path)
+    return (folder / "config.json").is_file() and not has_weights(folder)
+
+
+def _random_model(auto, folder: Path, tok, dtype: torch.dtype, trained_vocab: bool) -> nn.Module:
+    """A fresh ``auto`` model from ``folder``'s ``config.json`` (the caller seeds torch): its
+    vocabulary is the tokenizer's (exactly, for a tokenizer the run trained; at least, else)
+    and its special-token ids are the tokenizer's."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    size = getattr(config, "vocab_size", None)
+    if size is not None:
+        config.vocab_size = len(tok) if trained_vocab else max(int(size), len(tok))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tok, name, None)
+        if value is not None:
+            setattr(config, name, int(value))
+    model = auto.from_config(config).to(dtype)
+    model.config._name_or_path = str(folder)
+    return model
+
+
 def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
                dtype: str = "float32", quantize: str | None = None, double_quant: bool = True,
                device: str = "cpu", add_tokens: list[str] = (),
-               add_special_tokens: list[str] = ()) -> tuple[nn.Module, object]:
+               add_special_tokens: list[str] = (), init: str = "auto",
+               tokenizer=None) -> tuple[nn.Module, object]:
     """Load ``(model, tokenizer)``.
 
     Args:
@@ -159,6 +204,10 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             untied head) grows, new rows at the mean of the old ones
             (:func:`rankwise.recipes.tokens.resize_for_tokens`).
         add_special_tokens: ``model.add_special_tokens``, the same for special tokens.
+        init: ``model.init``: ``pretrained``, ``random`` (a fresh model from the folder's
+            ``config.json``, seeded by ``seed``) or ``auto`` (:func:`starts_random`).
+        tokenizer: Use this tokenizer instead of the folder's (a tokenizer the run trained,
+            ``model.train_tokenizer``: a random model's vocabulary is then exactly its size).
 
     Returns:
         The model in train mode and its tokenizer; 4-bit layers stay in bitsandbytes' training
@@ -175,7 +224,8 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
     if isinstance(task, str):
         task = get_task(task)
     t = torch_dtype(dtype)
-    quant = bnb_config(quantize, dtype, double_quant) if quantize else None
+    quant = bnb_config(quantize, dtype, double_quant,
+                       skip=CLASSIFIER_HEADS if task.uses_labels else None) if quantize else None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -192,10 +242,23 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
         model.config._name_or_path = path
         if quant is not None:
             model = _quantize_in_memory(model, auto, quant, t, device)
+    elif starts_random(path, init):
+        folder = model_folder(path)
+        _check_head(folder, task, path)
+        if quant is not None:
+            raise RankwiseError(f"model.quantize: {quantize} quantizes pretrained weights, and "
+                                f"{folder} starts from random ones (model.init); set model.quantize: null")
+        try:
+            tok = tokenizer if tokenizer is not None else load_tokenizer(str(folder))
+        except RankwiseError as err:
+            raise RankwiseError(f"{err}, or set model.train_tokenizer to learn one from the "
+                                "training data") from None
+        register_architectures()
+        model = _random_model(auto, folder, tok, t, trained_vocab=tokenizer is not None)
     else:
         folder = model_folder(path)
         _check_head(folder, task, path)
-        tok = load_tokenizer(str(folder) if path != "demo" else "demo")
+        tok = tokenizer if tokenizer is not None else load_tokenizer(str(folder) if path != "demo" else "demo")
         if quant is not None:
             kwargs.update(quantization_config=quant, device_map={"": device})
         register_architectures()  # rankwise's own model types (TPA) load like any other
@@ -210,6 +273,7 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             raise RankwiseError(f"model folder {folder} holds a classifier whose head has another "
                                 f"number of labels than the data's {num_labels}; point model.path "
                                 "at the base model's folder (a new head is trained)") from None
+        model.source_folder = str(folder)  # where the full-precision weights are (LoftQ reads them)
         if path == "demo":
             model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
     if add_tokens or add_special_tokens:

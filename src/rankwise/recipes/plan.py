@@ -194,6 +194,8 @@ def meta_model(cfg) -> nn.Module:
     else:
         folder = rm.model_folder(cfg.model.path)
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        if cfg.model.train_tokenizer is not None:  # the run sizes the vocabulary to it
+            config.vocab_size = cfg.model.train_tokenizer.vocab_size
         if task.uses_labels:
             config.num_labels = cfg.model.num_labels or 2
     config.use_cache = False

@@ -138,11 +138,24 @@ def apply_trainable_tokens(model: nn.Module, method_cfg: Any, model_cfg: Any, to
     return ids
 
 
+def save_tokenizer_files(tok: Any, folder: Path) -> None:
+    """``tok.save_pretrained(folder)`` plus the files it leaves behind: transformers 5 writes
+    only ``tokenizer.json``, so a SentencePiece ``tokenizer.model`` (which llama.cpp's converter
+    and slow tokenizers read) is copied from the folder the tokenizer was loaded from."""
+    import shutil
+    tok.save_pretrained(str(folder))
+    origin = Path(getattr(tok, "name_or_path", "") or "")
+    for name in getattr(tok, "vocab_files_names", {}).values():
+        src = origin / name
+        if origin.is_dir() and src.is_file() and not (Path(folder) / name).exists():
+            shutil.copy(src, Path(folder) / name)
+
+
 def save_tokenizer(tok: Any, run_dir: Path) -> Path:
     """Write the run's extended tokenizer to ``RUN/tokenizer`` (atomically)."""
     from rankwise.core import atomic
     with atomic.folder(Path(run_dir) / TOKENIZER_DIR) as tmp:
-        tok.save_pretrained(str(tmp))
+        save_tokenizer_files(tok, tmp)
     return Path(run_dir) / TOKENIZER_DIR
 
 

@@ -32,6 +32,7 @@ from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.compile import compile_model, compile_problem
 from rankwise.engine.loop import precision_problem
+from rankwise.engine.neftune import add_neftune
 from rankwise.engine.skrull import Skrull
 from rankwise.engine.threads import local_processes, use_threads
 from rankwise.errors import RankwiseError
@@ -40,10 +41,12 @@ from rankwise.recipes import folders, optim_scope, yamlfile
 from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_meta, save_checkpoint
 from rankwise.recipes.checkpoint import clean_incomplete
 from rankwise.recipes.config import RunConfig, build_run_config
-from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer
+from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer, starts_random
 from rankwise.recipes.reports import data_info, report_callbacks
 from rankwise.recipes.resume import dotted_diff, schedule_factor, set_schedule
-from rankwise.recipes.tokens import adds_tokens, apply_trainable_tokens, save_tokenizer
+from rankwise.recipes.start import check_method, load_start
+from rankwise.recipes.tokens import TOKENIZER_DIR, adds_tokens, apply_trainable_tokens, save_tokenizer
+from rankwise.recipes.tokens import save_tokenizer_files
 
 
 @dataclass
@@ -76,12 +79,9 @@ class Session:
         """The :class:`~rankwise.engine.Engine` configured by ``cfg.train``."""
         t = self.cfg.train
         return Engine(self.model, self.task, self.optimizer, self.train_data, t.batch_size,
-                      seed=t.seed, scheduler=self.scheduler, grad_accum=t.grad_accum,
-                      grad_clip=t.grad_clip, precision=t.precision, device=self.device,
-                      callbacks=callbacks or [], dist=self.dist,
-                      offload_activations=t.offload_activations,
-                      per_layer=getattr(self.cfg.optim, "per_layer", False),
-                      schedule=self.schedule())
+                      seed=t.seed, scheduler=self.scheduler, device=self.device,
+                      callbacks=callbacks or [], dist=self.dist, schedule=self.schedule(),
+                      **engine_settings(self.cfg))
 
     def schedule(self) -> Skrull | None:
         """The step schedule of ``data.schedule`` for this process (``None``: draw order)."""
@@ -110,6 +110,24 @@ class Session:
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""
         return self.engine().evaluate(self.eval_data, self.cfg.train.eval_batch_size)
+
+
+def engine_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The :class:`~rankwise.engine.Engine` arguments a run config sets, for every loop that
+    trains a run's model: :meth:`Session.engine` and the federated clients' local training
+    (``rankwise.federated.task.local_train``), so a setting cannot reach one and not the other.
+
+    Args:
+        cfg: A validated run config (``train.grad_clip`` already resolved from ``auto``).
+
+    Returns:
+        ``grad_accum``, ``grad_clip``, ``precision``, ``offload_activations`` and ``per_layer``
+        (``optim.per_layer``) as keyword arguments.
+    """
+    t = cfg.train
+    return {"grad_accum": t.grad_accum, "grad_clip": t.grad_clip, "precision": t.precision,
+            "offload_activations": t.offload_activations,
+            "per_layer": getattr(cfg.optim, "per_layer", False)}
 
 
 def check_distributed(cfg: RunConfig, dist: Distributed) -> None:
@@ -165,6 +183,10 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     if cfg.memory_decoder is not None:  # the datastore's base loads as model.path would
         task.base_loader = lambda path, dev: load_model(path, get_task("causal-lm"), seed=cfg.train.seed,
                                                         device=dev)[0].to(dev).eval()
+    if tokenizer is None and cfg.model.train_tokenizer is not None:
+        raise RankwiseError("model.train_tokenizer is learned by rankwise train into its run folder; "
+                            "train first, then point model.path at the run's model/ folder")
+    trained_tokenizer = tokenizer if cfg.model.train_tokenizer is not None else None
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.add_tokens, cfg.model.add_special_tokens)
     with dist.main_first():
@@ -180,7 +202,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     if model is None:
         model, tokenizer = load_model(m.path, task, num_labels, seed=cfg.train.seed, dtype=m.dtype,
                                       quantize=m.quantize, double_quant=m.double_quant, device=device,
-                                      add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
+                                      add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens,
+                                      init=m.init, tokenizer=trained_tokenizer)
     if not m.quantize:  # a quantized model was loaded onto the device (bitsandbytes moves it)
         model.to(device)
     if hasattr(task, "loss_chunk_tokens"):  # causal LM: chunked loss above a vocabulary size
@@ -188,7 +211,12 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     entry = registry.get("method", cfg.method.name)
     torch.manual_seed(cfg.train.seed)
     session = Session(cfg, model, tokenizer, task, train_data, eval_data, None, None, None, device, dist)  # type: ignore[arg-type]
-    if saved is not None:
+    if m.adapter:  # model.adapter: continue an existing adapter (its method; a resume loads it too)
+        start_method = load_start(model, m.adapter)
+        check_method(cfg.method, start_method, m.adapter)
+        cfg.method, task.from_adapter = start_method, True
+        entry = registry.get("method", cfg.method.name)
+    elif saved is not None:
         rebuild(model, cfg.method, "default", saved.get("layers") or {}, saved.get("modules_to_save"))
     else:
         batches = (session.batch(i, seed_offset=1) for i in range(cfg.train.calibration_batches))
@@ -207,12 +235,17 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
             p.data = p.data.float()
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
+    if cfg.train.neftune_noise_alpha:  # noise on the input embeddings of training forwards
+        add_neftune(model, cfg.train.neftune_noise_alpha)
     set_fused_lora(model, cfg.train.fused_lora)
     if cfg.data.select.method or cfg.data.select.from_:  # data.select: keep the chosen records
         from rankwise.recipes.select import select_training
         (selected if selected is not None else {}).update(full=train_data, selection=select_training(session))
     task.prepare(model, [session.train_data, eval_data], entry.trains == "full",
                  cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
+    if getattr(task, "snapshot", None) is not None and dist.active and dist.kind == "fsdp":
+        raise RankwiseError("the reference 'initial' swaps in a copy of the weights, which FSDP2 "
+                            "shards; use train.distributed: ddp (or, for DPO, dpo.reference: precomputed)")
     if cfg.data.packing:
         session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
     if cfg.train.compile:  # the blocks compiled; a method dynamo cannot trace is refused here
@@ -226,6 +259,30 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     session.scope = optim_scope.check(session.optimizer, cfg.optim.name, cfg.method.name)
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
     return session
+
+
+def run_trained_tokenizer(cfg: RunConfig, out: Path, dist: Distributed, console) -> Any:
+    """``model.train_tokenizer``: the run's tokenizer, learned from the training text on the
+    first start (rank 0 learns it while the others wait) and read back from ``RUN/tokenizer``
+    on every later one, so a resumed run tokenizes exactly as it began; ``None`` without it."""
+    tok_cfg = cfg.model.train_tokenizer
+    if tok_cfg is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from rankwise.data.text import training_texts
+    from rankwise.data.tokenizer import train_tokenizer
+    folder = out / TOKENIZER_DIR
+    with dist.main_first():
+        if not folder.is_dir():
+            console.print(f"learning a {tok_cfg.kind} tokenizer of {tok_cfg.vocab_size:,} tokens from "
+                          f"the training text of {cfg.data.source}", soft_wrap=True)
+            if dist.is_main:
+                train_tokenizer(training_texts(cfg.data), tok_cfg, folder)
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok
 
 
 def set_fused_lora(model: nn.Module, setting) -> None:
@@ -294,6 +351,9 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
             d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
+            d.get("grpo", {}).pop("rewards_dir", None)  # where the config was read: same rewards
+            if (now.get("model") or {}).get("adapter"):  # the method is model.adapter's, read
+                d.pop("method", None)                    # again by prepare (config.yaml has it)
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
             now["model"]["num_labels"] = (saved.get("model") or {}).get("num_labels")  # inferred
         diff = [k for k in dotted_diff(saved, now) if k != "train.steps"]
@@ -317,13 +377,26 @@ def _keys(diff: list[str], saved: dict, now: dict, shown: int = 4) -> str:
 
 
 def save_result(session: Session, out: Path) -> Path:
-    """Save what the run trained: ``adapter/`` (rankwise format) or ``model/`` for full training."""
+    """Save what the run trained: ``adapter/`` (rankwise format) or ``model/`` for full training.
+
+    Every process calls it, inside ``dist.full_params``: under FSDP2 the full model's state dict
+    is gathered by all of them (its hooks hand out sharded tensors), and rank 0 writes."""
+    dist = session.dist
     entry = registry.get("method", session.cfg.method.name)
     if entry.trains == "full":
-        with atomic.folder(out / "model") as tmp:
-            session.model.save_pretrained(tmp, safe_serialization=True)
-            session.tokenizer.save_pretrained(tmp)  # a complete folder: generate / transformers load it
+        state = None
+        if dist.active and dist.kind == "fsdp":
+            model = session.model  # a tied weight (embeddings and head) is written once
+            tied = ({n for n, _ in model.named_parameters(remove_duplicate=False)}
+                    - {n for n, _ in model.named_parameters()})
+            state = {k: dist.full_state(v) for k, v in model.state_dict().items() if k not in tied}
+        if dist.is_main:
+            with atomic.folder(out / "model") as tmp:
+                session.model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+                save_tokenizer_files(session.tokenizer, tmp)  # a complete folder: generate / transformers load it
         return out / "model"
+    if not dist.is_main:
+        return out / "adapter"
     return save_adapter(session.model, out / "adapter", session.cfg.method)
 
 
@@ -474,7 +547,11 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     meta = read_meta(ckpts[-1]) if ckpts else None
     rewrite = _check_extension(out, cfg, resume, old_steps, meta)
     dist.barrier()  # every process has checked the folder before rank 0 writes to it
-    session = session or prepare(cfg, saved=(meta or {}).get("structure"), dist=dist)
+    tokenizer = run_trained_tokenizer(cfg, out, dist, console) if session is None else None
+    if starts_random(cfg.model.path, cfg.model.init) and not ckpts:
+        console.print(f"model.path {cfg.model.path}: starting from random weights (seed "
+                      f"{cfg.train.seed}), as model.init: {cfg.model.init} says", soft_wrap=True)
+    session = session or prepare(cfg, saved=(meta or {}).get("structure"), dist=dist, tokenizer=tokenizer)
     if summary and cfg.train.progress:
         from rankwise.core.summary import print_summary
         print_summary(session.model, console, max_rows=12)
@@ -530,9 +607,10 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         session.method_result.write_artifacts(out)
     if rewrite:  # a finished run whose adapter/ (model/) is unreadable: write it again, only that
         with dist.guard(), dist.full_params(session.model):
+            written = save_result(session, out)
             if main:
-                console.print(f"{out} is finished; wrote {save_result(session, out)} again from "
-                              f"the checkpoint of step {start_step}")
+                console.print(f"{out} is finished; wrote {written} again from the checkpoint of "
+                              f"step {start_step}")
         return json.loads((out / "metrics.json").read_text())
     engine.callbacks.append(measure)
     try:
@@ -545,8 +623,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         console.print(f"interrupted; checkpoint saved. Continue with --resume --out {out}")
         raise
     with dist.guard(), dist.full_params(session.model):
-        if main:
-            save_result(session, out)
+        save_result(session, out)
         trainable, total = count_parameters(session.model)
     metrics = {**{k: round(v, 6) for k, v in state.last_eval.items()}, "trainable_params": trainable,
                "total_params": total, "steps": state.step, "train_time_s": round(state.elapsed, 3),

@@ -138,6 +138,12 @@ def load_peft(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
+def loaded_lora_config(*args, **kwargs):
+    """See :func:`rankwise.adapters.lora.peft.loaded_lora_config`."""
+    from rankwise.adapters.lora.peft import loaded_lora_config as _config
+    return _config(*args, **kwargs)
+
+
 # rebuild: the saved {path: {"r", "alpha", "use_rslora"[, "use_dora"]}} (LoraLayer.describe)
 # there, no init computed (restore: the file holds the factors and any frozen A0, B0)
 # needs_batches: eva and corda read calibration batches (the others never touch the lazy iterator)
@@ -147,5 +153,5 @@ registry.register("method", "lora", LoraConfig, apply_lora, needs_batches=True,
                   summary="LoRA / rsLoRA / DoRA: W x + s B A x (Hu et al. 2021; use_dora: Liu et al. 2024)")
 KEY_HINTS["method.use_dora"] = ("use_dora (DoRA) is an option of LoRA only; set method.name: lora "
                                  "with use_dora: true, or remove use_dora")
-registry.register("exporter", "peft", dict, export_peft, loader=load_peft,
+registry.register("exporter", "peft", dict, export_peft, loader=load_peft, loaded_config=loaded_lora_config,
                   summary="HF PEFT adapter (adapter_config.json + adapter_model.safetensors)")

@@ -403,3 +403,29 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     mark_trainable(model, adapter_name)
     load_adapter_state_dict(model, state, adapter_name)
     return cfg
+
+
+def loaded_lora_config(model: nn.Module, peft_cfg: dict[str, Any], adapter_name: str = "default") -> LoraConfig:
+    """The ``lora`` method config of the PEFT adapter :func:`load_peft` just put on ``model``:
+    its adapted paths, the global ``r`` / ``lora_alpha`` / rsLoRA / DoRA / dropout of
+    ``peft_cfg`` (per-layer ranks stay in the layers' ``describe``) and its whole modules.
+
+    Args:
+        model: The model :func:`load_peft` loaded into.
+        peft_cfg: What :func:`load_peft` returned (the ``adapter_config.json`` dict).
+        adapter_name: The name it was loaded as.
+
+    Returns:
+        The config (``rankwise train`` records it as the run's ``method`` section).
+    """
+    from rankwise.configs import from_dict
+    from rankwise.core.protocol import describe
+    layers = {p: describe(m, adapter_name) for p, m in adapter_modules(model)
+              if adapter_name in m.adapter_names() and isinstance(m, (LoraLayer, ExpertLoraLayer))}
+    modules = [p for p, d in layers.items() if "parameters" not in d]
+    params = [f"{p}.{n}" for p, d in layers.items() for n in d.get("parameters", [])]
+    return from_dict(LoraConfig, {
+        "targets": modules, "target_parameters": params, "r": int(peft_cfg.get("r", 8)),
+        "alpha": float(peft_cfg.get("lora_alpha", 8)), "dropout": float(peft_cfg.get("lora_dropout") or 0.0),
+        "use_rslora": bool(peft_cfg.get("use_rslora", False)), "use_dora": bool(peft_cfg.get("use_dora", False)),
+        "modules_to_save": modules_to_save(model) or None}, "method")

@@ -1,0 +1,83 @@
+"""The reference model of DPO and GRPO: the base (adapters off) or the model as the run started.
+
+``adapters-off`` is the same network with its adapters disabled
+(:func:`rankwise.core.ops.disable_adapters`): for an adapter trained from scratch, the model at
+step 0. A run that starts from an existing adapter (``model.adapter``) begins elsewhere, and, as
+TRL does for a PEFT model that already holds an adapter (a frozen copy named ``ref``), its
+reference is the starting model: ``initial``. :class:`WeightSnapshot` keeps a frozen copy of
+every trainable tensor at the start (adapter factors, DoRA magnitudes, trainable token rows,
+whole trained modules) and a reference forward sees the copies in their place: the parameters'
+storage is swapped for the forward (``p.data``), never written, so the policy forward's graph and
+the optimizer state are untouched, and no second model exists.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from rankwise.core.ops import disable_adapters
+from rankwise.errors import RankwiseError
+
+
+class WeightSnapshot:
+    """Frozen copies of ``model``'s trainable parameters as they are now.
+
+    Args:
+        model: The model about to train (its parameters are the ones the optimizer will hold).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.pairs = [(p, p.detach().clone()) for p in params]
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Context manager: inside it the trainable parameters hold the saved values (use under
+        ``torch.no_grad``)."""
+        live = [p.data for p, _ in self.pairs]
+        for p, saved in self.pairs:
+            p.data = saved
+        try:
+            yield
+        finally:
+            for (p, _), data in zip(self.pairs, live):
+                p.data = data
+
+
+def reference(model: nn.Module, snapshot: WeightSnapshot | None) -> contextlib.AbstractContextManager:
+    """The context of a reference forward: ``snapshot`` swapped in, else adapters disabled."""
+    return snapshot.swapped_in() if snapshot is not None else disable_adapters(model)
+
+
+def resolve(mode: str, section: str, trains_full: bool, from_adapter: bool, full_default: str) -> str:
+    """The reference in force for ``{section}.reference: mode``.
+
+    Args:
+        mode: ``auto``, ``adapters-off``, ``initial`` (or a task's own, passed through).
+        section: ``dpo`` or ``grpo`` (messages).
+        trains_full: The method trains every weight.
+        from_adapter: The run starts from ``model.adapter``.
+        full_default: What ``auto`` means for full fine-tuning.
+
+    Returns:
+        ``auto`` resolved: ``initial`` from a starting adapter, ``full_default`` for full
+        fine-tuning, else ``adapters-off``.
+
+    Raises:
+        RankwiseError: ``initial`` for an adapter trained from scratch (its start is the base,
+            and a resumed run could not rebuild its step-0 values).
+    """
+    if mode == "auto":
+        return "initial" if from_adapter else full_default if trains_full else "adapters-off"
+    if mode == "initial" and not (from_adapter or trains_full):
+        raise RankwiseError(f"{section}.reference: initial is the model a run starts from "
+                            "model.adapter (or a full fine-tune); an adapter trained from scratch "
+                            f"starts at the base's output, which adapters-off gives without a copy: "
+                            f"set {section}.reference: auto or adapters-off")
+    return mode
+
+
+__all__ = ["WeightSnapshot", "reference", "resolve"]
