@@ -1,7 +1,7 @@
 """The selection stage of a run (``data.select``) and ``rankwise select CONFIG --out DIR``.
 
 :func:`select_training` runs after the data is tokenized and the method is applied (LESS,
-Influence Distillation and QCS need the adapted model's gradients), before packing and the
+Influence Distillation and the QCS proxy need the adapted model's gradients), before packing and the
 optimizer: it computes the features the rules of :mod:`rankwise.data.select` score, picks the
 budget, and replaces the session's training data by the chosen records (weighted when
 ``weights: true``). :func:`write_selection` writes what ``rankwise select`` keeps:
@@ -9,6 +9,7 @@ budget, and replaces the session's training data by the chosen records (weighted
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -36,7 +37,7 @@ class Selection:
         scores: Score of every pool example.
         chosen: Pool indices kept, increasing.
         weights: Weight of each chosen example (mean 1), or ``None``.
-        token_weights: Per-token weights of each chosen example (qcs, causal LM), or ``None``.
+        token_weights: Per-token weights of each chosen example (qcs-proxy, causal LM), or ``None``.
         seconds: Time the selection took (features + rule).
     """
 
@@ -238,6 +239,7 @@ def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = No
         raise RankwiseError(f"data.select.method {cfg.method!r} needs a model with trainable weights; "
                             "choose a method such as lora, or data.select.method: embedding/random")
     was = model.training
+    saved = warm_up(model, task, data, pool, cfg, dev) if cfg.warmup_steps else None
     model.eval()
     try:
         t_idx = list(range(len(target)))
@@ -251,9 +253,9 @@ def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = No
             g_l = grad_features_(data, [pool[i] for i in land], "g_l")
             emb = once("jvp", lambda: jvp_embeddings(model, task, data, pool, cfg.jvp_tangents, cfg.seed, dev))
             p = rules.influence_scores(emb, land, g_l, g_t, cfg.ridge)                 # (n, m)
-            chosen = rules.round_robin(p, k)
+            chosen = rules.round_robin(p, k, cfg.seed)
             s = p.mean(1)
-            w = rules.simplex_weights(s[chosen], k) if cfg.weights else None
+            w = rules.influence_weights(p[chosen], k, cfg.influence_eta, cfg.influence_l2) if cfg.weights else None
             return s, chosen, w, None
         g = grad_features_(data, pool, "g")
         w = rules.qcs_probabilities(g, g_t, k, cfg.qcs_steps, cfg.qcs_samples, cfg.qcs_lr, cfg.qcs_eta, cfg.seed)
@@ -261,13 +263,39 @@ def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = No
         tw = _token_weights(session, cfg, [pool[i] for i in chosen]) if cfg.weights else None
         return w, chosen, (w[chosen] if cfg.weights else None), tw
     finally:
+        if saved is not None:
+            with torch.no_grad():
+                for (_, p), v in zip(trainable(model), saved):
+                    p.copy_(v)
+                    p.grad = None
         model.train(was)
+
+
+def warm_up(model, task, data, pool: list[int], cfg, device: str) -> list[torch.Tensor]:
+    """Train the trainable weights ``cfg.warmup_steps`` AdamW steps (lr ``cfg.warmup_lr``, no
+    weight decay) on batches of 8 pool records drawn with replacement (a generator seeded
+    ``cfg.seed + 29``) before the features are taken, as the Influence Distillation release and
+    LESS do. Returns the weights before it (:func:`score` puts them back)."""
+    params = [p for _, p in trainable(model)]
+    saved = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=cfg.warmup_lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed + 29)
+    model.train()
+    for _ in range(cfg.warmup_steps):
+        idx = [pool[int(i)] for i in torch.randint(len(pool), (min(8, len(pool)),), generator=gen)]
+        batch = {k: v.to(device) for k, v in task.collate([data[i] for i in idx], data.pad_id).items()}
+        opt.zero_grad(set_to_none=True)
+        task.mean_loss(model, batch).backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return saved
 
 
 @torch.no_grad()
 def _token_weights(session, cfg, idx: list[int]):
     """Per-token weights of the chosen examples (causal LM): tokens ranked by their loss under the
-    current model, the top ``token_ratio`` kept (our reading of QCS's token masks)."""
+    current model, the top ``token_ratio`` kept (the qcs-proxy's fixed stand-in for QCS's learned
+    token masks)."""
     if session.task.uses_labels:
         return None
     from rankwise.data.select import token_weights as rule
@@ -294,6 +322,11 @@ def select_training(session) -> Selection:
             trainable weights on a model without them, or a ``from`` folder that does not match.
     """
     cfg, start = session.cfg.data.select, time.perf_counter()
+    if cfg.method in rules.ALIASES:
+        new = rules.ALIASES[cfg.method]
+        print(f"notice: data.select.method {cfg.method!r} is now {new!r}: a one-step quadratic proxy of "
+              "QCS, not the paper's bi-level method (docs/select.md); write method: qcs-proxy", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, method=new)
     if cfg.weights and session.cfg.data.packing:
         raise RankwiseError("data.select.weights: packed blocks cannot carry per-example weights; set "
                             "data.packing: false or data.select.weights: false")
