@@ -373,5 +373,6 @@ class WeightedData:
 
 
 __all__ = ["ALIASES", "WeightedData", "influence_scores", "SelectConfig", "METHODS", "budget_count", "random_scores",
-           "top_k", "less_scores", "propagate", "round_robin", "project_budget", "simplex_project", "influence_weights", "qcs_probabilities",
-           "qcs_objective", "token_weights", "projection_block", "rbf_kernel"]
+           "top_k", "less_scores", "propagate", "round_robin", "project_budget", "simplex_project",
+           "influence_weights", "qcs_probabilities", "qcs_objective", "token_weights", "projection_block",
+           "rbf_kernel"]
