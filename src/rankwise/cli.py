@@ -246,7 +246,8 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for scores.jsonl, chosen.json.")
 def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
-    """Score the training records by data.select and write the chosen ids (docs/select.md)."""
+    """Score the training records by data.select (random, embedding, less, influence, qcs-proxy:
+    a proxy of QCS) and write the chosen ids (docs/select.md)."""
     from rankwise.recipes.select import run_select
     run_select(config, list(sets), out)
 
