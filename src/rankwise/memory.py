@@ -133,12 +133,35 @@ def _ctrl_c_deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
+_UNKNOWN_FREE_SEEN: list[bool] = []  # the allocator's first "unknown size" free happened
+
+
+def _spend_unknown_free_warning() -> None:
+    """c10's CPU allocator logs "Memory block of unknown size was allocated before the profiling
+    started" at the 1st (then every 1000th) free of a block allocated before profiling: once in
+    every run, and in every torchrun process. Make a block of our own that 1st free, under a
+    throwaway profiler with stderr quiet (its events reach no meter); once per process."""
+    if _UNKNOWN_FREE_SEEN:
+        return
+    from torch.profiler import ProfilerActivity, profile
+    canary = torch.empty(1)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():
+        prof.__enter__()
+        del canary
+        prof.__exit__(None, None, None)
+    prof.profiler = None  # its results would wait for the cyclic collector (see _fold)
+    _UNKNOWN_FREE_SEEN.append(True)
+
+
 def _start_profiler() -> None:
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _ctrl_c_deferred(), _quiet_stderr():
-        prof.__enter__()
-        _PROFILER.append(prof)
+    with _ctrl_c_deferred():
+        _spend_unknown_free_warning()
+        with _quiet_stderr():
+            prof.__enter__()
+            _PROFILER.append(prof)
 
 
 def _fold(restart: bool) -> None:

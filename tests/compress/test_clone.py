@@ -175,6 +175,16 @@ def test_student_not_narrower_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_file_name_as_the_data_section_is_one_line_naming_the_mapping(tmp_path):
+    """docs/distill.md: ``data`` is ``{source: FILE, sequences: N, length: L}`` (issue 32, item 11)."""
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("data: corpus.txt\n")
+    res = invoke("distill", tmp_path / "teacher", "--student-hidden", 8, "--config", cfg, "--out", tmp_path / "o")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip() == ("error: distill.data: got 'corpus.txt'; expected a mapping such as "
+                                  "{source: corpus.txt, sequences: 1024, length: 128}")
+
+
 @pytest.mark.slow
 def test_distill_command_writes_a_plain_student_and_resumes(tmp_path):
     """End to end on bytes (a model folder without tokenizer), a text file: 4 steps, checkpoints every 2; a
@@ -196,6 +206,7 @@ def test_distill_command_writes_a_plain_student_and_resumes(tmp_path):
     m = run_distill(tmp_path / "t", tmp_path / "a", cfg)
     assert m["student_params"] < m["teacher_params"] and m["tokens_seen"] == 4 * 2 * 16
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["student_hidden"] == D_S
+    assert json.loads((tmp_path / "a" / "rankwise.json").read_text()) == {"kind": "distill"}
     # a run stopped after step 2: keep only that checkpoint, then resume
     import shutil
     shutil.copytree(tmp_path / "a", tmp_path / "b")

@@ -140,3 +140,16 @@ def test_model_bytes_counts_the_quantization_state(llama_pair):
                  and m is not dense.lm_head)
     scales = quant.model_bytes(q) - tensor_bytes(q)
     assert linear // 64 <= scales <= linear // 64 + 64 * 1024  # 1 byte per 64-block + tables
+
+
+def test_the_optional_kernels_warning_of_bitsandbytes_is_not_printed(caplog):
+    """NF4 runs printed bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community"
+    (issue 32, item 13): that one record is dropped, the module's other warnings are not."""
+    import logging
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")  # the logger bitsandbytes logs it on
+    with caplog.at_level(logging.WARNING):
+        log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure "
+                    "you already `pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        log.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+    assert quant._not_optional_kernel in log.filters

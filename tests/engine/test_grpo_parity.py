@@ -12,11 +12,10 @@ import torch
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
-from rankwise.benchmarks.dpo import same_factors
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.data.prompts import PromptData
 from rankwise.engine.grpo import GRPOConfig, GRPOTask, group_advantages
-from rankwise.testing import VOCAB, tiny_llama_lm
+from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 G, MAX_NEW = 4, 8
@@ -117,3 +116,13 @@ def test_group_advantages_are_the_group_zscores():
     assert torch.allclose(a[:4], (r[:4] - 0.5) / (3 ** -0.5 + 1e-4), atol=1e-6)
     assert torch.equal(a[4:], torch.zeros(4))
     assert torch.allclose(group_advantages(r, 4, "none"), r - torch.tensor([0.5] * 4 + [2.0] * 4))
+
+
+def test_eval_loss_of_no_reward_is_zero_not_minus_zero():
+    """``eval_loss = -eval_reward_mean`` printed ``eval_loss -0`` at zero reward (issue 32, item 13)."""
+    import math
+    got = GRPOTask(GRPOConfig(rewards=["exact-match"])).eval_metrics({"prompts": 4.0, "reward": 0.0})
+    assert got == {"eval_loss": 0.0, "eval_reward_mean": 0.0}
+    assert math.copysign(1.0, got["eval_loss"]) == 1.0 and f"{got['eval_loss']:.4g}" == "0"
+    assert GRPOTask(GRPOConfig(rewards=["exact-match"])).eval_metrics({"prompts": 4.0, "reward": 3.0}) == {
+        "eval_loss": -0.75, "eval_reward_mean": 0.75}

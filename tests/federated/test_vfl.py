@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -163,3 +164,4 @@ def test_vfl_command_writes_the_run_folder(tmp_path):
     ran = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["vfl"]
     assert ran["batch_size"] == 16 and ran["staleness"] == max(ran["workers_passive"], ran["workers_active"])
     assert (tmp_path / "out" / "metrics.json").is_file()
+    assert json.loads((tmp_path / "out" / "rankwise.json").read_text()) == {"kind": "vfl"}

@@ -119,6 +119,35 @@ def test_foreign_folders_and_bad_jobs_are_refused(config, tmp_path):
         run_compare(config, ["lora"], 1, [], tmp_path / "other", jobs=0)
 
 
+def test_a_worker_stopped_by_ctrl_c_is_an_interrupt_with_the_way_to_continue(config, tmp_path, monkeypatch):
+    """Ctrl-C reaches a worker before the parent: its KeyboardInterrupt (no message) was shown as
+    ``error: runs/cmp2/lora/seed1: `` with exit 2 (issue 32, item 8); now exit 130 and one line."""
+    import concurrent.futures as cf
+
+    from click.testing import CliRunner
+
+    from rankwise.cli import main
+
+    class Pool:  # workers whose run was interrupted, in this process
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def submit(self, fn, *args):
+            fut = cf.Future()
+            fut.set_exception(KeyboardInterrupt())
+            return fut
+
+        def shutdown(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(cf, "ProcessPoolExecutor", Pool)
+    res = CliRunner().invoke(main, ["compare", str(config), "--methods", "lora", "--seeds", "2",
+                                    "--jobs", "2", "--out", str(tmp_path / "cmp2")])
+    assert res.exit_code == 130, res.output
+    assert res.stderr.strip().splitlines()[-1] == "interrupted; rerun the same command to continue"
+    assert "error" not in res.output
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_ctrl_c_stops_every_job_and_keeps_finished_runs(config, tmp_path):
@@ -140,6 +169,8 @@ def test_ctrl_c_stops_every_job_and_keeps_finished_runs(config, tmp_path):
     assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
     os.killpg(proc.pid, signal.SIGINT)                        # what Ctrl-C in a terminal sends
     assert proc.wait(timeout=120) == 130
+    said = proc.stdout.read().decode().strip().splitlines()
+    assert said[-1] == "interrupted; rerun the same command to continue", said[-5:]
     finished = {p: p.stat().st_mtime_ns for p in out.glob("lora/seed*/metrics.json")}
     assert finished and len(finished) < 3
     for _ in range(20):                                       # no worker left behind
@@ -162,3 +193,18 @@ def test_a_comparison_resumed_with_other_threads_still_owns_its_runs(config, tmp
     monkeypatch.setattr(train_mod, "train", lambda *a, **k: pytest.fail("retrained"))
     again = run_compare(config, ["lora"], 1, ["train.threads=2"], tmp_path / "cmp")
     assert numbers(again) == numbers(first)
+
+
+def test_every_committed_comparison_record_is_still_reused():
+    """The per-run records committed under bench/results/ are reused by a rerun of their table's
+    command only while their resolved config hashes as it did: a new config key must enter the
+    hash at its neutral default as absent (runs.NEUTRAL_NEW), or every committed run goes stale."""
+    from pathlib import Path
+
+    from rankwise.recipes.runs import config_hash, read_plan
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    plans = sorted(root.glob("**/compare_plan.json"))
+    assert len(plans) >= 14
+    stale = [str(p.parent.relative_to(root)) for p in plans
+             if (h := read_plan(p.parent))[1] and config_hash(h[0]) != h[1]]
+    assert stale == []

@@ -164,6 +164,10 @@ def test_generation_goes_through_input_adapters():
     (["{lora}"], "exactly one of --prompt"),
     (["{lora}", "--prompt", "x", "--top-p", "0"], "--top-p"),
     (["{lora}", "--file", "{tmp}/none.jsonl"], "prompts file"),
+    # a plain LoRA run is no Memory Decoder (issue 32, item 7): refused, not mixed in
+    (["{lora}", "--prompt", "x", "--memory-decoder", "{lora}"], "is a causal-lm run (method lora), not a memory-decoder run"),
+    (["{lora}", "--prompt", "x", "--memory-decoder", "{bert}"], "not a memory-decoder run"),
+    (["{lora}", "--prompt", "x", "--memory-decoder", "{tmp}"], "holds nothing (missing or empty)"),
 ])
 def test_bad_generate_input_is_one_line(runs, tiny_bert_run, tmp_path, args, match):
     fill = {"tmp": str(tmp_path), "bert": str(tiny_bert_run), "lora": str(runs / "lora")}

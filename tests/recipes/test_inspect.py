@@ -96,3 +96,4 @@ def test_inspect_writes_report_json_and_plots_for_a_run(tiny_bert_run, tmp_path)
     assert set(saved["gradients"]["states"]["final"]) == {p for p in saved["gradients"]["states"]["base"]}
     assert rep["inverse"]["bound_held_everywhere"] and rep["inverse"]["applicable_cases"] > 0
     assert (tmp_path / "out" / "report.md").read_text().startswith("# rankwise inspect")
+    assert json.loads((tmp_path / "out" / "rankwise.json").read_text()) == {"kind": "inspect"}

@@ -179,15 +179,17 @@ def test_merged_model_loads_in_transformers(world):
     torch.testing.assert_close(_logits(model), _logits(adapter), atol=1e-5, rtol=0)
     assert (_logits(model) - _logits(_load_base(world["base"]))).abs().max() > 1e-3
     assert json.loads((out / "merge.json").read_text())["weights"] == [1.0, 0.5]
+    assert json.loads((out / "rankwise.json").read_text()) == {"kind": "merge"}  # its kind, recorded
 
 
-def _run_folder(world, folder, base_dir, seed: int):
-    """A finished train run folder (config.yaml, adapter/, rankwise.json) holding random LoRA."""
+def _run_folder(world, folder, base_dir, seed: int, **extra):
+    """A finished train run folder (config.yaml, adapter/, rankwise.json) holding random LoRA
+    (``extra``: more method keys, e.g. ``use_dora=True``)."""
     from rankwise import registry
     from rankwise.core.io import save_adapter
     from rankwise.recipes import folders
     from rankwise.recipes.model import load_model
-    method = {"name": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+    method = {"name": "lora", "r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"], **extra}
     folder.mkdir()
     model_cfg = {"path": str(base_dir), "task": "causal-lm"}
     (folder / "config.yaml").write_text(yaml.safe_dump({"model": model_cfg, "method": method}))
@@ -242,11 +244,23 @@ def test_bad_input_is_one_line(world, tmp_path):
     (tmp_path / "file").write_text("keep me")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
-    for out, words in ((tmp_path / "file", "is an existing file"), (tmp_path / "full", "is not empty")):
+    for out, words in ((tmp_path / "file", "is an existing file"), (tmp_path / "full", "files that no rankwise command wrote")):
         result = _cli(a, b, "--method", "cat", "--weights", "1,1", "--out", out)
         assert result.exit_code == 2 and words in result.output, result.output
     assert (tmp_path / "file").read_text() == "keep me"
     assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+
+
+def test_a_dora_run_is_refused_by_name(world, tmp_path):
+    """A DoRA run's method is ``lora``: the refusal names DoRA and ``use_dora`` (issue 32, item 9)."""
+    run = _run_folder(world, tmp_path / "dora", world["base"], 6, use_dora=True)
+    result = _cli(run, world["a"], "--method", "cat", "--weights", "1,1", "--out", tmp_path / "x")
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1 and "LoraLayer" not in line, line
+    for words in ("with DoRA", "use_dora: true", "plain LoRA adapters only", "--format merged"):
+        assert words in line, (words, line)
+    assert not (tmp_path / "x").exists()
 
 
 def test_adapters_of_different_bases_are_refused(world, tmp_path):

@@ -76,6 +76,21 @@ def test_weight_gradient_and_state_bytes_are_exact(folder, method, optim):
     assert P.optimizer_bytes(meta, cfg, 8) == state_bytes(opt) // 4 + 4 * -(-state_bytes(opt) // 4 // 256)
 
 
+def test_a_zero_gradients_line_says_why(folder):
+    """At the start of backward (the peak without accumulation) no gradient exists yet; the
+    breakdown's "gradients 0.0 MiB" comes with a note giving their size and the step's peak
+    (issue 32, item 13). With accumulation they are part of the peak and need no note."""
+    data, sw = P.split_switches(raw(folder))
+    est = Planner(build_run_config(data), sw, "cpu").estimate()
+    assert est.gradients == 0 and est.trainable_params > 0
+    note = next(n for n in est.notes if n.startswith("gradients 0.0 MiB: the peak is the start of backward"))
+    assert f"before the {4 * est.trainable_params / 2 ** 20:,.1f} MiB of gradients exist" in note
+    assert float(note.rsplit("at ", 1)[1].split(" MiB")[0].replace(",", "")) < est.peak / 2 ** 20
+    data, sw = P.split_switches(raw(folder, grad_accum=2))
+    est = Planner(build_run_config(data), sw, "cpu").estimate()
+    assert est.gradients == 4 * est.trainable_params and not any(n.startswith("gradients") for n in est.notes)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_meta_count_of_saved_activations_equals_a_real_forward(folder, precision):
     data, _ = P.split_switches(raw(folder))
@@ -137,6 +152,7 @@ def test_bad_input_is_one_line_and_exit_2(folder, tmp_path):
     path.write_text(yaml.safe_dump(raw(folder)))
     run = CliRunner().invoke
     for args, needle in [(["--memory", "lots"], "expected a size such as 24GiB"),
+                         (["--memory", "8"], "'8' without a unit; write 8GiB"),  # not 8 bytes
                          (["--fit"], "needs a budget"),
                          (["--fit", "--memory", "1KiB"], "smallest reachable peak"),
                          (["--set", "optim.per_layer=true", "--set", "train.grad_accum=2"],

@@ -47,9 +47,15 @@ def test_select_writes_scores_and_from_reuses_the_same_ids(tmp_path, docstrings_
     top = sorted(rows, key=lambda r: -r["score"])[: chosen["k"]]
     assert {r["id"] for r in top} == set(chosen["ids"])       # the top scores are kept
     assert (tmp_path / "less" / "scores.png").stat().st_size > 0
+    assert json.loads((tmp_path / "less" / "rankwise.json").read_text()) == {"kind": "select"}
     cfg = load_run_config(_cfg(tmp_path, docstrings_jsonl, **{"from": str(tmp_path / "less")}))
     session = prepare(cfg, device="cpu")
     assert record_ids(cfg.data, session.train_data) == chosen["ids"]
+    # select writes again into its own earlier output (the same seeded choice)
+    res = _select(_cfg(tmp_path, docstrings_jsonl, method="random", budget=0.25, target=str(target)),
+                  tmp_path / "less")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "less" / "chosen.json").read_text())["ids"] == chosen["ids"]
 
 
 def test_bad_selection_input_is_one_line_and_exit_2(tmp_path, docstrings_jsonl):

@@ -37,6 +37,7 @@ def test_two_processes_give_the_single_process_metrics(tmp_path, single, kind):
     extra = (["data.schedule=skrull"] if kind == "fsdp" else []) + ["train.loss_chunk_tokens=16"]
     proc = torchrun(tmp_path, tmp_path / "two", f"train.distributed={kind}", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPUAllocator" not in proc.stderr  # the profiler's "unknown size" line, once per process before
     one = json.loads((single / "metrics.json").read_text())
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     for key in ("eval_loss", "eval_perplexity"):
@@ -106,6 +107,8 @@ def test_fsdp2_over_a_4bit_base_gives_the_single_process_metrics(tmp_path):
                            str(tmp_path / "two"), "--set", "train.distributed=fsdp"],
                           env=ENV, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for noise in ("CPUAllocator", "gemm_4bit_forward"):  # once per process before (issue 32, item 13)
+        assert noise not in proc.stderr + proc.stdout, noise
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
     assert two["trainable_params"] == one["trainable_params"]

@@ -22,12 +22,24 @@ inference forward. Three consequences are handled here:
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 
 import torch
 from torch import nn
 
 _REGISTERED = False
+# bitsandbytes 0.50 logs this at import on an AVX512-BF16 CPU without the optional ``kernels``
+# package, then uses its own 4-bit kernel: nothing is wrong, so a run does not print it.
+OPTIONAL_KERNEL = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _not_optional_kernel(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(OPTIONAL_KERNEL)
+
+
+# the logger exists before bitsandbytes is imported, and keeps its filter when bitsandbytes gets it
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_optional_kernel)
 
 
 def bnb_loaded() -> bool:

@@ -127,7 +127,8 @@ def read_dataset(source: str | Path, cache_dir: str | None = None):
             raise RankwiseError(f"data folder {path} holds several splits ({', '.join(ds)}); point "
                                 f"data.source at one of them, e.g. {path / next(iter(ds))}")
     elif not path.is_file():
-        raise RankwiseError(f"data file {path} not found; set data.source to a {WHAT}")
+        raise RankwiseError(f"data file {path} not found; set data.source to a {WHAT} (relative paths are "
+                            "read from the config file's folder, --set values from the current directory)")
     else:
         builder = SUFFIXES.get(path.suffix.lower())
         if builder is None:

@@ -402,7 +402,7 @@ class GRPOTask(Task):
     def eval_metrics(self, stats):
         """``eval_reward_mean`` over the evaluation prompts, and ``eval_loss`` = its negative."""
         mean = stats.get("reward", 0.0) / max(stats.get("prompts", 0.0), 1.0)
-        return {"eval_loss": -mean, "eval_reward_mean": mean}
+        return {"eval_loss": 0.0 - mean, "eval_reward_mean": mean}  # 0 - 0 is 0, where -0.0 printed "-0"
 
 
 def rows_of(prompts: list[list[int]], completions: list[list[int]], group: int, pad: int,

@@ -38,6 +38,31 @@ LOG = logging.getLogger("rankwise.federated")
 app = ServerApp()
 
 
+class TrueRounds(logging.Filter):
+    """Flower's strategy loop numbers the rounds of the federation it runs from 1, and a resumed
+    run starts one for the rounds left: its ``[ROUND 1/3]`` is round 4 of 6. On Flower's logger
+    this filter makes those lines (and ``Number of rounds``) say the run's own numbers.
+
+    Args:
+        offset: Rounds completed before this federation started.
+        total: The run's rounds.
+    """
+
+    def __init__(self, offset: int, total: int) -> None:
+        super().__init__()
+        self.offset, self.total = offset, total
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite the round lines in place; every record passes."""
+        msg, args = str(record.msg), record.args
+        if "[ROUND" in msg and isinstance(args, tuple) and len(args) == 2:
+            record.msg, record.args = "[ROUND %s/%s]", (int(args[0]) + self.offset, self.total)
+        elif "Number of rounds" in msg and isinstance(args, tuple) and len(args) == 1:
+            record.msg = msg.replace("%d", "%d of %d (resumed after round %d)")
+            record.args = (args[0], self.total, self.offset)
+        return True
+
+
 class Evaluator:
     """Central evaluation of a strategy's views on the run's evaluation split (under
     ``train.precision``'s autocast and on ``train.threads`` threads, as ``rankwise train``
@@ -175,9 +200,16 @@ def run_server(grid: Grid, config_path: str, out: str | Path, resume: bool = Fal
         LOG.info("round %d: %s", server_round, metrics)
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
-    strategy.start(grid=grid, initial_arrays=to_record(strategy.global_state),
-                   num_rounds=num_rounds - strategy.round_offset, timeout=fed.round_timeout,
-                   evaluate_fn=evaluate_fn)
+    rounds = TrueRounds(strategy.round_offset, num_rounds)
+    flower_log = logging.getLogger("flwr")
+    if strategy.round_offset:  # a fresh run's numbers are already the run's
+        flower_log.addFilter(rounds)
+    try:
+        strategy.start(grid=grid, initial_arrays=to_record(strategy.global_state),
+                       num_rounds=num_rounds - strategy.round_offset, timeout=fed.round_timeout,
+                       evaluate_fn=evaluate_fn)
+    finally:
+        flower_log.removeFilter(rounds)
     final = {k: v for k, v in lines[-1].items() if k.startswith("eval_")}
     metrics = {**final, "strategy": strategy.name, "rounds": num_rounds, "clients": fed.clients,
                "partition": fed.partition, "method": cfg.method.name,

@@ -455,8 +455,13 @@ def apply_sets(data: dict, sets: list[str]) -> dict:
     return data
 
 
-def read_yaml(path: Path) -> dict:
-    """Read a YAML mapping from ``path`` (YAML 1.2 numbers, no duplicate keys: :mod:`.yamlfile`).
+def read_yaml(path: Path, paths: dict | None = None) -> dict:
+    """Read a YAML mapping from ``path`` (YAML 1.2 numbers, no duplicate keys: :mod:`.yamlfile`);
+    its relative paths are read from its folder (:mod:`rankwise.recipes.paths`).
+
+    Args:
+        path: The YAML file.
+        paths: Which keys hold paths (default: a run config's, ``paths.RUN_PATHS``).
 
     Raises:
         RankwiseError: Missing/unreadable/empty file, malformed YAML, a duplicate key (naming
@@ -482,7 +487,8 @@ def read_yaml(path: Path) -> dict:
                             "e.g. model: {path: demo} (see examples/)")
     if not isinstance(data, dict):
         raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
-    return data
+    from rankwise.recipes.paths import RUN_PATHS, resolve_relative
+    return resolve_relative(data, path.parent, RUN_PATHS if paths is None else paths)
 
 
 def build_run_config(data: dict) -> RunConfig:

@@ -49,10 +49,15 @@ def read_config(path: Path | None, sets: list[str], student_hidden: int | None) 
         RankwiseError: Every bad key or value at once.
     """
     from rankwise.recipes.config import apply_sets, read_yaml
-    data = read_yaml(path) if path is not None else {}
+    from rankwise.recipes.paths import DISTILL_PATHS
+    data = read_yaml(path, DISTILL_PATHS) if path is not None else {}
     data = apply_sets(data or {}, list(sets))
     if student_hidden is not None:
         data["student_hidden"] = student_hidden
+    wrong = [f"distill.{k}: got {data[k]!r}; expected a mapping such as {{source: {data[k]}, "
+             "sequences: 1024, length: 128}" for k in ("data", "heldout") if isinstance(data.get(k), str)]
+    if wrong:  # a file name where the windows' section goes
+        raise RankwiseError("; ".join(wrong))
     return from_dict(DistillConfig, data, "distill")
 
 
@@ -87,13 +92,13 @@ def load_teacher(path: Path, student_hidden: int) -> tuple[torch.nn.Module, Any]
 
 
 def _check_out(out: Path, resume: bool) -> bool:
-    """Whether to resume: refuse a non-empty folder that is not a distill run, and a distill
-    run without ``--resume``."""
+    """Whether to resume: refuse a non-empty folder that is not a distill run (another
+    command's output, the user's own files), and a distill run without ``--resume``."""
+    from rankwise.recipes import folders
     from rankwise.recipes.checkpoint import list_checkpoints
-    if not out.exists() or not any(out.iterdir()):
+    if folders.check_kind(out, "distill", "distill writes only into a new or empty folder or "
+                          "continues its own run (--resume): choose another --out") is None:
         return False
-    if not (out / CONFIG_FILE).is_file():
-        raise RankwiseError(f"--out {out} is not empty and holds no distill run; choose a new --out")
     if not resume:
         raise RankwiseError(f"--out {out} already holds a distill run; pass --resume to continue it "
                             "or choose another --out")
@@ -115,7 +120,9 @@ def run_distill(teacher_path: Path, out: Path, cfg: DistillConfig, resume: bool 
     from rankwise.engine.callbacks import Checkpoint, Evaluate, EventLog, LossPlot, ProgressBar
     from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
     from rankwise.recipes.compress import Windows, token_windows
-    out = Path(out)
+    from rankwise.core import atomic
+    from rankwise.recipes import folders
+    out = atomic.check_folder(out)
     resuming = _check_out(out, resume)
     teacher, tok = load_teacher(teacher_path, cfg.student_hidden)
     pad = getattr(tok, "pad_token_id", None) or 0
@@ -127,6 +134,7 @@ def run_distill(teacher_path: Path, out: Path, cfg: DistillConfig, resume: bool 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     out.mkdir(parents=True, exist_ok=True)
+    folders.record(out, "distill")
     (out / CONFIG_FILE).write_text(yaml.safe_dump({"teacher": str(teacher_path), **to_dict(cfg)}, sort_keys=False))
     log = EventLog(out / "events.jsonl")
     began = time.perf_counter()

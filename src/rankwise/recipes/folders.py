@@ -1,11 +1,13 @@
 """What an output folder holds, recorded by the command that wrote it.
 
 Every command that writes a folder of its own (``train``, ``federated``, ``compress``,
-``compare``, ``demo``) puts ``rankwise.json`` there, ``{"kind": ...}``; ``compress`` also lists
-the files it wrote, so ``--overwrite`` replaces exactly those. A command refuses a folder that
-holds another kind of output (one line naming what is there and what to do), so no command can
-mix its files into, or delete, another command's output. Folders written before the record
-existed are recognised by their files (:func:`kind`).
+``compare``, ``demo``, ``select``, ``inspect``, ``merge``, ``distill``, ``vfl``) puts
+``rankwise.json`` there, ``{"kind": ...}``; ``compress`` also lists the files it wrote, so
+``--overwrite`` replaces exactly those. A command refuses a folder that holds another kind of
+output, or files no rankwise command wrote (one line naming what is there and what to do), so
+no command can mix its files into, overwrite, or delete another command's output or the user's
+own files. Folders written before the record existed are recognised by their files
+(:func:`kind`).
 
 Exports (``rankwise export``) carry no record: they are read by PEFT and transformers, and
 every command already refuses a non-empty folder that is not its own.
@@ -31,6 +33,11 @@ WHAT = {
     "compress": "a compress output (rankwise compress)",
     "compare": "a comparison (rankwise compare)",
     "demo": "the demo's output (rankwise demo)",
+    "select": "a data selection (rankwise select)",
+    "inspect": "an inspect report (rankwise inspect)",
+    "merge": "a merged adapter (rankwise merge)",
+    "distill": "a distill run (rankwise distill)",
+    "vfl": "a vfl run (rankwise vfl)",
     "model": "a transformers model folder (a base model or a merged export)",
     "peft": "a PEFT adapter (an export)",
     "adapter": "a rankwise adapter (an export)",
@@ -66,10 +73,15 @@ def kind(folder: str | Path) -> str | None:
 
     The record decides; without one (folders written by older versions) the files do:
     ``rounds.jsonl`` or a ``config.yaml`` with a ``federated`` section and no training files
-    is a federated run, ``config.yaml`` a train run, ``compression.safetensors`` with
-    ``report.json`` a compress output, ``summary.json`` the demo, row folders marked by compare
-    (``ROW/seedN/compare_plan.json``) a comparison, ``adapter_config.json`` a PEFT adapter,
-    ``config.json`` a transformers model, ``rankwise_adapter.json`` a rankwise adapter.
+    is a federated run, a ``config.yaml`` whose only section is ``vfl`` a vfl run,
+    ``config.yaml`` a train run, ``distill.yaml`` a distill run, ``compression.safetensors``
+    with ``report.json`` a compress output, ``inspect.json`` with ``report.md`` an inspect
+    report, ``summary.json`` the demo, row folders marked by compare
+    (``ROW/seedN/compare_plan.json``) a comparison, ``merge.json`` beside
+    ``adapter_config.json`` a merged adapter, ``adapter_config.json`` a PEFT adapter,
+    ``config.json`` a transformers model, ``rankwise_adapter.json`` a rankwise adapter, and
+    exactly ``scores.jsonl``, ``chosen.json`` (with select's keys) and ``scores.png`` a data
+    selection. Anything else is ``other``: files of the user's own, which no command writes into.
     """
     names = set(entries(folder))
     if not names:
@@ -88,20 +100,42 @@ def kind(folder: str | Path) -> str | None:
                 cfg = None
             if isinstance(cfg, dict) and cfg.get("federated"):
                 return "federated"
+            if isinstance(cfg, dict) and set(cfg) == {"vfl"}:
+                return "vfl"
         return "train"
+    if "distill.yaml" in names:
+        return "distill"
     if {"compression.safetensors", "report.json"} <= names:
         return "compress"
+    if {"inspect.json", "report.md"} <= names:
+        return "inspect"
     if "summary.json" in names and "learning_curve.png" in names:
         return "demo"
     if any(folder.glob(f"*/*/{COMPARE_PLAN}")):
         return "compare"
+    if {"merge.json", "adapter_config.json"} <= names:
+        return "merge"
     if "adapter_config.json" in names:
         return "peft"
     if "config.json" in names:
         return "model"
     if "rankwise_adapter.json" in names:
         return "adapter"
+    if names == SELECT_FILES and _is_selection(folder / "chosen.json"):
+        return "select"
     return "other"
+
+
+SELECT_FILES = {"scores.jsonl", "chosen.json", "scores.png"}  # what rankwise select writes
+
+
+def _is_selection(path: Path) -> bool:
+    """Whether ``path`` is a ``chosen.json`` written by ``rankwise select`` (method and ids)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"method", "ids", "seconds"} <= set(data)
 
 
 def check_kind(folder: str | Path, wanted: str, fix: str, flag: str = "--out") -> str | None:
@@ -122,6 +156,20 @@ def check_kind(folder: str | Path, wanted: str, fix: str, flag: str = "--out") -
     return found
 
 
+def check_writable(folder: str | Path, wanted: str, command: str) -> str | None:
+    """:func:`check_kind` for a command that may write into its own earlier output only.
+
+    Returns:
+        ``None`` for a missing or empty folder, else ``wanted``.
+
+    Raises:
+        RankwiseError: ``"--out DIR holds <what>, not <wanted>; <command> writes only into a new
+            or empty folder or its own earlier output: choose another --out"``.
+    """
+    return check_kind(folder, wanted, f"{command} writes only into a new or empty folder or its "
+                      "own earlier output: choose another --out")
+
+
 def check_run(run_dir: str | Path, command: str) -> None:
     """Raise unless ``run_dir`` holds a train run (what ``export`` and ``generate`` read).
 
@@ -134,4 +182,4 @@ def check_run(run_dir: str | Path, command: str) -> None:
                             "the --out folder of a finished 'rankwise train'")
 
 
-__all__ = ["RECORD", "WHAT", "check_kind", "check_run", "entries", "kind", "read_record", "record"]
+__all__ = ["RECORD", "WHAT", "check_kind", "check_run", "check_writable", "entries", "kind", "read_record", "record"]

@@ -196,6 +196,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     from rankwise.compress.kv import find_rotary, make_cache
     make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
     steerer = _steerer(run_dir, steer, steer_from, steer_config, kv_cache)
+    if memory_decoder is not None:
+        check_memory_decoder(Path(memory_decoder))  # before any model is loaded
     if file is not None and Path(file).is_file() and not Path(file).read_text(errors="replace").strip():
         raise RankwiseError(f"prompts file {file} is empty; write one {{\"prompt\": ...}} object "
                             "per line (or pass --prompt TEXT)")
@@ -311,6 +313,28 @@ def same_tokenizer(base, memory, where: str) -> None:
                         "train the memory decoder with the base model's tokenizer")
 
 
+def check_memory_decoder(path: Path) -> None:
+    """Refuse a ``--memory-decoder`` folder that holds no Memory Decoder: only a ``model.task:
+    memory-decoder`` run, or a causal-LM model folder (such a run's ``model/``), is mixed in.
+
+    Raises:
+        RankwiseError: A run of another task (a plain LoRA run, say), another command's output,
+            or a missing / empty folder; one line naming what to pass.
+    """
+    fix = "pass the --out folder of a model.task: memory-decoder run (docs/memory-decoder.md)"
+    found = folders.kind(path) if path.is_dir() else None
+    if found == "model":
+        return
+    if found == "train" and (path / "config.yaml").is_file():
+        cfg = load_run_config(path / "config.yaml")
+        if cfg.model.task == "memory-decoder":
+            return
+        raise RankwiseError(f"--memory-decoder {path} is a {cfg.model.task} run (method "
+                            f"{cfg.method.name}), not a memory-decoder run; {fix}")
+    held = folders.WHAT[found] if found else "nothing (missing or empty)"
+    raise RankwiseError(f"--memory-decoder {path} holds {held}, not a memory-decoder run; {fix}")
+
+
 def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | None) -> tuple[Any, float]:
     """``(model, lambda)`` of a Memory Decoder folder: a ``model.task: memory-decoder`` run (its
     ``memory_decoder.lam`` is the default ``lambda``) or a causal-LM model folder.
@@ -337,4 +361,4 @@ def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | No
     return memory, lam
 
 
-__all__ = ["same_tokenizer", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]
+__all__ = ["same_tokenizer", "check_memory_decoder", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]

@@ -214,7 +214,8 @@ def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CAL
         target: A ``rankwise train`` run folder or a transformers model folder.
         data: A run config whose ``data:`` (and ``train.batch_size``/``seed``) gives the
             calibration batches; default: the run's own ``config.yaml``.
-        out: The output folder (created; files in it are replaced).
+        out: The output folder: new, empty or an earlier inspect report (its files are
+            replaced; ``rankwise.json`` records the kind).
         n_batches: Calibration batches per estimate.
         device: Where the model runs.
         plots: Also write the PNGs (matplotlib); ``report.md`` and ``inspect.json`` always.
@@ -223,11 +224,13 @@ def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CAL
         The JSON written to ``inspect.json``.
 
     Raises:
-        RankwiseError: If ``target`` is neither a run nor a model, or the data config is bad.
+        RankwiseError: If ``target`` is neither a run nor a model, the data config is bad, or
+            ``out`` holds anything but an earlier inspect report.
     """
     from rankwise.data.text import build_data
 
-    target, out = Path(target), Path(out)
+    target, out = Path(target), atomic.check_folder(out)
+    folders.check_writable(out, "inspect", "inspect")  # never into a run or the user's files
     cfg, what = _inputs(target, data)
     task = get_task(cfg.model.task)
     targets = getattr(cfg.method, "targets", "all-linear")
@@ -248,6 +251,7 @@ def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CAL
               "shapley": shapley_section(last, targets, calib, task.mean_loss),
               "inverse": inverse_section(last, targets, calib, other, task.mean_loss)}
     out.mkdir(parents=True, exist_ok=True)
+    folders.record(out, "inspect")
     atomic.write_json(out / "inspect.json", report)
     from rankwise.recipes.inspect_report import write_plots, write_report
     if plots:

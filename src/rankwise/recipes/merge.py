@@ -39,6 +39,11 @@ PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
 MERGED = "merged"  # the combined adapter's name in the model, and --merged's subfolder
 PEFT_CONFIG = "adapter_config.json"
 RECORD = "merge.json"  # what was merged, beside the PEFT files
+# DoRA's trained magnitude has no weighted-sum rule; PEFT 0.21's add_weighted_adapter accepts
+# DoRA inputs but starts the result's magnitude afresh from ||W + BA||, dropping what was trained
+DORA = ("{label} adapts {path!r} with DoRA (method.use_dora: true: a trained magnitude beside the "
+        "LoRA pair); merge combines plain LoRA adapters only (use_dora: false): export the run "
+        "with --format merged instead, or train it without use_dora")
 
 
 @dataclass
@@ -121,7 +126,7 @@ def _source(path: Path) -> Source:
     if found == "adapter":
         meta = _json(path / RANKWISE_CONFIG)
         return Source(path, "adapter", meta.get("base_model"), meta.get("fingerprint"))
-    if found == "peft":
+    if found in ("peft", "merge"):  # an earlier merge's output is a PEFT LoRA folder
         return Source(path, "peft", _json(path / PEFT_CONFIG).get("base_model_name_or_path"))
     return _bad(path, found)
 
@@ -191,7 +196,7 @@ def collect_pairs(model: torch.nn.Module, names: list[str],
     """``{layer path: [Pair or None per input]}`` in model order, through the protocol's factors.
 
     Raises:
-        RankwiseError: If an input has a layer that is not a plain LoRA pair.
+        RankwiseError: If an input has a layer that is not a plain LoRA pair (DoRA named as such).
     """
     out: dict[str, list[Pair | None]] = {}
     for path, mod in adapter_modules(model):
@@ -203,7 +208,9 @@ def collect_pairs(model: torch.nn.Module, names: list[str],
             # the whole delta on the original base: rank 2r [B, -B0][A; A0] for a PiSSA/OLoRA/CorDA init
             whole = getattr(mod, "delta_factors", None)
             ab, info = (whole(name) if whole else factors(mod, name)), describe(mod, name)
-            if ab is None or "scale" not in info or info.get("use_dora"):
+            if info.get("use_dora"):
+                raise RankwiseError(DORA.format(label=label, path=path))
+            if ab is None or "scale" not in info:
                 raise RankwiseError(f"{label} adapts {path!r} with {type(mod).__name__}, not a plain "
                                     "LoRA pair (delta = s B A); merge combines LoRA adapters only")
             row.append(Pair(ab[0].detach().float(), ab[1].detach().float(), float(info["scale"])))
@@ -251,8 +258,10 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
     if problems:
         raise RankwiseError("; ".join(problems))
     out = atomic.check_folder(out)
-    if out.exists() and any(out.iterdir()):
-        raise RankwiseError(f"merge target {out} is not empty; choose a new --out or delete it first")
+    folders.check_kind(out, "merge", "merge writes only into a new or empty folder: choose another --out")
+    if folders.entries(out):
+        raise RankwiseError(f"--out {out} already holds {folders.WHAT['merge']}; choose a new --out "
+                            "or delete it first")
     sources = [_source(Path(p)) for p in paths]
     check_same_base(sources, model_path)
     if sum(1 for s in sources if _has_heads(s)) > 1:
@@ -301,6 +310,7 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
             shutil.move(str(f), str(tmp / f.name))
         (tmp / "peft").rmdir()
         atomic.write_json(tmp / RECORD, record)
+        folders.record(tmp, "merge")
         if merged:
             from rankwise.core.merged import export_merged
             dtype = None if m.quantize else torch_dtype(m.dtype)

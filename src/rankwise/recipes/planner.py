@@ -29,12 +29,17 @@ UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "k
 
 
 def parse_size(text: str) -> int:
-    """``"24GiB"`` -> bytes (GB = 10^9, GiB and a bare G = 2^30).
+    """``"24GiB"`` -> bytes (GB = 10^9, GiB and a bare G = 2^30, B = bytes).
 
     Raises:
-        RankwiseError: If ``text`` is not a size.
+        RankwiseError: If ``text`` is not a size, or is a number without a unit (``8`` would
+            be 8 bytes, which nobody means).
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if m and not m.group(2):
+        n = m.group(1)
+        raise RankwiseError(f"--memory: got {text!r} without a unit; write {n}GiB (2^30 bytes), "
+                            f"{n}GB (10^9 bytes) or {n}MiB")
     unit = (m.group(2) or "b").lower() if m else ""
     if not m or unit not in UNITS or float(m.group(1)) <= 0:
         raise RankwiseError(f"--memory: got {text!r}; expected a size such as 24GiB, 80GB or 16000MiB")
@@ -194,6 +199,11 @@ class Planner:
             est.activations, est.logits_loss = acts, loss + (held if accum > 1 else 0)
             est.gradients = grads if accum > 1 else head_grad
             est.temporaries = deq + gathered
+            if grads > est.gradients:  # a "gradients 0.0 MiB" line needs its reason
+                est.notes.append(
+                    f"gradients {est.gradients / P.MiB:,.1f} MiB: the peak is the start of backward, "
+                    f"before the {grads / P.MiB:,.1f} MiB of gradients exist; the optimizer step "
+                    f"holds them and peaks lower, at {(est.peak - backward + step) / P.MiB:,.1f} MiB")
         else:
             est.logits_loss, est.gradients, est.temporaries = held, grads, step_tmp
         return est

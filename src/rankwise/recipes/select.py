@@ -367,9 +367,18 @@ def write_selection(sel: Selection, ids_all_chosen: list[str], out: Path) -> Non
 
 
 def run_select(config: Path, sets: list[str], out: Path) -> Selection:
-    """``rankwise select``: build the run's model and data, select, write the folder."""
+    """``rankwise select``: build the run's model and data, select, write the folder.
+
+    Raises:
+        RankwiseError: A bad config, no ``data.select.method``, or an ``out`` that holds
+            anything but an earlier selection (another command's output, the user's own files).
+    """
+    from rankwise.core import atomic
+    from rankwise.recipes import folders
     from rankwise.recipes.config import load_run_config
     from rankwise.recipes.train import prepare
+    out = atomic.check_folder(out)
+    folders.check_writable(out, "select", "select")  # before any work; never over foreign files
     cfg = load_run_config(config, sets)
     if not cfg.data.select.method:
         raise RankwiseError("rankwise select: data.select.method is not set; choose one of "
@@ -380,6 +389,7 @@ def run_select(config: Path, sets: list[str], out: Path) -> Selection:
     sel = holder["selection"]
     ids = record_ids(cfg.data, holder["full"])
     write_selection(sel, [ids[i] for i in sel.chosen], out)
+    folders.record(out, "select")
     print(f"selected {len(sel.chosen)} of {len(sel.ids)} records with {sel.method} in "
           f"{sel.seconds:.1f} s -> {out}")
     return sel

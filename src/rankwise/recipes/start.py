@@ -49,7 +49,7 @@ def locate(path: str | Path) -> tuple[str, Path]:
                             "(or --resume it)")
     if found == "adapter":
         return "rankwise", path
-    if found == "peft":
+    if found in ("peft", "merge"):  # rankwise merge writes a PEFT folder (recorded as kind merge)
         return "peft", path
     what = folders.WHAT.get(found, "") if found else ("nothing" if path.is_dir() else "")
     if not what:

@@ -24,7 +24,7 @@ def load_config(config_path: Path | None, sets: list[str] | None = None, base: d
             labels with both parties, a column out of range, ...), all reported at once.
     """
     from rankwise.recipes.config import apply_sets, read_yaml
-    data = read_yaml(config_path) if config_path is not None else dict(base or {})
+    data = read_yaml(config_path, {}) if config_path is not None else dict(base or {})  # no paths
     data = apply_sets(data, list(sets or []))
     extra = sorted(set(data) - {"vfl"})
     if extra:
@@ -80,13 +80,15 @@ def run_vfl(config_path: Path | None, sets: list[str], out: Path, base: dict | N
     Returns:
         The ``metrics.json`` content.
     """
-    from rankwise.recipes import yamlfile
+    from rankwise.recipes import folders, yamlfile
     out = atomic.check_folder(out)
     cfg = load_config(config_path, sets, base)
-    if (out / "metrics.json").exists():
+    folders.check_kind(out, "vfl", "vfl writes only into a new or empty folder: choose another --out")
+    if folders.entries(out):
         raise RankwiseError(f"run folder {out} already holds a finished run; choose another --out")
     ran, metrics = train(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    folders.record(out, "vfl")
     atomic.write_bytes(out / "config.yaml", yamlfile.dump({"vfl": dataclasses.asdict(ran)}, sort_keys=False).encode())
     atomic.write_json(out / "metrics.json", metrics)
     tt = metrics["time_to_target_s"]
