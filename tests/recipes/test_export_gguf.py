@@ -10,7 +10,7 @@ SentencePiece tokenizer, read back with ``gguf.GGUFReader``.
   its PEFT export with nothing written.
 
 libllama's logits (merged GGUF, and base GGUF + LoRA GGUF, against transformers) are measured by
-``bench/gguf_parity.py``, which needs llama-cpp-python's compiled libllama.
+``rankwise bench gguf-parity`` (``bench/rankwise_bench/gguf_parity.py``), which needs llama-cpp-python's compiled libllama.
 """
 from __future__ import annotations
 

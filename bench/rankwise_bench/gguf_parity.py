@@ -1,26 +1,24 @@
 """libllama against transformers on rankwise's GGUF exports (issue 37, item 1).
 
-A LoRA run (and an rsLoRA run, whose scale ``gguf-lora`` folds into B) on a small Llama with a
-SentencePiece tokenizer is exported with ``rankwise export --format gguf`` (f32, f16, q8_0) and
-``--format gguf-lora --with-base`` (f32, f16); libllama (llama-cpp-python) evaluates held-out
-standard-library prompts on each file, and its logits are compared with transformers' on the
-merged export (fp32). Also measured: whether libllama tokenizes the prompts as transformers does,
-with the exported tokenizer and with the same folder less ``tokenizer.model`` (what a plain
-``save_pretrained`` export used to give).
+A LoRA run (and an rsLoRA run, whose scale ``gguf-lora`` folds into B) on the reference base
+(``bench/reference-base/model``: a 6-layer Llama with an 8,192-piece SentencePiece tokenizer) is
+exported with ``rankwise export --format gguf`` (f32, f16, q8_0) and ``--format gguf-lora
+--with-base`` (f32, f16); libllama (llama-cpp-python) evaluates held-out standard-library prompts
+on each file, and its logits are compared with transformers' on the merged export (fp32). Also
+measured: whether libllama tokenizes the prompts as transformers does, with the exported
+tokenizer and with the same folder less ``tokenizer.model`` (what a plain ``save_pretrained``
+export used to give).
 
 Needs llama.cpp's converters (``--llama-cpp DIR`` or ``make setup``) and llama-cpp-python
 (``pip install llama-cpp-python==0.3.36``: builds libllama from source, 10-20 min on 2 cores).
 
-    python bench/gguf_parity.py [--base DIR] [--llama-cpp DIR] [--out bench/results/gguf-parity]
+    rankwise bench gguf-parity [--out DIR] [--base DIR|tiny] [--llama-cpp DIR]
 
-``--base`` takes a Llama folder with a SentencePiece tokenizer (bench/reference-base/model once it
-exists); without it a 2-layer Llama and a 512-token SentencePiece tokenizer are built from the
-standard library's sources.
+``--base tiny`` builds a 2-layer Llama and a 512-piece SentencePiece tokenizer from the standard
+library's sources instead of reading the reference base.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import shutil
 import tempfile
@@ -136,34 +134,50 @@ def markdown(result: dict) -> str:
         lines.append("")
     lines += [f"Without `tokenizer.model` (a plain `save_pretrained` export), libllama tokenizes "
               f"{result['without_tokenizer_model']} prompts as transformers.", "",
-              "Command: `python bench/gguf_parity.py` (this file's docstring)."]
+              f"Command: `{result['command']}`."]
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", type=Path, default=None)
-    parser.add_argument("--llama-cpp", default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gguf-parity")
-    args = parser.parse_args()
-    import llama_cpp
+def run(out: Path, base: str = "", llama_cpp: str = "") -> dict:
+    """Train, export, evaluate; write ``out/results.json`` and ``out/results.md``.
+
+    Args:
+        out: The results folder.
+        base: A Llama folder with a SentencePiece tokenizer; ``""``: the reference base;
+            ``"tiny"``: a 2-layer Llama built in code.
+        llama_cpp: The converters' folder (``""``: :func:`rankwise.core.llama_cpp.find`'s default).
+
+    Returns:
+        The record.
+    """
+    import llama_cpp as libllama
+
+    from rankwise_bench.common import command_line, reference_base, write_results
+    converters = llama_cpp or None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        base = args.base or build_base(work / "base")
+        folder = build_base(work / "base") if base == "tiny" else Path(base) if base else reference_base()
         texts = prompts()
-        result = {"date": time.strftime("%Y-%m-%d"), "base": str(args.base or "2-layer Llama built in code"),
-                  "prompts": len(texts), "llama_cpp_python": llama_cpp.__version__,
-                  "machine": platform.processor() or platform.machine(), "runs": {}}
-        for name, run in train_runs(base, work).items():
-            files = export(run, work / f"{name}-out", args.llama_cpp)
+        argv = [a for k, v in (("--base", base), ("--llama-cpp", llama_cpp)) if v for a in (k, v)]
+        result = {"date": time.strftime("%Y-%m-%d"),
+                  "base": "2-layer Llama built in code" if base == "tiny" else base or "bench/reference-base/model",
+                  "prompts": len(texts), "llama_cpp_python": libllama.__version__,
+                  "machine": platform.processor() or platform.machine(),
+                  "command": command_line("gguf-parity", argv), "runs": {}}
+        for name, run_dir in train_runs(folder, work).items():
+            files = export(run_dir, work / f"{name}-out", converters)
             result["runs"][name] = compare(files, work / f"{name}-out" / "merged", texts)
             if name == "lora":
                 result["without_tokenizer_model"] = without_sentencepiece(
-                    work / f"{name}-out" / "merged", work, args.llama_cpp, texts)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "results.md").write_text(markdown(result))
-    print(markdown(result))
+                    work / f"{name}-out" / "merged", work, converters, texts)
+    write_results(out, result, markdown(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench gguf-parity --out DIR [--base DIR|tiny] [--llama-cpp DIR]``."""
+    from rankwise_bench.common import keyword_main
+    return keyword_main(run, argv, "gguf-parity", base=(str, ""), llama_cpp=(str, ""))
 
 
 if __name__ == "__main__":
