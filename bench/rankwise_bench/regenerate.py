@@ -27,7 +27,7 @@ FOLDERS = {
     "continual": "continual", "data-pipeline": "data-pipeline", "distill": "distill", "dpo": "dpo",
     "federated-demo": "federated-demo", "federated-demo/iid-check": "federated-demo",
     "federated-demo/issue27": "federated-demo", "federated-demo/long": "federated-demo",
-    "federated-demo/natural": "federated-demo", "grpo": "grpo",
+    "federated-demo/natural": "federated-demo", "gguf-parity": "gguf-parity", "grpo": "grpo",
     "grpo-gain": "grpo-gain", "grpo-gain-lr3e-3": "grpo-gain", "llm-finetune": "llm-finetune",
     "llm-finetune-dora": "llm-finetune", "llm-finetune-fused": "llm-finetune",
     "llm-finetune-fused/seq1024": "llm-finetune", "lora-vs-peft": "lora-vs-peft", "loro": "loro",

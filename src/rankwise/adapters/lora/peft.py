@@ -340,7 +340,8 @@ def _load_token_rows(model: nn.Module, cfg: dict, rows: dict[str, torch.Tensor],
     return state
 
 
-def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "default") -> dict:
+def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "default",
+              check: bool = True) -> dict:
     """Import a PEFT-saved LoRA adapter into rankwise LoRA layers (in place).
 
     Ranks come from the tensors' shapes; alpha from ``alpha_pattern`` / ``lora_alpha`` with
@@ -352,13 +353,15 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
         model: The base model the adapter was trained on (no adapter named ``adapter_name``).
         peft_dir: A folder with ``adapter_config.json`` + ``adapter_model.safetensors``.
         adapter_name: The name to give the adapter in rankwise.
+        check: Run one probe batch with and without the adapter and refuse an adapter whose
+            non-zero weights do not change the output (:func:`rankwise.core.probe.check_effect`).
 
     Returns:
         The PEFT config dict.
 
     Raises:
-        RankwiseError: On a missing/corrupt/pickled file, unsupported features, or an
-            adapter that does not fit the model.
+        RankwiseError: On a missing/corrupt/pickled file, unsupported features, an adapter
+            that does not fit the model, or one that loads and does nothing (``check``).
     """
     from rankwise.adapters.lora import apply_lora, pattern_value
 
@@ -402,6 +405,9 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     state.update(_load_token_rows(model, cfg, token_values, adapter_name))
     mark_trainable(model, adapter_name)
     load_adapter_state_dict(model, state, adapter_name)
+    if check:
+        from rankwise.core.probe import check_effect
+        check_effect(model, adapter_name)
     return cfg
 
 
