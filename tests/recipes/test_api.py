@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 import rankwise
-from rankwise.engine import rewards as R
-from rankwise.engine.grpo import GRPOTask
+from rankwise.tasks.grpo import rewards as R
+from rankwise.tasks.grpo.task import GRPOTask
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import train as recipe_train

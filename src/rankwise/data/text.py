@@ -351,10 +351,10 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
             task cannot use, or an empty split.
     """
     if getattr(task, "paired", False):  # preference pairs: their own records and examples
-        from rankwise.data.preference import build_pair_data
+        from rankwise.tasks.dpo.data import build_pair_data
         return build_pair_data(data_cfg, tokenizer, progress)
     if getattr(task, "prompts_only", False):  # GRPO: prompts and their fields, no targets
-        from rankwise.data.prompts import build_prompt_data
+        from rankwise.tasks.grpo.data import build_prompt_data
         return build_prompt_data(data_cfg, tokenizer, progress)
     quiet_datasets(progress)
     uses_labels = task.uses_labels

@@ -62,7 +62,7 @@ class Task:
     name: ClassVar[str] = ""
     auto_class: ClassVar[str] = ""
     uses_labels: ClassVar[bool] = False
-    paired: ClassVar[bool] = False  # examples are preference pairs (rankwise.data.preference)
+    paired: ClassVar[bool] = False  # examples are preference pairs (rankwise.tasks.dpo.data)
 
     def collate(self, items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
         """Turn examples (``{"input_ids": [...], ...}``) into padded model inputs + ``labels``."""

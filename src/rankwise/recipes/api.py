@@ -3,7 +3,7 @@
 The same run as the CLI (validation, run folder, checkpoints, resume, torchrun), from a dict, a
 YAML path or a :class:`~rankwise.recipes.config.RunConfig`; it returns the metrics that
 ``metrics.json`` holds. GRPO rewards may be Python callables in ``grpo.rewards``, as TRL's
-``GRPOTrainer(reward_funcs=[fn])`` (:func:`rankwise.engine.rewards.name_callables`).
+``GRPOTrainer(reward_funcs=[fn])`` (:func:`rankwise.tasks.grpo.rewards.name_callables`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def load_config(config: Any, sets: list[str] | None = None):
     Raises:
         RankwiseError: Every problem of the config at once, or a ``config`` of another type.
     """
-    from rankwise.engine.rewards import name_callables
+    from rankwise.tasks.grpo.rewards import name_callables
     from rankwise.recipes.config import RunConfig, load_run_config, read_yaml
     path = None
     if isinstance(config, RunConfig):

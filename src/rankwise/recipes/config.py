@@ -18,11 +18,11 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.data.select import SelectConfig
 from rankwise.data.tokenizer import TokenizerTrainConfig
-from rankwise.engine.memory_decoder import MemoryDecoderConfig
+from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
 from rankwise.engine.per_layer import problems as per_layer_problems
-from rankwise.engine.grpo import GRPOConfig
-from rankwise.engine.preference import DPOConfig
-from rankwise.engine.reference import resolve as resolve_reference
+from rankwise.tasks.grpo.task import GRPOConfig
+from rankwise.tasks.dpo.task import DPOConfig
+from rankwise.tasks.reference import resolve as resolve_reference
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
 from rankwise.recipes import yamlfile
@@ -146,7 +146,7 @@ class DataConfig:
         select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
         order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
             ``gain-rl`` (``model.task: grpo``: prompts sorted by GAIN-RL's angle concentration,
-            drawn by its Gaussian sampler; :mod:`rankwise.engine.gain_rl`).
+            drawn by its Gaussian sampler; :mod:`rankwise.tasks.grpo.gain_rl`).
         question_free: QFFT (``prompt-completion`` / ``chat``): training examples are the
             responses alone, without any question token; evaluation keeps the question
             (:mod:`rankwise.data.formats`; ``docs/preference-rl.md``).
@@ -389,7 +389,7 @@ class RunConfig:
     """A whole run. ``method``, ``optim`` and ``compress`` are the registered entries' own config
     classes (chosen by their ``name`` / ``method`` key); ``federated`` and ``compress`` are only
     present when the file has them (``rankwise federated`` / ``rankwise compress``); ``dpo``
-    (:class:`~rankwise.engine.preference.DPOConfig`) is present exactly when ``model.task`` is
+    (:class:`~rankwise.tasks.dpo.task.DPOConfig`) is present exactly when ``model.task`` is
     ``dpo`` (filled with its defaults when the file has none)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)

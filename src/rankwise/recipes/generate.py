@@ -177,9 +177,9 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         steer_config: A :class:`rankwise.engine.svdecode.SVDecodeConfig` (its defaults if None).
         memory_decoder: ``--memory-decoder``: a Memory Decoder (a ``model.task: memory-decoder``
             run folder, or a causal-LM model folder) mixed with the run's model in log space
-            (:mod:`rankwise.engine.memory_generation`), each with its own KV cache.
+            (:mod:`rankwise.tasks.memory_decoder.generation`), each with its own KV cache.
         memory_lambda: ``--memory-lambda``: its share; default: the memory-decoder run's
-            ``memory_decoder.lam`` (:class:`~rankwise.engine.memory_decoder.MemoryDecoderConfig`).
+            ``memory_decoder.lam`` (:class:`~rankwise.tasks.memory_decoder.task.MemoryDecoderConfig`).
 
     Returns:
         ``[{"prompt", "completion"}]``.
@@ -231,7 +231,7 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         cache = None if kv_cache == "fp" else make_cache(
             kv_cache, kv_bits, config=model.config, rotary=find_rotary(model))  # NSNQuant: keys before RoPE
         if memory is not None:
-            from rankwise.engine.memory_generation import generate_with_memory
+            from rankwise.tasks.memory_decoder.generation import generate_with_memory
             shown = [""]
 
             def on_token(ids: list[int], shown=shown) -> None:
@@ -342,7 +342,7 @@ def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | No
     Raises:
         RankwiseError: Not such a folder, another tokenizer than the base's, or ``lam`` outside [0, 1].
     """
-    from rankwise.engine.memory_decoder import MemoryDecoderConfig
+    from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
     default = MemoryDecoderConfig().lam
     if (path / "config.yaml").is_file():
         cfg, memory, tok, _ = load_for_generation(path, device=device)

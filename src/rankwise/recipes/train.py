@@ -66,7 +66,7 @@ class Session:
     dist: Distributed = field(default_factory=Distributed)
     scope: optim_scope.Scope | None = None  # what the optimizer updates its own way
     schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
-    sampler: Any = None  # data.order: gain-rl's sampler, built once (engine/gain_rl.py)
+    sampler: Any = None  # data.order: gain-rl's sampler, built once (tasks/grpo/gain_rl.py)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device (one batch, every
@@ -97,7 +97,7 @@ class Session:
         """GAIN-RL's sampler over the training prompts (their angle signals under the model as
         it is now; a resumed run restores the saved ones). One process only."""
         if self.sampler is None:
-            from rankwise.engine.gain_rl import GainRLSampler, prompt_signals
+            from rankwise.tasks.grpo.gain_rl import GainRLSampler, prompt_signals
             if self.dist.active:
                 raise RankwiseError("data.order: gain-rl samples from one process's view of the "
                                     "rewards; run it without torchrun or set data.order: uniform")

@@ -19,7 +19,7 @@ The reference ``pi_ref`` is the same network with its adapters switched off
 log-probabilities computed once before training with the initial weights and kept with the
 dataset (:meth:`DPOTask.prepare`), or, for a run that starts from an existing adapter
 (``model.adapter``), that starting model through a frozen copy of its trainable tensors
-(``initial``, :mod:`rankwise.engine.reference`; TRL's ``ref`` adapter). A batch holds the chosen
+(``initial``, :mod:`rankwise.tasks.reference`; TRL's ``ref`` adapter). A batch holds the chosen
 rows, then the rejected rows.
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.engine.reference import WeightSnapshot, reference, resolve
 from rankwise.engine.task import IGNORE, CausalLMTask, Task, pad
+from rankwise.tasks.reference import WeightSnapshot, reference, resolve
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
@@ -42,7 +42,7 @@ class DPOConfig:
     """The ``dpo:`` section (``model.task: dpo``).
 
     Attributes:
-        loss: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (see :mod:`rankwise.engine.preference`).
+        loss: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (see :mod:`rankwise.tasks.dpo.task`).
         beta: The KL strength ``beta`` (IPO's ``tau``).
         label_smoothing: Conservative DPO's ``eps`` in [0, 0.5): the share of pairs assumed
             mislabelled (``sigmoid`` only).
@@ -132,7 +132,7 @@ class DPOTask(Task):
 
     Examples are ``{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`` and,
     with a precomputed reference, ``"ref_logps"`` ``[chosen, rejected]``
-    (:mod:`rankwise.data.preference` builds them).
+    (:mod:`rankwise.tasks.dpo.data` builds them).
 
     Args:
         config: The ``dpo:`` section (default: :class:`DPOConfig`).
@@ -140,7 +140,7 @@ class DPOTask(Task):
 
     name = "dpo"
     auto_class = "AutoModelForCausalLM"
-    paired = True  # the data pipeline builds pairs (rankwise.data.preference)
+    paired = True  # the data pipeline builds pairs (rankwise.tasks.dpo.data)
     eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
 
     def __init__(self, config: DPOConfig | None = None) -> None:
@@ -226,7 +226,7 @@ class DPOTask(Task):
                 device: str) -> str:
         """Resolve ``dpo.reference`` and, for ``precomputed``, store the reference log-probs of
         the model as it is now (before the first step) with each dataset (``ref_logps``); for
-        ``initial``, copy its trainable tensors (:class:`~rankwise.engine.reference.WeightSnapshot`).
+        ``initial``, copy its trainable tensors (:class:`~rankwise.tasks.reference.WeightSnapshot`).
 
         Returns:
             The reference in force (``adapters-off``, ``precomputed`` or ``initial``).

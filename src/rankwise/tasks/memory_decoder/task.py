@@ -17,7 +17,7 @@ The paper writes [O] as ``beta * KL + (1 - beta) * CE`` with ``beta = 0.5`` (its
 the authors' ``utils/cal_loss.py``); its equation numbers were not checked against the PDF, so
 this code cites the objective [O] and the interpolation [I] by name. At decode time the base
 and the memory decoder are mixed in log space ([I]), see
-:mod:`rankwise.engine.memory_generation`.
+:mod:`rankwise.tasks.memory_decoder.generation`.
 
 The base model is frozen and only read once, in :meth:`MemoryDecoderTask.prepare`: the
 datastore (faiss, ``IndexFlatL2`` or ``IndexIVFFlat`` by size) and the sparse targets of

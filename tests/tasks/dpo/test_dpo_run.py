@@ -19,15 +19,15 @@ import torch
 
 from rankwise.core.ops import disable_adapters
 from rankwise.data.instruct import load_function_records
-from rankwise.data.preference import build_pair_data
+from rankwise.tasks.dpo.data import build_pair_data
 from rankwise.engine import get_task
-from rankwise.engine.preference import completion_logps
+from rankwise.tasks.dpo.task import completion_logps
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_tokenizer
 from rankwise.recipes.train import prepare, train
 from test_cli_errors import assert_user_error, invoke, write_yaml
-from test_train import default_sigint
+from tests.recipes.test_train import default_sigint
 
 
 def pair_records(n: int = 24) -> list[dict]:
@@ -106,7 +106,7 @@ def test_lora_dpo_logs_rewards_matches_a_hand_count_resumes_and_exports(pairs_js
 
 def grpo_raw(tmp_path: Path, steps: int) -> dict:
     """The tiny GRPO run of test_grpo_run (2 prompts x G=3, 4-token completions)."""
-    from test_grpo_run import raw_config as grpo_config, records
+    from tests.tasks.grpo.test_grpo_run import raw_config as grpo_config, records
     files = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     for f, n in zip(files, (8, 3)):
         f.write_text("".join(json.dumps(r) + "\n" for r in records(n)))

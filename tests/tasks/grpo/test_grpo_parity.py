@@ -14,8 +14,8 @@ from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
 from rankwise.benchmarks.dpo import same_factors
 from rankwise.core.protocol import adapter_modules, factors
-from rankwise.data.prompts import PromptData
-from rankwise.engine.grpo import GRPOConfig, GRPOTask, group_advantages
+from rankwise.tasks.grpo.data import PromptData
+from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, group_advantages
 from rankwise.testing import VOCAB, tiny_llama_lm
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]

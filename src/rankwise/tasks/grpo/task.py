@@ -4,7 +4,7 @@ Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in
 Models", eq. 3 (the GRPO objective) with eq. 4 (the k3 estimate of the KL to the reference). For
 each prompt ``q`` the policy samples a group of ``G`` completions ``o_1..o_G`` (through
 :func:`rankwise.engine.generation.sample_groups`: ``model.generate`` with the KV cache), the
-reward functions (:mod:`rankwise.engine.rewards`) score them, and each completion's advantage is
+reward functions (:mod:`rankwise.tasks.grpo.rewards`) score them, and each completion's advantage is
 its reward relative to its group (``scale_rewards: group``)::
 
     A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (std with Bessel's correction)
@@ -14,7 +14,7 @@ policy: one update per generation, so ``rho = 1`` in value and its gradient is t
 gradient) and ``D = exp(ref - logp) - (ref - logp) - 1`` (the reference ``ref`` is the same
 network with its adapters switched off, :func:`rankwise.core.ops.disable_adapters`, or, for a run
 that starts from ``model.adapter``, that starting model: ``grpo.reference``,
-:mod:`rankwise.engine.reference`)::
+:mod:`rankwise.tasks.reference`)::
 
     l_t = -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) + beta rho D
 
@@ -45,17 +45,17 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
-from rankwise.engine import rewards as R
-from rankwise.engine.reference import WeightSnapshot, reference, resolve
 from rankwise.engine.generation import sample_groups
 from rankwise.engine.task import Task
+from rankwise.tasks.grpo import rewards as R
+from rankwise.tasks.reference import WeightSnapshot, reference, resolve
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
 
 @dataclass
 class GainRLConfig:
-    """GAIN-RL's data order and sampler (``data.order: gain-rl``; :mod:`rankwise.engine.gain_rl`).
+    """GAIN-RL's data order and sampler (``data.order: gain-rl``; :mod:`rankwise.tasks.grpo.gain_rl`).
 
     Attributes:
         prefix_tokens: Leading prompt tokens that form the shared prefix (system text, few-shot
@@ -87,7 +87,7 @@ class GRPOConfig:
 
     Attributes:
         rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
-            ``length-penalty``), ``module:function`` (:mod:`rankwise.engine.rewards`), or Python
+            ``length-penalty``), ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), or Python
             callables given to ``rankwise.train`` (recorded as names).
         reward_weights: One weight per reward (``null``: all 1); the reward is their weighted sum.
         num_generations: ``G``, completions per prompt (>= 2).
@@ -212,7 +212,7 @@ class GRPOTask(Task):
 
     name = "grpo"
     auto_class = "AutoModelForCausalLM"
-    prompts_only = True  # the data pipeline builds prompts (rankwise.data.prompts)
+    prompts_only = True  # the data pipeline builds prompts (rankwise.tasks.grpo.data)
 
     def __init__(self, config: GRPOConfig | None = None) -> None:
         self.config = c = config or GRPOConfig()

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("faiss")
 
 from rankwise.data.formats import end_id  # noqa: E402
-from rankwise.engine.memory_generation import generate_with_memory  # noqa: E402
+from rankwise.tasks.memory_decoder.generation import generate_with_memory  # noqa: E402
 from rankwise.recipes.config import load_run_config  # noqa: E402
 from rankwise.recipes.generate import load_for_generation  # noqa: E402
 from rankwise.recipes.train import train  # noqa: E402

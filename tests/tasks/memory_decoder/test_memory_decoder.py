@@ -11,9 +11,9 @@ from torch.nn import functional as F
 
 pytest.importorskip("faiss")
 
-from rankwise.engine.memory_decoder import (Datastore, MemoryDecoderConfig, MemoryDecoderTask,  # noqa: E402
+from rankwise.tasks.memory_decoder.task import (Datastore, MemoryDecoderConfig, MemoryDecoderTask,  # noqa: E402
                                             head_inputs, knn_distribution, memdec_loss)
-from rankwise.engine.memory_generation import generate_with_memory, interpolate  # noqa: E402
+from rankwise.tasks.memory_decoder.generation import generate_with_memory, interpolate  # noqa: E402
 from rankwise.errors import RankwiseError  # noqa: E402
 from rankwise.testing import tiny_llama64  # noqa: E402
 
