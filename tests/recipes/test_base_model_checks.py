@@ -12,6 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
+from rankwise.testing import error_lines
 
 BASE = {"model": {"task": "causal-lm"},
         "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 48, "limit": 48},
@@ -27,7 +28,7 @@ def invoke(*args):
 
 def one_line_error(result, *needles: str) -> str:
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])

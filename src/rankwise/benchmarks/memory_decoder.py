@@ -7,7 +7,7 @@ is pretrained from scratch on the standard library's source (the corpus of ``low
 package family left out entirely. The domain is ``email``: its files are split by module name
 into training files and held-out files. From the base and the domain's training windows:
 
-* **Memory Decoder** (``model.task: memory-decoder``'s task in the engine): a datastore of the
+* **Memory Decoder** (``task.name: memory-decoder``'s task in the engine): a datastore of the
   base's head inputs over every training position (IVF index), the kNN targets of each position
   (self-hit excluded), and a decoder of the base's shape initialised from the base (the paper's
   GPT2-small base + GPT2-small decoder setting) trained on ``0.5 KL + 0.5 CE``; evaluated mixed

@@ -17,30 +17,28 @@ import yaml
 
 from rankwise import registry
 from rankwise.configs import from_dict
-from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
+from rankwise.engine import TaskConfig, task_class
 from rankwise.engine.per_layer import problems as per_layer_problems
-from rankwise.tasks.grpo.task import GRPOConfig
-from rankwise.tasks.dpo.task import DPOConfig
-from rankwise.tasks.reference import resolve as resolve_reference
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
-from rankwise.recipes import yamlfile
+from rankwise.recipes import legacy, yamlfile
 from rankwise.recipes.sections import MAX_TOKENS, DataConfig, EvalConfig, ModelConfig, TrainConfig
+from rankwise.tasks import ClassificationConfig
 
 __all__ = ["MAX_TOKENS", "DataConfig", "EvalConfig", "ModelConfig", "RunConfig", "TrainConfig", "SECTIONS",
            "apply_sets", "build_run_config", "compressor_config", "cross_problems", "load_run_config",
-           "parse_set", "per_layer_support", "read_yaml"]
+           "parse_set", "per_layer_support", "read_yaml", "task_config"]
 
 
 @dataclass
 class RunConfig:
-    """A whole run. ``method``, ``optim`` and ``compress`` are the registered entries' own config
-    classes (chosen by their ``name`` / ``method`` key); ``federated`` and ``compress`` are only
-    present when the file has them (``rankwise federated`` / ``rankwise compress``); ``dpo``
-    (:class:`~rankwise.tasks.dpo.task.DPOConfig`) is present exactly when ``model.task`` is
-    ``dpo`` (filled with its defaults when the file has none)."""
+    """A whole run. ``task``, ``method``, ``optim`` and ``compress`` are the registered entries'
+    own config classes (chosen by their ``name`` key; ``compress.method`` for compressors):
+    ``task`` defaults to ``classification``; ``federated`` and ``compress`` are only present when
+    the file has them (``rankwise federated`` / ``rankwise compress``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=ClassificationConfig)
     data: DataConfig = field(default_factory=DataConfig)
     method: Any = None
     optim: Any = None
@@ -48,9 +46,6 @@ class RunConfig:
     federated: Union[FederatedConfig, None] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     compress: Any = None
-    dpo: Union[DPOConfig, None] = None
-    grpo: Union[GRPOConfig, None] = None
-    memory_decoder: Union[MemoryDecoderConfig, None] = None  # exactly when model.task: memory-decoder
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -59,8 +54,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo", "grpo",
-            "memory_decoder")
+SECTIONS = ("model", "task", "data", "method", "optim", "train", "federated", "eval", "compress")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -136,16 +130,37 @@ def read_yaml(path: Path, paths: dict | None = None) -> dict:
     if not isinstance(data, dict):
         raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
     from rankwise.recipes.paths import RUN_PATHS, resolve_relative
-    return resolve_relative(data, path.parent, RUN_PATHS if paths is None else paths)
+    return resolve_relative(data, path.parent, {**RUN_PATHS, **_task_paths(data)} if paths is None else paths)
 
 
-def build_run_config(data: dict) -> RunConfig:
+def _task_paths(data: dict) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """The path keys of the raw ``task:`` section's config class (its ``paths``)."""
+    task = data.get("task")
+    name = task.get("name", ClassificationConfig.name) if isinstance(task, dict) else ClassificationConfig.name
+    try:
+        cls = registry.get("task", str(name)).config_cls
+    except RankwiseError:
+        return {}  # reported when the config is built
+    return {("task", key): () for key in getattr(cls, "paths", ())}
+
+
+def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     """Validate a raw dict into a :class:`RunConfig`, reporting every problem at once.
+
+    The old spelling of the task (``model.task`` plus a ``dpo:`` / ``grpo:`` / ``memory_decoder:``
+    section) is read for one release (:mod:`rankwise.recipes.legacy`).
+
+    Args:
+        data: The raw config.
+        notice: Print the one-line notice of an old spelling (once per process); off for a run
+            folder's own ``config.yaml``, which its user did not write.
 
     Raises:
         RankwiseError: Listing unknown sections/keys (with suggestions) and bad values.
     """
-    problems: list[str] = []
+    spelling = legacy.translate(data)
+    data = spelling.data
+    problems: list[str] = list(spelling.problems)
     for key in data:
         if key not in SECTIONS:
             problems.append(f"{key}: unknown section{closest(key, SECTIONS)}; valid: {', '.join(SECTIONS)}")
@@ -169,6 +184,7 @@ def build_run_config(data: dict) -> RunConfig:
     problems.extend(per_layer_support(optim))
     cfg = RunConfig(
         model=part(lambda: from_dict(ModelConfig, data.get("model"), "model")),
+        task=part(lambda: task_config(data.get("task"), spelling.where, spelling.name_key)),
         data=part(lambda: from_dict(DataConfig, data.get("data"), "data")),
         method=part(lambda: from_dict(registry.get("method", str(method["name"])).config_cls, method, "method")),
         optim=part(lambda: from_dict(registry.get("optimizer", str(optim["name"])).config_cls, optim, "optim")),
@@ -178,25 +194,42 @@ def build_run_config(data: dict) -> RunConfig:
         eval=part(lambda: from_dict(EvalConfig, data.get("eval"), "eval")),
         compress=part(lambda: compressor_config(data["compress"]))
         if data.get("compress") is not None else None,
-        dpo=part(lambda: from_dict(DPOConfig, data["dpo"], "dpo")) if data.get("dpo") is not None else None,
-        grpo=part(lambda: from_dict(GRPOConfig, data["grpo"], "grpo")) if data.get("grpo") is not None else None,
-        memory_decoder=part(lambda: from_dict(MemoryDecoderConfig, data["memory_decoder"], "memory_decoder"))
-        if data.get("memory_decoder") is not None else None,
     )
-    if cfg.model is not None and cfg.model.task == "dpo" and cfg.dpo is None:
-        cfg.dpo = DPOConfig()  # config.yaml records the defaults the run used
-    if cfg.model is not None and cfg.model.task == "grpo" and cfg.grpo is None:
-        cfg.grpo = GRPOConfig()
-    if cfg.model is not None and cfg.model.task == "memory-decoder" and data.get("memory_decoder") is None:
-        problems.append("model.task memory-decoder needs a memory_decoder section with base: the base "
-                        "model's folder")
     if not problems:
         problems.extend(cross_problems(cfg))
     if problems:
         raise RankwiseError("; ".join(problems))
     _absolute_paths(cfg)
     _resolve_optimizer_defaults(cfg)
+    if notice:
+        legacy.notice(spelling.notice)
     return cfg
+
+
+def task_config(raw: dict | None, where: str = "task", name_key: str = "task.name") -> TaskConfig:
+    """The ``task:`` section: the config class of the task ``task.name`` names (default
+    ``classification``), as ``method:`` is the method's.
+
+    Args:
+        raw: The raw section.
+        where: The prefix of its messages.
+        name_key: Where the name was written (messages).
+
+    Raises:
+        RankwiseError: An unknown task, or a bad key or value of its config.
+    """
+    raw = dict(raw or {})
+    name = raw.setdefault("name", ClassificationConfig.name)
+    try:
+        entry = registry.get("task", str(name))
+    except RankwiseError as err:
+        raise RankwiseError(f"{name_key}: {err}") from None
+    if not dataclasses.is_dataclass(entry.config_cls):  # registered without a config class
+        extra = sorted(k for k in raw if k != "name")
+        if extra:
+            raise RankwiseError(f"{where}.{extra[0]}: unknown key; task {name!r} has no settings")
+        return TaskConfig(name=str(name))
+    return from_dict(entry.config_cls, raw, where)
 
 
 def compressor_config(raw: dict) -> Any:
@@ -230,11 +263,10 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
 
 
 def _absolute_paths(cfg: RunConfig) -> None:
-    """Store local paths (``model.path``, ``model.adapter``, ``data.source``, ``data.eval_source``) absolute, so a
-    run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
+    """Store local paths (``model.path``, ``model.adapter``, ``data.source``, ``data.eval_source``,
+    the task config's ``paths``) absolute, so a run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
     pairs = [(cfg.model, "path"), (cfg.model, "adapter"), (cfg.data, "source"), (cfg.data, "eval_source")]
-    if cfg.memory_decoder is not None:
-        pairs.append((cfg.memory_decoder, "base"))
+    pairs += [(cfg.task, key) for key in getattr(type(cfg.task), "paths", ())]  # memory-decoder's base
     for section, key in pairs:
         value = getattr(section, key)
         if value and Path(value).expanduser().exists():
@@ -262,59 +294,26 @@ def per_layer_support(optim: dict) -> list[str]:
 
 
 def cross_problems(cfg: RunConfig) -> list[str]:
-    """Problems that involve two sections (each section's own checks have passed)."""
-    out = []
-    m, t = cfg.model, cfg.train
-    if registry.get("task", m.task).builder().uses_labels and (cfg.data.format != "text" or cfg.data.packing or cfg.eval.samples):
-        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
-                else f"data.format {cfg.data.format}")
-        out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
-    trains_full = registry.get("method", cfg.method.name).trains == "full"
-    for name, section in (("dpo", cfg.dpo), ("grpo", cfg.grpo)):  # reference: initial needs a start
-        try:
-            if section is not None:
-                resolve_reference(section.reference, name, trains_full, bool(m.adapter), "adapters-off")
-        except RankwiseError as err:
-            out.append(str(err))
+    """Problems that involve two sections (each section's own checks have passed): the task's
+    own (its config's ``run_problems``), then those of the other sections."""
+    out = list(cfg.task.run_problems(cfg))
+    m, t, d = cfg.model, cfg.train, cfg.data
+    task = task_class(cfg.task.name)
+    lm_loss, labels = getattr(task, "lm_loss", False), getattr(task, "uses_labels", False)
     if m.adapter and cfg.federated is not None:
         out.append("model.adapter starts a rankwise train run from an adapter; a federated run "
                    "starts from its server's global adapter: remove model.adapter")
-    if cfg.dpo is not None and m.task != "dpo":
-        out.append(f"the dpo section needs model.task: dpo (got {m.task}); remove it or change the task")
-    if m.task == "dpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt):
-        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
-                else "data.train_on_prompt")
-        out.append(f"{what} is not supported with model.task: dpo (pairs are scored whole, on "
-                   "their completions); remove it")
-    if (cfg.memory_decoder is not None) != (m.task == "memory-decoder"):
-        out.append(f"the memory_decoder section goes with model.task: memory-decoder (got {m.task}); "
-                   "set both or neither")
-    if m.task == "memory-decoder" and (cfg.data.packing or cfg.data.schedule != "none"):
-        out.append("data.packing and data.schedule are not supported with model.task: memory-decoder "
-                   "(its kNN targets belong to whole examples); remove them")
-    if cfg.data.question_free and m.task != "causal-lm":
-        out.append(f"data.question_free is supervised fine-tuning on responses and needs model.task: "
-                   f"causal-lm (got {m.task}); remove it")
-    if cfg.data.format in ("alpaca", "sharegpt") and m.task != "causal-lm" and \
-            not registry.get("task", m.task).builder().uses_labels:  # (those: the check above)
-        base = "prompt-completion" if cfg.data.format == "alpaca" else "chat"
-        out.append(f"data.format: {cfg.data.format} is a record layout for supervised fine-tuning "
-                   f"(model.task: causal-lm, got {m.task}); use data.format: {base} and name the "
+    if d.question_free and not lm_loss:
+        out.append(f"data.question_free is supervised fine-tuning on responses and needs task.name: "
+                   f"causal-lm (got {cfg.task.name}); remove it")
+    if d.format in ("alpaca", "sharegpt") and not lm_loss and not labels:  # (labels: the task's check)
+        base = "prompt-completion" if d.format == "alpaca" else "chat"
+        out.append(f"data.format: {d.format} is a record layout for supervised fine-tuning "
+                   f"(task.name: causal-lm, got {cfg.task.name}); use data.format: {base} and name the "
                    "fields (data.prompt_field, ...)")
-    if m.task == "dpo" and cfg.data.schedule != "none":
-        out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
-                   "pairs; set data.schedule: none")
-    if cfg.grpo is not None and m.task != "grpo":
-        out.append(f"the grpo section needs model.task: grpo (got {m.task}); remove it or change the task")
-    if cfg.data.order == "gain-rl" and m.task != "grpo":
-        out.append(f"data.order: gain-rl orders GRPO's prompts and needs model.task: grpo (got "
-                   f"{m.task}); set data.order: uniform")
-    if m.task == "grpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt
-                             or cfg.data.schedule != "none"):
-        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
-                else "data.train_on_prompt" if cfg.data.train_on_prompt else "data.schedule")
-        out.append(f"{what} is not supported with model.task: grpo (it trains on its own sampled "
-                   "completions and writes samples.jsonl itself); remove it")
+    if d.order == "gain-rl" and getattr(cfg.task, "gain_rl", None) is None:  # GRPO's settings
+        out.append(f"data.order: gain-rl orders GRPO's prompts and needs task.name: grpo (got "
+                   f"{cfg.task.name}); set data.order: uniform")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "
@@ -339,13 +338,16 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     return out
 
 
-def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:
+def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict | None = None,
+                    notice: bool = True) -> RunConfig:
     """Read a YAML run config, apply ``--set`` overrides, validate.
 
     Args:
         path: The YAML file (``None``: start from ``base`` or all defaults).
         sets: ``["train.steps=100", "method.targets=[query,value]"]``.
         base: A raw dict to start from instead of a file.
+        notice: Print the notice of an old spelling (:func:`build_run_config`); ``False`` for a
+            run folder's ``config.yaml``.
 
     Returns:
         The validated config.
@@ -354,7 +356,7 @@ def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict
         RankwiseError: On any problem with the file, the overrides or the values.
     """
     data = read_yaml(path) if path is not None else dict(base or {})
-    cfg = build_run_config(apply_sets(data, list(sets or [])))
-    if path is not None and cfg.grpo is not None and cfg.grpo.rewards_dir is None:
-        cfg.grpo.rewards_dir = str(Path(path).expanduser().resolve().parent)  # module:function rewards
+    cfg = build_run_config(apply_sets(data, list(sets or [])), notice=notice)
+    if path is not None:
+        cfg.task.read_from(Path(path).expanduser().resolve().parent)  # GRPO's module:function rewards
     return cfg

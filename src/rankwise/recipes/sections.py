@@ -2,17 +2,15 @@
 
 Their defaults live here (and in each registered entry's own config class); YAML files and
 ``--set key=value`` only override them. :mod:`rankwise.recipes.config` assembles them with the
-registered sections (``method``, ``optim``, ``task``, ``compress``) into a ``RunConfig``.
+registered sections (``task``, ``method``, ``optim``, ``compress``) into a ``RunConfig``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Union
 
-from rankwise import registry
 from rankwise.data.select import SelectConfig
 from rankwise.data.tokenizer import TokenizerTrainConfig
-from rankwise.errors import closest
 
 MAX_TOKENS = 2**24  # data.max_length's ceiling: beyond any model's positions, within tokenizers' range
 
@@ -24,8 +22,6 @@ class ModelConfig:
     Attributes:
         path: ``demo`` (the packaged MiniLM), a local Hugging Face model folder, or one of the
             tiny in-code models ``tiny-bert``, ``tiny-gpt2``, ``tiny-llama`` (for tests).
-        task: A registered task: ``classification`` (sequence classification head) or
-            ``causal-lm`` (``rankwise list`` shows them).
         num_labels: Number of classes; ``None`` infers it from the data.
         dtype: Storage dtype of the frozen base: ``float32``, ``bfloat16`` or ``float16``
             (trainable weights are float32 whatever this says).
@@ -48,11 +44,10 @@ class ModelConfig:
         adapter: Start from an existing adapter instead of a fresh one: a PEFT LoRA folder, a
             rankwise adapter folder or a finished train run (:mod:`rankwise.recipes.start`). Its
             method, ranks and weights continue (the ``method`` section becomes the adapter's);
-            DPO's / GRPO's reference is then the starting model (``dpo.reference``).
+            DPO's / GRPO's reference is then the starting model (``task.reference``).
     """
 
     path: str = "demo"
-    task: str = "classification"
     num_labels: Union[int, None] = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantize: Union[Literal["nf4", "fp4", "int8"], None] = None
@@ -65,9 +60,6 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """Return value errors."""
-        tasks = registry.names("task")
-        if self.task not in tasks:
-            return [f"task: got {self.task!r}; expected one of {tasks}{closest(self.task, tasks)}"]
         for key in ("add_tokens", "add_special_tokens"):
             if not all(getattr(self, key)):
                 return [f"{key}: got an empty token string; list the new tokens, e.g. ['<|im_end|>']"]
@@ -91,7 +83,7 @@ class DataConfig:
         format: ``text`` (every token trains; classification uses it), ``prompt-completion``
             (loss on the completion + EOS only) or ``chat`` (a list of ``{role, content}``
             messages through the chat template; loss on assistant turns only). Causal LM.
-            Presets of those (:mod:`rankwise.data.presets`; ``model.task: causal-lm``): ``alpaca``
+            Presets of those (:mod:`rankwise.data.presets`; ``task.name: causal-lm``): ``alpaca``
             (``{instruction, input, output}`` records through the Alpaca prompt, as
             ``prompt-completion``) and ``sharegpt`` (``{conversations: [{from, value}]}``, as
             ``chat``).
@@ -100,8 +92,8 @@ class DataConfig:
         prompt_field: Column/key of the prompt (``prompt-completion``).
         completion_field: Column/key of the completion (``prompt-completion``).
         messages_field: Column/key of the messages (``chat``).
-        chosen_field: Column/key of the preferred completion (``model.task: dpo``).
-        rejected_field: Column/key of the dispreferred completion (``model.task: dpo``).
+        chosen_field: Column/key of the preferred completion (``task.name: dpo``).
+        rejected_field: Column/key of the dispreferred completion (``task.name: dpo``).
         train_on_prompt: Prompt tokens are loss targets too (``prompt-completion``).
         chat_template: A Jinja chat template (text, or a file path) used instead of the
             tokenizer's own; needed when the tokenizer has none.
@@ -132,7 +124,7 @@ class DataConfig:
             model's hidden size).
         select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
         order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
-            ``gain-rl`` (``model.task: grpo``: prompts sorted by GAIN-RL's angle concentration,
+            ``gain-rl`` (``task.name: grpo``: prompts sorted by GAIN-RL's angle concentration,
             drawn by its Gaussian sampler; :mod:`rankwise.tasks.grpo.gain_rl`).
         question_free: QFFT (``prompt-completion`` / ``chat``): training examples are the
             responses alone, without any question token; evaluation keeps the question

@@ -103,4 +103,4 @@ def test_gain_rl_order_needs_grpo(tmp_path):
     raw = {"model": {"path": "tiny-llama", "task": "causal-lm"},
            "data": {"source": "stdlib-functions", "format": "prompt-completion", "order": "gain-rl"}}
     cfg = write_yaml(tmp_path / "c.yaml", raw)
-    assert_user_error(invoke("train", cfg, "--out", tmp_path / "run"), "gain-rl", "model.task: grpo")
+    assert_user_error(invoke("train", cfg, "--out", tmp_path / "run"), "gain-rl", "task.name: grpo")

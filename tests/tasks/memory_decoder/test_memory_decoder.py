@@ -72,7 +72,7 @@ def test_flat_index_above_its_memory_names_the_ivf_option():
     with pytest.raises(RankwiseError) as err:
         Datastore(keys, torch.zeros(1024, dtype=torch.long),
                   MemoryDecoderConfig(base="x", index="flat", flat_max_mb=0.1))
-    assert "\n" not in str(err.value) and "memory_decoder.index: ivf" in str(err.value)
+    assert "\n" not in str(err.value) and "task.index: ivf" in str(err.value)
     auto = Datastore(keys, torch.zeros(1024, dtype=torch.long),
                      MemoryDecoderConfig(base="x", index="auto", flat_max_mb=0.1))
     assert auto.kind == "ivf"

@@ -31,17 +31,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.engine.task import IGNORE, CausalLMTask, Task, pad
+from rankwise import registry
+from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
+from rankwise.errors import RankwiseError
+from rankwise.tasks.common import CausalLMTask
+from rankwise.tasks.dpo.data import build_pair_data
 from rankwise.tasks.reference import WeightSnapshot, reference, resolve
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
 
 @dataclass
-class DPOConfig:
-    """The ``dpo:`` section (``model.task: dpo``).
+class DPOConfig(TaskConfig):
+    """The ``task:`` section of ``task: {name: dpo}``.
 
     Attributes:
+        name: ``dpo``.
         loss: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (see :mod:`rankwise.tasks.dpo.task`).
         beta: The KL strength ``beta`` (IPO's ``tau``).
         label_smoothing: Conservative DPO's ``eps`` in [0, 0.5): the share of pairs assumed
@@ -54,6 +59,7 @@ class DPOConfig:
             for methods that train every weight, else ``adapters-off``).
     """
 
+    name: str = "dpo"
     loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -68,6 +74,25 @@ class DPOConfig:
             out.append(f"label_smoothing: got {self.label_smoothing}; expected a value in [0, 0.5)")
         if self.label_smoothing and self.loss != "sigmoid":
             out.append(f"label_smoothing: applies to loss sigmoid only (got loss {self.loss}); set it to 0")
+        return out
+
+    def run_problems(self, run: Any) -> list[str]:
+        """The reference must exist (``initial`` needs a start); pairs are scored whole, on their
+        completions, so packing, samples, prompt targets and a length schedule are refused."""
+        out = []
+        trains_full = registry.get("method", run.method.name).trains == "full"
+        try:
+            resolve(self.reference, "task", trains_full, bool(run.model.adapter), "adapters-off")
+        except RankwiseError as err:
+            out.append(str(err))
+        d = run.data
+        if d.packing or run.eval.samples or d.train_on_prompt:
+            what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
+            out.append(f"{what} is not supported with task.name: dpo (pairs are scored whole, on "
+                       "their completions); remove it")
+        if d.schedule != "none":
+            out.append("data.schedule: skrull schedules single sequences, and task.name: dpo trains "
+                       "pairs; set data.schedule: none")
         return out
 
 
@@ -135,19 +160,21 @@ class DPOTask(Task):
     (:mod:`rankwise.tasks.dpo.data` builds them).
 
     Args:
-        config: The ``dpo:`` section (default: :class:`DPOConfig`).
+        config: The ``task:`` section (default: :class:`DPOConfig`).
     """
 
     name = "dpo"
     auto_class = "AutoModelForCausalLM"
-    paired = True  # the data pipeline builds pairs (rankwise.tasks.dpo.data)
     eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
 
     def __init__(self, config: DPOConfig | None = None) -> None:
-        self.config = config or DPOConfig()
+        super().__init__(config or DPOConfig())
         self._sums: dict[str, float] = {}
-        self.from_adapter = False  # the run starts from model.adapter (set by the recipe)
         self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
+
+    def records(self, data_cfg, tokenizer, progress=False):
+        """The ``data:`` section's preference pairs (:func:`rankwise.tasks.dpo.data.build_pair_data`)."""
+        return build_pair_data(data_cfg, tokenizer, progress)
 
     def collate(self, items, pad_id):
         """Rows ``0..B-1`` are the chosen completions, ``B..2B-1`` the rejected ones."""
@@ -224,7 +251,7 @@ class DPOTask(Task):
 
     def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
                 device: str) -> str:
-        """Resolve ``dpo.reference`` and, for ``precomputed``, store the reference log-probs of
+        """Resolve ``task.reference`` and, for ``precomputed``, store the reference log-probs of
         the model as it is now (before the first step) with each dataset (``ref_logps``); for
         ``initial``, copy its trainable tensors (:class:`~rankwise.tasks.reference.WeightSnapshot`).
 
@@ -234,7 +261,7 @@ class DPOTask(Task):
         Raises:
             RankwiseError: ``initial`` for an adapter trained from scratch.
         """
-        mode = resolve(self.config.reference, "dpo", trains_full, self.from_adapter, "precomputed")
+        mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "precomputed")
         if mode == "initial":
             self.snapshot = WeightSnapshot(model)
         if mode == "precomputed":

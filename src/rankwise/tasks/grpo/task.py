@@ -45,9 +45,12 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
+from rankwise import registry
 from rankwise.engine.generation import sample_groups
-from rankwise.engine.task import Task
+from rankwise.engine.task import Task, TaskConfig
+from rankwise.errors import RankwiseError
 from rankwise.tasks.grpo import rewards as R
+from rankwise.tasks.grpo.data import build_prompt_data
 from rankwise.tasks.reference import WeightSnapshot, reference, resolve
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
@@ -82,10 +85,11 @@ class GainRLConfig:
 
 
 @dataclass
-class GRPOConfig:
-    """The ``grpo:`` section (``model.task: grpo``).
+class GRPOConfig(TaskConfig):
+    """The ``task:`` section of ``task: {name: grpo}``.
 
     Attributes:
+        name: ``grpo``.
         rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
             ``length-penalty``), ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), or Python
             callables given to ``rankwise.train`` (recorded as names).
@@ -115,6 +119,7 @@ class GRPOConfig:
             ``adapters-off``).
     """
 
+    name: str = "grpo"
     rewards: list[str] = field(default_factory=lambda: ["exact-match"])
     reward_weights: Union[list[float], None] = None
     num_generations: int = 8
@@ -165,6 +170,29 @@ class GRPOConfig:
                 out.append(f"rewards: got {name!r}; expected one of {R.BUILTINS} or 'module:function'")
         return out
 
+    def run_problems(self, run: Any) -> list[str]:
+        """The reference must exist (``initial`` needs a start); GRPO trains on its own sampled
+        completions and writes ``samples.jsonl`` itself, so packing, samples, prompt targets and
+        a length schedule are refused."""
+        out = []
+        trains_full = registry.get("method", run.method.name).trains == "full"
+        try:
+            resolve(self.reference, "task", trains_full, bool(run.model.adapter), "adapters-off")
+        except RankwiseError as err:
+            out.append(str(err))
+        d = run.data
+        if d.packing or run.eval.samples or d.train_on_prompt or d.schedule != "none":
+            what = ("data.packing" if d.packing else "eval.samples" if run.eval.samples
+                    else "data.train_on_prompt" if d.train_on_prompt else "data.schedule")
+            out.append(f"{what} is not supported with task.name: grpo (it trains on its own sampled "
+                       "completions and writes samples.jsonl itself); remove it")
+        return out
+
+    def read_from(self, folder: Path) -> None:
+        """``rewards_dir`` left ``null`` becomes the config file's folder."""
+        if self.rewards_dir is None:
+            self.rewards_dir = str(Path(folder).expanduser().resolve())
+
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") -> torch.Tensor:
     """``(r - group mean) / (std + 1e-4)`` per completion (rewards ``(B * G,)`` in group order)."""
@@ -207,15 +235,15 @@ class GRPOTask(Task):
     tokens (``dapo``).
 
     Args:
-        config: The ``grpo:`` section (default: :class:`GRPOConfig`).
+        config: The ``task:`` section (default: :class:`GRPOConfig`).
     """
 
     name = "grpo"
     auto_class = "AutoModelForCausalLM"
-    prompts_only = True  # the data pipeline builds prompts (rankwise.tasks.grpo.data)
 
     def __init__(self, config: GRPOConfig | None = None) -> None:
-        self.config = c = config or GRPOConfig()
+        super().__init__(config or GRPOConfig())
+        c = self.config
         self.fns = {name: R.resolve(name, c.answer_field, c.pattern, c.length_target, c.rewards_dir)
                     for name in c.rewards}
         self.weights = list(c.reward_weights or [1.0] * len(c.rewards))
@@ -225,10 +253,13 @@ class GRPOTask(Task):
         self.sampler: Any = None           # GAIN-RL's sampler, told each step's accuracy
         self._sums: dict[str, float] = {}
         self.samples: list[dict] = []      # this step's samples, for samples.jsonl
-        self.from_adapter = False          # the run starts from model.adapter (set by the recipe)
         self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
 
     # ----- data ---------------------------------------------------------------------------------
+    def records(self, data_cfg, tokenizer, progress=False):
+        """The ``data:`` section's prompts and their fields (:func:`rankwise.tasks.grpo.data.build_prompt_data`)."""
+        return build_prompt_data(data_cfg, tokenizer, progress)
+
     def collate(self, items, pad_id):
         """Prompts as lists in ``prompt_ids`` (``(B, P)``, right-padded; rolled out by
         :meth:`before_step`), ``row`` / ``data`` locate each record."""
@@ -244,8 +275,8 @@ class GRPOTask(Task):
 
     def prepare(self, model, datasets, trains_full, batch_size, device):
         """Remember the datasets (their texts and fields feed the rewards) and the EOS token;
-        resolve ``grpo.reference`` (``initial``: copy the trainable tensors now)."""
-        mode = resolve(self.config.reference, "grpo", trains_full, self.from_adapter, "adapters-off")
+        resolve ``task.reference`` (``initial``: copy the trainable tensors now)."""
+        mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "adapters-off")
         if mode == "initial" and self.config.beta != 0.0:
             self.snapshot = WeightSnapshot(model)
         for d in datasets:
