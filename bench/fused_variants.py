@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from rankwise.adapters.lora import fused
-from rankwise.benchmarks import llm_finetune as lf
+from rankwise_bench import llm_finetune as lf
 
 
 def _set(flags):

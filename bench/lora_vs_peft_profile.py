@@ -1,7 +1,7 @@
 """Why ``bench lora-vs-peft``'s fused side cannot reach 0.90x PEFT's step on MiniLM: the step's
 floor and its per-operator CPU profile (``docs/fused-lora.md``).
 
-Same models, data and engine step as :mod:`rankwise.benchmarks.lora_vs_peft` (MiniLM-L6 sequence
+Same models, data and engine step as :mod:`rankwise_bench.lora_vs_peft` (MiniLM-L6 sequence
 classifier, LoRA r=8 on query/value, batch 32 x 64 tokens, AdamW, one torch thread), four sides
 stepped interleaved in one process:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rankwise.benchmarks import lora_vs_peft as lvp
+from rankwise_bench import lora_vs_peft as lvp
 
 
 def main(out: Path) -> None:

@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+# The benchmarks live outside the package (bench/rankwise_bench); their tests import them.
+BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects

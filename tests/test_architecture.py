@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+BENCH = SRC.parent / "bench" / "rankwise_bench"   # the benchmarks: outside the package
 
 BASE = {"registry", "configs", "errors", "memory", "plots", "testing"}
 METHOD_KINDS = {"adapters", "optim", "compress"}
-WIRING = {"recipes", "benchmarks", "cli"}
+WIRING = {"recipes", "cli"}
 # What a federated strategy may import beside core, the base and the engine (the map's row).
 STRATEGY_MAY = {"federated.strategies", "federated.keys", "federated.payload", "federated.config",
                 "federated.wire", "federated.moe", "adapters.mixture"}
@@ -141,7 +142,6 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.registry", "rankwise.core.io"),                     # base -> core
     ("rankwise.adapters.lora.layer", "rankwise.recipes.config"),   # methods -> recipes
     ("rankwise.optim.galore.optimizer", "rankwise.engine"),        # methods -> engine
-    ("rankwise.compress.prune.prune", "rankwise.benchmarks.compress"),
     ("rankwise.adapters.lope.layer", "rankwise.adapters.lora.layer"),     # family -> family
     ("rankwise.adapters.smore.layer", "rankwise.adapters.mixture.gates"),
     ("rankwise.adapters.lora", "rankwise.adapters.gora"),          # the exception is one way
@@ -181,3 +181,47 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None
+
+
+def _imported_tops(path: Path) -> list[tuple[str, int]]:
+    """``(top-level module, line)`` of every import in ``path`` (absolute names only)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.append((node.module, node.lineno))
+    return out
+
+
+def test_nothing_in_the_library_imports_bench():
+    """The benchmarks (``bench/rankwise_bench``) use the library; the library never imports them.
+    ``rankwise bench`` only finds the checkout's ``bench/`` folder and hands over by name
+    (``cli._bench_folder``), the one place of ``src/`` that names the package."""
+    hits = [f"{path.relative_to(SRC)}:{line}: {mod}" for path in sorted((SRC / "rankwise").rglob("*.py"))
+            for mod, line in _imported_tops(path) if mod.split(".")[0] in ("rankwise_bench", "bench")]
+    assert hits == []
+    named = sorted(str(p.relative_to(SRC)) for p in (SRC / "rankwise").rglob("*.py")
+                   if "rankwise_bench" in p.read_text())
+    assert named == ["rankwise/cli.py"]
+
+
+def test_the_installed_package_holds_no_benchmark():
+    import pkgutil
+
+    import rankwise
+
+    def walk(paths, prefix):
+        for info in pkgutil.iter_modules(paths, prefix):
+            yield info.name
+            if info.ispkg:
+                yield from walk([str(Path(info.module_finder.path) / info.name.rsplit(".", 1)[-1])], info.name + ".")
+    names = list(walk(rankwise.__path__, "rankwise."))
+    assert len(names) > 200 and "rankwise.registry" in names   # the walk found the package
+    assert [n for n in names if "bench" in n] == []
+
+
+def test_the_benchmarks_import_the_library_but_never_its_cli():
+    arrows = [(path, mod) for path in sorted(BENCH.rglob("*.py")) for mod, _ in _imported_tops(path)]
+    assert any(mod.startswith("rankwise.") for _, mod in arrows)   # the parse found the benchmarks
+    assert [f"{p.relative_to(BENCH)}: {m}" for p, m in arrows if m == "rankwise.cli"] == []

@@ -9,7 +9,7 @@
 # needs triton and CUDA and has no CPU path) a second peer runs too: PEFT on Liger's RMSNorm and
 # SwiGLU kernels (--set liger=true; LIGER=0 turns it off).
 #
-#   bench/gpu/llm-finetune.sh [OUT] [extra arguments of python -m rankwise.benchmarks.llm_finetune]
+#   bench/gpu/llm-finetune.sh [OUT] [extra arguments of rankwise bench llm-finetune]
 #
 # Environment: PYTHON (default: python). Extra arguments override the preset, e.g.
 # --set steps=20 or --set "rows=[nf4,nf4+ckpt]"; the tests run this script on CPU at a tiny
@@ -27,4 +27,7 @@ if [ "${LIGER:-1}" != 0 ] && "$PYTHON" -c "import torch, liger_kernel; assert to
 else
   echo "llm-finetune.sh: no Liger peer (liger_kernel not importable or no CUDA)" >&2
 fi
-exec "$PYTHON" -W ignore -m rankwise.benchmarks.llm_finetune --preset gpu-1b --out "$OUT" "${LIGER_ARGS[@]}" "$@"
+# bench/ on PYTHONPATH: the benchmarks are the package bench/rankwise_bench, outside rankwise
+BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$BENCH${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" -W ignore -m rankwise_bench llm-finetune --preset gpu-1b --out "$OUT" "${LIGER_ARGS[@]}" "$@"

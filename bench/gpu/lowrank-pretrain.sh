@@ -4,7 +4,7 @@
 # vocabulary (1.21 B parameters), sequence 256 x batch 32, 1000 steps, rank 512, refresh every 200,
 # each row over its registry lr grid (3 runs per row).
 #
-#   bench/gpu/lowrank-pretrain.sh [OUT] [extra arguments of python -m rankwise.benchmarks.lowrank_pretrain]
+#   bench/gpu/lowrank-pretrain.sh [OUT] [extra arguments of rankwise bench lowrank-pretrain]
 #
 # Environment: ROWS (comma-separated rows; default below), PYTHON (default: python).
 # Extra arguments override size fields, e.g. --set steps=300 --set lrs=[1e-3]; the tests run this
@@ -17,4 +17,7 @@ PYTHON="${PYTHON:-python}"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
-exec "$PYTHON" -m rankwise.benchmarks.lowrank_pretrain --size 1b --rows "$ROWS" --out "$OUT" "$@"
+# bench/ on PYTHONPATH: the benchmarks are the package bench/rankwise_bench, outside rankwise
+BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$BENCH${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" -m rankwise_bench lowrank-pretrain --size 1b --rows "$ROWS" --out "$OUT" "$@"

@@ -8,7 +8,7 @@
 # results.md; the +offload rows are compared with their rows without (peak ratio, step time
 # ratio, largest loss difference over the steps).
 #
-#   bench/gpu/offload.sh [OUT] [extra arguments of python -m rankwise.benchmarks.offload]
+#   bench/gpu/offload.sh [OUT] [extra arguments of rankwise bench offload]
 #
 # Environment: PYTHON (default: python). Extra arguments override the preset, e.g.
 # --set seq=4096 or --set "rows=[plain,offload]"; the tests run this script on CPU with
@@ -20,4 +20,7 @@ PYTHON="${PYTHON:-python}"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
-exec "$PYTHON" -W ignore -m rankwise.benchmarks.offload --preset gpu --out "$OUT" "$@"
+# bench/ on PYTHONPATH: the benchmarks are the package bench/rankwise_bench, outside rankwise
+BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$BENCH${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" -W ignore -m rankwise_bench offload --preset gpu --out "$OUT" "$@"

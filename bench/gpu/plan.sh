@@ -18,4 +18,7 @@ PYTHON="${PYTHON:-python}"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
-exec "$PYTHON" -W ignore -m rankwise.benchmarks.plan "$OUT" --device cuda "$@"
+# bench/ on PYTHONPATH: the benchmarks are the package bench/rankwise_bench, outside rankwise
+BENCH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$BENCH${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" -W ignore -m rankwise_bench plan --out "$OUT" --device cuda "$@"

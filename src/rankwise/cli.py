@@ -14,44 +14,21 @@ import click
 
 from rankwise.errors import RankwiseError, require
 
-# name -> "module:function"; each function is run(out: Path) -> dict and writes
-# out/results.json and out/results.md.
-BENCHMARKS = {
-    "lora-vs-peft": "rankwise.benchmarks.lora_vs_peft:run",
-    "lowrank-pretrain": "rankwise.benchmarks.lowrank_pretrain:run",
-    "federated-demo": "rankwise.federated.bench:run",
-    "data-pipeline": "rankwise.benchmarks.data_pipeline:run",
-    "llm-finetune": "rankwise.benchmarks.llm_finetune:run",
-    "llm-finetune-dora": "rankwise.benchmarks.llm_finetune:run_dora",
-    "llm-finetune-fused": "rankwise.benchmarks.llm_finetune:run_fused",
-    "compress": "rankwise.benchmarks.compress:run",
-    "lota-qaf": "rankwise.benchmarks.lota_qaf:run",
-    "nanoadam-ft": "rankwise.benchmarks.nanoadam_ft:run",
-    "adapter-steps": "rankwise.benchmarks.adapter_steps:run",
-    "loro": "rankwise.benchmarks.loro:run",
-    "tpa": "rankwise.benchmarks.tpa:run",
-    "vfl": "rankwise.federated.vfl.bench:run",
-    "memory-features": "rankwise.benchmarks.memory_features:run",
-    "dpo": "rankwise.benchmarks.dpo:run",
-    "memory-decoder": "rankwise.benchmarks.memory_decoder:run",
-    "plan": "rankwise.benchmarks.plan:run",
-    "select": "rankwise.benchmarks.select:run",
-    "shapley": "rankwise.benchmarks.shapley:run",
-    "skrull": "rankwise.benchmarks.skrull:run",
-    "transfer": "rankwise.benchmarks.transfer:run",
-    "restore": "rankwise.benchmarks.restore:run",
-    "distill": "rankwise.benchmarks.distill:run",
-    "continual": "rankwise.benchmarks.continual:run",
-    "svdecode": "rankwise.benchmarks.svdecode:run",
-    "grpo": "rankwise.benchmarks.grpo:run",
-    "preference": "rankwise.benchmarks.preference:run",
-    "select-functions": "rankwise.benchmarks.select_functions:run",
-}
+def _bench_folder() -> Path:
+    """``bench/`` of the source checkout that holds the benchmarks (``bench/rankwise_bench``): the
+    one beside this package's source tree, else the current directory's or a parent's.
 
-
-def _load(spec: str):
-    mod, _, fn = spec.partition(":")
-    return getattr(importlib.import_module(mod), fn)
+    Raises:
+        RankwiseError: When neither exists (an installed wheel has no benchmarks).
+    """
+    here = Path(__file__).resolve().parents[2]
+    cwd = Path.cwd().resolve()
+    for root in (here, cwd, *cwd.parents):
+        if (root / "bench" / "rankwise_bench" / "__init__.py").is_file():
+            return root / "bench"
+    raise RankwiseError("rankwise bench runs the benchmarks of a source checkout (bench/rankwise_bench), "
+                        "which the installed package does not hold: clone the rankwise repository and "
+                        "run `rankwise bench NAME` from it")
 
 
 def _shared_by_rank_0() -> bool:
@@ -372,14 +349,16 @@ def continual(config: Path, tasks: str, method: str | None, out: Path | None) ->
     continual_command(config, tasks, method, out)
 
 
-@main.command()
-@click.argument("name", type=click.Choice(sorted(BENCHMARKS)))
-@click.option("--out", type=click.Path(path_type=Path), default=None)
-def bench(name: str, out: Path | None) -> None:
-    """Run a benchmark against the peer implementation; writes results.json and results.md."""
-    out = out or Path("bench/results") / name
-    _load(BENCHMARKS[name])(out)
-    click.echo(f"wrote {out}/results.json and {out}/results.md")
+@main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Run a benchmark of the checkout: NAME [--out DIR] [options] (no NAME: list them)."""
+    folder = _bench_folder()
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    code = importlib.import_module("rankwise_bench").main(list(args))
+    if code:
+        sys.exit(code)
 
 
 @main.command()

@@ -121,6 +121,28 @@ def tiny_logits(model: nn.Module, kind: str) -> torch.Tensor:
         return model(**batch).logits
 
 
+def same_factors(ours: nn.Module, peer: nn.Module, adapter: str = "default") -> None:
+    """Give a HF PEFT LoRA model our LoRA's factors, so both sides start from the same weights
+    (parity tests against PEFT and TRL, and the benchmarks against them).
+
+    Args:
+        ours: A model with rankwise LoRA layers (read through the protocol's ``factors``).
+        peer: The PEFT model of the same base (``get_peft_model``), adapter ``adapter``.
+        adapter: The adapter name on both sides.
+
+    Raises:
+        KeyError: If the peer has no LoRA layer at one of our adapted paths.
+    """
+    from rankwise.core.protocol import adapter_modules, factors
+    named = dict(peer.named_modules())
+    with torch.no_grad():
+        for path, mod in adapter_modules(ours):
+            a, b = factors(mod, adapter)   # A (r, in), B (out, r)
+            layer = named["base_model.model." + path]
+            layer.lora_A[adapter].weight.copy_(a)
+            layer.lora_B[adapter].weight.copy_(b)
+
+
 def pack_4bit_for_cpu(model: nn.Module) -> int:
     """Put every bitsandbytes ``Linear4bit`` of ``model`` in the CPU inference layout, as
     bitsandbytes itself does at the first eval forward on a CPU with AVX512-BF16 (repacked

@@ -54,3 +54,20 @@ def test_quantization_error_after_init_is_below_plain_nf4(llama_dir):
         # measured: ||W - (Q3 + sBA)|| is 0.69-0.75 x plain NF4's ||W - Q(W)|| and 0.88-0.91 x
         # one alternation's
         assert e3[p][1] < 0.78 * e1[p][0] and e3[p][1] < 0.92 * e1[p][1], (p, e1[p], e3[p])
+
+
+def test_original_weights_of_a_head_model_from_a_base_checkpoint(tmp_path):
+    """A classifier loaded from a base encoder's folder (the packaged MiniLM's layout): its layers
+    are ``bert.encoder...``, the file's ``encoder...``; the loader's ``source_folder`` names the
+    folder when ``config._name_or_path`` is a hub id."""
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=16)
+    BertModel(cfg).save_pretrained(tmp_path)
+    head = BertForSequenceClassification.from_pretrained(tmp_path, num_labels=2)
+    head.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
+    head.source_folder = str(tmp_path)
+    path = "bert.encoder.layer.0.attention.self.query"
+    got = original_weights(head, [path])
+    assert torch.equal(got[path], head.get_submodule(path).weight)

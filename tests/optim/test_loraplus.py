@@ -12,12 +12,11 @@ from torch import nn
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig
-from rankwise.benchmarks.dpo import same_factors
 from rankwise.configs import from_dict
 from rankwise.core.protocol import NamedAdapters, adapter_modules, factors
 from rankwise.errors import RankwiseError
 from rankwise.optim.adamw import AdamWConfig, build_adamw
-from rankwise.testing import tiny_batch, tiny_llama_lm
+from rankwise.testing import same_factors, tiny_batch, tiny_llama_lm
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 LR, RATIO = 1e-2, 16.0

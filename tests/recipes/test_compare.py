@@ -49,6 +49,24 @@ def test_rows_share_the_budget_and_keep_the_head_optimizer():
         row_config(BASE, "goraa")
 
 
+def test_named_variant_rows_run_their_method_with_their_overrides():
+    """``compare: {rslora: {row: lora, method: {use_rslora: true}}}``: a row of its own name, the
+    LoRA row's budget (the shared method keys) and the entry's overrides; an unknown ``row:``
+    target is refused naming the entry."""
+    from rankwise.recipes.compare import plan_rows
+    raw = {**BASE, "compare": {"rslora": {"row": "lora", "method": {"use_rslora": True}},
+                               "fast-gora": {"row": "gora+altlora", "lr_grid": [0.1, 1.0]}}}
+    plans, grids, _ = plan_rows(json.loads(json.dumps(raw)), ["lora", "rslora", "fast-gora"], [])
+    assert plans["rslora"]["method"] == {**BASE["method"], "use_rslora": True}
+    assert plans["lora"]["method"] == BASE["method"]
+    assert plans["fast-gora"]["method"]["name"] == "gora" and plans["fast-gora"]["optim"]["name"] == "altlora"
+    assert grids == {"lora": None, "rslora": None, "fast-gora": [0.1, 1.0]}
+    assert "row" not in plans["rslora"] and "compare" not in plans["rslora"]
+    bad = {**BASE, "compare": {"x": {"row": "lorra"}}}
+    with pytest.raises(RankwiseError, match=r"compare.x: unknown comparison row 'lorra'.*did you mean 'lora'"):
+        plan_rows(bad, ["x"], [])
+
+
 @pytest.mark.slow
 def test_two_methods_two_seeds_table(config, tmp_path):
     out = tmp_path / "cmp"

@@ -193,3 +193,18 @@ def test_a_comparison_resumed_with_other_threads_still_owns_its_runs(config, tmp
     monkeypatch.setattr(train_mod, "train", lambda *a, **k: pytest.fail("retrained"))
     again = run_compare(config, ["lora"], 1, ["train.threads=2"], tmp_path / "cmp")
     assert numbers(again) == numbers(first)
+
+
+def test_every_committed_comparison_record_is_still_reused():
+    """The per-run records committed under bench/results/ are reused by a rerun of their table's
+    command only while their resolved config hashes as it did: a new config key must enter the
+    hash at its neutral default as absent (runs.NEUTRAL_NEW), or every committed run goes stale."""
+    from pathlib import Path
+
+    from rankwise.recipes.runs import config_hash, read_plan
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    plans = sorted(root.glob("**/compare_plan.json"))
+    assert len(plans) >= 14
+    stale = [str(p.parent.relative_to(root)) for p in plans
+             if (h := read_plan(p.parent))[1] and config_hash(h[0]) != h[1]]
+    assert stale == []

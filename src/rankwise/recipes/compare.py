@@ -8,6 +8,11 @@ override comes from the method's and optimizer's own config dataclasses. Benchma
 settings (a full fine-tuning learning rate, GaLore's rank for that model) belong in the
 comparison's YAML under ``compare: {row: {section: {key: value}}}``.
 
+Named variants: a ``compare:`` entry with a ``row:`` key is a row of its own name that runs
+that METHOD[+OPTIMIZER] with the entry's overrides, e.g. ``rslora: {row: lora, method:
+{use_rslora: true}}`` or ``pissa: {row: lora, method: {init: pissa}}``; it is named on the command
+line like any row (``--methods lora,rslora,pissa``).
+
 Same budget: the base config's shared method settings (``r``, ``alpha``, ``targets``,
 ``exclude``, ``dropout``, ``modules_to_save``) are carried into every row whose method
 config has those fields, so LoRA at rank r, GoRA with r0 = r (budget sum (m+n)·r) and AltLoRA
@@ -36,6 +41,7 @@ INTERRUPTED = "interrupted; rerun the same command to continue"  # what Ctrl-C o
 from rankwise.errors import RankwiseError, closest
 
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")
+VARIANT_KEY = "row"  # compare: {NAME: {row: METHOD[+OPTIMIZER], ...}} names a variant row
 METRICS = ("eval_accuracy", "eval_loss", "eval_perplexity", "trainable_params", "train_time_s",
            "step_time_s", "peak_memory_mb")
 
@@ -75,7 +81,8 @@ def row_config(base: dict, row: str, extra: dict | None = None) -> dict:
         RankwiseError: On an unknown row.
     """
     base_method = dict(base.get("method") or {})
-    name, optim_name = parse_row(row, base_method.get("name", "lora"))
+    extra = dict(extra or {})
+    name, optim_name = parse_row(str(extra.pop(VARIANT_KEY, row)), base_method.get("name", "lora"))
     out = copy.deepcopy(base)
     method = {"name": name}
     valid = {f.name for f in fields(registry.get("method", name).config_cls)}
@@ -94,7 +101,7 @@ def row_config(base: dict, row: str, extra: dict | None = None) -> dict:
         if "head_lr" in valid and "lr" in base_optim:
             optim["head_lr"] = base_optim["lr"]
         out["optim"] = optim
-    for section, values in (extra or {}).items():
+    for section, values in extra.items():
         if not isinstance(values, dict):
             raise RankwiseError(f"compare.{row}.{section}: got {values!r}; expected a mapping")
         out[section] = {**(out.get(section) or {}), **values}
@@ -248,15 +255,16 @@ def plan_rows(raw: dict, methods: list[str], sets: list[str]) -> tuple[dict, dic
     """
     from rankwise.recipes.config import apply_sets, build_run_config
     base_method = str((raw.get("method") or {}).get("name", "lora"))
-    for row in methods:
-        parse_row(row, base_method)
     extras = raw.pop("compare", None) or {}
-    grids = {row: (extras.get(row) or {}).pop(sweep.GRID_KEY, None) for row in methods}
     for row in extras:
         try:
-            parse_row(row, base_method)
+            parse_row(str((extras[row] or {}).get(VARIANT_KEY, row)), base_method)
         except RankwiseError as err:
             raise RankwiseError(f"compare.{row}: {err}") from None
+    for row in methods:
+        if row not in extras or VARIANT_KEY not in (extras[row] or {}):
+            parse_row(row, base_method)
+    grids = {row: (extras.get(row) or {}).pop(sweep.GRID_KEY, None) for row in methods}
     row_sets: dict[str, list[str]] = {}
     common = []
     for item in sets:

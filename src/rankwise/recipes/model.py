@@ -104,7 +104,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True):
+CLASSIFIER_HEADS = ["classifier", "score"]  # the new heads of *ForSequenceClassification models
+
+
+def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True,
+               skip: list[str] | None = None):
     """The transformers ``BitsAndBytesConfig`` of ``model.quantize`` (also what a PEFT user
     passes to load the same 4-bit base).
 
@@ -116,6 +120,8 @@ def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True
         quantize: ``nf4``, ``fp4`` or ``int8``.
         dtype: ``model.dtype`` (compute and storage dtype of 4-bit weights).
         double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
+        skip: Modules left unquantized (``llm_int8_skip_modules``): a classifier's new head,
+            which is not in the checkpoint and trains in full, must stay a float layer.
 
     Returns:
         A ``transformers.BitsAndBytesConfig``.
@@ -125,12 +131,13 @@ def bnb_config(quantize: str, dtype: str = "bfloat16", double_quant: bool = True
     """
     require("bitsandbytes", "quant", f"model.quantize: {quantize}")
     from transformers import BitsAndBytesConfig
+    extra = {"llm_int8_skip_modules": list(skip)} if skip else {}
     if quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **extra)
     t = torch_dtype(dtype)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantize,
                               bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=t,
-                              bnb_4bit_quant_storage=t)
+                              bnb_4bit_quant_storage=t, **extra)
 
 
 def dtype_kwargs(dtype: torch.dtype) -> dict:
@@ -217,7 +224,8 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
     if isinstance(task, str):
         task = get_task(task)
     t = torch_dtype(dtype)
-    quant = bnb_config(quantize, dtype, double_quant) if quantize else None
+    quant = bnb_config(quantize, dtype, double_quant,
+                       skip=CLASSIFIER_HEADS if task.uses_labels else None) if quantize else None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -265,6 +273,7 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             raise RankwiseError(f"model folder {folder} holds a classifier whose head has another "
                                 f"number of labels than the data's {num_labels}; point model.path "
                                 "at the base model's folder (a new head is trained)") from None
+        model.source_folder = str(folder)  # where the full-precision weights are (LoftQ reads them)
         if path == "demo":
             model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
     if add_tokens or add_special_tokens:

@@ -12,10 +12,9 @@ from torch.nn import functional as F
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
-from rankwise.benchmarks.dpo import same_factors
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask, completion_logps, dpo_losses
-from rankwise.testing import VOCAB, tiny_llama_lm
+from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 

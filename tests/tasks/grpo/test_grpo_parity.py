@@ -12,11 +12,10 @@ import torch
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
-from rankwise.benchmarks.dpo import same_factors
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.tasks.grpo.data import PromptData
 from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, group_advantages
-from rankwise.testing import VOCAB, tiny_llama_lm
+from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 G, MAX_NEW = 4, 8

@@ -47,7 +47,8 @@ def eva_structure(stats: dict[str, InputStats], settings: dict[str, tuple], rho:
 
 def original_weights(model: nn.Module, paths: list[str]) -> dict[str, torch.Tensor]:
     """The full-precision ``(out, in)`` weights of ``paths`` from the safetensors files of the
-    model's own folder (``config._name_or_path``), as PEFT's ``replace_lora_weights_loftq`` reads
+    model's own folder (``model.source_folder`` where the loader set it, else
+    ``config._name_or_path``), as PEFT's ``replace_lora_weights_loftq`` reads
     them: a 4-bit model no longer holds them.
 
     Raises:
@@ -55,13 +56,16 @@ def original_weights(model: nn.Module, paths: list[str]) -> dict[str, torch.Tens
     """
     from safetensors import safe_open
 
-    folder = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
+    folder = Path(str(getattr(model, "source_folder", None)
+                      or getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         raise RankwiseError(f"method.init: loftq reads the full-precision weights from the model "
                             f"folder, but {str(folder) or 'the model'} has no *.safetensors; set "
                             "model.path to a local folder")
-    wanted = {f"{p}.weight": p for p in paths}
+    # the checkpoint may name a layer with or without the task model's prefix: a head model's
+    # "bert.encoder..." is "encoder..." in a base model's file, and the other way round
+    wanted = {f"{p.split('.', 1)[-1]}.weight": p for p in paths} | {f"{p}.weight": p for p in paths}
     out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
