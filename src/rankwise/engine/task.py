@@ -115,6 +115,21 @@ class Task:
     def __init__(self, config: TaskConfig | None = None) -> None:
         self.config = config
 
+    @classmethod
+    def example(cls, folder: Path) -> dict | None:
+        """A small run of this task on an in-code tiny model (``model.path: tiny-llama``, ...;
+        :mod:`rankwise.testing`), its records written into ``folder``: the raw run config the
+        task contract suite (``tests/tasks/test_task_contract.py``) collates, scores, evaluates,
+        trains and resumes. ``None`` (the default): the task has none, which that suite reports.
+
+        Args:
+            folder: An empty folder for the example's data files.
+
+        Returns:
+            The raw run config (new spelling: a ``task:`` section), or ``None``.
+        """
+        return None
+
     def records(self, data_cfg: Any, tokenizer: Any, progress: bool = False) -> tuple[Any, Any] | None:
         """``(train, eval)`` examples the task builds from the ``data:`` section itself (DPO's
         pairs, GRPO's prompts), or ``None`` (the default): the records are then encoded as

@@ -6,8 +6,10 @@ Both take a config with no settings but the name (:class:`ClassificationConfig`,
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,30 @@ from rankwise import registry
 from rankwise.engine.chunked_loss import chunked_forward
 from rankwise.engine.task import IGNORE, WEIGHT_KEYS, Task, TaskConfig, add_weights, pad
 from rankwise.errors import RankwiseError
+
+
+TRAIN = {"steps": 2, "batch_size": 4, "eval_batch_size": 16, "save_every": 1, "log_every": 1,
+         "progress": False}  # the examples' train: section (Task.example)
+SNIPPETS = ["def add(a, b):\n    return a + b", "class Box:\n    items = []",
+            "for key in sorted(table):\n    print(key)", "import os\nos.path.join(a, b)",
+            "with open(path) as f:\n    data = f.read()", "if x is None:\n    raise ValueError(x)",
+            "return [x * 2 for x in values]", "while queue:\n    queue.pop()"]
+
+
+def write_records(path: Path, records: list[dict]) -> str:
+    """Write ``records`` as JSON lines to ``path`` (an example's data file); returns the path."""
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def lm_example(folder: Path, task: dict, **sections: Any) -> dict:
+    """The raw run config of a task example on ``tiny-llama`` over :data:`SNIPPETS` (8 records
+    twice), LoRA r=4 on q/v, AdamW; ``sections`` replace whole sections (``data=...``)."""
+    source = write_records(Path(folder) / "text.jsonl", [{"text": t} for t in SNIPPETS * 2])
+    return {"model": {"path": "tiny-llama"}, "task": task,
+            "data": {"source": source, "max_length": 24, "eval_fraction": 0.25},
+            "method": {"name": "lora", "r": 4, "targets": ["q_proj", "v_proj"]},
+            "optim": {"name": "adamw", "lr": 0.02}, "train": dict(TRAIN), **sections}
 
 
 @dataclass
@@ -59,6 +85,16 @@ class ClassificationTask(Task):
 
     def __init__(self, config: ClassificationConfig | None = None) -> None:
         super().__init__(config or ClassificationConfig())
+
+    @classmethod
+    def example(cls, folder):
+        """``tiny-bert`` telling snippets that define something (label 1) from the rest."""
+        records = [{"text": t, "label": int(t.startswith(("def", "class")))} for t in SNIPPETS * 2]
+        return {"model": {"path": "tiny-bert"}, "task": {"name": cls.name},
+                "data": {"source": write_records(Path(folder) / "labels.jsonl", records),
+                         "max_length": 24, "eval_fraction": 0.25},
+                "method": {"name": "lora", "r": 4, "targets": ["query", "value"]},
+                "optim": {"name": "adamw", "lr": 0.02}, "train": dict(TRAIN)}
 
     def collate(self, items, pad_id):
         """Pad ``input_ids``; ``labels`` is one class index per example."""
@@ -115,6 +151,11 @@ class CausalLMTask(Task):
 
     def __init__(self, config: CausalLMConfig | None = None) -> None:
         super().__init__(config or CausalLMConfig())
+
+    @classmethod
+    def example(cls, folder):
+        """``tiny-llama`` on code snippets (:func:`lm_example`)."""
+        return lm_example(folder, {"name": cls.name})
 
     def collate(self, items, pad_id):
         """Pad ``input_ids``; labels are the example's own or its ids, ``-100`` on padding.
@@ -190,7 +231,8 @@ class CausalLMTask(Task):
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
-__all__ = ["CausalLMConfig", "CausalLMTask", "ClassificationConfig", "ClassificationTask"]
+__all__ = ["CausalLMConfig", "CausalLMTask", "ClassificationConfig", "ClassificationTask", "lm_example",
+           "write_records"]
 
 registry.register("task", ClassificationTask.name, ClassificationConfig, ClassificationTask,
                   summary="classification (AutoModelForSequenceClassification; a label per record)")

@@ -3,4 +3,4 @@ from rankwise import registry
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask
 
 registry.register("task", DPOTask.name, DPOConfig, DPOTask,
-                  summary="dpo (AutoModelForCausalLM; preference pairs, section dpo:)")
+                  summary="dpo (AutoModelForCausalLM; preference pairs {prompt, chosen, rejected}; task.beta, task.loss)")

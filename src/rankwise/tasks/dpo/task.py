@@ -25,6 +25,7 @@ rows, then the rejected rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -34,7 +35,7 @@ from torch.nn import functional as F
 from rankwise import registry
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.errors import RankwiseError
-from rankwise.tasks.common import CausalLMTask
+from rankwise.tasks.common import CausalLMTask, lm_example, write_records
 from rankwise.tasks.dpo.data import build_pair_data
 from rankwise.tasks.reference import WeightSnapshot, reference, resolve
 
@@ -171,6 +172,15 @@ class DPOTask(Task):
         super().__init__(config or DPOConfig())
         self._sums: dict[str, float] = {}
         self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
+
+    @classmethod
+    def example(cls, folder):
+        """``tiny-llama`` preferring a function's body to ``pass`` (12 pairs)."""
+        pairs = [{"prompt": f"def f{i}(x):\n", "chosen": f"    return x + {i}", "rejected": "    pass"}
+                 for i in range(12)]
+        return lm_example(folder, {"name": cls.name, "beta": 0.2},
+                          data={"source": write_records(Path(folder) / "pairs.jsonl", pairs),
+                                "max_length": 24, "eval_fraction": 0.25})
 
     def records(self, data_cfg, tokenizer, progress=False):
         """The ``data:`` section's preference pairs (:func:`rankwise.tasks.dpo.data.build_pair_data`)."""

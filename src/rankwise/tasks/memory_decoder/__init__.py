@@ -4,4 +4,4 @@ from rankwise import registry
 from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig, MemoryDecoderTask
 
 registry.register("task", MemoryDecoderTask.name, MemoryDecoderConfig, MemoryDecoderTask,
-                  summary="memory-decoder (AutoModelForCausalLM; kNN-LM imitation, section memory_decoder:)")
+                  summary="memory-decoder (AutoModelForCausalLM; imitates task.base's kNN-LM distribution)")

@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.errors import RankwiseError, require
-from rankwise.tasks.common import CausalLMTask
+from rankwise.tasks.common import CausalLMTask, lm_example
 
 
 @dataclass
@@ -307,6 +307,13 @@ class MemoryDecoderTask(Task):
         self.targets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.store: Datastore | None = None
         self.base_loader: Callable[[str, str], nn.Module] = self._load_base  # tests replace it
+
+    @classmethod
+    def example(cls, folder):
+        """A full ``tiny-llama`` decoder imitating the kNN distribution of an in-code
+        ``tiny-llama`` base over code snippets (k=8)."""
+        return lm_example(folder, {"name": cls.name, "base": "tiny-llama", "k": 8, "temperature": 5.0},
+                          method={"name": "full"}, optim={"name": "adamw", "lr": 0.01})
 
     def collate(self, items, pad_id):
         """Pad ``input_ids`` (labels = the ids, ``-100`` on padding) and add the prepared
