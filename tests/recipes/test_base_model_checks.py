@@ -74,7 +74,7 @@ def test_an_encoder_is_refused_as_a_causal_lm(tmp_path, path, needle):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**BASE, "model": {"path": path, "task": "causal-lm"}}))
     one_line_error(invoke("train", cfg, "--out", tmp_path / "out"), needle, "causal LM folder",
-                   "model.task: classification")
+                   "task.name: classification")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

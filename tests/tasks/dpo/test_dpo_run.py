@@ -1,4 +1,4 @@
-"""``model.task: dpo`` through ``rankwise train``: it logs rewards and log-probs, its
+"""``task: {name: dpo}`` through ``rankwise train``: it logs rewards and log-probs, its
 ``eval_reward_margin`` / ``eval_reward_accuracy`` are those of the saved adapter against the base
 (recomputed here by hand), it resumes exactly and exports; full fine-tuning precomputes the
 reference of the initial weights; bad pairs are dropped and counted, or refused with one line."""

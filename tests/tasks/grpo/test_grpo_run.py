@@ -1,4 +1,4 @@
-"""``model.task: grpo`` through ``rankwise train``: it logs rewards and writes samples.jsonl,
+"""``task: {name: grpo}`` through ``rankwise train``: it logs rewards and writes samples.jsonl,
 resumes exactly (same samples, same adapter) and reports eval_reward_mean; bad input ends with one
 line and exit 2 (a reward that cannot be imported, raises, or returns NaN naming the record;
 G < 2; data.order: gain-rl without grpo)."""

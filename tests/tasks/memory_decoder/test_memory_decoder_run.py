@@ -1,4 +1,4 @@
-"""``model.task: memory-decoder`` through ``rankwise train`` and ``rankwise generate
+"""``task: {name: memory-decoder}`` through ``rankwise train`` and ``rankwise generate
 --memory-decoder``: the run logs the objective's KL and CE parts, resumes exactly, and the CLI's completion is the
 two-cache mixture of the base and the trained decoder; another tokenizer, and a datastore too
 large for a flat index, are refused in one line (exit 2)."""
