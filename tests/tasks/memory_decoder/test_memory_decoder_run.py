@@ -82,4 +82,4 @@ def test_memory_decoder_run_logs_resumes_and_generates_the_mixture(runs, tmp_pat
     raw = raw_config(runs / "text.jsonl", runs / "base" / "model")
     raw["memory_decoder"].update(index="flat", flat_max_mb=0.001)
     assert_user_error(invoke("train", write_yaml(tmp_path / "c.yaml", raw), "--out", tmp_path / "flat"),
-                      "flat index", "memory_decoder.index: ivf")
+                      "flat index", "task.index: ivf")
