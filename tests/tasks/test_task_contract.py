@@ -34,9 +34,10 @@ def example_config(name: str, folder: Path, **train_keys):
 def check_steps(name: str, folder: Path) -> None:
     """Collate, loss and evaluation of task ``name`` on its example.
 
-    * every micro-batch of step 0, as the loss reads it (after ``before_step``), has rows and
-      targets; its ``loss_sum`` is finite, the same on a second forward (eval mode), and its
-      ``mean_loss`` is ``loss_sum / count_targets``;
+    * every micro-batch of step 0, as the loss reads it (after ``before_step``, in train mode as
+      the engine calls it), has rows and targets; its ``loss_sum`` is finite, the same on a second
+      forward (the same seed: dropout draws alike), and its ``mean_loss`` is
+      ``loss_sum / count_targets``;
     * the gradient of the loss reaches the trainable parameters;
     * evaluation gives a finite ``eval_loss`` and the same metrics with batches of 1 as with one
       batch (the sums and counts add up over batches).
@@ -44,19 +45,20 @@ def check_steps(name: str, folder: Path) -> None:
     session = prepare(example_config(name, folder), device="cpu")
     task, model = session.task, session.model
     engine = session.engine()
-    model.eval()
+    model.train()
     batches = task.before_step(model, engine.step_batches(0), 0, session.cfg.train.seed)
     assert batches and all(len(b["input_ids"]) > 0 for b in batches)
     for batch in batches:
         n = task.count_targets(batch)
         assert isinstance(n, int) and n > 0
         with torch.no_grad():
-            first, again = float(task.loss_sum(model, batch)[0]), float(task.loss_sum(model, batch)[0])
-            mean = float(task.mean_loss(model, batch))
+            first, again, mean = (float(_seeded(fn, model, batch)) for fn in
+                                  (lambda m, b: task.loss_sum(m, b)[0], lambda m, b: task.loss_sum(m, b)[0],
+                                   task.mean_loss))
         assert math.isfinite(first) and first == pytest.approx(again, rel=1e-6, abs=1e-7)
         assert mean == pytest.approx(first / n, rel=1e-6, abs=1e-7)
     model.zero_grad(set_to_none=True)
-    task.loss_sum(model, batches[0])[0].backward()
+    _seeded(lambda m, b: task.loss_sum(m, b)[0], model, batches[0]).backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert any(g is not None and float(g.abs().sum()) > 0 for g in grads), "no gradient reached the model"
     model.zero_grad(set_to_none=True)
@@ -65,6 +67,11 @@ def check_steps(name: str, folder: Path) -> None:
     assert math.isfinite(whole["eval_loss"]) and set(whole) == set(ones)
     for key, value in whole.items():
         assert ones[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def _seeded(fn, model, batch):
+    torch.manual_seed(0)
+    return fn(model, batch)
 
 
 def check_run(name: str, folder: Path) -> dict:
