@@ -399,9 +399,10 @@ def save_result(session: Session, out: Path) -> Path:
     return save_adapter(session.model, out / "adapter", session.cfg.method)
 
 
-def _saver(session: Session, out: Path):
-    """The checkpoint writer: trainable weights, engine state, adapter structure, time (under
-    torchrun: every process's RNG and the world size; rank 0 writes, sharded tensors gathered)."""
+def _saver(session: Session, out: Path, measure: cb.MeasureMemory):
+    """The checkpoint writer: trainable weights, engine state, adapter structure, time, the
+    peaks so far (under torchrun: every process's RNG and the world size; rank 0 writes,
+    sharded tensors gathered)."""
     dist = session.dist
 
     def save(engine: Engine, state) -> None:
@@ -410,9 +411,10 @@ def _saver(session: Session, out: Path):
         if dist.active:
             engine_state["torch_rng_ranks"] = dist.rng_states()
         engine_state = dist.full_state(engine_state)
+        peaks = measure.peaks()
         with dist.full_params(session.model):
             if dist.is_main:
-                meta = {"train_time_s": state.elapsed, "world_size": dist.world,
+                meta = {"train_time_s": state.elapsed, "world_size": dist.world, **peaks,
                         "structure": {"layers": structure(session.model),
                                       "modules_to_save": modules_to_save(session.model)}}
                 if session.schedule_extensions:  # a later resume rebuilds the same schedule
@@ -562,15 +564,18 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     t = cfg.train
     out.mkdir(parents=True, exist_ok=True)
     log = cb.EventLog(out / "events.jsonl", t.log_every) if main else None
+    mem = PeakMemory(session.device)  # the steps' peak; evaluations apart (MeasureMemory)
+    measure = cb.MeasureMemory(mem)
     callbacks = [
         cb.ProgressBar(cfg.method.name, console, tokens=not session.task.uses_labels,
                        disable=not (t.progress and main)),
-        log, cb.Evaluate(session.eval_data, t.eval_batch_size, t.eval_every, log),
+        log, cb.Evaluate(session.eval_data, t.eval_batch_size, t.eval_every, log, memory=measure),
     ]
     if t.early_stopping_patience:
         callbacks.append(cb.EarlyStopping("eval_loss", t.early_stopping_patience))
-    callbacks += [cb.Checkpoint(_saver(session, out), t.save_every),
-                  cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True),
+    callbacks += [cb.Checkpoint(_saver(session, out, measure), t.save_every),
+                  cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True,
+                              memory=measure),
                   cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}") if main else None]
     callbacks += report_callbacks(session, out, log, write=main)  # data line, samples, TensorBoard
     if t.distributed_step_timeout_s is not None and dist.active:
@@ -581,6 +586,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if ckpts:
         _resume(ckpts[-1], meta, session, engine)
         start_step, prior_time = int(meta["step"]), float(meta.get("train_time_s", 0.0))
+        measure.restore(meta)  # the peaks of the steps trained before
         console.print(f"resuming {out} from step {start_step}")
         _continue_schedule(session, engine, meta, old_steps, console)
     elif resume:
@@ -605,8 +611,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
                 console.print(f"{out} is finished; wrote {written} again from the checkpoint of "
                               f"step {start_step}")
         return json.loads((out / "metrics.json").read_text())
-    mem = PeakMemory(session.device)
-    engine.callbacks.append(cb.MeasureMemory(mem))
+    engine.callbacks.append(measure)
     try:
         with mem, dist.guard():
             state = engine.fit(t.steps, start_step, prior_time)
@@ -621,7 +626,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         trainable, total = count_parameters(session.model)
     metrics = {**{k: round(v, 6) for k, v in state.last_eval.items()}, "trainable_params": trainable,
                "total_params": total, "steps": state.step, "train_time_s": round(state.elapsed, 3),
-               "peak_memory_mb": round(mem.peak_mb, 1), "memory_meter": mem.meter,
+               **measure.peaks(),
                "method": cfg.method.name, "optim": cfg.optim.name, **data_info(session),
                **optim_scope.metrics(session.scope)}
     if main:
@@ -631,7 +636,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         from rankwise.recipes.planner import predicted_train_peak_mb
         predicted = predicted_train_peak_mb(cfg, session.device, dist.world)
         if predicted is not None:
-            console.print(f"peak memory {mem.peak_mb:.1f} MiB ({mem.meter}); rankwise plan "
+            console.print(f"peak memory {metrics['peak_memory_mb']:.1f} MiB ({mem.meter}); rankwise plan "
                           f"predicted {predicted:.1f} MiB for the training steps at data.max_length="
                           f"{cfg.data.max_length} (evaluation is not planned)")
     return metrics
