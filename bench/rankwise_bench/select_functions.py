@@ -57,7 +57,7 @@ def family(record_id: str) -> str:
 
 
 def _raw(base: str, method: dict, steps: int, seed: int, select: dict | None = None, lr: float = 5e-3) -> dict:
-    raw = {"model": {"path": base, "task": "causal-lm"},
+    raw = {"model": {"path": base}, "task": {"name": "causal-lm"},
            "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 96,
                     "packing": False},
            "method": method, "optim": {"name": "adamw", "lr": lr},

@@ -16,6 +16,7 @@ from rankwise import registry
 from rankwise.cli import main
 from rankwise.recipes import plan as P
 from rankwise.recipes.config import build_run_config
+from rankwise.testing import error_lines
 
 SHAPE = dict(vocab_size=384, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
@@ -91,7 +92,7 @@ def test_plan_runs_on_every_registered_method_or_refuses_in_one_line(folders, tm
     method = METHODS[name]
     result = plan_cli(tmp_path, raw(folders["llama"], method))
     if name in REFUSED:
-        lines = result.output.strip().splitlines()
+        lines = error_lines(result.output)
         assert result.exit_code == 2 and len(lines) == 1, result.output
         assert f"method {name!r}" in lines[0] and REFUSED[name] in lines[0]
         return
@@ -108,7 +109,7 @@ def test_moe_models_plan_or_refuse_in_one_line_naming_the_method_and_layer(folde
     assert json.loads(ok.output)["activations_mb"] > 0
     # Qwen2-MoE's shared-expert gate is a 48 -> 1 linear layer: rank 4 cannot fit it
     bad = plan_cli(tmp_path, raw(folders["qwen2moe"], {"name": "lora", "r": 4, "targets": "all-linear"}))
-    lines = bad.output.strip().splitlines()
+    lines = error_lines(bad.output)
     assert bad.exit_code == 2 and len(lines) == 1, bad.output
     assert "method 'lora'" in lines[0] and "mlp.shared_expert_gate: rank 4" in lines[0]
     assert "method.exclude" in lines[0]

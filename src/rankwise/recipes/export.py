@@ -47,20 +47,20 @@ def load_run(run_dir: Path, model_path: str | Path | None = None):
     if not (run_dir / "config.yaml").is_file():
         raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
                             "of a finished 'rankwise train'")
-    cfg = load_run_config(run_dir / "config.yaml")
+    cfg = load_run_config(run_dir / "config.yaml", notice=False)
     if model_path is not None:
         cfg.model.path = str(model_path)
     entry = registry.get("method", cfg.method.name)
     if entry.trains == "full":
         if not (run_dir / "model" / "config.json").is_file():
             raise RankwiseError(f"{run_dir} has no trained model/ yet; let the run finish (or --resume it)")
-        model, tok = load_model(str(run_dir / "model"), get_task(cfg.model.task), cfg.model.num_labels)
+        model, tok = load_model(str(run_dir / "model"), get_task(cfg.task.name), cfg.model.num_labels)
         return cfg, model, tok
     if not (run_dir / "adapter").is_dir():
         raise RankwiseError(f"{run_dir} has no adapter/ yet; let the run finish (or --resume it)")
     m = cfg.model
     try:
-        model, tok = load_model(m.path, get_task(m.task), m.num_labels, seed=cfg.train.seed,
+        model, tok = load_model(m.path, get_task(cfg.task.name), m.num_labels, seed=cfg.train.seed,
                                 dtype=m.dtype, quantize=m.quantize, double_quant=m.double_quant,
                                 add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     except RankwiseError as err:

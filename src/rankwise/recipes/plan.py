@@ -186,7 +186,7 @@ def meta_model(cfg) -> nn.Module:
 
     from rankwise.engine import get_task
     from rankwise.recipes import model as rm
-    task = get_task(cfg.model.task)
+    task = get_task(cfg.task.name)
     auto = getattr(transformers, task.auto_class)
     if cfg.model.path in rm.TINY:
         config = rm._tiny_config(cfg.model.path, len(rm.load_tokenizer(cfg.model.path)),

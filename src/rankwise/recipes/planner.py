@@ -229,7 +229,7 @@ class Planner:
 
     def _uses_labels(self, cfg) -> bool:
         from rankwise import registry
-        return registry.get("task", cfg.model.task).builder().uses_labels
+        return registry.get("task", cfg.task.name).builder().uses_labels
 
     # -- --fit ----------------------------------------------------------------------------
     def fit(self, budget: int) -> tuple[list[str], P.Estimate] | None:

@@ -66,7 +66,9 @@ def config_hash(raw: dict) -> str:
         RankwiseError: If ``raw`` is not a valid run config.
     """
     from rankwise.recipes.config import build_run_config
+    from rankwise.recipes.legacy import old_shape
     resolved = json.loads(json.dumps(build_run_config(copy.deepcopy(raw)).to_dict(), default=str))
+    resolved = old_shape(resolved)  # the task as model.task + its side section: recorded runs still match
     for section, key in NOT_RESULTS:
         (resolved.get(section) or {}).pop(key, None)
     for (section, key), neutral in NEUTRAL_NEW:

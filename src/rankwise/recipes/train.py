@@ -66,7 +66,7 @@ class Session:
     dist: Distributed = field(default_factory=Distributed)
     scope: optim_scope.Scope | None = None  # what the optimizer updates its own way
     schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
-    sampler: Any = None  # data.order: gain-rl's sampler, built once (engine/gain_rl.py)
+    sampler: Any = None  # data.order: gain-rl's sampler, built once (tasks/grpo/gain_rl.py)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device (one batch, every
@@ -97,11 +97,11 @@ class Session:
         """GAIN-RL's sampler over the training prompts (their angle signals under the model as
         it is now; a resumed run restores the saved ones). One process only."""
         if self.sampler is None:
-            from rankwise.engine.gain_rl import GainRLSampler, prompt_signals
+            from rankwise.tasks.grpo.gain_rl import GainRLSampler, prompt_signals
             if self.dist.active:
                 raise RankwiseError("data.order: gain-rl samples from one process's view of the "
                                     "rewards; run it without torchrun or set data.order: uniform")
-            g = self.cfg.grpo.gain_rl
+            g = self.cfg.task.gain_rl
             scores = prompt_signals(self.model, self.train_data.prompts, g, self.device)
             self.sampler = GainRLSampler(scores, g, self.cfg.train.grad_accum, self.cfg.train.seed)
             self.task.sampler = self.sampler
@@ -179,10 +179,9 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     problem = precision_problem(cfg.train.precision, device)
     if problem:
         raise RankwiseError(problem)
-    task = get_task(cfg.model.task, cfg.dpo or cfg.grpo or cfg.memory_decoder)
-    if cfg.memory_decoder is not None:  # the datastore's base loads as model.path would
-        task.base_loader = lambda path, dev: load_model(path, get_task("causal-lm"), seed=cfg.train.seed,
-                                                        device=dev)[0].to(dev).eval()
+    task = get_task(cfg.task)
+    task.model_loader = lambda path, dev: load_model(path, "causal-lm", seed=cfg.train.seed,  # as model.path
+                                                     device=dev)[0].to(dev).eval()  # (memory decoder's base)
     if tokenizer is None and cfg.model.train_tokenizer is not None:
         raise RankwiseError("model.train_tokenizer is learned by rankwise train into its run folder; "
                             "train first, then point model.path at the run's model/ folder")
@@ -227,7 +226,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     if not any(p.requires_grad for p in model.parameters()):
         if not hasattr(cfg.method, "targets"):  # frozen: only a task head trains
             raise RankwiseError(f"method {cfg.method.name!r} trains only the task head, and a "
-                                f"{cfg.model.task} model has none; choose an adapter method such "
+                                f"{cfg.task.name} model has none; choose an adapter method such "
                                 "as lora")
         raise RankwiseError(f"method {cfg.method.name!r} left nothing trainable; check method.targets")
     for p in model.parameters():  # master weights: a head copied from a bf16 base trains in fp32
@@ -245,7 +244,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
                  cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
     if getattr(task, "snapshot", None) is not None and dist.active and dist.kind == "fsdp":
         raise RankwiseError("the reference 'initial' swaps in a copy of the weights, which FSDP2 "
-                            "shards; use train.distributed: ddp (or, for DPO, dpo.reference: precomputed)")
+                            "shards; use train.distributed: ddp (or, for DPO, task.reference: precomputed)")
     if cfg.data.packing:
         session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
     if cfg.train.compile:  # the blocks compiled; a method dynamo cannot trace is refused here
@@ -343,7 +342,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
     if cfg_file.exists():
         saved = yamlfile.load(cfg_file.read_text()) or {}
         try:  # fill keys added since the run was written with their defaults
-            saved = yaml.safe_load(yaml.safe_dump(build_run_config(saved).to_dict()))
+            saved = yaml.safe_load(yaml.safe_dump(build_run_config(saved, notice=False).to_dict()))
         except RankwiseError:
             pass  # compared as written
         now = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
@@ -351,7 +350,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
             d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
-            d.get("grpo", {}).pop("rewards_dir", None)  # where the config was read: same rewards
+            d.get("task", {}).pop("rewards_dir", None)  # where the config was read: same rewards
             if (now.get("model") or {}).get("adapter"):  # the method is model.adapter's, read
                 d.pop("method", None)                    # again by prepare (config.yaml has it)
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:

@@ -1,4 +1,4 @@
-"""``model.task: memory-decoder`` through ``rankwise train`` and ``rankwise generate
+"""``task: {name: memory-decoder}`` through ``rankwise train`` and ``rankwise generate
 --memory-decoder``: the run logs the objective's KL and CE parts, resumes exactly, and the CLI's completion is the
 two-cache mixture of the base and the trained decoder; another tokenizer, and a datastore too
 large for a flat index, are refused in one line (exit 2)."""
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("faiss")
 
 from rankwise.data.formats import end_id  # noqa: E402
-from rankwise.engine.memory_generation import generate_with_memory  # noqa: E402
+from rankwise.tasks.memory_decoder.generation import generate_with_memory  # noqa: E402
 from rankwise.recipes.config import load_run_config  # noqa: E402
 from rankwise.recipes.generate import load_for_generation  # noqa: E402
 from rankwise.recipes.train import train  # noqa: E402
@@ -82,4 +82,4 @@ def test_memory_decoder_run_logs_resumes_and_generates_the_mixture(runs, tmp_pat
     raw = raw_config(runs / "text.jsonl", runs / "base" / "model")
     raw["memory_decoder"].update(index="flat", flat_max_mb=0.001)
     assert_user_error(invoke("train", write_yaml(tmp_path / "c.yaml", raw), "--out", tmp_path / "flat"),
-                      "flat index", "memory_decoder.index: ivf")
+                      "flat index", "task.index: ivf")

@@ -1,4 +1,4 @@
-"""``model.task: dpo`` through ``rankwise train``: it logs rewards and log-probs, its
+"""``task: {name: dpo}`` through ``rankwise train``: it logs rewards and log-probs, its
 ``eval_reward_margin`` / ``eval_reward_accuracy`` are those of the saved adapter against the base
 (recomputed here by hand), it resumes exactly and exports; full fine-tuning precomputes the
 reference of the initial weights; bad pairs are dropped and counted, or refused with one line."""
@@ -19,15 +19,15 @@ import torch
 
 from rankwise.core.ops import disable_adapters
 from rankwise.data.instruct import load_function_records
-from rankwise.data.preference import build_pair_data
+from rankwise.tasks.dpo.data import build_pair_data
 from rankwise.engine import get_task
-from rankwise.engine.preference import completion_logps
+from rankwise.tasks.dpo.task import completion_logps
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_tokenizer
 from rankwise.recipes.train import prepare, train
 from test_cli_errors import assert_user_error, invoke, write_yaml
-from test_train import default_sigint
+from tests.recipes.test_train import default_sigint
 
 
 def pair_records(n: int = 24) -> list[dict]:
@@ -106,7 +106,7 @@ def test_lora_dpo_logs_rewards_matches_a_hand_count_resumes_and_exports(pairs_js
 
 def grpo_raw(tmp_path: Path, steps: int) -> dict:
     """The tiny GRPO run of test_grpo_run (2 prompts x G=3, 4-token completions)."""
-    from test_grpo_run import raw_config as grpo_config, records
+    from tests.tasks.grpo.test_grpo_run import raw_config as grpo_config, records
     files = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     for f, n in zip(files, (8, 3)):
         f.write_text("".join(json.dumps(r) + "\n" for r in records(n)))
@@ -212,10 +212,12 @@ def test_bad_input_is_one_line(case, tmp_path):
 
 
 def test_dpo_section_defaults_are_recorded():
-    cfg = load_run_config(None, base={"model": {"path": "tiny-llama", "task": "dpo"}})
-    assert cfg.to_dict()["dpo"] == {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0,
-                                    "reference": "auto"}
-    assert get_task("dpo", cfg.dpo).config is cfg.dpo
+    cfg = load_run_config(None, base={"model": {"path": "tiny-llama"}, "task": {"name": "dpo"}})
+    assert cfg.to_dict()["task"] == {"name": "dpo", "loss": "sigmoid", "beta": 0.1,
+                                     "label_smoothing": 0.0, "reference": "auto"}
+    assert get_task(cfg.task).config is cfg.task
+    old = load_run_config(None, base={"model": {"path": "tiny-llama", "task": "dpo"}})  # old spelling
+    assert old.to_dict() == cfg.to_dict()
 
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} [SEP] {% endfor %}"

@@ -4,7 +4,7 @@ Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in
 Models", eq. 3 (the GRPO objective) with eq. 4 (the k3 estimate of the KL to the reference). For
 each prompt ``q`` the policy samples a group of ``G`` completions ``o_1..o_G`` (through
 :func:`rankwise.engine.generation.sample_groups`: ``model.generate`` with the KV cache), the
-reward functions (:mod:`rankwise.engine.rewards`) score them, and each completion's advantage is
+reward functions (:mod:`rankwise.tasks.grpo.rewards`) score them, and each completion's advantage is
 its reward relative to its group (``scale_rewards: group``)::
 
     A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (std with Bessel's correction)
@@ -14,7 +14,7 @@ policy: one update per generation, so ``rho = 1`` in value and its gradient is t
 gradient) and ``D = exp(ref - logp) - (ref - logp) - 1`` (the reference ``ref`` is the same
 network with its adapters switched off, :func:`rankwise.core.ops.disable_adapters`, or, for a run
 that starts from ``model.adapter``, that starting model: ``grpo.reference``,
-:mod:`rankwise.engine.reference`)::
+:mod:`rankwise.tasks.reference`)::
 
     l_t = -min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) + beta rho D
 
@@ -38,132 +38,20 @@ early stopping work).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-from rankwise.engine import rewards as R
-from rankwise.engine.reference import WeightSnapshot, reference, resolve
 from rankwise.engine.generation import sample_groups
 from rankwise.engine.task import Task
+from rankwise.tasks.common import lm_example, write_records
+from rankwise.tasks.grpo import rewards as R
+from rankwise.tasks.grpo.config import LOSS_TYPES, GainRLConfig, GRPOConfig  # noqa: F401  (re-exported)
+from rankwise.tasks.grpo.data import build_prompt_data
+from rankwise.tasks.reference import WeightSnapshot, reference, resolve
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
-
-
-@dataclass
-class GainRLConfig:
-    """GAIN-RL's data order and sampler (``data.order: gain-rl``; :mod:`rankwise.engine.gain_rl`).
-
-    Attributes:
-        prefix_tokens: Leading prompt tokens that form the shared prefix (system text, few-shot
-            examples); the released code's 110. The rest, less ``tail_tokens``, is the question.
-        tail_tokens: Trailing prompt tokens left out (the generation prompt); the released 6.
-        inter_weight: Weight of the question-to-prefix term (released: 8).
-        reading: ``pairs`` (the means over the token pairs each term names) or ``released`` (the
-            released code's double row slice and masked zeros).
-        pool: Prompts drawn per sampler loop (released: 256; capped at the data size).
-        sigma: The Gaussian's width as a fraction of the data size (released: 1000 of 7,500
-            MATH prompts).
-        move: The centre's step scale as a fraction of the data size (released: 500 of 7,500).
-        reward_max: The reward a correct completion gets (accuracy = mean reward / reward_max).
-    """
-
-    prefix_tokens: int = 0
-    tail_tokens: int = 0
-    inter_weight: float = 8.0
-    reading: Literal["pairs", "released"] = "pairs"
-    pool: int = 256
-    sigma: float = 0.1333
-    move: float = 0.0667
-    reward_max: float = 1.0
-
-
-@dataclass
-class GRPOConfig:
-    """The ``grpo:`` section (``model.task: grpo``).
-
-    Attributes:
-        rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
-            ``length-penalty``), ``module:function`` (:mod:`rankwise.engine.rewards`), or Python
-            callables given to ``rankwise.train`` (recorded as names).
-        reward_weights: One weight per reward (``null``: all 1); the reward is their weighted sum.
-        num_generations: ``G``, completions per prompt (>= 2).
-        max_completion_length: New tokens per completion, at most.
-        temperature: Sampling temperature of the groups (> 0).
-        top_p: Nucleus sampling mass.
-        beta: KL strength ``beta`` (0: no reference forward).
-        epsilon: Clip range below 1 (and above, unless ``epsilon_high``).
-        epsilon_high: Clip range above 1 (DAPO's clip-higher); ``null``: ``epsilon``.
-        kl_ratio: Multiply the KL term by the ratio ``rho`` (1 in value; it changes the
-            gradient into the unbiased reverse-KL gradient, DeepSeek-V3.2; TRL 1.16's
-            ``use_bias_correction_kl``, on by default there too).
-        loss_type: ``grpo``, ``dr_grpo`` or ``dapo`` (see the module docstring).
-        scale_rewards: ``group`` (divide by the group's std), ``batch`` (by the step's) or
-            ``none`` (Dr. GRPO).
-        answer_field: The record field ``exact-match`` / ``regex``'s ``{answer}`` compare with.
-        pattern: ``regex``'s pattern.
-        length_target: ``length-penalty``'s characters per unit of penalty.
-        gain_rl: GAIN-RL's settings (used with ``data.order: gain-rl``).
-        rewards_dir: A folder ``module:function`` rewards are also imported from, after
-            ``PYTHONPATH`` (``null``: the config file's folder; ``config.yaml`` records it).
-        reference: The KL's reference: ``adapters-off`` (the base), ``initial`` (the model as
-            the run starts, from a frozen copy of its trainable tensors; with ``model.adapter``
-            or a full fine-tune) or ``auto`` (``initial`` with ``model.adapter``, else
-            ``adapters-off``).
-    """
-
-    rewards: list[str] = field(default_factory=lambda: ["exact-match"])
-    reward_weights: Union[list[float], None] = None
-    num_generations: int = 8
-    max_completion_length: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    beta: float = 0.04
-    epsilon: float = 0.2
-    epsilon_high: Union[float, None] = None
-    kl_ratio: bool = True
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    answer_field: str = "answer"
-    pattern: Union[str, None] = None
-    length_target: int = 200
-    gain_rl: GainRLConfig = field(default_factory=GainRLConfig)
-    rewards_dir: Union[str, None] = None
-    reference: Literal["auto", "adapters-off", "initial"] = "auto"
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
-        if self.num_generations < 2:
-            out.append(f"num_generations: got {self.num_generations}; GRPO's advantages compare "
-                       "completions within a group, so it needs >= 2")
-        if not self.rewards:
-            out.append("rewards: got none; name at least one reward function")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            out.append(f"reward_weights: got {len(self.reward_weights)} for {len(self.rewards)} "
-                       "rewards; give one weight per reward or null")
-        if self.max_completion_length < 1:
-            out.append(f"max_completion_length: got {self.max_completion_length}; expected >= 1")
-        if not self.temperature > 0:
-            out.append(f"temperature: got {self.temperature}; GRPO samples its groups, expected > 0")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p: got {self.top_p}; expected a value in (0, 1]")
-        if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0:
-            out.append("beta, epsilon and epsilon_high must be >= 0")
-        if self.length_target < 1:
-            out.append(f"length_target: got {self.length_target}; expected characters >= 1")
-        g = self.gain_rl
-        if g.prefix_tokens < 0 or g.tail_tokens < 0 or g.pool < 1 or not g.sigma > 0 or g.move < 0 \
-                or not g.reward_max > 0:
-            out.append("gain_rl: prefix_tokens, tail_tokens >= 0, pool >= 1, sigma > 0, move >= 0, "
-                       "reward_max > 0")
-        for name in self.rewards:
-            if name not in R.BUILTINS and ":" not in name:
-                out.append(f"rewards: got {name!r}; expected one of {R.BUILTINS} or 'module:function'")
-        return out
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") -> torch.Tensor:
@@ -207,15 +95,15 @@ class GRPOTask(Task):
     tokens (``dapo``).
 
     Args:
-        config: The ``grpo:`` section (default: :class:`GRPOConfig`).
+        config: The ``task:`` section (default: :class:`GRPOConfig`).
     """
 
     name = "grpo"
     auto_class = "AutoModelForCausalLM"
-    prompts_only = True  # the data pipeline builds prompts (rankwise.data.prompts)
 
     def __init__(self, config: GRPOConfig | None = None) -> None:
-        self.config = c = config or GRPOConfig()
+        super().__init__(config or GRPOConfig())
+        c = self.config
         self.fns = {name: R.resolve(name, c.answer_field, c.pattern, c.length_target, c.rewards_dir)
                     for name in c.rewards}
         self.weights = list(c.reward_weights or [1.0] * len(c.rewards))
@@ -225,10 +113,24 @@ class GRPOTask(Task):
         self.sampler: Any = None           # GAIN-RL's sampler, told each step's accuracy
         self._sums: dict[str, float] = {}
         self.samples: list[dict] = []      # this step's samples, for samples.jsonl
-        self.from_adapter = False          # the run starts from model.adapter (set by the recipe)
         self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
 
     # ----- data ---------------------------------------------------------------------------------
+    @classmethod
+    def example(cls, folder):
+        """``tiny-llama`` answering sums (exact-match and length rewards, groups of 3)."""
+        records = [{"prompt": f"add {i} and {i + 1}\n", "answer": str(2 * i + 1)} for i in range(8)]
+        source = write_records(Path(folder) / "prompts.jsonl", records)
+        return lm_example(folder, {"name": cls.name, "rewards": ["exact-match", "length-penalty"],
+                                   "num_generations": 3, "max_completion_length": 4},
+                          data={"source": source, "eval_source": source, "max_length": 16},
+                          train={"steps": 2, "batch_size": 2, "eval_batch_size": 4, "save_every": 1,
+                                 "log_every": 1, "progress": False})
+
+    def records(self, data_cfg, tokenizer, progress=False):
+        """The ``data:`` section's prompts and their fields (:func:`rankwise.tasks.grpo.data.build_prompt_data`)."""
+        return build_prompt_data(data_cfg, tokenizer, progress)
+
     def collate(self, items, pad_id):
         """Prompts as lists in ``prompt_ids`` (``(B, P)``, right-padded; rolled out by
         :meth:`before_step`), ``row`` / ``data`` locate each record."""
@@ -244,8 +146,8 @@ class GRPOTask(Task):
 
     def prepare(self, model, datasets, trains_full, batch_size, device):
         """Remember the datasets (their texts and fields feed the rewards) and the EOS token;
-        resolve ``grpo.reference`` (``initial``: copy the trainable tensors now)."""
-        mode = resolve(self.config.reference, "grpo", trains_full, self.from_adapter, "adapters-off")
+        resolve ``task.reference`` (``initial``: copy the trainable tensors now)."""
+        mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "adapters-off")
         if mode == "initial" and self.config.beta != 0.0:
             self.snapshot = WeightSnapshot(model)
         for d in datasets:

@@ -17,7 +17,7 @@ The paper writes [O] as ``beta * KL + (1 - beta) * CE`` with ``beta = 0.5`` (its
 the authors' ``utils/cal_loss.py``); its equation numbers were not checked against the PDF, so
 this code cites the objective [O] and the interpolation [I] by name. At decode time the base
 and the memory decoder are mixed in log space ([I]), see
-:mod:`rankwise.engine.memory_generation`.
+:mod:`rankwise.tasks.memory_decoder.generation`.
 
 The base model is frozen and only read once, in :meth:`MemoryDecoderTask.prepare`: the
 datastore (faiss, ``IndexFlatL2`` or ``IndexIVFFlat`` by size) and the sparse targets of
@@ -28,21 +28,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.engine.task import IGNORE, CausalLMTask, Task, pad
+from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.errors import RankwiseError, require
+from rankwise.tasks.common import CausalLMTask, lm_example
 
 
 @dataclass
-class MemoryDecoderConfig:
-    """The ``memory_decoder:`` section (``model.task: memory-decoder``).
+class MemoryDecoderConfig(TaskConfig):
+    """The ``task:`` section of ``task: {name: memory-decoder, base: ...}``.
 
     Attributes:
+        name: ``memory-decoder``.
         base: The base model's folder (a transformers causal LM with the memory decoder's
             tokenizer) whose hidden states fill the datastore.
         k: Neighbours per query (the paper's 1024).
@@ -61,6 +63,9 @@ class MemoryDecoderConfig:
         lam: ``lambda``, the memory decoder's share when it is mixed with a base at generation.
     """
 
+    paths: ClassVar[tuple[str, ...]] = ("base",)
+
+    name: str = "memory-decoder"
     base: str = ""
     k: int = 1024
     temperature: float = 10.0
@@ -77,7 +82,7 @@ class MemoryDecoderConfig:
         """Return value errors."""
         out = []
         if not self.base:
-            out.append("base: empty; set memory_decoder.base to the base model's folder")
+            out.append("base: empty; set task.base to the base model's folder")
         if min(self.k, self.target_tokens, self.ivf_probe) < 1 or min(self.temperature, self.flat_max_mb) <= 0:
             out.append(f"k, target_tokens, temperature, flat_max_mb, ivf_probe: got {self.k}, "
                        f"{self.target_tokens}, {self.temperature}, {self.flat_max_mb}, {self.ivf_probe}; "
@@ -90,6 +95,13 @@ class MemoryDecoderConfig:
         if self.index not in ("auto", "flat", "ivf"):
             out.append(f"index: got {self.index!r}; expected auto, flat or ivf")
         return out
+
+    def run_problems(self, run: Any) -> list[str]:
+        """The kNN targets belong to whole examples: packing and a length schedule are refused."""
+        if run.data.packing or run.data.schedule != "none":
+            return ["data.packing and data.schedule are not supported with task.name: memory-decoder "
+                    "(its kNN targets belong to whole examples); remove them"]
+        return []
 
 
 def knn_distribution(dists: torch.Tensor, values: torch.Tensor, vocab: int, temperature: float,
@@ -155,7 +167,7 @@ class Datastore:
 
     Raises:
         RankwiseError: ``index: flat`` above ``flat_max_mb`` (the one-line fix is
-            ``memory_decoder.index: ivf``), or faiss missing (``pip install 'rankwise[memory]'``).
+            ``task.index: ivf``), or faiss missing (``pip install 'rankwise[memory]'``).
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, config: MemoryDecoderConfig) -> None:
@@ -169,7 +181,7 @@ class Datastore:
         if kind == "flat" and need_mb > config.flat_max_mb:
             raise RankwiseError(
                 f"a flat index of {n} keys x {d} dims needs {need_mb:.0f} MiB, above "
-                f"memory_decoder.flat_max_mb={config.flat_max_mb:g}; set memory_decoder.index: ivf")
+                f"task.flat_max_mb={config.flat_max_mb:g}; set task.index: ivf")
         self.values, self.kind = values.long(), kind
         x = keys.float().contiguous().numpy()
         if kind == "flat":
@@ -283,7 +295,7 @@ class MemoryDecoderTask(Task):
     base model's kNN distribution and the next token.
 
     Args:
-        config: The ``memory_decoder:`` section (default: :class:`MemoryDecoderConfig`).
+        config: The ``task:`` section (default: :class:`MemoryDecoderConfig`).
     """
 
     name = "memory-decoder"
@@ -291,10 +303,17 @@ class MemoryDecoderTask(Task):
     eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
 
     def __init__(self, config: MemoryDecoderConfig | None = None) -> None:
-        self.config = config or MemoryDecoderConfig()
+        super().__init__(config or MemoryDecoderConfig())
         self.targets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.store: Datastore | None = None
-        self.base_loader: Callable[[str, str], nn.Module] = _load_base
+        self.base_loader: Callable[[str, str], nn.Module] = self._load_base  # tests replace it
+
+    @classmethod
+    def example(cls, folder):
+        """A full ``tiny-llama`` decoder imitating the kNN distribution of an in-code
+        ``tiny-llama`` base over code snippets (k=8)."""
+        return lm_example(folder, {"name": cls.name, "base": "tiny-llama", "k": 8, "temperature": 5.0},
+                          method={"name": "full"}, optim={"name": "adamw", "lr": 0.01})
 
     def collate(self, items, pad_id):
         """Pad ``input_ids`` (labels = the ids, ``-100`` on padding) and add the prepared
@@ -358,7 +377,7 @@ class MemoryDecoderTask(Task):
 
     def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
                 device: str) -> str:
-        """Load the base (``memory_decoder.base``), fill the datastore from the training data
+        """Load the base (``task.base``), fill the datastore from the training data
         (``datasets[0]``) and keep the kNN targets of every dataset's examples.
 
         Raises:
@@ -382,6 +401,14 @@ class MemoryDecoderTask(Task):
         return store.kind
 
 
+    def _load_base(self, path: str, device: str) -> nn.Module:
+        """The base, through the run's :attr:`model_loader` (as ``model.path`` loads), else
+        transformers' ``AutoModelForCausalLM``."""
+        if self.model_loader is not None:
+            return self.model_loader(path, device)
+        return _load_base(path, device)
+
+
 def _vocab(model: nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
@@ -391,7 +418,7 @@ def _load_base(path: str, device: str) -> nn.Module:
 
     from transformers import AutoModelForCausalLM
     if not path or not (Path(path) / "config.json").is_file():
-        raise RankwiseError(f"memory_decoder.base {path!r} is not a model folder (no config.json); "
+        raise RankwiseError(f"task.base {path!r} is not a model folder (no config.json); "
                             "set it to the base causal LM's folder")
     return AutoModelForCausalLM.from_pretrained(path).to(device).eval()
 

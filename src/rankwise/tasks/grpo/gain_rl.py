@@ -115,7 +115,7 @@ class GainRLSampler:
 
     Args:
         scores: Each training prompt's angle signal.
-        cfg: The :class:`~rankwise.engine.grpo.GainRLConfig`.
+        cfg: The :class:`~rankwise.tasks.grpo.task.GainRLConfig`.
         grad_accum: Micro-batches per step.
         seed: Seeds each loop's draw (with the loop's number).
     """

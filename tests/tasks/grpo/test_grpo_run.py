@@ -1,4 +1,4 @@
-"""``model.task: grpo`` through ``rankwise train``: it logs rewards and writes samples.jsonl,
+"""``task: {name: grpo}`` through ``rankwise train``: it logs rewards and writes samples.jsonl,
 resumes exactly (same samples, same adapter) and reports eval_reward_mean; bad input ends with one
 line and exit 2 (a reward that cannot be imported, raises, or returns NaN naming the record;
 G < 2; data.order: gain-rl without grpo)."""
@@ -103,4 +103,4 @@ def test_gain_rl_order_needs_grpo(tmp_path):
     raw = {"model": {"path": "tiny-llama", "task": "causal-lm"},
            "data": {"source": "stdlib-functions", "format": "prompt-completion", "order": "gain-rl"}}
     cfg = write_yaml(tmp_path / "c.yaml", raw)
-    assert_user_error(invoke("train", cfg, "--out", tmp_path / "run"), "gain-rl", "model.task: grpo")
+    assert_user_error(invoke("train", cfg, "--out", tmp_path / "run"), "gain-rl", "task.name: grpo")

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
 from rankwise.core.protocol import adapter_modules, factors
-from rankwise.engine.preference import DPOConfig, DPOTask, completion_logps, dpo_losses
+from rankwise.tasks.dpo.task import DPOConfig, DPOTask, completion_logps, dpo_losses
 from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -106,7 +106,7 @@ def test_completion_logps_skip_the_prompt():
 
 
 def test_evaluation_in_slices_of_whole_pairs_gives_the_same_metrics():
-    from rankwise.data.preference import PairData
+    from rankwise.tasks.dpo.data import PairData
     from rankwise.engine import evaluate
     model = tiny_llama_lm(seed=0)
     registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))

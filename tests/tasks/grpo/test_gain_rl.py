@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from rankwise.engine.gain_rl import GainRLSampler, angle_signal, centre_step, last_mlp, prompt_signals
+from rankwise.tasks.grpo.gain_rl import GainRLSampler, angle_signal, centre_step, last_mlp, prompt_signals
 from rankwise.testing import tiny_llama_lm
 
 

@@ -11,9 +11,9 @@ from torch.nn import functional as F
 
 pytest.importorskip("faiss")
 
-from rankwise.engine.memory_decoder import (Datastore, MemoryDecoderConfig, MemoryDecoderTask,  # noqa: E402
+from rankwise.tasks.memory_decoder.task import (Datastore, MemoryDecoderConfig, MemoryDecoderTask,  # noqa: E402
                                             head_inputs, knn_distribution, memdec_loss)
-from rankwise.engine.memory_generation import generate_with_memory, interpolate  # noqa: E402
+from rankwise.tasks.memory_decoder.generation import generate_with_memory, interpolate  # noqa: E402
 from rankwise.errors import RankwiseError  # noqa: E402
 from rankwise.testing import tiny_llama64  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_flat_index_above_its_memory_names_the_ivf_option():
     with pytest.raises(RankwiseError) as err:
         Datastore(keys, torch.zeros(1024, dtype=torch.long),
                   MemoryDecoderConfig(base="x", index="flat", flat_max_mb=0.1))
-    assert "\n" not in str(err.value) and "memory_decoder.index: ivf" in str(err.value)
+    assert "\n" not in str(err.value) and "task.index: ivf" in str(err.value)
     auto = Datastore(keys, torch.zeros(1024, dtype=torch.long),
                      MemoryDecoderConfig(base="x", index="auto", flat_max_mb=0.1))
     assert auto.kind == "ivf"

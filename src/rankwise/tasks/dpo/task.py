@@ -19,30 +19,36 @@ The reference ``pi_ref`` is the same network with its adapters switched off
 log-probabilities computed once before training with the initial weights and kept with the
 dataset (:meth:`DPOTask.prepare`), or, for a run that starts from an existing adapter
 (``model.adapter``), that starting model through a frozen copy of its trainable tensors
-(``initial``, :mod:`rankwise.engine.reference`; TRL's ``ref`` adapter). A batch holds the chosen
+(``initial``, :mod:`rankwise.tasks.reference`; TRL's ``ref`` adapter). A batch holds the chosen
 rows, then the rejected rows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.engine.reference import WeightSnapshot, reference, resolve
-from rankwise.engine.task import IGNORE, CausalLMTask, Task, pad
+from rankwise import registry
+from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
+from rankwise.errors import RankwiseError
+from rankwise.tasks.common import CausalLMTask, lm_example, write_records
+from rankwise.tasks.dpo.data import build_pair_data
+from rankwise.tasks.reference import WeightSnapshot, reference, resolve
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
 
 @dataclass
-class DPOConfig:
-    """The ``dpo:`` section (``model.task: dpo``).
+class DPOConfig(TaskConfig):
+    """The ``task:`` section of ``task: {name: dpo}``.
 
     Attributes:
-        loss: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (see :mod:`rankwise.engine.preference`).
+        name: ``dpo``.
+        loss: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (see :mod:`rankwise.tasks.dpo.task`).
         beta: The KL strength ``beta`` (IPO's ``tau``).
         label_smoothing: Conservative DPO's ``eps`` in [0, 0.5): the share of pairs assumed
             mislabelled (``sigmoid`` only).
@@ -54,6 +60,7 @@ class DPOConfig:
             for methods that train every weight, else ``adapters-off``).
     """
 
+    name: str = "dpo"
     loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -68,6 +75,25 @@ class DPOConfig:
             out.append(f"label_smoothing: got {self.label_smoothing}; expected a value in [0, 0.5)")
         if self.label_smoothing and self.loss != "sigmoid":
             out.append(f"label_smoothing: applies to loss sigmoid only (got loss {self.loss}); set it to 0")
+        return out
+
+    def run_problems(self, run: Any) -> list[str]:
+        """The reference must exist (``initial`` needs a start); pairs are scored whole, on their
+        completions, so packing, samples, prompt targets and a length schedule are refused."""
+        out = []
+        trains_full = registry.get("method", run.method.name).trains == "full"
+        try:
+            resolve(self.reference, "task", trains_full, bool(run.model.adapter), "adapters-off")
+        except RankwiseError as err:
+            out.append(str(err))
+        d = run.data
+        if d.packing or run.eval.samples or d.train_on_prompt:
+            what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
+            out.append(f"{what} is not supported with task.name: dpo (pairs are scored whole, on "
+                       "their completions); remove it")
+        if d.schedule != "none":
+            out.append("data.schedule: skrull schedules single sequences, and task.name: dpo trains "
+                       "pairs; set data.schedule: none")
         return out
 
 
@@ -132,22 +158,33 @@ class DPOTask(Task):
 
     Examples are ``{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`` and,
     with a precomputed reference, ``"ref_logps"`` ``[chosen, rejected]``
-    (:mod:`rankwise.data.preference` builds them).
+    (:mod:`rankwise.tasks.dpo.data` builds them).
 
     Args:
-        config: The ``dpo:`` section (default: :class:`DPOConfig`).
+        config: The ``task:`` section (default: :class:`DPOConfig`).
     """
 
     name = "dpo"
     auto_class = "AutoModelForCausalLM"
-    paired = True  # the data pipeline builds pairs (rankwise.data.preference)
     eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
 
     def __init__(self, config: DPOConfig | None = None) -> None:
-        self.config = config or DPOConfig()
+        super().__init__(config or DPOConfig())
         self._sums: dict[str, float] = {}
-        self.from_adapter = False  # the run starts from model.adapter (set by the recipe)
         self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
+
+    @classmethod
+    def example(cls, folder):
+        """``tiny-llama`` preferring a function's body to ``pass`` (12 pairs)."""
+        pairs = [{"prompt": f"def f{i}(x):\n", "chosen": f"    return x + {i}", "rejected": "    pass"}
+                 for i in range(12)]
+        return lm_example(folder, {"name": cls.name, "beta": 0.2},
+                          data={"source": write_records(Path(folder) / "pairs.jsonl", pairs),
+                                "max_length": 24, "eval_fraction": 0.25})
+
+    def records(self, data_cfg, tokenizer, progress=False):
+        """The ``data:`` section's preference pairs (:func:`rankwise.tasks.dpo.data.build_pair_data`)."""
+        return build_pair_data(data_cfg, tokenizer, progress)
 
     def collate(self, items, pad_id):
         """Rows ``0..B-1`` are the chosen completions, ``B..2B-1`` the rejected ones."""
@@ -224,9 +261,9 @@ class DPOTask(Task):
 
     def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
                 device: str) -> str:
-        """Resolve ``dpo.reference`` and, for ``precomputed``, store the reference log-probs of
+        """Resolve ``task.reference`` and, for ``precomputed``, store the reference log-probs of
         the model as it is now (before the first step) with each dataset (``ref_logps``); for
-        ``initial``, copy its trainable tensors (:class:`~rankwise.engine.reference.WeightSnapshot`).
+        ``initial``, copy its trainable tensors (:class:`~rankwise.tasks.reference.WeightSnapshot`).
 
         Returns:
             The reference in force (``adapters-off``, ``precomputed`` or ``initial``).
@@ -234,7 +271,7 @@ class DPOTask(Task):
         Raises:
             RankwiseError: ``initial`` for an adapter trained from scratch.
         """
-        mode = resolve(self.config.reference, "dpo", trains_full, self.from_adapter, "precomputed")
+        mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "precomputed")
         if mode == "initial":
             self.snapshot = WeightSnapshot(model)
         if mode == "precomputed":

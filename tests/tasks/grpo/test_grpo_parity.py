@@ -13,8 +13,8 @@ import torch
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
 from rankwise.core.protocol import adapter_modules, factors
-from rankwise.data.prompts import PromptData
-from rankwise.engine.grpo import GRPOConfig, GRPOTask, group_advantages
+from rankwise.tasks.grpo.data import PromptData
+from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, group_advantages
 from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]

@@ -1,4 +1,4 @@
-"""Reward functions of ``model.task: grpo``: built-ins and ``module:function`` callables.
+"""Reward functions of ``task.name: grpo``: built-ins and ``module:function`` callables.
 
 A reward function has TRL's signature, so functions written for ``trl.GRPOTrainer`` port
 unchanged::

@@ -1,4 +1,4 @@
-"""Preference pairs for ``model.task: dpo``: records ``{prompt, chosen, rejected}`` -> token ids.
+"""Preference pairs for ``task.name: dpo``: records ``{prompt, chosen, rejected}`` -> token ids.
 
 Each record becomes two sequences, ``prompt + chosen`` and ``prompt + rejected``, whose labels
 are ``-100`` on the prompt (the DPO log-probability sums the completion tokens only):
@@ -141,7 +141,7 @@ def build_pair_data(data_cfg, tokenizer, progress: bool = False) -> tuple[PairDa
     """
     quiet_datasets(progress)
     if data_cfg.source in ("demo", "stdlib-functions"):
-        raise RankwiseError(f"data.source {data_cfg.source} has no preference pairs; model.task dpo "
+        raise RankwiseError(f"data.source {data_cfg.source} has no preference pairs; task.name dpo "
                             "needs a file of {prompt, chosen, rejected} records")
     template = resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.format == "chat" else None
     enc = Encoder(tokenizer, "chat" if data_cfg.format == "chat" else "prompt-completion",

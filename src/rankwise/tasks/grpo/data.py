@@ -1,4 +1,4 @@
-"""Prompts for ``model.task: grpo``: records ``{prompt, ...}`` -> prompt token ids + their fields.
+"""Prompts for ``task.name: grpo``: records ``{prompt, ...}`` -> prompt token ids + their fields.
 
 The prompt (``data.prompt_field``) is encoded as training encodes one: ``prefix + prompt`` for
 plain text (``data.format: text`` or ``prompt-completion``), or, for ``chat``, the template's
@@ -121,7 +121,7 @@ def _read(source: str, data_cfg, enc: Encoder, eval_fraction: float | None):
         from rankwise.data.text import builtin_dataset
         raw = builtin_dataset(source)
     elif source == "demo":
-        raise RankwiseError("data.source demo has no prompts to answer; model.task grpo needs "
+        raise RankwiseError("data.source demo has no prompts to answer; task.name: grpo needs "
                             "stdlib-functions or a file of {prompt, ...} records")
     else:
         raw = read_dataset(source, data_cfg.cache_dir)
