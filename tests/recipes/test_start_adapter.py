@@ -24,7 +24,7 @@ from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_model
 from rankwise.recipes.train import prepare, train
-from test_dpo_run import pair_records
+from tests.tasks.dpo.test_dpo_run import pair_records
 
 TARGETS = ["q_proj", "v_proj"]
 
