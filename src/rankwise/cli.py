@@ -182,24 +182,30 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
 @click.option("--steer-mask", type=float, default=None, help="SVDecode mask ratio tau (default 0.1).")
 @click.option("--steer-strength", type=float, default=None, help="SVDecode lambda on mu* (default 1; 0 = plain).")
 @click.option("--steer-max-mu", type=float, default=None, help="SVDecode clip of mu* (default 4).")
+@click.option("--steer-mu", type=float, default=None,
+              help="A fixed SVDecode mu* instead of calibrating it on the warm-start run's data.")
+@click.option("--steer-calib", type=int, default=None,
+              help="Warm-start training examples that calibrate mu* (default 64).")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
              kv_bits: int, model_path: Path | None, steer: str | None, steer_from: Path | None,
              steer_mask: float | None, steer_strength: float | None,
-             steer_max_mu: float | None, memory_decoder: Path | None,
-             memory_lambda: float | None) -> None:
+             steer_max_mu: float | None, steer_mu: float | None, steer_calib: int | None,
+             memory_decoder: Path | None, memory_lambda: float | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
     steer_config = None
     if steer is not None:
         from rankwise.engine.svdecode import SVDecodeConfig
-        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu}
+        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu,
+                 "mu": steer_mu, "calib_examples": steer_calib}
         steer_config = SVDecodeConfig(**{k: v for k, v in given.items() if v is not None})
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
                  echo=click.echo, stream=lambda text: click.echo(text, nl=False),
                  kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path, steer=steer,
                  steer_from=steer_from, steer_config=steer_config,
-                 memory_decoder=memory_decoder, memory_lambda=memory_lambda)
+                 memory_decoder=memory_decoder, memory_lambda=memory_lambda,
+                 note=lambda line: click.echo(line, err=True))
 
 
 @main.command()
