@@ -298,7 +298,9 @@ def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: b
 @click.option("--seed", type=int, default=None, help="Seed of the masks (secret; default: drawn from the OS).")
 def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None, factors: Path | None,
               seed: int | None) -> None:
-    """Publish MODEL with LoRO low-rank masks (W' = W + BA); the factors go to a separate file."""
+    """Publish MODEL under a rank-d additive mask (LoRO-like; W' = W + BA); the factors go to a
+    separate file. A rank-d SVD of W' minus the public pretrained weights removes this mask
+    (bench loro, docs/loro.md): it is not the paper's LoRO, whose construction we could not read."""
     from rankwise.obfuscation import ObfuscateConfig
     from rankwise.recipes.obfuscate import run_obfuscate
     given = {"rank": rank, "cornerstones": cornerstones, "seed": seed}
