@@ -211,7 +211,7 @@ class SVDecode:
         for k in range(min(c.calib_examples, len(examples))):
             ex = examples[k]
             ids = list(ex["input_ids"])
-            labels = list(ex.get("labels") or ids)
+            labels = ids if ex.get("labels") is None else list(ex["labels"])
             x = torch.tensor([ids], dtype=torch.long, device=device)
             y = torch.tensor(labels[1:], dtype=torch.long, device=device)  # position t predicts t + 1
             keep = y != -100
