@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from rankwise import obfuscation as ob
 from rankwise.cli import main
 from rankwise.core import weights as layer_weights
+from rankwise.testing import error_lines
 
 
 def tiny_bert(seed: int = 0):
@@ -150,7 +151,7 @@ def _header_bytes(path) -> int:
 
 def _assert_one_line_exit_2(result, needle: str) -> None:
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
 
 

@@ -155,7 +155,7 @@ def _pretrain(s: Sizes, folder: Path, mb: float, vocab: int, hidden: int, layers
 
 def lora_config(s: Sizes, base: Path, steps: int) -> dict:
     """The task's run config: stdlib-functions, LoRA r on q/k/v/o, AdamW."""
-    return {"model": {"path": str(base), "task": "causal-lm"},
+    return {"model": {"path": str(base)}, "task": {"name": "causal-lm"},
             "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 96,
                      "packing": True},
             "method": {"name": "lora", "r": s.r, "alpha": 2 * s.r, "targets": TARGETS},

@@ -102,15 +102,24 @@ def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", required=True, metavar="peft|merged|rankwise",
-              help="peft (HF PEFT adapter), merged (transformers model) or rankwise.")
+@click.option("--format", "fmt", required=True, metavar="peft|merged|rankwise|gguf|gguf-lora",
+              help="peft (HF PEFT adapter), merged (transformers model), rankwise, gguf (merged model "
+                   "for llama.cpp) or gguf-lora (a LoRA GGUF for the base's GGUF).")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="The base model's folder, if it is no longer at the run's model.path.")
-def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
-    """Export a run's adapter to the PEFT format or a merged transformers model."""
+@click.option("--strict", "strict", multiple=True, metavar="vllm|llama.cpp|peft-hotswap",
+              help="peft: refuse an adapter this server would reject (repeatable).")
+@click.option("--outtype", default=None, metavar="f32|f16|bf16|q8_0", help="gguf, gguf-lora: tensor type (f16).")
+@click.option("--llama-cpp", "llama_cpp_dir", type=click.Path(path_type=Path), default=None,
+              help="gguf, gguf-lora: folder of llama.cpp's converters (a llama.cpp checkout).")
+@click.option("--with-base", is_flag=True, help="gguf-lora: also convert the base model.")
+def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None, strict: tuple[str, ...],
+           outtype: str | None, llama_cpp_dir: Path | None, with_base: bool) -> None:
+    """Export a run: a PEFT adapter, a merged transformers model, or GGUF for llama.cpp."""
     from rankwise.recipes.export import export_run
-    path = export_run(run_dir, fmt, out, model_path)
+    path = export_run(run_dir, fmt, out, model_path, strict=strict, outtype=outtype,
+                      llama_cpp_dir=llama_cpp_dir, with_base=with_base, echo=click.echo)
     click.echo(f"wrote {path}")
 
 
@@ -257,7 +266,8 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for scores.jsonl, chosen.json.")
 def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
-    """Score the training records by data.select and write the chosen ids (docs/select.md)."""
+    """Score the training records by data.select (random, embedding, less, influence, qcs-proxy:
+    a proxy of QCS) and write the chosen ids (docs/select.md)."""
     from rankwise.recipes.select import run_select
     run_select(config, list(sets), out)
 

@@ -24,6 +24,8 @@ from rankwise.compress.pipeline import compress_model
 from rankwise.compress.restore.lcc import (RestoreLCC, check_restorable, choose_heads, contrast, head_outputs,
                                            head_scores, lost_directions)
 from rankwise.errors import RankwiseError
+from rankwise.tasks import CausalLMTask, ClassificationTask
+from rankwise.testing import error_lines
 from tests.compress.compress_helpers import compressor
 
 HEADS = 4
@@ -168,7 +170,7 @@ def _invoke(tmp_path, compress):
 def test_restore_on_a_model_that_was_not_pruned_is_one_line_and_exit_2(tmp_path, compress, needle):
     result = _invoke(tmp_path, {"restore": RESTORE, **compress})
     assert result.exit_code == 2, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -177,9 +179,9 @@ def test_a_model_without_the_output_projection_is_one_line():
     cfg = compressor("wanda").config
     cfg.restore = RestoreConfig(enabled=True, probes=8, o_proj="out_proj")
     with pytest.raises(RankwiseError, match=r"no linear layer named \*out_proj"):
-        check_restorable(tiny_llama(), cfg, "causal-lm")
+        check_restorable(tiny_llama(), cfg, CausalLMTask())
     with pytest.raises(RankwiseError, match="not causal-lm"):
-        check_restorable(tiny_llama(), cfg, "classification")
+        check_restorable(tiny_llama(), cfg, ClassificationTask())
 
 
 @pytest.mark.slow

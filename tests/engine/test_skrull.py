@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
-from rankwise.engine import CausalLMTask, Engine
+from rankwise.engine import Engine
+from rankwise.tasks import CausalLMTask
 from rankwise.engine.skrull import Skrull, assign_ranks, cost, padded_cost, split_micro
 from rankwise.testing import tiny_llama64
 

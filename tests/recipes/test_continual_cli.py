@@ -5,6 +5,7 @@ from click.testing import CliRunner
 from rankwise.cli import main
 from rankwise.data.demo import PACKAGES
 from rankwise.recipes.continual import DEMO_TASKS, load_config, parse_tasks
+from rankwise.testing import error_lines
 
 
 @pytest.mark.parametrize("tasks, says", [
@@ -18,7 +19,7 @@ def test_bad_tasks_one_line_exit_2(tmp_path, tasks, says):
     cfg.write_text("continual: {steps_per_task: 1}\n")
     result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", tasks])
     assert result.exit_code == 2
-    lines = result.output.strip().splitlines()
+    lines = error_lines(result.output)
     assert len(lines) == 1 and lines[0].startswith("error: --tasks:") and says in lines[0]
 
 

@@ -17,8 +17,8 @@ from torch.nn import functional as F
 
 from rankwise.core.ops import disable_adapters
 from rankwise.engine import get_task
-from rankwise.engine.grpo import token_logps
-from rankwise.engine.preference import completion_logps
+from rankwise.tasks.grpo.task import token_logps
+from rankwise.tasks.dpo.task import completion_logps
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run

@@ -34,6 +34,7 @@ from rankwise.core.io import save_adapter
 from rankwise.core.ops import disable_adapters
 from rankwise.core.protocol import adapter_modules, describe, factors
 from rankwise.core.weights import dense_weight
+from rankwise.engine import task_class
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
 from rankwise.recipes import folders, yamlfile
@@ -103,9 +104,9 @@ def _check_run(cfg) -> None:
         raise RankwiseError("transfer moves plain LoRA pairs (init kaiming or gaussian, no DoRA, "
                             "no trained tokens, expert parameters or whole modules); this run's "
                             "method section has one of those")
-    if cfg.model.task != "causal-lm":
-        raise RankwiseError(f"the run's model.task is {cfg.model.task!r}; transfer moves adapters "
-                            "of causal language models (model.task: causal-lm)")
+    if not task_class(cfg.task.name).lm_loss:
+        raise RankwiseError(f"the run's task is {cfg.task.name!r}; transfer moves adapters of causal "
+                            "language models trained on the next-token loss (task.name: causal-lm)")
 
 
 def _blocks(model) -> list[str]:

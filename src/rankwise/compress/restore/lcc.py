@@ -107,13 +107,13 @@ def check_restore_config(config: Any) -> None:
                             f"{config.calibration.sequences}; lower probes or raise sequences")
 
 
-def check_restorable(model: nn.Module, config: Any, task_name: str) -> list[str]:
+def check_restorable(model: nn.Module, config: Any, task: Any) -> list[str]:
     """Check, before any work, that ``compress.restore`` can run.
 
     Args:
         model: The (still dense) model.
         config: The whole ``compress:`` config (its method must prune).
-        task_name: The model's task.
+        task: The model's task (its ``name``, and ``lm_loss``: trained on the next-token loss).
 
     Returns:
         The paths of the attention output projections.
@@ -124,8 +124,8 @@ def check_restorable(model: nn.Module, config: Any, task_name: str) -> list[str]
     """
     r: RestoreConfig = config.restore
     check_restore_config(config)
-    if task_name != "causal-lm":
-        raise RankwiseError(f"compress.restore trains with the causal-LM loss; model.task is {task_name}, "
+    if not task.lm_loss:
+        raise RankwiseError(f"compress.restore trains with the causal-LM loss; task.name is {task.name}, "
                             "not causal-lm")
     paths = [n for n, m in model.named_modules() if n.endswith(r.o_proj) and isinstance(m, nn.Linear)]
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
