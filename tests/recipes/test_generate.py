@@ -218,7 +218,7 @@ def test_steer_svdecode_through_the_cli_strength_zero_is_plain_and_default_steer
     assert [json.loads(x) for x in result.output.splitlines()] == plain
     cfg, model, tok, enc = load_for_generation(runs / "lora")
     sv = SVDecode()
-    sv.calibrate(model, build_data(cfg.data, get_task(cfg.model.task), tok)[0])
+    sv.calibrate(model, build_data(cfg.data, get_task(cfg.task.name), tok)[0])
     ids, out = enc.prompt_ids("Open a file."), []
     with torch.no_grad():
         for _ in range(5):  # the reference: uncached forwards, the formula, argmax
