@@ -127,15 +127,20 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None, strict: 
 @click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
 @click.option("--to", "new_base", required=True, metavar="NEW_BASE", help="The new base model's folder.")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--finetune-steps", type=int, default=None, help="Steps of the run's training after the transfer.")
+@click.option("--finetune-steps", type=int, default=None,
+              help="Steps of the run's training after the transfer (LoRASuite's fine-tune stage); "
+                   "0 (the default) = transfer only.")
 @click.option("--calibration-texts", type=int, default=None, help="Examples whose hidden states give the CKA.")
+@click.option("--paper-maps", is_flag=True, default=False,
+              help="The authors' unnormalised head maps instead of rankwise's least-squares ones.")
 def transfer(run_dir: Path, new_base: str, out: Path, finetune_steps: int | None,
-             calibration_texts: int | None) -> None:
+             calibration_texts: int | None, paper_maps: bool) -> None:
     """Move a LoRA run onto an upgraded base model (LoRASuite; docs/transfer.md)."""
     from rankwise.recipes.transfer import TransferConfig, transfer_run
-    given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts}
+    given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts,
+             "normalise": False if paper_maps else None}
     record = transfer_run(run_dir, new_base, out, TransferConfig(**{k: v for k, v in given.items() if v is not None}))
-    click.echo(f"layers {record['layer_mapping']}  W_x {record['w_x']['kind']}  "
+    click.echo(f"{record['stage']}: layers {record['layer_mapping']}  W_x {record['w_x']['kind']}  "
                f"eval_loss {record['metrics'].get('eval_loss', float('nan')):.4g}")
     click.echo(f"wrote {out}")
 
@@ -191,24 +196,30 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
 @click.option("--steer-mask", type=float, default=None, help="SVDecode mask ratio tau (default 0.1).")
 @click.option("--steer-strength", type=float, default=None, help="SVDecode lambda on mu* (default 1; 0 = plain).")
 @click.option("--steer-max-mu", type=float, default=None, help="SVDecode clip of mu* (default 4).")
+@click.option("--steer-mu", type=float, default=None,
+              help="A fixed SVDecode mu* instead of calibrating it on the warm-start run's data.")
+@click.option("--steer-calib", type=int, default=None,
+              help="Warm-start training examples that calibrate mu* (default 64).")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
              kv_bits: int, model_path: Path | None, steer: str | None, steer_from: Path | None,
              steer_mask: float | None, steer_strength: float | None,
-             steer_max_mu: float | None, memory_decoder: Path | None,
-             memory_lambda: float | None) -> None:
+             steer_max_mu: float | None, steer_mu: float | None, steer_calib: int | None,
+             memory_decoder: Path | None, memory_lambda: float | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
     steer_config = None
     if steer is not None:
         from rankwise.engine.svdecode import SVDecodeConfig
-        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu}
+        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu,
+                 "mu": steer_mu, "calib_examples": steer_calib}
         steer_config = SVDecodeConfig(**{k: v for k, v in given.items() if v is not None})
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
                  echo=click.echo, stream=lambda text: click.echo(text, nl=False),
                  kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path, steer=steer,
                  steer_from=steer_from, steer_config=steer_config,
-                 memory_decoder=memory_decoder, memory_lambda=memory_lambda)
+                 memory_decoder=memory_decoder, memory_lambda=memory_lambda,
+                 note=lambda line: click.echo(line, err=True))
 
 
 @main.command()
@@ -302,7 +313,9 @@ def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: b
 @click.option("--seed", type=int, default=None, help="Seed of the masks (secret; default: drawn from the OS).")
 def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None, factors: Path | None,
               seed: int | None) -> None:
-    """Publish MODEL with LoRO low-rank masks (W' = W + BA); the factors go to a separate file."""
+    """Publish MODEL under a rank-d additive mask (LoRO-like; W' = W + BA); the factors go to a
+    separate file. A rank-d SVD of W' minus the public pretrained weights removes this mask
+    (bench loro, docs/loro.md): it is not the paper's LoRO, whose construction we could not read."""
     from rankwise.obfuscation import ObfuscateConfig
     from rankwise.recipes.obfuscate import run_obfuscate
     given = {"rank": rank, "cornerstones": cornerstones, "seed": seed}

@@ -151,7 +151,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                  stream: Callable[[str], None] | None = None, kv_cache: str = "fp",
                  kv_bits: int = 2, model_path: Path | None = None, steer: str | None = None,
                  steer_from: Path | None = None, steer_config: Any = None, memory_decoder: Path | None = None,
-                 memory_lambda: float | None = None) -> list[dict]:
+                 memory_lambda: float | None = None,
+                 note: Callable[[str], None] | None = None) -> list[dict]:
     """Generate completions for one prompt or a file of prompts.
 
     Args:
@@ -180,6 +181,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
             (:mod:`rankwise.tasks.memory_decoder.generation`), each with its own KV cache.
         memory_lambda: ``--memory-lambda``: its share; default: the memory-decoder run's
             ``task.lam`` (:class:`~rankwise.tasks.memory_decoder.task.MemoryDecoderConfig`).
+        note: Receives SVDecode's calibration line (μ*, the applied μ, whether it was clipped);
+            default: nowhere.
 
     Returns:
         ``[{"prompt", "completion"}]``.
@@ -207,6 +210,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     if steerer is not None and (adapter is not None or
                                 Path(steer_from).resolve() != Path(run_dir).resolve()):
         warm = load_for_generation(steer_from, None, device, model_path)[1]
+    if steerer is not None and steerer.config.strength != 0 and steerer.fit is None:
+        _calibrate(steerer, Path(steer_from), model, warm, tok, device, note)
     memory = None
     if memory_decoder is not None:
         if kv_cache != "fp":
@@ -255,6 +260,18 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         out.append(row)
         echo("" if single else json.dumps(row, ensure_ascii=False))
     return out
+
+
+def _calibrate(steerer: Any, steer_from: Path, model: Any, warm: Any, tok: Any, device: str,
+               note: Callable[[str], None] | None) -> None:
+    """Calibrate SVDecode's μ on the first ``calib_examples`` training examples of the warm-start
+    run's own data (its ``data:`` section, read as in training)."""
+    from rankwise.data.text import build_data
+    warm_cfg = load_run_config(steer_from / "config.yaml")
+    train = build_data(warm_cfg.data, get_task(warm_cfg.task.name), tok)[0]
+    fit = steerer.calibrate(model, train, warm, device)
+    if note is not None:
+        note(fit.line())
 
 
 def _steerer(run_dir: Path, steer: str | None, steer_from: Path | None, steer_config: Any,

@@ -21,14 +21,23 @@ is its output at a position: the slice of the ``o_proj`` input that belongs to t
    the input, so ``o_proj(a + c) = W_o a + (bias + W_o c)``: the bias becomes ``bias + W_o c``
    with ``W_o`` the (pruned) weight. No weight changes, so the sparsity is exactly the pruned one.
 
+**The "lost component" form restricts nothing** (here and in the released code alike).
+When N ≥ d, ``V_h`` is a full orthonormal basis of R^d. When N < d (``probes: 64`` against
+head_dim 128 at real scale), its zero-padded rows are covered by the free bias ``b_h``. Either way
+``V_hᵀ v_h + b_h`` can be any vector of R^d, so the trained correction is a plain per-head bias
+(as in LoFiT). Only Adam's path to it differs, since the two parametrisations are scaled and
+rotated differently. We keep the released parametrisation, so the optimisation follows the
+code's. It is not a constraint to lost directions, and no result here should be read as one.
+
 Choices where the sources leave room (see ``docs/compression.md``):
 
 * The released code's contrastive pairs are an Alpaca answer against the most similar other
   answer (a sentence encoder). Here a probe window against the same window with its second half
   taken from the next window: no encoder, any text works.
 * The released probe's input also concatenates ``a_h^pruned + m_h`` (the pruned output plus a
-  "main component"); it is the same for both members of a pair, so a linear probe cannot use it
-  to tell them apart, and it is left out. Ties in accuracy are broken by the held-out BCE.
+  "main component"); it is the same for both members of a pair, so it cannot tell them apart by
+  itself (as a shared per-pair offset it can still move both across the probe's threshold, a
+  small effect), and it is left out. Ties in accuracy are broken by the held-out BCE.
 * The released head-index decoding divides by the number of layers for both the layer and the
   head (right only when #heads = #layers); heads here are decoded as ``(layer, head)`` directly.
 * Llama's ``o_proj`` has no bias. The fold then sets ``config.attention_bias = true`` and adds
