@@ -15,6 +15,10 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[demo,test,federated,bench]'
+	# llama.cpp's converters for the GGUF export and its tests (from PyPI's llama-cpp-python sdist);
+	# without a package index this fails, and the GGUF tests skip, saying so
+	test -f $(VENV)/llama.cpp/convert_hf_to_gguf.py || $(BIN)/python -m rankwise.core.llama_cpp $(VENV)/llama.cpp \
+		|| echo "no llama.cpp converters: the GGUF export tests will skip (see docs/serving.md)"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 setup: $(STAMP)

@@ -24,6 +24,8 @@ STRATEGY_MAY = {"federated.strategies", "federated.keys", "federated.payload", "
 # Method families allowed to import another family: one method defined as another.
 FAMILY_EXCEPTIONS = {("adapters.gora", "adapters.lora")}
 SHARED_FAMILY = "common"  # adapters/common: what the adapter families share
+# What a task (rankwise/tasks/) may import beside tasks' own shared modules (common, reference).
+TASK_MAY = BASE | {"core", "engine", "data"}
 
 
 def _module_name(path: Path) -> str:
@@ -102,12 +104,14 @@ def forbidden(importer: str, imported: str) -> str | None:
     if top_a == "models":
         return None if top_b in BASE | {"core", "models"} else "models import only core, the base and models"
     if top_a in {"engine", "data"}:
-        if top_b in METHOD_KINDS | WIRING | {"federated"}:
-            return f"{top_a} never imports methods, federated or recipes"
+        if top_b in METHOD_KINDS | WIRING | {"federated", "tasks"}:
+            return f"{top_a} never imports methods, tasks, federated or recipes"
         return None
+    if top_a == "tasks":
+        return _task_rule(a, b)
     if top_a in METHOD_KINDS:
-        if top_b in WIRING | {"engine", "data", "federated"}:
-            return "methods never import the engine, data, federated or recipes"
+        if top_b in WIRING | {"engine", "data", "federated", "tasks"}:
+            return "methods never import the engine, data, tasks, federated or recipes"
         if top_b in METHOD_KINDS and top_b != top_a:
             return "a kind of method never imports another (adapters, optim, compress)"
         fam_a, fam_b = _family(a), _family(b)
@@ -125,6 +129,19 @@ def forbidden(importer: str, imported: str) -> str | None:
             imported.startswith(f"rankwise.{m}") for m in STRATEGY_MAY)
         return None if allowed else "strategies import core, the base, the engine and federated's own modules"
     return None
+
+
+def _task_rule(a: list[str], b: list[str]) -> str | None:
+    """Tasks import the engine, data, core and the base (never methods, federated or the run
+    layer); a task package (``tasks/dpo/``) never imports another (``tasks/common.py`` and
+    ``tasks/reference.py`` are what they share; ``tasks/__init__`` imports each to register it)."""
+    if b[0] != "tasks":
+        return None if b[0] in TASK_MAY else "tasks import only the engine, data, core and the base"
+    own = a[1] if len(a) > 1 and (SRC / "rankwise" / "tasks" / a[1]).is_dir() else None
+    other = b[1] if len(b) > 1 and (SRC / "rankwise" / "tasks" / b[1]).is_dir() else None
+    if other is None or other == own or len(a) == 1:
+        return None
+    return "task packages never import each other (tasks/common.py is what they share)"
 
 
 def test_src_breaks_no_rule_of_the_map():
@@ -161,6 +178,13 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.obfuscation", "rankwise.recipes.model"),            # LoRO runtime -> recipes
     ("rankwise.models.tpa.modeling", "rankwise.engine.loop"),      # architectures -> engine
     ("rankwise.models.tpa", "rankwise.adapters.lora"),
+    ("rankwise.tasks.dpo.task", "rankwise.recipes.config"),       # tasks -> the run layer
+    ("rankwise.tasks.grpo.task", "rankwise.adapters.lora"),        # tasks -> methods
+    ("rankwise.tasks.common", "rankwise.federated.config"),
+    ("rankwise.tasks.dpo.task", "rankwise.tasks.grpo.rewards"),    # task -> task
+    ("rankwise.engine.task", "rankwise.tasks.common"),             # engine -> tasks
+    ("rankwise.data.text", "rankwise.tasks.dpo.data"),             # data -> tasks
+    ("rankwise.adapters.gora.layer", "rankwise.tasks"),            # methods -> tasks
 ])
 def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     assert forbidden(importer, imported) is not None
@@ -178,6 +202,12 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.recipes.obfuscate", "rankwise.obfuscation"),
     ("rankwise.recipes.model", "rankwise.models"),
     ("rankwise.models.tpa.modeling", "rankwise.models.tpa.cache"),
+    ("rankwise.tasks.dpo.task", "rankwise.tasks.common"),
+    ("rankwise.tasks.grpo.task", "rankwise.tasks.reference"),
+    ("rankwise.tasks.memory_decoder.task", "rankwise.engine.task"),
+    ("rankwise.tasks.grpo.data", "rankwise.data.formats"),
+    ("rankwise.tasks", "rankwise.tasks.dpo"),
+    ("rankwise.recipes.train", "rankwise.tasks.grpo.gain_rl"),
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None

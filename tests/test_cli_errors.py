@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.errors import RankwiseError
+from rankwise.testing import error_lines
 
 RANKWISE = str(Path(sys.executable).with_name("rankwise"))
 GOOD = {
@@ -42,7 +43,7 @@ def assert_user_error(result, *needles: str) -> str:
     assert isinstance(result.exception, SystemExit), result.exc_info and "".join(
         traceback.format_exception(*result.exc_info))
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
@@ -74,7 +75,7 @@ def test_config_file_missing(tmp_path):
 
 @pytest.mark.parametrize("text, needles", [
     ("model: {path: tiny-bert\ntrain: [", ("not valid YAML", "line")),
-    ("- model\n- train\n", ("must be a YAML mapping", "model, data, method")),
+    ("- model\n- train\n", ("must be a YAML mapping", "model, task, data, method")),
     ("trian: {steps: 3}\n", ("unknown section", "did you mean 'train'")),
     ("model: tiny-bert\n", ("model: expected a mapping",)),
 ], ids=["malformed", "list", "unknown-section", "section-not-mapping"])
@@ -179,7 +180,7 @@ def test_installed_console_script(tmp_path, tiny_bert_run):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "already holds a run" in lines[0] and "--resume" in lines[0], proc.stderr
     assert snapshot(run) == before
 
@@ -320,7 +321,7 @@ def test_a_sequence_classifier_folder_is_not_trained_as_a_causal_lm(tmp_path, ti
     assert invoke("export", tiny_bert_run, "--format", "merged", "--out", folder).exit_code == 0
     raw = {**GOOD, "model": {"path": str(folder), "task": "causal-lm"}}
     assert_user_error(train_with(tmp_path, raw=raw), "holds a sequence classifier",
-                      "model.task: classification")
+                      "task.name: classification")
 
 
 def test_a_classifier_folder_with_another_label_count(tmp_path, tiny_bert_run):

@@ -11,6 +11,7 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
+from rankwise.testing import error_lines
 
 GOOD = {
     "model": {"path": "tiny-llama", "task": "causal-lm"},
@@ -34,7 +35,7 @@ def assert_one_line(result, *needles: str) -> None:
     assert isinstance(result.exception, SystemExit), result.exc_info and "".join(
         traceback.format_exception(*result.exc_info))
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])

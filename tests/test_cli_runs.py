@@ -13,6 +13,7 @@ import yaml
 from test_cli_errors import GOOD, assert_user_error, invoke, snapshot, write_yaml
 
 from rankwise.recipes.resume import schedule_factor
+from rankwise.testing import error_lines
 
 LR = 0.01
 RUN = {**GOOD, "optim": {"name": "adamw", "lr": LR},
@@ -48,7 +49,7 @@ def test_resume_of_a_finished_run_says_so_and_appends_nothing(tmp_path):
     before = snapshot(tmp_path / "a")
     result = train_run(tmp_path, "a", "--resume")
     assert result.exit_code == 0, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and "is a finished run (4 of 4 steps" in lines[0], result.stderr
     assert "--set train.steps=8" in lines[0] and result.stdout == ""
     assert snapshot(tmp_path / "a") == before  # no second evaluation line, no "loss nan"

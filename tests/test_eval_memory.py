@@ -9,7 +9,8 @@ import torch
 from torch.nn import functional as F
 
 from rankwise.engine import evaluate
-from rankwise.engine.task import IGNORE, CausalLMTask
+from rankwise.engine.task import IGNORE
+from rankwise.tasks import CausalLMTask
 from rankwise.memory import PeakMemory
 
 

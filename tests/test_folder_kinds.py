@@ -16,6 +16,7 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
+from rankwise.testing import error_lines
 
 SMALL = {"calibration": {"sequences": 4, "length": 16}, "heldout": {"sequences": 4, "length": 16}}
 
@@ -26,7 +27,7 @@ def invoke(*args):
 
 def one_line(res, *needles) -> str:
     assert res.exit_code == 2, res.output
-    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    lines = error_lines(res.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
     for n in needles:
         assert n in lines[0], (n, lines[0])

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.recipes import folders
+from rankwise.testing import error_lines
 
 
 def invoke(*args):
@@ -25,7 +26,7 @@ def invoke(*args):
 
 def one_line(res, *needles) -> str:
     assert res.exit_code == 2, res.output
-    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    lines = error_lines(res.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
     for n in needles:
         assert n in lines[0], (n, lines[0])

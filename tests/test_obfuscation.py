@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from rankwise import obfuscation as ob
 from rankwise.cli import main
 from rankwise.core import weights as layer_weights
+from rankwise.testing import error_lines
 
 
 def tiny_bert(seed: int = 0):
@@ -150,7 +151,7 @@ def _header_bytes(path) -> int:
 
 def _assert_one_line_exit_2(result, needle: str) -> None:
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
 
 
@@ -166,3 +167,14 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     _assert_one_line_exit_2(run(tmp_path / "src", "--out", tmp_path / "d", "--cornerstones", "0"),
                             "--cornerstones")
     assert not any((tmp_path / n).exists() for n in ("a", "b", "c", "d"))
+
+
+def test_cli_help_names_the_mask_loro_like_and_its_attack():
+    """Until the paper's construction holds against the rank-d SVD attack, the command says what
+    it is: a rank-d additive mask, LoRO-like, that this attack removes."""
+    from click.testing import CliRunner
+
+    from rankwise.cli import main
+    out = CliRunner().invoke(main, ["obfuscate", "--help"]).output
+    assert "rank-d additive mask (LoRO-like" in out and "rank-d SVD" in out
+    assert "Publish MODEL with LoRO" not in out

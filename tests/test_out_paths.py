@@ -13,6 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
+from rankwise.testing import error_lines
 
 
 def _invoke(*args):
@@ -21,7 +22,7 @@ def _invoke(*args):
 
 def _one_line(res, *needles):
     assert res.exit_code == 2, res.output
-    lines = [x for x in res.output.splitlines() if x.strip()]
+    lines = error_lines(res.output)
     assert len(lines) == 1 and "Traceback" not in res.output, res.output
     for n in needles:
         assert n in lines[0], lines[0]

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.engine import threads as T
+from rankwise.testing import error_lines
 
 
 @pytest.fixture
@@ -118,5 +119,5 @@ def test_bad_threads_is_one_line(tmp_path, value):
     result = CliRunner().invoke(main, ["train", str(cfg), "--out", str(tmp_path / "out"),
                                        "--set", f"train.threads={value}"])
     assert result.exit_code == 2, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and "threads: got" in lines[0], result.stderr

@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "distill": Benchmark("distill"),
     "dpo": Benchmark("dpo"),
     "federated-demo": Benchmark("federated_demo"),
+    "gguf-parity": Benchmark("gguf_parity", cli="main"),
     "grpo": Benchmark("grpo"),
     "grpo-gain": Benchmark("grpo_gain", cli="main"),
     "llm-finetune": Benchmark("llm_finetune", cli="main"),

@@ -39,7 +39,8 @@ REFERENCE_BASE = BENCH / "reference-base" / "model"
 # The demo task at the budget of examples/compare-demo.yaml: the packaged MiniLM, stdlib
 # docstrings of 8 packages, 40 steps x 32 examples, sequences of 32 tokens.
 DEMO_BASE = {
-    "model": {"path": "demo", "task": "classification"},
+    "model": {"path": "demo"},
+    "task": {"name": "classification"},
     "data": {"source": "demo", "max_length": 32, "eval_fraction": 0.2},
     "train": {"steps": 40, "batch_size": 32, "eval_batch_size": 128, "eval_every": 0, "save_every": 0,
               "log_every": 5, "warmup_fraction": 0.05, "progress": False},
@@ -213,7 +214,7 @@ def run_row(raw: dict, out: Path, base_hook: Callable[[nn.Module], Any] | None =
     from rankwise.recipes.model import load_model
     from rankwise.recipes.train import prepare, train
     cfg = build_run_config(copy.deepcopy(raw))
-    task = get_task(cfg.model.task)
+    task = get_task(cfg.task.name)
     model = tok = None
     if base_hook is not None:
         from rankwise.data.demo import PACKAGES

@@ -4,11 +4,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-LABELS = {"lrc": "Low-Rank Clone (projections of the frozen teacher)",
+LABELS = {"lrc": "Low-Rank Clone, KL summed over the window (the code's batchmean), T = 40, SVD start (ours)",
+          "lrc-normal": "LRC as above from the released code's N(0, 0.02) start",
           "minitron": "width-pruned by activation importance + logit KD (Minitron-style)",
           "scratch": "same shape from scratch (CE)",
-          "lrc-t1": "ablation: LRC with the KL at T = 1",
-          "lrc-noclone": "ablation: LRC without the clone terms (CE + KL)"}
+          "lrc-noclone": "ablation: LRC without the clone terms (CE + KL)",
+          "lrc-token-t10": "earlier reading: KL averaged over tokens, T = 10",
+          "lrc-token-t1": "earlier reading: KL averaged over tokens, T = 1",
+          "lrc-token-noclone": "earlier reading: KL averaged over tokens, T = 10, no clone terms",
+          "lrc-t1": "ablation: LRC with the KL at T = 1"}
 
 
 def _ppl(loss: float) -> str:
@@ -37,7 +41,7 @@ def markdown(r: dict) -> str:
                      f"{_ppl(rec['heldout_loss_at_0'])} | " +
                      " | ".join(_ppl(rec["heldout_loss"].get(b, math.nan)) for b in budgets) + " |")
     lines += ["", "Held-out perplexity per byte (lower is better); `start` is before any student step "
-              "(LRC: the SVD-initialised projections; minitron: the pruned teacher).", "",
+              "(LRC: the SVD-initialised projections, lrc-normal: the random ones; minitron: the pruned teacher).", "",
               "Every learning rate (held-out perplexity at the last budget):", ""]
     for name, rec in r["pieces"].items():
         if name != "teacher":

@@ -75,10 +75,10 @@ def check_fp32_adapters(ours, theirs) -> None:
 
 
 def _pairs(tok):
-    """Preference pairs (rankwise.data.preference's encoding) from the stdlib-functions records."""
+    """Preference pairs (rankwise.tasks.dpo.data's encoding) from the stdlib-functions records."""
     from rankwise.data.formats import Encoder
     from rankwise.data.instruct import load_function_records
-    from rankwise.data.preference import PairData, PairEncoder
+    from rankwise.tasks.dpo.data import PairData, PairEncoder
     recs = load_function_records()[: PAIRS * 2 + 1]
     pe = PairEncoder(Encoder(tok, "prompt-completion", MAX_LEN))
     pairs = []
@@ -117,7 +117,7 @@ def _build(tok, tmp: Path, kind: str = "float32"):
 
 def _steps(ours, trainer, data):
     from rankwise.engine import Engine
-    from rankwise.engine.preference import DPOConfig, DPOTask
+    from rankwise.tasks.dpo.task import DPOConfig, DPOTask
     task = DPOTask(DPOConfig(beta=BETA, reference="adapters-off"))
     opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=LR)
     engine = Engine(ours, task, opt, data, BATCH, seed=0)

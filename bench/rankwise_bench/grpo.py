@@ -57,7 +57,7 @@ def _build(tok, tmp: Path, kind: str = "float32"):
     from datasets import Dataset
 
     from rankwise.adapters.lora import LoraConfig, apply_lora
-    from rankwise.engine.rewards import length_penalty
+    from rankwise.tasks.grpo.rewards import length_penalty
     ours = _base(len(tok), kind)  # bf16 / NF4: the base only; both sides keep fp32 adapters
     apply_lora(ours, LoraConfig(r=R, alpha=ALPHA, targets=TARGETS, dropout=0.0))
     args = trl.GRPOConfig(output_dir=str(tmp), beta=BETA, loss_type="dapo", num_generations=G,
@@ -74,8 +74,8 @@ def _build(tok, tmp: Path, kind: str = "float32"):
 
 
 def _steps(ours, trainer, tok, batches):
-    from rankwise.data.prompts import PromptData
-    from rankwise.engine.grpo import GRPOConfig, GRPOTask
+    from rankwise.tasks.grpo.data import PromptData
+    from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask
     task = GRPOTask(GRPOConfig(rewards=["length-penalty"], num_generations=G, max_completion_length=MAX_NEW,
                                beta=BETA, loss_type="dapo"))
     opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=LR)

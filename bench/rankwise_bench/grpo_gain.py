@@ -56,7 +56,7 @@ def _sft(work: Path, data: Path) -> Path:
     if (out / "config.json").exists():
         return out
     base = _model_folder(work / "random-model")
-    raw = {"model": {"path": str(base), "task": "causal-lm"},
+    raw = {"model": {"path": str(base)}, "task": {"name": "causal-lm"},
            "data": {"source": str(data), "eval_source": str(data), "format": "prompt-completion", "max_length": 8},
            "method": {"name": "full"}, "optim": {"name": "adamw", "lr": 0.003},
            "train": {"steps": SFT_STEPS, "batch_size": 16, "eval_batch_size": 100, "save_every": 1000,
@@ -68,12 +68,12 @@ def _sft(work: Path, data: Path) -> Path:
 
 
 def _raw(model: Path, data: Path, order: str, seed: int, lr: float = 0.01, steps: int = STEPS) -> dict:
-    return {"model": {"path": str(model), "task": "grpo"},
+    return {"model": {"path": str(model)},
             "data": {"source": str(data), "eval_source": str(data), "max_length": 8, "order": order},
             "method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
             "optim": {"name": "adamw", "lr": lr},
-            "grpo": {"rewards": ["exact-match"], "num_generations": 8, "max_completion_length": 2,
-                     "gain_rl": {"pool": 32}},
+            "task": {"name": "grpo", "rewards": ["exact-match"], "num_generations": 8,
+                     "max_completion_length": 2, "gain_rl": {"pool": 32}},
             "train": {"steps": steps, "batch_size": 8, "eval_batch_size": 100, "eval_every": EVERY,
                       "save_every": 1000, "log_every": 1, "progress": False, "seed": seed,
                       "warmup_fraction": 0.0}}

@@ -7,7 +7,7 @@ is pretrained from scratch on the standard library's source (the corpus of ``low
 package family left out entirely. The domain is ``email``: its files are split by module name
 into training files and held-out files. From the base and the domain's training windows:
 
-* **Memory Decoder** (``model.task: memory-decoder``'s task in the engine): a datastore of the
+* **Memory Decoder** (``task.name: memory-decoder``'s task in the engine): a datastore of the
   base's head inputs over every training position (IVF index), the kNN targets of each position
   (self-hit excluded), and a decoder of the base's shape initialised from the base (the paper's
   GPT2-small base + GPT2-small decoder setting) trained on ``0.5 KL + 0.5 CE``; evaluated mixed
@@ -111,7 +111,7 @@ def _load(work: Path, name: str, size: tuple[int, int] = (HIDDEN, LAYERS)):
 
 
 def _memdec_config():
-    from rankwise.engine.memory_decoder import MemoryDecoderConfig
+    from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
     return MemoryDecoderConfig(base="(in memory)", k=K, temperature=TEMPERATURE, target_tokens=TARGET_TOKENS,
                                index="ivf", ivf_lists=LISTS, ivf_probe=PROBE, lam=LAM)
 
@@ -120,7 +120,7 @@ def _adapt(work: Path, corpus, kind: str) -> dict:
     """Train the domain piece ``kind``: ``memdec`` (the objective 0.5 KL + 0.5 CE), ``dapt`` (CE only) or ``lora``."""
     import rankwise
     from rankwise.engine import get_task
-    from rankwise.engine.memory_decoder import MemoryDecoderTask
+    from rankwise.tasks.memory_decoder.task import MemoryDecoderTask
     train = _windows(corpus["domain"])
     model = _load(work, "base").train()
     info: dict = {"windows": len(train), "steps": ADAPT_STEPS}
@@ -162,7 +162,7 @@ def _ppl(logp: torch.Tensor, y: torch.Tensor) -> float:
 @torch.no_grad()
 def _knn_logprobs(base, corpus, held) -> torch.Tensor:
     """``log p_kNN`` of the held-out positions from the domain-training datastore."""
-    from rankwise.engine.memory_decoder import Datastore, head_inputs, knn_distribution
+    from rankwise.tasks.memory_decoder.task import Datastore, head_inputs, knn_distribution
     train = _windows(corpus["domain"])
     keys, values = [], []
     for s in range(0, len(train), 64):
@@ -180,7 +180,7 @@ def _knn_logprobs(base, corpus, held) -> torch.Tensor:
 
 
 def _eval(work: Path, corpus) -> dict:
-    from rankwise.engine.memory_generation import interpolate
+    from rankwise.tasks.memory_decoder.generation import interpolate
     sets = {"domain": _windows(corpus["domain_held"]),
             "general": _windows(corpus["general_held"], limit=EVAL_GENERAL)}
     base = _load(work, "base")
@@ -205,7 +205,7 @@ def _eval(work: Path, corpus) -> dict:
 def _eval_large(work: Path, corpus) -> dict:
     """The larger base alone and with the *same* Memory Decoder (trained on the small base's
     datastore) at ``LAM``: the plug-and-play claim."""
-    from rankwise.engine.memory_generation import interpolate
+    from rankwise.tasks.memory_decoder.generation import interpolate
     sets = {"domain": _windows(corpus["domain_held"]),
             "general": _windows(corpus["general_held"], limit=EVAL_GENERAL)}
     large, mem = _load(work, "base_large", LARGE), _load(work, "memdec")

@@ -87,8 +87,9 @@ def _write_model(folder: Path, shape: dict, seed: int = 0) -> None:
 
 def run_config(folder: Path, row: dict, shape: dict) -> dict:
     """The raw run config of a row (what a user's YAML would hold)."""
-    return {"model": {"path": str(folder), "task": "causal-lm", "dtype": row.get("dtype", "float32"),
+    return {"model": {"path": str(folder), "dtype": row.get("dtype", "float32"),
                       "quantize": row.get("quantize")},
+            "task": {"name": "causal-lm"},
             "data": {"max_length": shape["seq"]},
             "method": row.get("method", LORA),
             "optim": row.get("optim", {"name": "adamw", "lr": 1e-3}),
@@ -99,7 +100,7 @@ def run_config(folder: Path, row: dict, shape: dict) -> dict:
                       **({"distributed": row["distributed"]} if "distributed" in row else {})}}
 
 
-BERT = {"model": {"path": "tiny-bert", "task": "classification"},
+BERT = {"model": {"path": "tiny-bert"}, "task": {"name": "classification"},
         "data": {"source": "demo", "max_length": 32, "limit": 256},
         "method": {"name": "lora", "r": 4, "targets": ["query", "value"]},
         "optim": {"name": "adamw", "lr": 5e-3}, "train": {"batch_size": 16, "progress": False}}

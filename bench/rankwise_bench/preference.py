@@ -135,7 +135,7 @@ def preference_pairs(model, tok, recs: list[dict], seed: int):
     """DPO pairs sampled from ``model``: chosen = a rewarded sample, rejected = an unrewarded one."""
     from rankwise.data.formats import IGNORE, Encoder, end_id
     from rankwise.data.instruct import def_line_reward
-    from rankwise.data.preference import PairData
+    from rankwise.tasks.dpo.data import PairData
     enc, eos = Encoder(tok, "prompt-completion", MAX_LEN), end_id(tok)
     prompts = [r["prompt"] for r in recs for _ in range(SAMPLES)]
     ids = answer(model, tok, prompts, temperature=TEMPERATURE, seed=seed)
@@ -161,8 +161,8 @@ def preference_pairs(model, tok, recs: list[dict], seed: int):
 def one_seed(seed: int, tok, train: list[dict], held: list[dict]) -> dict:
     """SFT, QFFT and DPO-after-SFT for one seed."""
     from rankwise.core.ops import merge_and_unload
-    from rankwise.engine.preference import DPOConfig, DPOTask
-    from rankwise.engine.task import CausalLMTask
+    from rankwise.tasks.dpo.task import DPOConfig, DPOTask
+    from rankwise.tasks import CausalLMTask
     start = time.process_time()
     base = base_model(len(tok))
     res: dict = {"seed": seed}

@@ -27,7 +27,8 @@ FOLDERS = {
     "continual": "continual", "data-pipeline": "data-pipeline", "distill": "distill", "dpo": "dpo",
     "federated-demo": "federated-demo", "federated-demo/iid-check": "federated-demo",
     "federated-demo/issue27": "federated-demo", "federated-demo/issue34": "federated-demo",
-    "federated-demo/long": "federated-demo", "grpo": "grpo",
+    "federated-demo/long": "federated-demo", "federated-demo/natural": "federated-demo",
+    "gguf-parity": "gguf-parity", "grpo": "grpo",
     "grpo-gain": "grpo-gain", "grpo-gain-lr3e-3": "grpo-gain", "llm-finetune": "llm-finetune",
     "llm-finetune-dora": "llm-finetune", "llm-finetune-fused": "llm-finetune",
     "llm-finetune-fused/seq1024": "llm-finetune", "lora-vs-peft": "lora-vs-peft", "loro": "loro",
@@ -44,6 +45,8 @@ NOT_GENERATED = {
                     "an older table format than compare writes today",
     "compare-full": "written by `rankwise compare` (the library's recipes/compare.py), not a benchmark; "
                     "an older table format than compare writes today",
+    "federated-demo/alpha-sweep": "a hand summary of single FedIT runs (rankwise federated, the command "
+                                  "it names) that chose the example's partition and budget",
     "lowrank-pretrain-8bit-seeds": "a summary written by hand from the six lowrank-pretrain runs below it "
                                    "(each of which regenerates)",
 }
@@ -65,7 +68,7 @@ def _federated(folder: Path) -> str:
             r, run = rows[label], Path(tmp) / "runs" / str(len(runs))
             run.mkdir(parents=True)
             keys = ("strategy", "rounds", "bytes_up", "bytes_down", "bytes_total", "rejected", "failed", "missing",
-                    "eval_accuracy", "eval_loss", "initial_eval_accuracy", "wall_time_s")
+                    "eval_accuracy", "eval_loss", "initial_eval_accuracy", "majority_accuracy", "wall_time_s")
             (run / "metrics.json").write_text(json.dumps({k: r[k] for k in keys if r.get(k) is not None}))
             (run / "rounds.jsonl").write_text("".join(
                 json.dumps({k: v for k, v in e.items() if v is not None}) + "\n" for e in r["per_round"]))

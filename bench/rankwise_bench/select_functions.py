@@ -10,7 +10,8 @@ The second measurement of issue 25's selection item, shaped like :mod:`rankwise_
 * target: ``TARGET_SIZE`` training records of the family ``TARGET`` (a seeded draw), taken out
   of the pool; the pool is every other training record (the family's remaining ones included);
 * each method of ``data.select`` picks 5 / 10 / 20 % of the pool from the base + a fresh LoRA
-  (r ``R`` on q/k/v/o, so the gradient features are LoRA's); LoRA trains on the chosen records
+  (r ``R`` on q/k/v/o, so the gradient features are LoRA's), and ``influence-warm`` picks with
+  Influence Distillation after a ``WARMUP``-step LoRA warm-up; LoRA trains on the chosen records
   for ``STEPS`` steps;
 * reported: held-out completion loss (nats per completion token) on the evaluation records of
   the family and on the whole evaluation split, the selection's seconds, and the share of chosen
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from rankwise_bench.select import BUDGETS, METHODS
+from rankwise_bench.select import BUDGETS, METHODS, RENAMED
 from rankwise.core import atomic
 from rankwise_bench.common import llama, write_results
 
@@ -42,6 +43,12 @@ R = 8
 VOCAB = 1024  # a byte-level BPE trained here: a 30k vocabulary made every forward ~30x dearer
 SEEDS = 3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# rows beyond data.select's methods: name -> (method, SelectConfig settings); each has its own
+# feature cache. influence-warm: Influence Distillation's features after a LoRA warm-up (the
+# release warms up first) of WARMUP steps at the training learning rate.
+WARMUP = 20
+EXTRA = {"influence-warm": ("influence", {"warmup_steps": WARMUP, "warmup_lr": 5e-3})}
+ROWS = (*METHODS, *EXTRA)
 
 
 def family(record_id: str) -> str:
@@ -50,7 +57,7 @@ def family(record_id: str) -> str:
 
 
 def _raw(base: str, method: dict, steps: int, seed: int, select: dict | None = None, lr: float = 5e-3) -> dict:
-    raw = {"model": {"path": base, "task": "causal-lm"},
+    raw = {"model": {"path": base}, "task": {"name": "causal-lm"},
            "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 96,
                     "packing": False},
            "method": method, "optim": {"name": "adamw", "lr": lr},
@@ -128,11 +135,12 @@ def _seed(base: Path, seed: int) -> dict:
     pool = [i for i in range(len(ids)) if i not in drop]
     rows = [{"method": "base", "budget": 0.0, "seed": seed, "k": 0, "seconds": 0.0, "target_share": None,
              **_losses(session)}]
-    sel_cfg = SelectConfig(seed=seed)
-    cache = {}
+    caches = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for method in METHODS:
-            sel_cfg.method = method
+        for row in ROWS:
+            method, extra = EXTRA.get(row, (row, {}))
+            sel_cfg = SelectConfig(seed=seed, method=method, **extra)
+            cache = caches.setdefault(row if extra else "shared", {})
             for budget in BUDGETS:
                 k = budget_count(budget, len(pool))
                 cache["_used"] = set()
@@ -143,10 +151,10 @@ def _seed(base: Path, seed: int) -> dict:
                 seconds = time.perf_counter() - start - new + sum(cache["_seconds"].get(key, 0.0)
                                                                   for key in cache["_used"])
                 chosen_ids = [ids[pool[i]] for i in chosen]
-                folder = Path(tmp) / f"{method}-{budget}"
+                folder = Path(tmp) / f"{row}-{budget}"
                 folder.mkdir()
                 (folder / "chosen.json").write_text(json.dumps({"ids": chosen_ids}))
-                rows.append({"method": method, "budget": budget, "seed": seed, "k": k, "seconds": seconds,
+                rows.append({"method": row, "budget": budget, "seed": seed, "k": k, "seconds": seconds,
                              "target_share": sum(family(r) == TARGET for r in chosen_ids) / k,
                              **_fit(base, seed, folder, Path(tmp) / "run")})
         folder = Path(tmp) / "full"
@@ -202,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _means(rows: list[dict]) -> list[dict]:
-    keys = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda mb: (mb[1], mb[0]))
+    name = lambda r: RENAMED.get(r["method"], r["method"])  # noqa: E731
+    keys = sorted({(name(r), r["budget"]) for r in rows}, key=lambda mb: (mb[1], mb[0]))
     out = []
     for method, budget in keys:
-        rs = [r for r in rows if r["method"] == method and r["budget"] == budget]
+        rs = [r for r in rows if name(r) == method and r["budget"] == budget]
         t = torch.tensor([r["target_loss"] for r in rs], dtype=torch.float64)
         out.append({"method": method, "budget": budget, "k": rs[0]["k"], "n": len(rs),
                     "target_loss": float(t.mean()), "target_loss_std": float(t.std()) if len(rs) > 1 else 0.0,
@@ -236,7 +245,7 @@ def _plot(means: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    for method in METHODS:
+    for method in ROWS:
         pts = sorted((r["budget"], r["target_loss"], r["target_loss_std"]) for r in means if r["method"] == method)
         ax.errorbar([p[0] * 100 for p in pts], [p[1] for p in pts], [p[2] for p in pts], marker="o",
                     capsize=2, label=method)

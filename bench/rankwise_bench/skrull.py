@@ -74,7 +74,8 @@ def _model(seed: int = 0):
 def worker(row: str, out: str) -> None:
     """One process of a row (under torchrun): train, time, write ``out.RANK.json``."""
     from rankwise.data.packing import PackedData
-    from rankwise.engine import CausalLMTask, Engine
+    from rankwise.engine import Engine
+    from rankwise.tasks import CausalLMTask
     from rankwise.engine.distributed import setup, teardown
     from rankwise.engine.skrull import Skrull
     torch.set_num_threads(1)
@@ -143,7 +144,8 @@ def _row(row: str, tmp: Path) -> dict:
 def compile_rows(steps: int = 5) -> dict:
     """One process: a fixed-shape LoRA step eager vs inductor-compiled blocks (median of
     ``steps`` after the compiling step), and the first losses of both."""
-    from rankwise.engine import CausalLMTask, Engine
+    from rankwise.engine import Engine
+    from rankwise.tasks import CausalLMTask
     from rankwise.engine.compile import compile_model
     torch.set_num_threads(1)
     data = Examples({"input_ids": x[:256]} for x in corpus() if len(x) >= 256)

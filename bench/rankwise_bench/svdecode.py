@@ -12,7 +12,9 @@ fine-tunes of that base through :class:`rankwise.engine.Engine` on ``TRAIN`` oth
 LoRA (r 8, all linear layers) and prompt tuning (20 virtual tokens). Each warm start answers its
 ``TRAIN`` training prompts and ``HELD_OUT`` unseen prompts greedily (at most ``NEW_TOKENS``
 tokens) with plain decoding (adapter on) and with SVDecode at several strengths λ (λ = 1 is
-the closed-form step; P_pre = the same model with its adapter off).
+the calibrated step μ*, the Gauss-Newton minimiser of the warm-start training labels'
+cross-entropy under the steered logits; P_pre = the same model with its adapter off). μ*, the
+applied μ, whether it was clipped and the per-token clip shares are recorded per warm start.
 
 Cost per token: process CPU time per generated token of plain decoding and of SVDecode in the
 same process (one torch thread, alternating, several repetitions), reported as a ratio.
@@ -129,23 +131,27 @@ def warm_start(tok, work: Path, method: str):
     return model.eval(), info
 
 
-def answers(model, tok, recs: list[dict], strength: float) -> list[str]:
+def answers(model, tok, recs: list[dict], strength: float, mu_star: float) -> list[str]:
     from rankwise.data.formats import Encoder, end_id
     from rankwise.engine.svdecode import SVDecode, SVDecodeConfig, steered_generate
     enc, eos = Encoder(tok, "prompt-completion", MAX_LEN), end_id(tok)
-    sv = SVDecode(SVDecodeConfig(strength=strength))
+    sv = SVDecode(SVDecodeConfig(strength=strength, mu=mu_star))
     return [tok.decode(steered_generate(model, enc.prompt_ids(r["prompt"]), NEW_TOKENS, eos, sv),
                        skip_special_tokens=True) for r in recs]
 
 
 def quality(tok, work: Path, method: str) -> dict:
+    import dataclasses
+
+    from rankwise.engine.svdecode import SVDecode
     model, info = warm_start(tok, work, method)
     _, train, held = records()
-    out = {"warm_start": info, "strengths": [0.0, *STRENGTHS]}
+    fit = SVDecode().calibrate(model, encode(tok, train))  # μ on the warm start's own training data
+    out = {"warm_start": info, "strengths": [0.0, *STRENGTHS], "mu_fit": dataclasses.asdict(fit)}
     for split, recs in (("train", train), ("held_out", held)):
         acc, examples = {}, {}
         for lam in (0.0, *STRENGTHS):
-            texts = answers(model, tok, recs, lam)
+            texts = answers(model, tok, recs, lam, fit.mu_star)
             acc[str(lam)] = statistics.fmean(def_line_correct(t, r["completion"]) for t, r in zip(texts, recs))
             examples[str(lam)] = [{"id": r["id"], "answer": t} for r, t in list(zip(recs, texts))[:2]]
         out[split] = {"accuracy": acc, "n": len(recs), "examples": examples}
@@ -170,7 +176,8 @@ def timing(tok, work: Path) -> dict:
     _, _, held = records()
     enc, eos = Encoder(tok, "prompt-completion", MAX_LEN), end_id(tok)
     prompts = [enc.prompt_ids(r["prompt"]) for r in held[:TIME_PROMPTS]]
-    rules = {"plain": SVDecode(SVDecodeConfig(strength=0.0)), "svdecode": SVDecode()}
+    rules = {"plain": SVDecode(SVDecodeConfig(strength=0.0)),
+             "svdecode": SVDecode(SVDecodeConfig(mu=1.0))}  # the cost does not depend on μ's value
     cpu: dict[str, list[float]] = {k: [] for k in rules}
 
     def once(rule) -> float:
@@ -243,6 +250,13 @@ def markdown(res: dict) -> str:
         for split in ("train", "held_out"):
             acc = q[split]["accuracy"]
             lines.append(f"| {split} | {q[split]['n']} | " + " | ".join(f"{acc[str(lam)]:.3f}" for lam in lams) + " |")
+        if "mu_fit" in q:
+            f = q["mu_fit"]
+            lines += ["", f"μ* = {f['mu_star']:.4g} on {f['tokens']} warm-start training tokens "
+                      f"(applied at λ=1: {f['mu']:.4g}{', clipped: ' + f['clipped'] if f['clipped'] else ''}); "
+                      f"label CE {f['loss_plain']:.4f} → {f['loss_steered']:.4f}. Per-token ratio "
+                      f"above max_mu on {100 * f['token_clip_fraction']:.1f} % of tokens; the former "
+                      f"per-step rule would have clipped on {100 * f['step_rule_clip_fraction']:.1f} %."]
         lines.append("")
     if "timing" in res:
         t = res["timing"]

@@ -17,6 +17,8 @@ the new tokenizer; the old model's own loss is in another tokenizer and shown ap
 * ``lorasuite``: the old run transferred, no training;
 * ``lorasuite-paper``: the same with the authors' unnormalised head maps;
 * ``lorasuite+ft``: transferred, then ``small_steps`` of training (the paper's short fine-tune);
+* ``lorasuite-paper+ft``: the paper's method as published: the authors' unnormalised head maps,
+  then the same ``small_steps`` of training (issue 34);
 * ``lora-small``: LoRA trained from its usual init for ``small_steps``;
 * ``lora-full``: LoRA trained for ``full_steps`` (the old run's budget).
 
@@ -153,7 +155,7 @@ def _pretrain(s: Sizes, folder: Path, mb: float, vocab: int, hidden: int, layers
 
 def lora_config(s: Sizes, base: Path, steps: int) -> dict:
     """The task's run config: stdlib-functions, LoRA r on q/k/v/o, AdamW."""
-    return {"model": {"path": str(base), "task": "causal-lm"},
+    return {"model": {"path": str(base)}, "task": {"name": "causal-lm"},
             "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 96,
                      "packing": True},
             "method": {"name": "lora", "r": s.r, "alpha": 2 * s.r, "targets": TARGETS},
@@ -188,7 +190,11 @@ def _transfer(run: Path, base: Path, out: Path, steps: int, normalise: bool = Tr
             "cka": rec["cka"], "head_mapping": rec["head_mapping"], "not_transferred": rec["not_transferred"]}
 
 
-ROWS = ("new-base", "lorasuite", "lorasuite-paper", "lorasuite+ft", "lora-small", "lora-full")
+ROWS = ("new-base", "lorasuite", "lorasuite-paper", "lorasuite+ft", "lorasuite-paper+ft", "lora-small",
+        "lora-full")
+# models a later piece needs: (piece that builds it, folder); rebuilt if _work/ was cleared
+NEEDS = {"lorasuite-paper+ft": ("old-base", "new-base", "lora-old"),
+         "cont-lorasuite-paper+ft": ("old-base", "lora-old", "cont-base")}
 
 
 def run(out: Path, s: Sizes | None = None) -> dict:
@@ -221,12 +227,28 @@ def run(out: Path, s: Sizes | None = None) -> dict:
         "cont-lorasuite+ft": lambda: _transfer(old_run, cont_base, work / "cont-lorasuite-ft", s.small_steps),
         "cont-lora-small": lambda: _train(s, cont_base, s.small_steps, work / "cont-lora-small"),
         "cont-lora-full": lambda: _train(s, cont_base, s.full_steps, work / "cont-lora-full"),
+        # issue 34: the paper's formula with its fine-tune (control first: it needs no new-base)
+        "cont-lorasuite-paper+ft": lambda: _transfer(old_run, cont_base, work / "cont-lorasuite-paper-ft",
+                                                     s.small_steps, normalise=False),
+        "lorasuite-paper+ft": lambda: _transfer(old_run, new_base, work / "lorasuite-paper-ft", s.small_steps,
+                                                normalise=False),
     }
     for name, piece in pieces.items():  # a half-written folder of an interrupted piece goes first
         if not (out / "pieces" / f"{name}.json").is_file():
             _clear(work, name)
-    records = {name: _piece(out, name, fn) for name, fn in pieces.items()}
-    result = {"sizes": asdict(s), "pieces": records, "torch": torch.__version__}
+    records, rebuilt = {}, {}
+    for name, fn in pieces.items():
+        if not (out / "pieces" / f"{name}.json").is_file():
+            for need in NEEDS.get(name, ()):
+                if not (work / need).is_dir():  # a model of a recorded piece, gone with _work/
+                    again = pieces[need]()
+                    key = "heldout_loss" if "heldout_loss" in again else "eval_loss"
+                    rebuilt[need] = {"recorded": records[need][key], "rebuilt": again[key]}
+        records[name] = _piece(out, name, fn)
+    prior = json.loads((out / "results.json").read_text()).get("rebuilt", {}) \
+        if (out / "results.json").is_file() else {}
+    result = {"sizes": asdict(s), "pieces": records, "torch": torch.__version__,
+              **({"rebuilt": {**prior, **rebuilt}} if prior or rebuilt else {})}
     write_results(out, result, markdown(result))
     return result
 
@@ -261,6 +283,10 @@ def markdown(result: dict) -> str:
              f"depth, so W_x = I ({r['cont-lorasuite']['w_x']['kind']}); layer mapping "
              f"{r['cont-lorasuite']['layer_mapping']}.\n",
              _table(r, "cont-")]
+    if result.get("rebuilt"):
+        lines.append("\nModels rebuilt from their seeds for the `*-paper+ft` rows (issue 34; _work/ had been "
+                     "cleared), recorded vs rebuilt loss: " + "; ".join(
+                         f"{k} {v['recorded']:.4f} vs {v['rebuilt']:.4f}" for k, v in result["rebuilt"].items()) + ".")
     lines.append("\nTimes: one process per piece on a shared CPU (single thread); compare ratios. "
                  "transfer s: W_x, the CKA forwards, the mappings and the per-head maths (loading the "
                  "models and data not counted, as a retraining's data preparation is not). Peak memory: "
@@ -271,7 +297,7 @@ def markdown(result: dict) -> str:
 def _table(r: dict, p: str) -> str:
     full = r[f"{p}lora-full"]
     rows = {f"{p}new-base" if not p else "cont-base": r[f"{p}new-base-eval" if not p else "cont-base-eval"],
-            **{p + k: r[p + k] for k in ROWS[1:]}}
+            **{p + k: r[p + k] for k in ROWS[1:] if p + k in r}}  # a row added later: once measured
     lines = ["| row | steps on the new base | held-out loss | train s | transfer s | total s vs lora-full | peak MiB |",
              "|---|---|---|---|---|---|---|"]
     for name, m in rows.items():

@@ -102,15 +102,24 @@ def train(config: Path, sets: tuple[str, ...], out: Path | None, resume: bool) -
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", required=True, metavar="peft|merged|rankwise",
-              help="peft (HF PEFT adapter), merged (transformers model) or rankwise.")
+@click.option("--format", "fmt", required=True, metavar="peft|merged|rankwise|gguf|gguf-lora",
+              help="peft (HF PEFT adapter), merged (transformers model), rankwise, gguf (merged model "
+                   "for llama.cpp) or gguf-lora (a LoRA GGUF for the base's GGUF).")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="The base model's folder, if it is no longer at the run's model.path.")
-def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
-    """Export a run's adapter to the PEFT format or a merged transformers model."""
+@click.option("--strict", "strict", multiple=True, metavar="vllm|llama.cpp|peft-hotswap",
+              help="peft: refuse an adapter this server would reject (repeatable).")
+@click.option("--outtype", default=None, metavar="f32|f16|bf16|q8_0", help="gguf, gguf-lora: tensor type (f16).")
+@click.option("--llama-cpp", "llama_cpp_dir", type=click.Path(path_type=Path), default=None,
+              help="gguf, gguf-lora: folder of llama.cpp's converters (a llama.cpp checkout).")
+@click.option("--with-base", is_flag=True, help="gguf-lora: also convert the base model.")
+def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None, strict: tuple[str, ...],
+           outtype: str | None, llama_cpp_dir: Path | None, with_base: bool) -> None:
+    """Export a run: a PEFT adapter, a merged transformers model, or GGUF for llama.cpp."""
     from rankwise.recipes.export import export_run
-    path = export_run(run_dir, fmt, out, model_path)
+    path = export_run(run_dir, fmt, out, model_path, strict=strict, outtype=outtype,
+                      llama_cpp_dir=llama_cpp_dir, with_base=with_base, echo=click.echo)
     click.echo(f"wrote {path}")
 
 
@@ -118,15 +127,20 @@ def export(run_dir: Path, fmt: str, out: Path, model_path: Path | None) -> None:
 @click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
 @click.option("--to", "new_base", required=True, metavar="NEW_BASE", help="The new base model's folder.")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--finetune-steps", type=int, default=None, help="Steps of the run's training after the transfer.")
+@click.option("--finetune-steps", type=int, default=None,
+              help="Steps of the run's training after the transfer (LoRASuite's fine-tune stage); "
+                   "0 (the default) = transfer only.")
 @click.option("--calibration-texts", type=int, default=None, help="Examples whose hidden states give the CKA.")
+@click.option("--paper-maps", is_flag=True, default=False,
+              help="The authors' unnormalised head maps instead of rankwise's least-squares ones.")
 def transfer(run_dir: Path, new_base: str, out: Path, finetune_steps: int | None,
-             calibration_texts: int | None) -> None:
+             calibration_texts: int | None, paper_maps: bool) -> None:
     """Move a LoRA run onto an upgraded base model (LoRASuite; docs/transfer.md)."""
     from rankwise.recipes.transfer import TransferConfig, transfer_run
-    given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts}
+    given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts,
+             "normalise": False if paper_maps else None}
     record = transfer_run(run_dir, new_base, out, TransferConfig(**{k: v for k, v in given.items() if v is not None}))
-    click.echo(f"layers {record['layer_mapping']}  W_x {record['w_x']['kind']}  "
+    click.echo(f"{record['stage']}: layers {record['layer_mapping']}  W_x {record['w_x']['kind']}  "
                f"eval_loss {record['metrics'].get('eval_loss', float('nan')):.4g}")
     click.echo(f"wrote {out}")
 
@@ -182,24 +196,30 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
 @click.option("--steer-mask", type=float, default=None, help="SVDecode mask ratio tau (default 0.1).")
 @click.option("--steer-strength", type=float, default=None, help="SVDecode lambda on mu* (default 1; 0 = plain).")
 @click.option("--steer-max-mu", type=float, default=None, help="SVDecode clip of mu* (default 4).")
+@click.option("--steer-mu", type=float, default=None,
+              help="A fixed SVDecode mu* instead of calibrating it on the warm-start run's data.")
+@click.option("--steer-calib", type=int, default=None,
+              help="Warm-start training examples that calibrate mu* (default 64).")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
              max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
              kv_bits: int, model_path: Path | None, steer: str | None, steer_from: Path | None,
              steer_mask: float | None, steer_strength: float | None,
-             steer_max_mu: float | None, memory_decoder: Path | None,
-             memory_lambda: float | None) -> None:
+             steer_max_mu: float | None, steer_mu: float | None, steer_calib: int | None,
+             memory_decoder: Path | None, memory_lambda: float | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
     from rankwise.recipes.generate import run_generate
     steer_config = None
     if steer is not None:
         from rankwise.engine.svdecode import SVDecodeConfig
-        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu}
+        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu,
+                 "mu": steer_mu, "calib_examples": steer_calib}
         steer_config = SVDecodeConfig(**{k: v for k, v in given.items() if v is not None})
     run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
                  echo=click.echo, stream=lambda text: click.echo(text, nl=False),
                  kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path, steer=steer,
                  steer_from=steer_from, steer_config=steer_config,
-                 memory_decoder=memory_decoder, memory_lambda=memory_lambda)
+                 memory_decoder=memory_decoder, memory_lambda=memory_lambda,
+                 note=lambda line: click.echo(line, err=True))
 
 
 @main.command()
@@ -246,7 +266,8 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for scores.jsonl, chosen.json.")
 def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
-    """Score the training records by data.select and write the chosen ids (docs/select.md)."""
+    """Score the training records by data.select (random, embedding, less, influence, qcs-proxy:
+    a proxy of QCS) and write the chosen ids (docs/select.md)."""
     from rankwise.recipes.select import run_select
     run_select(config, list(sets), out)
 
@@ -292,7 +313,9 @@ def compress(config: Path, sets: tuple[str, ...], out: Path | None, overwrite: b
 @click.option("--seed", type=int, default=None, help="Seed of the masks (secret; default: drawn from the OS).")
 def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None, factors: Path | None,
               seed: int | None) -> None:
-    """Publish MODEL with LoRO low-rank masks (W' = W + BA); the factors go to a separate file."""
+    """Publish MODEL under a rank-d additive mask (LoRO-like; W' = W + BA); the factors go to a
+    separate file. A rank-d SVD of W' minus the public pretrained weights removes this mask
+    (bench loro, docs/loro.md): it is not the paper's LoRO, whose construction we could not read."""
     from rankwise.obfuscation import ObfuscateConfig
     from rankwise.recipes.obfuscate import run_obfuscate
     given = {"rank": rank, "cornerstones": cornerstones, "seed": seed}

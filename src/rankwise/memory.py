@@ -190,10 +190,13 @@ class PeakMemory:
     """Context manager: the peak memory a block of work adds, by the meter of ``device``.
 
     Meters nest (a GoRA calibration measured inside a benchmark's block): each reports the
-    peak above its own start.
+    peak above its own start. A meter made with ``apart=True`` is kept out of the enclosing
+    meters' peaks (they see only the block's net change in live bytes): a run's evaluations,
+    measured apart from its training steps.
 
     Args:
         device: ``cpu`` or ``cuda[:n]``.
+        apart: Keep this block's transient memory out of the enclosing meters' peaks.
 
     Attributes:
         meter: :func:`meter_name` of the device.
@@ -201,11 +204,13 @@ class PeakMemory:
         peak_mb: The same in MiB.
     """
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device = "cpu", apart: bool = False) -> None:
         self.device = str(device)
         self.meter = meter_name(self.device)
+        self.apart = apart
         self.peak_bytes = 0
         self._live = 0
+        self._outer: list[PeakMemory] = []
 
     @property
     def peak_mb(self) -> float:
@@ -231,6 +236,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             self._seen = 0
+            if self.apart:  # meters nested in this block must not pass its peak outwards
+                self._outer = _ACTIVE_CUDA[:]
+                _ACTIVE_CUDA.clear()
             _ACTIVE_CUDA.append(self)
         else:
             if _ACTIVE:
@@ -238,6 +246,9 @@ class PeakMemory:
             else:
                 _start_profiler()
             self._live = self.peak_bytes = 0
+            if self.apart:  # until the exit, the events are this block's alone
+                self._outer = _ACTIVE[:]
+                _ACTIVE.clear()
             _ACTIVE.append(self)
         return self
 
@@ -247,11 +258,18 @@ class PeakMemory:
             peak = max(self._seen, torch.cuda.max_memory_allocated(self.device))
             self.peak_bytes = max(0, peak - self._base)
             _ACTIVE_CUDA.remove(self)
+            if self.apart:  # the enclosing meters' peaks resume from the level now
+                torch.cuda.reset_peak_memory_stats(self.device)
+                _ACTIVE_CUDA[:0], self._outer = self._outer, []
         elif self in _ACTIVE:
             try:
-                _fold(restart=len(_ACTIVE) > 1)
+                _fold(restart=len(_ACTIVE) > 1 or bool(self._outer))
             finally:
                 _ACTIVE.remove(self)
+                for outer in self._outer:  # the net change only, never the block's peak
+                    outer._live += self._live
+                    outer.peak_bytes = max(outer.peak_bytes, outer._live)
+                _ACTIVE[:0], self._outer = self._outer, []
 
 
 __all__ = ["METERS", "PeakMemory", "meter_name", "rss_mb", "tensor_bytes"]

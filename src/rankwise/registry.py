@@ -112,7 +112,7 @@ class Entry:
 _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import
 # (e.g. federated without flwr); they are then simply absent.
-_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.engine", "rankwise.compress")
+_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 _loaded = False
 

@@ -169,3 +169,17 @@ def pack_4bit_for_cpu(model: nn.Module) -> int:
                 m.weight.data, m.weight.quant_state)  # records a non-uint8 storage dtype itself
             packed += 1
     return packed
+
+
+def error_lines(text: str) -> list[str]:
+    """The non-empty lines of a command's stderr, without its ``notice:`` lines (the one-line
+    notice of an old config spelling, :mod:`rankwise.recipes.legacy`), so a test of a user
+    error sees the error line alone.
+
+    Args:
+        text: The captured stderr (or output).
+
+    Returns:
+        The lines, in order.
+    """
+    return [line for line in text.splitlines() if line.strip() and not line.startswith("notice: ")]

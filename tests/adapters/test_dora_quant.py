@@ -1,6 +1,8 @@
 """DoRA on bitsandbytes NF4 and int8 bases (CPU): the row norm equals the direct formula on the
 dequantized weight, gradients reach m, A and B, PEFT loads our adapter on the same 4-bit base with
-the same logits, and the merged export folds DoRA into the dequantized base. The 4-bit model is
+the same logits in training mode, its eval forward takes the norm from a repacked weight (so the
+PEFT export of DoRA on 4 bits is refused), and the merged export folds DoRA into the dequantized
+base. The 4-bit model is
 packed for bitsandbytes' CPU inference kernel first, so the test holds on CPUs with and without
 AVX512-BF16 (applying the adapter must restore the training layout)."""
 from __future__ import annotations
@@ -64,7 +66,7 @@ def test_norm_and_gradients_on_a_quantized_base(llama_dir, quantize):
 
 def test_peft_loads_our_adapter_on_the_same_4bit_base(llama_dir, tmp_path):
     ours = adapt(load(llama_dir, "nf4"))
-    export_peft(ours, tmp_path / "peft")
+    export_peft(ours, tmp_path / "peft", allow_4bit_dora=True)  # refused by default (below)
     theirs = peft.PeftModel.from_pretrained(load(llama_dir, "nf4"), tmp_path / "peft")
     b = {k: v for k, v in batch(3).items() if k != "labels"}
     with torch.no_grad():  # training mode: an eval forward would repack PEFT's 4-bit layers
@@ -91,3 +93,44 @@ def test_merged_export_folds_dora_into_the_dequantized_base(llama_dir, tmp_path)
     b_ = {k: v for k, v in batch(4).items() if k != "labels"}
     with torch.no_grad():
         torch.testing.assert_close(merged(**b_).logits, model.eval()(**b_).logits, atol=1e-4, rtol=0)
+
+
+def test_peft_export_of_dora_on_4_bits_is_refused_with_the_reason(llama_dir, tmp_path):
+    """Why: after bitsandbytes repacks a 4-bit weight for its CPU inference kernel (the first
+    eval forward on an AVX512-BF16 CPU; ``pack_4bit_for_cpu`` does it on any CPU), PEFT's DoRA
+    dequantizes the repacked bytes as the standard layout, so its weight norm is another
+    matrix's. rankwise reads both layouts (its norms, magnitudes and merged export agree); its
+    merged export keeps rankwise's loss change within 5 % (here 1e-3) of the adapter's effect."""
+    from peft.utils.integrations import dequantize_module_weight
+    from transformers import AutoModelForCausalLM
+
+    from rankwise.core.merged import export_merged
+    from rankwise.errors import RankwiseError
+    ours = adapt(load(llama_dir, "nf4"))
+    with pytest.raises(RankwiseError, match="DoRA on a bitsandbytes 4-bit base .*repacked bytes"
+                                            ".*--format merged"):
+        export_peft(ours, tmp_path / "peft")
+    assert not (tmp_path / "peft").exists()
+    packed = load(llama_dir, "nf4")
+    layer = packed.model.layers[0].self_attn.q_proj
+    want = quant.dequantize_4bit(layer)                              # the training layout
+    pack_4bit_for_cpu(packed)
+    # rankwise reads the repacked layout: the same codes, block scales rounded to bf16
+    eps = torch.finfo(torch.bfloat16).eps
+    assert (quant.dequantize_4bit(layer) - want).abs().max() <= eps * want.abs().max()
+    theirs = dequantize_module_weight(layer).float()                 # PEFT's DoRA path
+    assert (theirs.norm(dim=1) - want.float().norm(dim=1)).abs().max() > 0.05 * want.float().norm(dim=1).max()
+    b = batch(3)
+    export_merged(ours, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        base = load(llama_dir, "nf4").train()(**b).loss
+        own, folded = ours.train()(**b).loss, merged(**b).loss
+    assert (own - base).abs() > 1e-4                                 # the adapter has an effect
+    assert (folded - own).abs() <= 1e-3 * (own - base).abs()
+
+
+def test_peft_export_of_dora_on_an_8bit_base_is_written(llama_dir, tmp_path):
+    """The refusal is the 4-bit layout's: DoRA on int8 (no repacking) exports as before."""
+    export_peft(adapt(load(llama_dir, "int8")), tmp_path / "peft")
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()

@@ -14,7 +14,7 @@ from rankwise.adapters.lora import LoraConfig, apply_lora, export_peft
 from rankwise.adapters.lora import inits
 from rankwise.adapters.lora.calibrate import input_statistics
 from rankwise.errors import RankwiseError
-from rankwise.testing import randomize_trainable, tiny_batch, tiny_llama_lm
+from rankwise.testing import error_lines, randomize_trainable, tiny_batch, tiny_llama_lm
 
 peft = pytest.importorskip("peft")
 
@@ -249,7 +249,7 @@ def test_cli_refuses_bad_inits_with_one_line_and_exit_2(tmp_path, sets, needle):
     for s in sets:
         args += ["--set", s]
     result = CliRunner().invoke(main, args)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = error_lines(result.stderr)
     assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.output
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rankwise_bench.offload import PRESETS, ROWS, main
+from rankwise.testing import error_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,5 +43,5 @@ def test_gpu_preset_without_a_gpu_is_one_line(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as err:
         main(["--out", str(tmp_path / "gpu")])
     assert err.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "no CUDA GPU" in lines[0]

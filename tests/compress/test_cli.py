@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.compress.io import load_compressed
+from rankwise.testing import error_lines
 
 SMALL = {"calibration": {"sequences": 4, "length": 16}, "heldout": {"sequences": 4, "length": 16}}
 LLAMA = {"model": {"path": "tiny-llama", "task": "causal-lm"}}
@@ -28,7 +29,7 @@ def invoke(*args):
 
 def one_line_error(result, needle):
     assert result.exit_code == 2, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
     return lines[0]
 

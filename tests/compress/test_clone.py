@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from rankwise.cli import main
-from rankwise.compress.clone import LowRankClone, kl_teacher_student, lrc_losses, masked_mse
+from rankwise.compress.clone import DistillConfig, LowRankClone, kl_teacher_student, lrc_losses, masked_mse
 
 V, D_T, D_S = 64, 32, 16
 
@@ -77,8 +77,9 @@ def test_selection_bakes_to_the_width_pruned_teacher():
 
 
 def test_kl_and_mse_equal_their_formulas():
-    """KL(p_t^T ‖ p_s^T) at T, no T² factor, mean over unmasked positions; masked MSE is the
-    mean of squares over features and unmasked positions. Hand-computed on 2-token vocabularies."""
+    """KL(p_t^T ‖ p_s^T) at T, no T² factor: summed over the unmasked positions and divided by
+    the sequences (default), or their mean (``token``); masked MSE is the mean of squares over
+    features and unmasked positions. Hand-computed on 2-token vocabularies."""
     t = torch.tensor([[[0.0, 2.0], [1.0, 1.0]]])           # (1, 2, 2)
     s = torch.tensor([[[1.0, 0.0], [0.0, 3.0]]])
     T = 2.0
@@ -87,13 +88,47 @@ def test_kl_and_mse_equal_their_formulas():
         p = torch.softmax(torch.tensor(a) / T, -1)
         q = torch.softmax(torch.tensor(b) / T, -1)
         return float((p * (p / q).log()).sum())
-    both = (kl([0.0, 2.0], [1.0, 0.0]) + kl([1.0, 1.0], [0.0, 3.0])) / 2
+    both = kl([0.0, 2.0], [1.0, 0.0]) + kl([1.0, 1.0], [0.0, 3.0])
     assert kl_teacher_student(t, s, T, None).item() == pytest.approx(both, abs=1e-6)
-    assert kl_teacher_student(t, s, T, torch.tensor([[1, 0]])).item() == pytest.approx(kl([0.0, 2.0], [1.0, 0.0]), abs=1e-6)
+    assert kl_teacher_student(t, s, T, None, "token").item() == pytest.approx(both / 2, abs=1e-6)
+    first = kl([0.0, 2.0], [1.0, 0.0])
+    assert kl_teacher_student(t, s, T, torch.tensor([[1, 0]])).item() == pytest.approx(first, abs=1e-6)
+    assert kl_teacher_student(t, s, T, torch.tensor([[1, 0]]), "token").item() == pytest.approx(first, abs=1e-6)
     a = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
     b = torch.tensor([[[0.0, 0.0], [1.0, 1.0]]])
     assert masked_mse(a, b, None).item() == pytest.approx((1 + 4 + 4 + 9) / 4)
     assert masked_mse(a, b, torch.tensor([[0, 1]])).item() == pytest.approx((4 + 9) / 2)
+
+
+def test_kl_equals_the_released_codes_batchmean_form():
+    """The released LRC code's KL, ``F.kl_div(log p_s, log p_t, log_target=True,
+    reduction="batchmean")`` on ``(B, L, V)`` logits (KL summed over the L positions, averaged
+    over the B sequences): rankwise's default equals it at every T, and is L times the per-token
+    mean (B 8, L 128, V 256, logit std 3, as in the review's check)."""
+    g = torch.Generator().manual_seed(0)
+    t, s = 3 * torch.randn(8, 128, 256, generator=g), 3 * torch.randn(8, 128, 256, generator=g)
+    for T in (1.0, 10.0, 40.0):
+        code = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True,
+                        reduction="batchmean")
+        ours = kl_teacher_student(t, s, T, None)
+        assert ours.item() == pytest.approx(code.item(), rel=1e-5)
+        assert ours.item() == pytest.approx(128 * kl_teacher_student(t, s, T, None, "token").item(), rel=1e-5)
+    assert DistillConfig().temperature == 40.0 and DistillConfig().kl_reduction == "sequence"
+
+
+def test_normal_init_is_the_released_codes():
+    """``init: normal``: every projection N(0, 0.02) (seeded), the student's norms at 1 (the
+    released code's ``reinit_weight``); the default stays our SVD start."""
+    lrc = LowRankClone(teacher(), D_S, init="normal", seed=3)
+    flat = torch.cat([p.reshape(-1) for p in lrc.proj.values()])
+    assert float(flat.detach().mean()) == pytest.approx(0.0, abs=1e-3)
+    assert float(flat.detach().std()) == pytest.approx(0.02, rel=0.03)
+    assert all(torch.equal(n, torch.ones_like(n)) for n in lrc.norms.values())
+    again = LowRankClone(teacher(), D_S, init="normal", seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(lrc.proj.values(), again.proj.values()))
+    svd = LowRankClone(teacher(), D_S)
+    assert float(next(iter(svd.norms.values())).detach()[0]) == pytest.approx((D_T / D_S) ** 0.5)
+    assert "init: got 'xavier'" in " ".join(DistillConfig(student_hidden=8, init="xavier").problems())
 
 
 def test_lrc_losses_sum_the_seven_clone_terms():
@@ -152,7 +187,8 @@ def test_forward_keeps_weighted_terms_of_real_activations():
             w_o = plain_teacher.model.layers[i].self_attn.o_proj.weight
             clone += float(((s_act[i, "ctx"] @ w_o.T - t_act[i, "o"]) ** 2).mean())
             clone += float(((s_act[i, "down"] - t_act[i, "down"] @ lrc.proj[f"{i}_down"].T) ** 2).mean())
-    assert aux["kl"] == pytest.approx(0.7 * float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-4)
+    # KL summed over the 9 positions, averaged over the 2 sequences
+    assert aux["kl"] == pytest.approx(0.7 * float((p.exp() * (p - q)).sum(-1).sum(-1).mean()), rel=1e-4)
     assert aux["clone"] == pytest.approx(0.3 * clone, rel=1e-4)
     torch.testing.assert_close(s_logits.detach(), s_plain, atol=1e-5, rtol=0)
     lrc.eval()

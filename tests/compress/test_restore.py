@@ -24,6 +24,8 @@ from rankwise.compress.pipeline import compress_model
 from rankwise.compress.restore.lcc import (RestoreLCC, check_restorable, choose_heads, contrast, head_outputs,
                                            head_scores, lost_directions)
 from rankwise.errors import RankwiseError
+from rankwise.tasks import CausalLMTask, ClassificationTask
+from rankwise.testing import error_lines
 from tests.compress.compress_helpers import compressor
 
 HEADS = 4
@@ -168,7 +170,7 @@ def _invoke(tmp_path, compress):
 def test_restore_on_a_model_that_was_not_pruned_is_one_line_and_exit_2(tmp_path, compress, needle):
     result = _invoke(tmp_path, {"restore": RESTORE, **compress})
     assert result.exit_code == 2, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -177,9 +179,9 @@ def test_a_model_without_the_output_projection_is_one_line():
     cfg = compressor("wanda").config
     cfg.restore = RestoreConfig(enabled=True, probes=8, o_proj="out_proj")
     with pytest.raises(RankwiseError, match=r"no linear layer named \*out_proj"):
-        check_restorable(tiny_llama(), cfg, "causal-lm")
+        check_restorable(tiny_llama(), cfg, CausalLMTask())
     with pytest.raises(RankwiseError, match="not causal-lm"):
-        check_restorable(tiny_llama(), cfg, "classification")
+        check_restorable(tiny_llama(), cfg, ClassificationTask())
 
 
 @pytest.mark.slow
@@ -191,3 +193,18 @@ def test_compress_with_restore_reports_both_perplexities(tmp_path):
     assert r["zeros_unchanged"] and r["steps"] == 2 and len(r["heads"]) == 1    # 0.25 of 2 layers x 2 heads
     assert r["heldout_pruned"]["eval_perplexity"] > 0 and report["heldout"]["after"]["eval_perplexity"] > 0
     assert "RestoreLCC: 1 of 4 heads" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_lost_directions_plus_the_free_bias_reach_every_vector():
+    """The "lost component" form restricts nothing (the released code's form too): with N >= d
+    probes ``V_h`` is a full orthonormal basis, so ``V_hᵀ v`` alone reaches any target ``c``; with
+    N < d the free bias ``b`` does (``v = 0, b = c``). So the correction is a plain per-head bias."""
+    g = torch.Generator().manual_seed(1)
+    dense, pruned = torch.randn(2, 12, 1, 1, 8, generator=g)                  # N=12 probes >= d=8
+    v_h = lost_directions(dense, pruned)[0, 0].double()
+    assert torch.linalg.matrix_rank(v_h) == 8
+    c = torch.randn(8, generator=g, dtype=torch.float64)
+    v = torch.linalg.solve(v_h.T, c)                                           # V_hᵀ v = c
+    assert torch.allclose(v_h.T @ v, c, atol=1e-10)
+    few = lost_directions(*torch.randn(2, 3, 1, 1, 8, generator=g))[0, 0].double()  # N=3 < d
+    assert torch.linalg.matrix_rank(few) == 3     # V_hᵀ v spans 3 of 8 dims; b covers the rest

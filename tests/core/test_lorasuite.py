@@ -8,7 +8,8 @@ import torch
 
 from rankwise.core.lorasuite import (Attention, LoRASuite, cka_matrix, head_mapping,
                                              head_similarity, layer_mapping, linear_cka, refactor,
-                                             transfer_attention, transfer_dense, transfer_matrix)
+                                             transfer_attention, transfer_dense, transfer_matrix,
+                                             transfer_mlp)
 
 
 def _attention(g, hidden=24, heads=4, kv_heads=2, d=6) -> Attention:
@@ -120,3 +121,25 @@ def test_transfer_matrix_is_least_squares_and_refactor_reproduces_the_rank_r_pro
     torch.testing.assert_close(b @ a, b0 @ a0, rtol=0, atol=1e-10)
     a, b = refactor(b0 @ a0, 5)  # a larger rank pads with zero factors, same product
     torch.testing.assert_close(b @ a, b0 @ a0, rtol=0, atol=1e-10)
+
+
+def test_mlp_rule_is_the_authors_code_where_the_intermediate_size_changes():
+    """The code's MLP factors (BLOOMZ / MiniCPM branches of lora_adaption.py), multiplied out:
+    up ``B' = W_new pinv(W_x) pinv(W_old) B``, ``A' = A W_x``; down ``B' = pinv(W_x) B``,
+    ``A' = A pinv(W_old) W_x W_new``; and LoRASuite.block uses it only when given the weights."""
+    g = torch.Generator().manual_seed(6)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    h_old, h_new, i_old, i_new, rank = 8, 12, 20, 30, 3
+    w_x = r(h_old, h_new)
+    pinv = torch.linalg.pinv
+    u_old, u_new, b, a = r(i_old, h_old), r(i_new, h_new), r(i_old, rank), r(rank, h_old)
+    want_up = (u_new @ pinv(w_x) @ pinv(u_old) @ b) @ (a @ w_x)
+    torch.testing.assert_close(transfer_mlp(b @ a, u_old, u_new, w_x), want_up, rtol=1e-10, atol=1e-10)
+    d_old, d_new, b, a = r(h_old, i_old), r(h_new, i_new), r(h_old, rank), r(rank, i_old)
+    want_down = (pinv(w_x) @ b) @ (a @ pinv(d_old) @ w_x @ d_new)
+    torch.testing.assert_close(transfer_mlp(b @ a, d_old, d_new, w_x), want_down, rtol=1e-10, atol=1e-10)
+    suite, delta = LoRASuite(w_x), {"mlp.down_proj": b @ a}
+    shapes = {"mlp.down_proj": ((h_old, i_old), (h_new, i_new))}
+    assert suite.block(delta, None, None, shapes)[0]["mlp.down_proj"] is None  # no weights: left out
+    moved, _ = suite.block(delta, None, None, shapes, {"mlp.down_proj": (d_old, d_new)})
+    torch.testing.assert_close(moved["mlp.down_proj"], want_down, rtol=1e-10, atol=1e-10)

@@ -192,5 +192,5 @@ def test_split_long_needs_plain_text_and_a_causal_lm(tok):
         from rankwise.configs import from_dict
         from_dict(DataConfig, {"format": "prompt-completion", "split_long": True}, "data")
     cfg = DataConfig(source="demo", split_long=True)
-    with pytest.raises(RankwiseError, match="split_long needs model.task: causal-lm"):
+    with pytest.raises(RankwiseError, match="split_long needs task.name: causal-lm"):
         build_data(cfg, get_task("classification"), tok)

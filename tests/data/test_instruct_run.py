@@ -96,7 +96,7 @@ def test_tensorboard_has_train_and_eval_scalars(run):
 
 @pytest.mark.parametrize("sets, match", [
     (["data.format=chat", "data.source=stdlib-functions"], "data.chat_template"),
-    (["model.task=classification", "data.source=demo", "data.format=text"], "data.packing needs model.task"),
+    (["model.task=classification", "data.source=demo", "data.format=text"], "data.packing needs task.name"),
     (["data.messages_field=msgs", "data.format=chat", "data.chat_template='{{ x }}'"], "no 'msgs' field in any record"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, sets, match):

@@ -41,5 +41,5 @@ def test_flips_a_fixed_fraction_of_training_labels(docstrings_jsonl, tok):
 def test_bad_label_noise(docstrings_jsonl, tok):
     with pytest.raises(RankwiseError, match="label_noise: got 1.0"):
         data(docstrings_jsonl, label_noise=1.0)
-    with pytest.raises(RankwiseError, match="needs model.task: classification"):
+    with pytest.raises(RankwiseError, match="needs task.name: classification"):
         build_data(data(docstrings_jsonl, label_noise=0.2), get_task("causal-lm"), tok)

@@ -125,6 +125,6 @@ def test_bad_input_is_one_line(case, tmp_path):
     res = invoke("train", write_yaml(tmp_path / "c.yaml", raw), "--out", tmp_path / "run")
     needle = {"text": "plain text (data.format: text) has none",
               "train_on_prompt": "train_on_prompt has no prompt",
-              "dpo": "needs model.task: causal-lm (got dpo)"}[case]
+              "dpo": "needs task.name: causal-lm (got dpo)"}[case]
     assert_user_error(res, "question_free", needle)
     assert not (tmp_path / "run").exists()

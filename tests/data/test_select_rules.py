@@ -1,6 +1,7 @@
 """``data.select`` rules against direct computations on a 2-layer model with hand-written
 per-example gradients: LESS's cosine, Influence Distillation's JVP embedding, landmark influences
-and kernel-ridge propagation, the round-robin pick, QCS's budget projection; the weighted loss."""
+and kernel-ridge propagation, the round-robin pick and the weights' second-order objective, the
+feature warm-up, the QCS proxy's budget projection; the weighted loss."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -116,7 +117,7 @@ def test_influence_matches_jvp_kernel_ridge_and_round_robin_by_hand():
     k_ll = kern(el, el)
     want = kern(emb, el) @ np.linalg.solve(k_ll + 0.01 * np.diag(k_ll).mean() * np.eye(6), p_land)
     np.testing.assert_allclose(s.numpy(), want.mean(1), rtol=1e-3, atol=1e-4)
-    assert chosen == rules.round_robin(torch.as_tensor(want), 5)
+    assert chosen == rules.round_robin(torch.as_tensor(want), 5, cfg.seed)
 
 
 def test_round_robin_and_propagation_known_answers():
@@ -155,7 +156,7 @@ def test_budget_random_and_weights_rules():
             rules.budget_count(bad, 95)
     a, b = rules.top_k(rules.random_scores(100, 3), 10), rules.top_k(rules.random_scores(100, 3), 10)
     assert a == b != rules.top_k(rules.random_scores(100, 4), 10)
-    w = rules.simplex_weights(torch.tensor([3.0, 1.0, 0.0, -2.0]), 2)
+    w = rules.influence_weights(torch.tensor([[3.0], [1.0], [0.0], [-2.0]]), 2)
     assert abs(float(w.sum()) - 2) < 1e-9 and float(w.min()) >= 0 and w[0] > w[1] >= w[2] >= w[3]
     with pytest.raises(RankwiseError, match="needs a model with trainable weights"):
         frozen = TwoLayer().requires_grad_(False)
@@ -239,3 +240,70 @@ def test_less_and_jvp_features_of_a_causal_lm_equal_hand_computed_ones():
     for i, ids in enumerate(train.ids):
         h = np.tanh(w1 @ e[ids[-1]])
         np.testing.assert_allclose(emb[i].numpy(), (1 - h**2) * (v1 @ e[ids[-1]]), rtol=1e-3, atol=1e-4)
+
+
+def test_influence_weights_solve_the_papers_second_order_objective():
+    """Influence Distillation's weights (arXiv 2505.19051 §3, H_T the empirical Fisher of the
+    target gradients, so G_S H_T G_Sᵀ = P Pᵀ/m): the KKT conditions of
+    min -pᵀw + (η/2nm)|Pᵀw|² + (l2·std p/2)|w|² over {w ≥ 0, Σw = k} hold to 1e-6; η = 0 is the
+    first-order rule max(p/λ - τ, 0); the second-order term moves weight off duplicated rows."""
+    g = torch.Generator().manual_seed(5)
+    P = torch.randn(12, 4, generator=g, dtype=torch.float64) * 0.3
+    P[1] = P[0] = P[0] + 0.8                      # two identical strong rows
+    k, eta, l2 = 6.0, 4.0, 0.5
+    w = rules.influence_weights(P, k, eta, l2)
+    p = P.mean(1)
+    lam = l2 * float(p.std())
+    grad = (-p + eta / (12 * 4) * P @ (P.T @ w) + lam * w).numpy()
+    on = w.numpy() > 1e-9
+    nu = grad[on].mean()
+    assert abs(float(w.sum()) - k) < 1e-9 and float(w.min()) >= 0
+    np.testing.assert_allclose(grad[on], nu, atol=1e-6)          # stationarity on the support
+    assert (grad[~on] >= nu - 1e-6).all()                          # no gain from any zero weight
+    first = rules.influence_weights(P, k, 0.0, l2).numpy()
+    y = (p / lam).numpy()
+    tau = (y[first > 0] - first[first > 0]).mean()
+    np.testing.assert_allclose(first, np.clip(y - tau, 0, None), atol=1e-9)
+    assert w[0] == pytest.approx(w[1]) and float(w[0]) < first[0] - 0.1
+
+
+def test_round_robin_shuffles_the_target_order_every_round():
+    """The release shuffles the target order afresh each round: round r follows the r-th
+    torch.randperm(m) of a generator seeded with the seed; over seeds, an odd budget is no
+    longer always decided in favour of target 0."""
+    infl = torch.tensor([[0.9, 0.0], [0.8, 0.1], [0.1, 0.7], [0.0, 0.6], [0.5, 0.5]])
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        first, second = torch.randperm(2, generator=gen).tolist(), torch.randperm(2, generator=gen).tolist()
+        assert rules.round_robin(infl, 1, seed) == [[0, 2][first[0]]]
+        assert rules.round_robin(infl, 3, seed) == sorted([0, 2, [1, 3][second[0]]])
+    from_target_1 = sum(rules.round_robin(infl, 1, s) == [2] for s in range(200))
+    assert 70 < from_target_1 < 130
+    assert rules.round_robin(infl, 3) == [0, 1, 2]   # no seed: the fixed order
+
+
+def test_warm_up_takes_features_after_training_and_restores_the_weights():
+    """warmup_steps: the LESS features are the hand gradients at the weights after 3 AdamW steps
+    (lr 0.05) on batches of 8 pool records drawn by a generator seeded seed + 29; afterwards the
+    model holds its own weights again."""
+    import copy
+    model, train, target = TwoLayer(), dataset(12, 3), dataset(3, 4)
+    before = [p.detach().clone() for p in (model.w1, model.w2)]
+    cfg = SelectConfig(method="less", budget=4, target="t", proj_dim=0, warmup_steps=3, warmup_lr=0.05)
+    s, _, _, _ = stage.score(session(model, train), cfg, list(range(12)), target, 4)
+    assert torch.equal(model.w1, before[0]) and torch.equal(model.w2, before[1])
+    warm, task = copy.deepcopy(model), get_task("classification")
+    opt = torch.optim.AdamW([warm.w1, warm.w2], lr=0.05, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed + 29)
+    for _ in range(3):
+        idx = torch.randint(12, (8,), generator=gen).tolist()
+        opt.zero_grad()
+        task.mean_loss(warm, task.collate([train[i] for i in idx], train.pad_id)).backward()
+        opt.step()
+    g = np.stack([hand_grad(warm, train.ids[i], train.labels[i]) for i in range(12)])
+    gt = np.stack([hand_grad(warm, target.ids[j], target.labels[j]) for j in range(3)])
+    mean_t = (gt / np.linalg.norm(gt, axis=1, keepdims=True)).mean(0)
+    np.testing.assert_allclose(s.numpy(), [cos(x, mean_t) for x in g], rtol=1e-5, atol=1e-6)
+    at_init = stage.score(session(model, train), SelectConfig(method="less", budget=4, target="t", proj_dim=0),
+                          list(range(12)), target, 4)[0]
+    assert float((at_init - s).abs().max()) > 1e-3

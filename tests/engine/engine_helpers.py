@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.engine import CausalLMTask, Engine
+from rankwise.engine import Engine
+from rankwise.tasks import CausalLMTask
 
 VOCAB, HIDDEN, PAD = 11, 6, 0
 

@@ -144,3 +144,14 @@ def test_progress_bar_reports_tokens_and_examples_per_second(monkeypatch):
     monkeypatch.undo()
     bar.on_fit_exit(None, state)
     assert "tok/s" in bar.console.file.getvalue() and bar._bar is None
+
+
+def test_progress_bar_of_a_fit_that_runs_no_step_prints_no_nan_loss():
+    """A resume that starts at the last step runs no step: the bar has no loss to show."""
+    from rich.console import Console
+    bar = ProgressBar("lora", Console(file=StringIO(), width=160))
+    state = TrainState(step=4, start_step=4, total_steps=4)
+    bar.on_fit_start(None, state)
+    bar.on_fit_exit(None, state)
+    text = bar.console.file.getvalue()
+    assert "4/4" in text and "loss -" in text and "nan" not in text

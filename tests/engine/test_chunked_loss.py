@@ -8,7 +8,8 @@ import torch
 from torch.nn import functional as F
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
-from rankwise.engine import CausalLMTask, Engine
+from rankwise.engine import Engine
+from rankwise.tasks import CausalLMTask
 from rankwise.engine.chunked_loss import output_head
 from rankwise.recipes.config import TrainConfig
 

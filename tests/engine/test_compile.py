@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
-from rankwise.engine import CausalLMTask, Engine
+from rankwise.engine import Engine
+from rankwise.tasks import CausalLMTask
 from rankwise.engine.compile import compile_model, compile_problem
 
 

@@ -90,6 +90,50 @@ def test_ctrl_c_during_a_profiler_fold_is_raised_after_it_not_inside_it(monkeypa
     del keep
 
 
+def test_a_meter_apart_keeps_its_block_out_of_the_enclosing_peak():
+    """An evaluation measured apart: the outer meter (the training steps) sees only the block's
+    net change in live bytes, never its transient peak; the apart meter sees its own block."""
+    keep = []
+    with PeakMemory("cpu") as outer:
+        tmp = torch.ones(1000, 1000)                 # +4 MB, freed: the outer's own peak
+        del tmp
+        with PeakMemory("cpu", apart=True) as apart:
+            big = torch.ones(3000, 1000)             # +12 MB, freed: the apart block's peak
+            del big
+            keep.append(torch.ones(500, 1000))       # +2 MB, kept: the outer's level rises
+        outer.flush()                                # the outer measures on after the block
+        tmp = torch.ones(1000, 1000)                 # 2 + 4 MB
+        del tmp
+    assert apart.peak_bytes == 3 * MB4
+    assert outer.peak_bytes == MB4 + MB4 // 2
+
+
+def test_evaluations_are_measured_apart_and_a_resume_keeps_the_recorded_peak():
+    """``MeasureMemory``: an 8 MB evaluation stays out of the steps' peak (the toy steps take a
+    few KB) and is reported on its own; the checkpoint's recorded peaks (a resume) are kept
+    when this session's are lower, and ignored when another meter wrote them."""
+    from engine_helpers import engine
+
+    from rankwise.engine.callbacks import Evaluate, MeasureMemory
+    with PeakMemory("cpu") as meter:
+        measure = MeasureMemory(meter)
+        measure.restore({"peak_memory_mb": 5.0, "eval_peak_memory_mb": 1.0,
+                         "memory_meter": "cpu_live_tensors"})
+        eng = engine(callbacks=[Evaluate(None, 1, every=1, memory=measure), measure])
+
+        def evaluate(data, batch_size):
+            big = torch.ones(2000, 1000)             # 8 MB, freed when the evaluation ends
+            return {"eval_loss": float(big.sum()) * 0}
+        eng.evaluate = evaluate
+        eng.fit(2)                                   # evaluates after step 1
+    assert meter.peak_bytes < 64 * 1024
+    assert measure.peaks() == {"peak_memory_mb": 5.0, "eval_peak_memory_mb": round(2 * MB4 / 2 ** 20, 1),
+                               "memory_meter": "cpu_live_tensors"}
+    other = MeasureMemory(PeakMemory("cpu"))
+    other.restore({"peak_memory_mb": 5.0, "memory_meter": "cuda_max_allocated"})
+    assert other.peaks()["peak_memory_mb"] == 0.0
+
+
 def test_flushing_releases_each_steps_profiler_events_without_the_cyclic_collector():
     """The CPU meter's profiler results sit in a reference cycle that only the cyclic collector
     frees, and the collector rarely runs (their memory is C++ memory Python does not count): a

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from rankwise.engine import CausalLMTask, Engine
+from rankwise.engine import Engine
+from rankwise.tasks import CausalLMTask
 from rankwise.engine.offload import OffloadActivations, is_resident
 
 B, D_IN, D_H, D_OUT = 4, 16, 32, 8

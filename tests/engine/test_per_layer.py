@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rankwise import registry
-from rankwise.engine import CausalLMTask, Engine, linear_schedule
+from rankwise.engine import Engine, linear_schedule
+from rankwise.tasks import CausalLMTask
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
 

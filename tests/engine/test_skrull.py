@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
-from rankwise.engine import CausalLMTask, Engine
+from rankwise.engine import Engine
 from rankwise.engine.skrull import (CapError, Skrull, assign_ranks, capped_groups, cost, padded_cost,
                                    split_micro)
+from rankwise.tasks import CausalLMTask
 from rankwise.testing import tiny_llama64
 
 

@@ -53,6 +53,38 @@ def test_majority_share_is_the_most_frequent_labels_share():
     assert majority_share(None) is None and majority_share([]) is None
 
 
+def test_metrics_record_the_eval_splits_majority_share(tmp_path):
+    """``majority_accuracy`` is the share of the evaluation split's most common label (the
+    accuracy of always predicting it), counted here from the file with the split's own hash
+    (``"{row}:{text}"``); the results table and rows carry it."""
+    import random
+
+    from rankwise.data.demo import split_of
+    from rankwise.federated.run import write_results
+    rng = random.Random(1)
+    words = {"net": "socket stream loop", "mail": "header mime parse", "log": "logger handler level"}
+    labels = ["net"] * 70 + ["mail"] * 30 + ["log"] * 20          # 58 % net overall
+    rng.shuffle(labels)
+    records = [{"text": f"{i} " + " ".join(rng.choices(words[y].split(), k=5)), "label": y}
+               for i, y in enumerate(labels)]
+    data = tmp_path / "skewed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    held = [r["label"] for row, r in enumerate(records) if split_of(f"{row}:{r['text']}", 0.3) == "eval"]
+    expected = max(Counter(held).values()) / len(held)
+    raw = toy_config(data, rounds=1, local_steps=1)
+    raw["data"]["eval_fraction"] = 0.3
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    metrics = run_inprocess(path, tmp_path / "run")
+    assert 20 <= len(held) <= 50 and Counter(held).most_common(1)[0][0] == "net"
+    assert metrics["majority_accuracy"] == pytest.approx(expected, abs=1e-12)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["majority_accuracy"] == metrics["majority_accuracy"]
+    rows = write_results({"fedit": tmp_path / "run"}, tmp_path / "table")
+    assert rows["fedit"]["majority_accuracy"] == metrics["majority_accuracy"]
+    table = (tmp_path / "table" / "results.md").read_text().splitlines()
+    assert table[0].split(" | ")[4] == "majority" and table[2].split(" | ")[4] == f"{expected:.4f}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["rolora", "leff", "fedlease"])
 def test_reruns_reproduce_whatever_the_node_ids(tmp_path, strategy):

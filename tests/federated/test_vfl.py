@@ -24,6 +24,7 @@ from rankwise.federated.vfl.parties import batch_order, build_models, load_data
 from rankwise.federated.vfl.pubsub import ParameterServer, choose_config, predicted_epoch_s, train_pubsub
 from rankwise.federated.vfl.run import train
 from rankwise.federated.vfl.sync import ActiveParty, PassiveParty, train_sync
+from rankwise.testing import error_lines
 
 # the tables ship with scikit-learn (read from its CSV files, without importing it)
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn's data files")
@@ -153,7 +154,7 @@ def _vfl_cli(tmp_path, section):
 def test_bad_vfl_config_is_one_line_exit_2(tmp_path, section, needle):
     result = _vfl_cli(tmp_path, section)
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
 

@@ -19,6 +19,7 @@ from rankwise.errors import RankwiseError
 from rankwise.models import register_architectures
 from rankwise.models.tpa import TPAConfig, TPAForCausalLM
 from rankwise.models.tpa.attention import apply_rope, tensor_product
+from rankwise.testing import error_lines
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
@@ -212,6 +213,6 @@ def test_rankwise_generate_decodes_a_trained_t6_run_with_its_cache(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "v_rank": 0}))
     result = CliRunner().invoke(main, ["generate", str(tmp_path / "run"), "--prompt", "x"])
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "v_rank got 0" in lines[0] and "cannot load" in lines[0]

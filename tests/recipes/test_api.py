@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 import rankwise
-from rankwise.engine import rewards as R
-from rankwise.engine.grpo import GRPOTask
+from rankwise.tasks.grpo import rewards as R
+from rankwise.tasks.grpo.task import GRPOTask
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import train as recipe_train
@@ -54,7 +54,7 @@ def test_grpo_rewards_as_python_callables(tmp_path):
                                 char_count], "num_generations": 2, "max_completion_length": 3},
            "train": {"steps": 1, "batch_size": 2, "eval_batch_size": 6, "progress": False}}
     rankwise.train(raw, tmp_path / "run")
-    names = load_run_config(tmp_path / "run" / "config.yaml").grpo.rewards
+    names = load_run_config(tmp_path / "run" / "config.yaml").task.rewards
     assert names == ["python:test_grpo_rewards_as_python_callables.<locals>.<lambda>", "test_api:char_count"]
     for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines():
         sample = json.loads(line)
@@ -82,13 +82,13 @@ def test_module_rewards_are_found_next_to_the_config_and_from_the_run_config(tmp
                                         "grpo": {"rewards": ["project_rewards_mod:shortness"]}}))
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(folder)])
     cfg = load_run_config(cfg_file)
-    assert cfg.grpo.rewards_dir == str(folder.resolve())
-    fn = GRPOTask(cfg.grpo).fns["project_rewards_mod:shortness"]
+    assert cfg.task.rewards_dir == str(folder.resolve())
+    fn = GRPOTask(cfg.task).fns["project_rewards_mod:shortness"]
     assert fn([""], ["abc"]) == [-3]
     run_yaml = tmp_path / "elsewhere" / "config.yaml"                 # a run folder's copy
     run_yaml.parent.mkdir()
     run_yaml.write_text(yaml.safe_dump(cfg.to_dict()))
-    assert load_run_config(run_yaml).grpo.rewards_dir == str(folder.resolve())
+    assert load_run_config(run_yaml).task.rewards_dir == str(folder.resolve())
 
 
 def test_a_config_of_another_type_is_refused():

@@ -12,6 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
+from rankwise.testing import error_lines
 
 BASE = {"model": {"task": "causal-lm"},
         "data": {"source": "stdlib-functions", "format": "prompt-completion", "max_length": 48, "limit": 48},
@@ -27,7 +28,7 @@ def invoke(*args):
 
 def one_line_error(result, *needles: str) -> str:
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
@@ -73,7 +74,7 @@ def test_an_encoder_is_refused_as_a_causal_lm(tmp_path, path, needle):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**BASE, "model": {"path": path, "task": "causal-lm"}}))
     one_line_error(invoke("train", cfg, "--out", tmp_path / "out"), needle, "causal LM folder",
-                   "model.task: classification")
+                   "task.name: classification")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

@@ -6,6 +6,7 @@ from rankwise.cli import main
 from rankwise.data.demo import PACKAGES
 from rankwise.errors import RankwiseError
 from rankwise.recipes.continual import DEMO_TASKS, ContinualConfig, load_config, parse_tasks
+from rankwise.testing import error_lines
 
 
 @pytest.mark.parametrize("tasks, says", [
@@ -19,7 +20,7 @@ def test_bad_tasks_one_line_exit_2(tmp_path, tasks, says):
     cfg.write_text("continual: {steps_per_task: 1}\n")
     result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", tasks])
     assert result.exit_code == 2
-    lines = result.output.strip().splitlines()
+    lines = error_lines(result.output)
     assert len(lines) == 1 and lines[0].startswith("error: --tasks:") and says in lines[0]
 
 

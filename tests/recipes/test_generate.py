@@ -202,8 +202,11 @@ def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
 @pytest.mark.slow
 def test_steer_svdecode_through_the_cli_strength_zero_is_plain_and_default_steers(runs, tmp_path):
     """``--steer svdecode --steer-from RUN`` on the run itself: λ = 0 gives plain generate's rows;
-    the default step gives the greedy argmax of the closed form (adapters on / off)."""
+    the default step gives the greedy argmax of the closed form (adapters on / off), with μ
+    calibrated on the run's own training data and logged in one line."""
     from rankwise.core.ops import disable_adapters
+    from rankwise.data.text import build_data
+    from rankwise.engine import get_task
     from rankwise.engine.svdecode import SVDecode
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Open a file."}\n')
@@ -214,6 +217,8 @@ def test_steer_svdecode_through_the_cli_strength_zero_is_plain_and_default_steer
     assert result.exit_code == 0, result.output
     assert [json.loads(x) for x in result.output.splitlines()] == plain
     cfg, model, tok, enc = load_for_generation(runs / "lora")
+    sv = SVDecode()
+    sv.calibrate(model, build_data(cfg.data, get_task(cfg.task.name), tok)[0])
     ids, out = enc.prompt_ids("Open a file."), []
     with torch.no_grad():
         for _ in range(5):  # the reference: uncached forwards, the formula, argmax
@@ -221,10 +226,12 @@ def test_steer_svdecode_through_the_cli_strength_zero_is_plain_and_default_steer
             z_w = model(input_ids=x).logits[0, -1]
             with disable_adapters(model):
                 z_0 = model(input_ids=x).logits[0, -1]
-            t = int(SVDecode().steer(z_w, z_w, z_0).argmax())
+            t = int(sv.steer(z_w, z_w, z_0).argmax())
             if t == end_id(tok):
                 break
             out.append(t)
+    lines: list[str] = []
     steered = run_generate(runs / "lora", file=prompts, max_new_tokens=5, echo=lambda s: None,
-                           steer="svdecode", steer_from=runs / "lora")
+                           steer="svdecode", steer_from=runs / "lora", note=lines.append)
+    assert lines == [sv.fit.line()] and "mu*" in lines[0]
     assert steered[0]["completion"] == tok.decode(out, skip_special_tokens=True)

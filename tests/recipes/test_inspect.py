@@ -14,6 +14,7 @@ from rankwise.adapters.full import FullConfig
 from rankwise.cli import main
 from rankwise.core.diagnostics import effective_ranks, neuron_scores
 from rankwise.recipes.inspect import gradient_section
+from rankwise.testing import error_lines
 
 
 class TwoLayer(nn.Module):
@@ -83,7 +84,7 @@ def test_inspect_refuses_a_folder_that_is_neither_a_run_nor_a_model(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     result = CliRunner().invoke(main, ["inspect", str(tmp_path), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
-    lines = result.output.strip().splitlines()
+    lines = error_lines(result.output)
     assert len(lines) == 1 and "neither a run nor a model" in lines[0]
 
 

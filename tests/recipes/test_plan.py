@@ -19,6 +19,7 @@ from rankwise.optim.common import state_bytes
 from rankwise.recipes import plan as P
 from rankwise.recipes.config import build_run_config
 from rankwise.recipes.planner import Planner, parse_size
+from rankwise.testing import error_lines
 
 SHAPE = dict(vocab_size=384, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -159,7 +160,7 @@ def test_bad_input_is_one_line_and_exit_2(folder, tmp_path):
                           "optim.per_layer")]:
         result = run(main, ["plan", str(path), "--device", "cpu", *args])
         assert result.exit_code == 2, (args, result.output)
-        lines = [ln for ln in result.output.strip().splitlines() if ln]
+        lines = error_lines(result.output.strip())
         assert len(lines) == 1 and needle in lines[0], (args, result.output)
     assert parse_size("24GiB") == 24 * 2 ** 30 and parse_size("80GB") == 80 * 10 ** 9
 
@@ -250,7 +251,7 @@ def test_nproc_bad_input_is_one_line_and_exit_2(folder, tmp_path):
         target = full if "optim.per_layer=true" in args or "optim.state_bits=8" in args else path
         result = CliRunner().invoke(main, ["plan", str(target), "--device", "cpu", *args])
         assert result.exit_code == 2, (args, result.output)
-        lines = [ln for ln in result.output.strip().splitlines() if ln]
+        lines = error_lines(result.output.strip())
         assert len(lines) == 1 and needle in lines[0], (args, result.output)
     # the run refuses the same pair before it loads anything (FSDP2 + 8-bit state)
     from rankwise.engine.distributed import Distributed

@@ -58,6 +58,23 @@ def test_select_writes_scores_and_from_reuses_the_same_ids(tmp_path, docstrings_
     assert json.loads((tmp_path / "less" / "chosen.json").read_text())["ids"] == chosen["ids"]
 
 
+def test_qcs_alias_prints_a_notice_and_runs_the_proxy(tmp_path, docstrings_jsonl):
+    """``method: qcs`` (the old name) runs ``qcs-proxy`` with a one-line notice: the same ids,
+    recorded under the new name."""
+    records = [json.loads(line) for line in docstrings_jsonl.read_text().splitlines()]
+    target = tmp_path / "target.jsonl"
+    target.write_text("".join(json.dumps(r) + "\n" for r in records[:6]))
+    got = {}
+    for name in ("qcs", "qcs-proxy"):
+        res = _select(_cfg(tmp_path, docstrings_jsonl, method=name, budget=0.25, target=str(target),
+                           qcs_steps=5, proj_dim=16), tmp_path / name)
+        assert res.exit_code == 0, res.output
+        assert ("notice: data.select.method 'qcs' is now 'qcs-proxy'" in res.output) == (name == "qcs")
+        got[name] = json.loads((tmp_path / name / "chosen.json").read_text())
+    assert got["qcs"]["method"] == got["qcs-proxy"]["method"] == "qcs-proxy"
+    assert got["qcs"]["ids"] == got["qcs-proxy"]["ids"]
+
+
 def test_bad_selection_input_is_one_line_and_exit_2(tmp_path, docstrings_jsonl):
     empty = tmp_path / "nothing-new.jsonl"
     cases = {

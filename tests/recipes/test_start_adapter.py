@@ -17,14 +17,14 @@ from torch.nn import functional as F
 
 from rankwise.core.ops import disable_adapters
 from rankwise.engine import get_task
-from rankwise.engine.grpo import token_logps
-from rankwise.engine.preference import completion_logps
+from rankwise.tasks.grpo.task import token_logps
+from rankwise.tasks.dpo.task import completion_logps
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_model
 from rankwise.recipes.train import prepare, train
-from test_dpo_run import pair_records
+from tests.tasks.dpo.test_dpo_run import pair_records
 
 TARGETS = ["q_proj", "v_proj"]
 

@@ -55,7 +55,7 @@ def test_dpo_two_processes_give_the_single_process_metrics(tmp_path):
     """model.task dpo: each process scores its share of the pairs against the adapters-off
     reference; the step losses (one per pair, normalised by the pairs of the whole step) and the
     evaluation's reward metrics equal one process's."""
-    from test_dpo_run import pair_records, raw_config
+    from tests.tasks.dpo.test_dpo_run import pair_records, raw_config
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in pair_records()))
     raw = raw_config(pairs, steps=3)
@@ -76,7 +76,7 @@ def test_grpo_two_processes_give_the_single_process_metrics(tmp_path):
     the step's micro-batches over all processes), so 2 processes x 1 micro-batch sample the groups
     of 1 process x 2 (grad_accum: 2): the same step losses, adapter and eval_reward_mean
     (measured: equal losses, adapters within 2e-8). The logged step reward is rank 0's share."""
-    from test_dpo_run import grpo_raw
+    from tests.tasks.dpo.test_dpo_run import grpo_raw
     raw = grpo_raw(tmp_path, steps=2)
     raw["train"].update(batch_size=4, grad_accum=2, save_every=0)   # 4 prompts x G=3 per step
     one = train(load_run_config(None, base=json.loads(json.dumps(raw))), tmp_path / "one")

@@ -184,3 +184,29 @@ def test_gora_resume_rebuilds_ranks_from_the_checkpoint_without_calibrating(tmp_
     resumed = train(load_run_config(None, base=json.loads(json.dumps(raw))), part, resume=True)
     assert (part / "ranks.json").read_bytes() == ranks
     assert resumed["eval_loss"] == full["eval_loss"] and resumed["trainable_params"] == full["trainable_params"]
+
+
+def test_a_resume_at_the_last_step_keeps_the_trained_steps_peak(tmp_path):
+    """A run stopped after its last checkpoint (Ctrl-C in the final evaluation) resumes at the
+    last step and trains nothing: its peak is the one the checkpoint recorded for the steps,
+    the evaluation's is reported apart, and the progress bar prints no ``loss nan``."""
+    from io import StringIO
+
+    from rich.console import Console
+    first = _run(tmp_path, "a", progress=True)
+    run = tmp_path / "a"
+    recorded = json.loads((run / "checkpoints" / "step-0000012" / "meta.json").read_text())
+    (run / "metrics.json").unlink()
+    raw = json.loads(json.dumps(TINY))
+    raw["train"]["progress"] = True
+    out = StringIO()
+    resumed = train(load_run_config(None, base=raw), run, resume=True,
+                    console=Console(file=out, width=160))
+    assert resumed["steps"] == 12 and recorded["memory_meter"] == resumed["memory_meter"]
+    assert resumed["peak_memory_mb"] == recorded["peak_memory_mb"] > 0
+    assert recorded["peak_memory_mb"] <= first["peak_memory_mb"]
+    # the same final evaluation in both sessions, reported on its own (before, the resumed
+    # peak_memory_mb was this evaluation's alone)
+    assert 0 < resumed["eval_peak_memory_mb"] == first["eval_peak_memory_mb"] != resumed["peak_memory_mb"]
+    text = out.getvalue()
+    assert "resuming" in text and "12/12" in text and "loss -" in text and "nan" not in text

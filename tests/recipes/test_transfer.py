@@ -93,6 +93,7 @@ def test_identity_transfer_reproduces_the_adapter_and_exports_to_peft(world):
     assert record["head_mapping"] == {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]}
     assert record["layers_moved"] == 10 and record["not_transferred"] == []
     assert record["metrics"]["steps"] == 0 and "eval_loss" in record["metrics"]
+    assert record["stage"].startswith("transfer only")  # not the paper's whole method
     (old, old_logits), (new, new_logits) = _deltas(world["run"]), _deltas(out)
     assert old.keys() == new.keys() and len(old) == 10
     for path in old:  # float32 factors of a float64 re-factorisation
@@ -117,6 +118,8 @@ def test_finetune_steps_train_from_the_transferred_adapter(world):
     record = json.loads((out / "transfer.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
     assert record["metrics"]["steps"] == metrics["steps"] == 3
+    assert record["stage"] == "transfer + 3 fine-tune steps"
+    assert f"{record['stage']}: layers [0, 1]" in result.output
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["steps"] == 3
     (old, _), (new, _) = _deltas(world["run"]), _deltas(out)
     # trained on from the transferred pair: close to it, not equal, not the fresh init (B = 0)
@@ -132,3 +135,25 @@ def test_a_base_of_another_family_is_one_line(world, tmp_path):
         assert result.exit_code == 2, result.output
         assert words in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_mlp_linears_whose_intermediate_size_changed_get_their_base_weights():
+    """The recipe hands LoRASuite the two base weights of exactly the MLP linears whose
+    intermediate size differs (for the code's MLP rule); others keep the W_x-only rule."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rankwise.recipes.transfer import _mlp_weights
+
+    def llama(hidden, inter):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=hidden, intermediate_size=inter,
+                                            num_hidden_layers=1, num_attention_heads=2))
+    old, new = llama(8, 16), llama(12, 24)
+    keys = {"mlp.up_proj": ((16, 8), (24, 12)), "mlp.down_proj": ((8, 16), (12, 24))}
+    deltas = {k: (None, k) for k in keys}
+    got = _mlp_weights(old, new, "model.layers.0.", "model.layers.0.", deltas, keys, (8, 12))
+    assert set(got) == set(keys)
+    torch.testing.assert_close(got["mlp.up_proj"][1], new.model.layers[0].mlp.up_proj.weight.double())
+    torch.testing.assert_close(got["mlp.down_proj"][0], old.model.layers[0].mlp.down_proj.weight.double())
+    same = {"mlp.up_proj": ((16, 8), (16, 12))}  # same intermediate size: not the MLP rule
+    assert _mlp_weights(old, llama(12, 16), "model.layers.0.", "model.layers.0.", deltas, same, (8, 12)) == {}

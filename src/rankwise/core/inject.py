@@ -240,11 +240,17 @@ def inject(model: nn.Module, paths: list[str],
 
     Returns:
         ``{path: new module}``.
+
+    Raises:
+        RankwiseError: What ``wrap`` raises, prefixed with the module's path.
     """
     out = {}
     for path in paths:
         old = model.get_submodule(path)
-        new = wrap(path, old)
+        try:
+            new = wrap(path, old)
+        except RankwiseError as err:  # the layer's own check (a rank above its width): name it
+            raise RankwiseError(f"{path}: {err}") from None
         if new is not old:
             replace_module(model, path, new)
         out[path] = new

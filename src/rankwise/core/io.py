@@ -170,19 +170,23 @@ def _check_weights(model: nn.Module, meta: dict, path: Path) -> None:
             "matches; load it onto the base model it was trained on")
 
 
-def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> dict:
+def load_adapter(model: nn.Module, path: str | Path, name: str = "default",
+                 check: bool = True) -> dict:
     """Inject and load a saved adapter into ``model`` (in place).
 
     Args:
         model: The same base model the adapter was trained on.
         path: A folder written by :func:`save_adapter`.
         name: The adapter name to load it as.
+        check: Run one probe batch with and without the adapter and refuse an adapter whose
+            non-zero weights do not change the output (:func:`rankwise.core.probe.check_effect`).
 
     Returns:
         The saved metadata.
 
     Raises:
-        RankwiseError: If the files are corrupt or the base model differs (names both).
+        RankwiseError: If the files are corrupt, the base model differs (names both), or the
+            loaded adapter does nothing (``check``).
     """
     meta, tensors = read_adapter(path)
     have = fingerprint(model)
@@ -196,4 +200,7 @@ def load_adapter(model: nn.Module, path: str | Path, name: str = "default") -> d
     rebuild(model, meta.get("method", {}), name, meta.get("structure") or {},
             meta.get("modules_to_save", []))
     load_adapter_state_dict(model, tensors, name)
+    if check:
+        from rankwise.core.probe import check_effect
+        check_effect(model, name)
     return meta

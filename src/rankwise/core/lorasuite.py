@@ -28,9 +28,17 @@ Q_new[b]ᵀ)ᵀ (Q_old[a] Q_old[a]ᵀ)⁺`` and ``T_O = (O_old[:, a]ᵀ O_old[:,
 O_new[:, b]``: the least-squares maps between the heads' spaces. Without it, transferring an
 adapter to the very model it was trained on multiplies ΔQ by ``Q Qᵀ`` instead of returning it
 (the identity transfer is not exact); with it, it is exact. ``normalise=False`` is the code's
-formula. The code's MLP rule (``B_new = W_new_U pinv(W_x) pinv(W_old_U) B_old``, commented out
-for its Llama pairs) is not used: an MLP's intermediate side is kept as is when its size agrees,
-and the layer is left untransferred otherwise (:func:`transfer_dense` returns ``None``).
+formula.
+
+MLPs. When an MLP's intermediate size is the same in both models, its intermediate side is kept
+as is and its hidden side maps through ``W_x`` (:func:`transfer_dense`). When it changed, the
+authors' code's MLP rule (used for its MiniCPM and BLOOMZ pairs, commented out for its Llama
+pairs) applies (:func:`transfer_mlp`): for an up / gate projection (hidden in, intermediate out)
+``ΔU_new = W_new_U pinv(W_x) pinv(W_old_U) ΔU_old W_x`` (the code's
+``B_new = W_new_U pinv(W_x) pinv(W_old_U) B_old``, ``A_new = A_old W_x``); for a down projection
+``ΔD_new = pinv(W_x) ΔD_old pinv(W_old_D) W_x W_new_D`` (``B_new = pinv(W_x) B_old``,
+``A_new = A_old pinv(W_old_D) W_x W_new_D``). The intermediate side thus goes through the two
+models' own weights, and the hidden output side through ``pinv(W_x)``, as in the code.
 """
 from __future__ import annotations
 
@@ -271,6 +279,35 @@ def transfer_dense(delta: torch.Tensor, old_shape: tuple[int, int], new_shape: t
     return dw
 
 
+def transfer_mlp(delta: torch.Tensor, w_old: torch.Tensor, w_new: torch.Tensor,
+                 w_x: torch.Tensor) -> torch.Tensor:
+    """The authors' code's MLP rule, for an MLP linear whose intermediate size changed.
+
+    An up / gate projection (in = the hidden size): ``W_new pinv(W_x) pinv(W_old) ΔW W_x``; a
+    down projection (out = the hidden size): ``pinv(W_x) ΔW pinv(W_old) W_x W_new``.
+
+    Args:
+        delta: ``ΔW_old`` ``(out_old, in_old)``.
+        w_old: The old base weight of that linear, same shape.
+        w_new: The mapped new linear's base weight ``(out_new, in_new)``.
+        w_x: ``(h_old, h_new)`` transfer matrix.
+
+    Returns:
+        ``ΔW_new`` ``(out_new, in_new)``, float64.
+
+    Raises:
+        ValueError: Neither side of the linear is the hidden size of both models.
+    """
+    w, dw, wo, wn = w_x.double(), delta.double(), w_old.double(), w_new.double()
+    h_old, h_new = w.shape
+    if wo.shape[1] == h_old and wn.shape[1] == h_new:            # up / gate: (inter, hidden)
+        return wn @ torch.linalg.pinv(w) @ torch.linalg.pinv(wo) @ dw @ w
+    if wo.shape[0] == h_old and wn.shape[0] == h_new:            # down: (hidden, inter)
+        return torch.linalg.pinv(w) @ dw @ torch.linalg.pinv(wo) @ w @ wn
+    raise ValueError(f"an MLP linear {tuple(wo.shape)} -> {tuple(wn.shape)} has no hidden side "
+                     f"(hidden sizes {h_old} -> {h_new})")
+
+
 def refactor(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``ΔW ≈ B A`` at ``rank`` by truncated SVD: ``B = U_r √S_r``, ``A = √S_r V_rᵀ`` (step 5).
 
@@ -303,7 +340,8 @@ class LoRASuite:
         self.w_x, self.normalise = w_x.double(), normalise
 
     def block(self, delta: dict[str, torch.Tensor], old: Attention | None, new: Attention | None,
-              shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]]
+              shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]],
+              weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
               ) -> tuple[dict[str, torch.Tensor | None], list[int | None] | None]:
         """ΔW of one old block's adapted linears, moved onto the mapped new block.
 
@@ -312,6 +350,8 @@ class LoRASuite:
                 (the per-head rule), any other key a linear of the block (the fallback).
             old, new: The blocks' attention weights (``None``: no attention key in ``delta``).
             shapes: ``{key: ((out, in) old, (out, in) new)}`` for the fallback keys.
+            weights: ``{key: (W_old, W_new)}``, the base weights of fallback keys whose
+                non-hidden (intermediate) side changed size: those move by :func:`transfer_mlp`.
 
         Returns:
             ``({key: ΔW_new or None (not transferable)}, head mapping or None)``.
@@ -326,9 +366,11 @@ class LoRASuite:
         for key, dw in delta.items():
             if key not in ATTENTION:
                 out[key] = transfer_dense(dw, *shapes[key], self.w_x)
+                if out[key] is None and weights and key in weights:
+                    out[key] = transfer_mlp(dw, *weights[key], self.w_x)
         return out, heads
 
 
 __all__ = ["LoRASuite", "ATTENTION", "Attention", "cka_matrix", "expand_kv", "head_mapping", "head_similarity",
            "layer_mapping", "linear_cka", "refactor", "transfer_attention", "transfer_dense",
-           "transfer_matrix"]
+           "transfer_matrix", "transfer_mlp"]

@@ -13,6 +13,7 @@ from rankwise.core.ops import check_mergeable, merge_and_unload
 from rankwise.core.inject import replace_module
 from rankwise.core.protocol import adapter_modules, merges_on_grid
 from rankwise.core.quant import dequantize_model, quantized_paths
+from rankwise.core.tokenizer_files import save_tokenizer_files
 from rankwise.errors import RankwiseError
 
 
@@ -81,7 +82,8 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
     Args:
         model: An adapted transformers model (a ``PreTrainedModel``).
         out_dir: Target folder (replaced only when writing succeeded).
-        tokenizer: Optional tokenizer saved beside the weights.
+        tokenizer: Optional tokenizer saved beside the weights, with every tokenizer file of
+            the folder it was loaded from (:mod:`rankwise.core.tokenizer_files`).
         adapter_name: Merge only this adapter; ``None`` merges the active adapters.
         dtype: Dtype of the saved weights (default: bf16 for a quantized base, else as they are).
 
@@ -104,8 +106,8 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer: Any = None,
     out_dir = Path(out_dir)
     with atomic.folder(out_dir) as tmp:
         merged.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+        if tokenizer is not None:  # with the base's tokenizer.model, chat template, ...
+            save_tokenizer_files(tokenizer, tmp)
         if not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"save_pretrained wrote no safetensors file in {tmp}")
     return out_dir

@@ -52,6 +52,11 @@ def _bnb_classes() -> tuple[type, type]:
     return bnb.nn.Linear4bit, bnb.nn.Linear8bitLt
 
 
+def is_4bit(layer: nn.Module) -> bool:
+    """True if ``layer`` is a bitsandbytes ``Linear4bit`` (NF4/FP4)."""
+    return bnb_loaded() and isinstance(layer, _bnb_classes()[0])
+
+
 def is_packed_for_cpu(layer: nn.Module) -> bool:
     """True if a ``Linear4bit`` weight is in bitsandbytes' CPU inference layout."""
     state = getattr(getattr(layer, "weight", None), "quant_state", None)

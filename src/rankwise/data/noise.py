@@ -72,7 +72,7 @@ def flip_labels(data: Any, fraction: float, seed: int) -> NoisyLabels:
     """
     labels = getattr(data, "labels", None)
     if labels is None or len(data.label_names) < 2:
-        raise RankwiseError("data.label_noise flips class labels: it needs model.task: classification "
+        raise RankwiseError("data.label_noise flips class labels: it needs task.name: classification "
                             "and at least two labels; remove data.label_noise")
     n, classes = len(data), len(data.label_names)
     rng = np.random.default_rng(seed)

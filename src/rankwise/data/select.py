@@ -13,11 +13,13 @@ from the run's model and data and applies the selection. Methods:
   first-order rule: landmark influences ``p_L = G_L G_Tᵀ`` (normalised projected gradients),
   propagated to every sample by kernel-ridge regression on JVP embeddings
   (``p = K(e, e_L) (K_LL + 0.01 mean(diag K_LL) I)⁻¹ p_L``, RBF kernel, σ = median landmark
-  distance), then a round-robin pick over target examples; the weighted variant solves
-  ``min_w -wᵀp̄ + (λ/2)|w|²`` s.t. ``w ≥ 0, Σw = k`` (:func:`simplex_weights`).
-- ``qcs``: QCS (Quadratic Coreset Selection, NeurIPS 2025): inclusion probabilities ``w`` of
-  Bernoulli sequence masks, trained by REINFORCE on a quadratic model of the target loss after
-  one step on the masked set, then projected onto ``{0 ≤ w ≤ 1, Σw = k}``
+  distance), then a round-robin pick over target examples in an order shuffled every round; the
+  weighted variant solves the paper's second-order objective (:func:`influence_weights`).
+- ``qcs-proxy`` (``qcs`` is an alias kept with a notice): a proxy of QCS (Quadratic Coreset
+  Selection, NeurIPS 2025), not the paper's method: the bi-level inner training is replaced by a
+  one-step identity-Hessian quadratic on gradient features (:func:`qcs_objective`), the token
+  masks are loss-ranked, not learned. Inclusion probabilities ``w`` of Bernoulli sequence masks,
+  trained by REINFORCE on that quadratic, then projected onto ``{0 ≤ w ≤ 1, Σw = k}``
   (:func:`project_budget`).
 - ``embedding``: nearest to the target by a sentence encoder: ``s_i = max_j cos(e_i, e_j)``.
 """
@@ -29,7 +31,8 @@ from typing import Literal, Union
 
 import torch
 
-METHODS = ("random", "less", "influence", "qcs", "embedding")
+METHODS = ("random", "less", "influence", "qcs-proxy", "embedding")
+ALIASES = {"qcs": "qcs-proxy"}   # old name -> method (a notice is printed when an alias is used)
 
 
 @dataclass
@@ -37,30 +40,40 @@ class SelectConfig:
     """The ``data.select`` section: which training records the run keeps.
 
     Attributes:
-        method: ``random``, ``less``, ``influence``, ``qcs`` or ``embedding``; ``null`` = no
-            selection (unless ``from`` names an earlier one).
+        method: ``random``, ``less``, ``influence``, ``qcs-proxy`` (``qcs``: its old name, kept
+            with a notice) or ``embedding``; ``null`` = no selection (unless ``from`` names an
+            earlier one).
         budget: A fraction of the training records (a float in (0, 1]) or a count (an integer).
         target: The data that stands for the target task: a file/folder like ``data.source``
             (encoded the same way), or for the built-in demo ``demo:PKG,PKG`` (that many
             training records of those packages, ``target_size``, are taken out of the pool).
         target_size: Target examples drawn from a ``demo:`` filter.
-        weights: Train with the method's per-sample (qcs, causal LM: also per-token) weights
+        weights: Train with the method's per-sample (qcs-proxy, causal LM: also per-token) weights
             on the chosen records instead of weight 1.
         from_: A folder written by ``rankwise select`` (YAML key ``from``): reuse its chosen ids.
-        seed: Seeds the random choice, projections, landmarks and QCS's samples.
+        seed: Seeds the random choice, projections, landmarks, the round-robin order and the
+            qcs-proxy's samples.
         proj_dim: Random projection size of gradient features (0 = no projection).
         landmarks: Influence Distillation's landmark count.
         jvp_tangents: Random tangents of the JVP embedding.
         ridge: Kernel-ridge regulariser, relative to the mean of the kernel's diagonal.
-        qcs_steps: Projected REINFORCE steps of QCS.
-        qcs_samples: Mask samples per QCS step.
-        qcs_lr: QCS step size on the probabilities.
-        qcs_eta: Inner learning rate of QCS's one-step quadratic model of the target loss.
-        token_ratio: QCS's share of tokens kept per sequence (causal LM token masks).
-        token_floor: QCS's weight ε of dropped tokens (kept tokens weigh 1 - ε; elastic masks).
+        influence_eta: Influence Distillation's step ``η`` in its second-order weight objective
+            (``weights: true``; 0 = first-order term plus L2 only).
+        influence_l2: Its L2 weight, in units of ``std(p)``.
+        warmup_steps: Steps of training the trainable weights on random pool records before the
+            gradient / JVP features are taken (the Influence Distillation release and LESS warm
+            up first; 0 = features at the method's initialisation). The weights are restored
+            afterwards: the run trains from its own start.
+        warmup_lr: AdamW learning rate of that warm-up (batches of 8).
+        qcs_steps: Projected REINFORCE steps of the qcs-proxy.
+        qcs_samples: Mask samples per qcs-proxy step.
+        qcs_lr: The qcs-proxy's step size on the probabilities.
+        qcs_eta: Step of the qcs-proxy's one-step quadratic model of the target loss.
+        token_ratio: The qcs-proxy's share of tokens kept per sequence (causal LM token masks).
+        token_floor: The qcs-proxy's weight ε of dropped tokens (kept tokens weigh 1 - ε).
     """
 
-    method: Union[Literal["random", "less", "influence", "qcs", "embedding"], None] = None
+    method: Union[Literal["random", "less", "influence", "qcs-proxy", "qcs", "embedding"], None] = None
     budget: Union[int, float] = 0.1
     target: Union[str, None] = None
     target_size: int = 64
@@ -71,6 +84,10 @@ class SelectConfig:
     landmarks: int = 64
     jvp_tangents: int = 2
     ridge: float = 0.01
+    influence_eta: float = 1.0
+    influence_l2: float = 1.0
+    warmup_steps: int = 0
+    warmup_lr: float = 1e-3
     qcs_steps: int = 200
     qcs_samples: int = 16
     qcs_lr: float = 0.05
@@ -92,6 +109,10 @@ class SelectConfig:
         for name in ("target_size", "landmarks", "jvp_tangents", "qcs_steps", "qcs_samples"):
             if getattr(self, name) < 1:
                 out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
+        for name in ("influence_eta", "influence_l2", "warmup_steps", "warmup_lr"):
+            if getattr(self, name) < 0 or (name == "influence_l2" and self.influence_l2 == 0):
+                out.append(f"{name}: got {getattr(self, name)}; expected a number >= 0"
+                           + (" (> 0)" if name == "influence_l2" else ""))
         if self.proj_dim < 0:
             out.append(f"proj_dim: got {self.proj_dim}; expected >= 0 (0 = no projection)")
         if not 0 < self.token_ratio <= 1 or not 0 <= self.token_floor < 0.5:
@@ -181,21 +202,26 @@ def influence_scores(emb: torch.Tensor, landmarks: list[int], g_land: torch.Tens
     return propagate(emb, landmarks, p_land, ridge)
 
 
-def round_robin(influence: torch.Tensor, k: int) -> list[int]:
+def round_robin(influence: torch.Tensor, k: int, seed: int | None = None) -> list[int]:
     """Pick ``k`` samples: target examples take turns, each its best sample not yet taken.
 
     Args:
         influence: ``(n, m)`` influence of sample ``i`` on target example ``j``.
         k: How many to pick.
+        seed: Shuffle the order of the target examples afresh every round (the released code;
+            a fixed order favours the low-index targets when ``k mod m ≠ 0``): round ``r`` takes
+            them in the order of the ``r``-th ``torch.randperm(m)`` of a generator seeded with
+            ``seed``. ``None``: the fixed order ``0..m-1``.
 
     Returns:
         The picked indices in increasing order.
     """
     n, m = influence.shape
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
     orders = [torch.argsort(-influence[:, j], stable=True).tolist() for j in range(m)]
     cursor, taken, out = [0] * m, set(), []
     while len(out) < k:
-        for j in range(m):
+        for j in (range(m) if gen is None else torch.randperm(m, generator=gen).tolist()):
             while orders[j][cursor[j]] in taken:
                 cursor[j] += 1
             taken.add(orders[j][cursor[j]])
@@ -218,23 +244,61 @@ def project_budget(y: torch.Tensor, total: float, iters: int = 100) -> torch.Ten
     return (y - (lo + hi) / 2).clamp(0, 1)
 
 
-def simplex_weights(p: torch.Tensor, k: int) -> torch.Tensor:
-    """Influence Distillation's weighted reading: ``argmin_w -wᵀp + (λ/2)|w|²`` over
-    ``{w ≥ 0, Σw = k}`` with ``λ = std(p)``, i.e. ``max(p/λ - τ, 0)`` summing to ``k``."""
-    lam = float(p.std()) if len(p) > 1 and float(p.std()) > 0 else 1.0
-    y = p.double() / lam
-    lo, hi = float(y.min()) - k, float(y.max())
-    for _ in range(100):
-        tau = (lo + hi) / 2
-        if float((y - tau).clamp_min(0).sum()) > k:
-            lo = tau
-        else:
-            hi = tau
-    return (y - (lo + hi) / 2).clamp_min(0)
+def simplex_project(y: torch.Tensor, total: float) -> torch.Tensor:
+    """Euclidean projection of ``y`` onto ``{w ≥ 0, Σw = total}`` (sort and threshold)."""
+    u = torch.sort(y.double(), descending=True).values
+    css = torch.cumsum(u, 0) - total
+    idx = torch.arange(1, len(u) + 1, dtype=torch.float64)
+    rho = int(torch.nonzero(u - css / idx > 0).max())
+    return (y.double() - css[rho] / (rho + 1)).clamp_min(0)
+
+
+def influence_weights(influence: torch.Tensor, k: float, eta: float = 1.0, l2: float = 1.0,
+                      iters: int = 3000) -> torch.Tensor:
+    """Influence Distillation's weights (arXiv 2505.19051, §3: one GD step of size ``η`` on the
+    ``w``-weighted source loss, target loss to second order): with ``P`` the ``(n, m)``
+    influences of the ``n`` candidates on the ``m`` target examples (normalised gradient
+    products), ``p = P 1/m = G_S g_T`` and the target Hessian read as the empirical Fisher of the
+    target gradients, ``H_T = G_Tᵀ G_T / m`` (so ``G_S H_T G_Sᵀ = P Pᵀ / m`` needs no more
+    gradients), the paper's ``-(η/n) pᵀw + ½ (η/n)² wᵀ G_S H_T G_Sᵀ w`` times ``n/η`` plus its L2
+    term is solved:
+
+        min_w  -pᵀw + (η / 2nm) |Pᵀw|² + (l2 · std(p) / 2) |w|²   s.t.  w ≥ 0, Σw = k
+
+    by accelerated projected gradient (:func:`simplex_project`). ``η = 0`` leaves the first-order
+    term plus L2, ``max(p / (l2 std p) - τ, 0)``.
+
+    Args:
+        influence: ``(n, m)``.
+        k: The weights' sum.
+        eta: ``η``, the strength of the second-order term (the features are unit-norm, so it is
+            relative to the first-order one).
+        l2: The L2 weight in units of ``std(p)``.
+        iters: Solver steps.
+
+    Returns:
+        ``(n,)`` weights, ``float64``.
+    """
+    P = influence.double()
+    n, m = P.shape
+    p = P.mean(1)
+    lam = l2 * (float(p.std()) if n > 1 and float(p.std()) > 0 else 1.0)
+    c = eta / (n * m)
+    grad = lambda w: -p + c * (P @ (P.T @ w)) + lam * w  # noqa: E731
+    lip = c * float(torch.linalg.matrix_norm(P, ord=2)) ** 2 + lam
+    w = simplex_project(p / lam, float(k))
+    y, t = w.clone(), 1.0
+    for _ in range(iters):
+        w_next = simplex_project(y - grad(y) / lip, float(k))
+        t_next = (1 + math.sqrt(1 + 4 * t * t)) / 2
+        y = w_next + ((t - 1) / t_next) * (w_next - w)
+        w, t = w_next, t_next
+    return w
 
 
 def qcs_objective(masks: torch.Tensor, train: torch.Tensor, g_target: torch.Tensor, eta: float) -> torch.Tensor:
-    """QCS's inner problem (our reading): the target loss change after one step of size ``eta``
+    """The qcs-proxy's stand-in for QCS's inner problem (not the paper's bi-level training): the
+    target loss change after one step of size ``eta``
     on the masked mean gradient, to second order with an identity Hessian:
     ``Φ(m) = -eta gᵀu + eta²/2 |u|²``, ``u = Σ m_i g_i / max(Σ m, 1)``. ``masks``: ``(S, n)``."""
     u = masks.double() @ train.double() / masks.sum(1, keepdim=True).clamp_min(1.0)   # (S, d)
@@ -243,7 +307,8 @@ def qcs_objective(masks: torch.Tensor, train: torch.Tensor, g_target: torch.Tens
 
 def qcs_probabilities(train: torch.Tensor, target: torch.Tensor, k: int, steps: int, samples: int,
                       lr: float, eta: float, seed: int) -> torch.Tensor:
-    """QCS's sequence-level solver: projected REINFORCE on Bernoulli inclusion probabilities.
+    """The qcs-proxy's sequence-level solver: projected REINFORCE on Bernoulli inclusion
+    probabilities (of :func:`qcs_objective`, a proxy of QCS's inner training).
 
     ``∇_w E[Φ(m)] ≈ mean_s (Φ(m_s) - b) (m_s/w - (1-m_s)/(1-w))``, ``b`` the mean of the
     samples (a baseline), then ``w ← Π(w - lr ∇ / std(Φ))`` with Π :func:`project_budget`.
@@ -271,8 +336,8 @@ def qcs_probabilities(train: torch.Tensor, target: torch.Tensor, k: int, steps: 
 
 
 def token_weights(token_scores: list[torch.Tensor], ratio: float, floor: float) -> list[torch.Tensor]:
-    """QCS's elastic token masks: per sequence the top ``ratio`` share of tokens by score weigh
-    ``1 - floor``, the rest ``floor``."""
+    """The qcs-proxy's token masks (QCS learns them; these are fixed by a score): per sequence
+    the top ``ratio`` share of tokens by score weigh ``1 - floor``, the rest ``floor``."""
     out = []
     for s in token_scores:
         keep = max(1, round(ratio * len(s)))
@@ -307,6 +372,7 @@ class WeightedData:
         return getattr(self.__dict__["data"], name)
 
 
-__all__ = ["WeightedData", "influence_scores", "SelectConfig", "METHODS", "budget_count", "random_scores",
-           "top_k", "less_scores", "propagate", "round_robin", "project_budget", "simplex_weights", "qcs_probabilities",
-           "qcs_objective", "token_weights", "projection_block", "rbf_kernel"]
+__all__ = ["ALIASES", "WeightedData", "influence_scores", "SelectConfig", "METHODS", "budget_count", "random_scores",
+           "top_k", "less_scores", "propagate", "round_robin", "project_budget", "simplex_project",
+           "influence_weights", "qcs_probabilities", "qcs_objective", "token_weights", "projection_block",
+           "rbf_kernel"]

@@ -189,13 +189,13 @@ def encoder_for(data_cfg, task, tokenizer, eval_fraction: float | None = None) -
     """
     problems = []
     if task.uses_labels and data_cfg.format != "text":
-        problems.append(f"data.format {data_cfg.format!r} needs model.task: causal-lm (got "
+        problems.append(f"data.format {data_cfg.format!r} needs task.name: causal-lm (got "
                         f"{task.name}); use data.format: text")
     if task.uses_labels and data_cfg.split_long:
-        problems.append(f"data.split_long needs model.task: causal-lm (got {task.name}); set "
+        problems.append(f"data.split_long needs task.name: causal-lm (got {task.name}); set "
                         "data.split_long: false")
     if task.uses_labels and data_cfg.packing:
-        problems.append(f"data.packing needs model.task: causal-lm (got {task.name}); set "
+        problems.append(f"data.packing needs task.name: causal-lm (got {task.name}); set "
                         "data.packing: false")
     if problems:
         raise RankwiseError("; ".join(problems))
@@ -337,8 +337,9 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
 
     Args:
         data_cfg: The ``data:`` section.
-        task: The run's :class:`~rankwise.engine.task.Task` (``uses_labels`` decides whether
-            records need a label).
+        task: The run's :class:`~rankwise.engine.task.Task`: its ``records`` hook builds the
+            examples of a task with records of its own (``None``: the text encoding here;
+            ``uses_labels`` decides whether records need a label).
         tokenizer: A transformers tokenizer.
         progress: Show ``datasets``' progress bars while tokenizing.
 
@@ -350,12 +351,10 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         RankwiseError: Missing/empty/malformed data, missing fields, bad messages, a format the
             task cannot use, or an empty split.
     """
-    if getattr(task, "paired", False):  # preference pairs: their own records and examples
-        from rankwise.data.preference import build_pair_data
-        return build_pair_data(data_cfg, tokenizer, progress)
-    if getattr(task, "prompts_only", False):  # GRPO: prompts and their fields, no targets
-        from rankwise.data.prompts import build_prompt_data
-        return build_prompt_data(data_cfg, tokenizer, progress)
+    records = getattr(task, "records", None)  # a task with records of its own (DPO's pairs, ...)
+    own = records(data_cfg, tokenizer, progress) if records is not None else None
+    if own is not None:
+        return own
     quiet_datasets(progress)
     uses_labels = task.uses_labels
     if data_cfg.eval_source:

@@ -1,33 +1,41 @@
 """The training engine: one loop (:class:`Engine`) with callbacks, and the :class:`Task`
-objects that turn examples into losses and metrics. Importing it registers the tasks."""
+protocol that turns examples into losses and metrics (the tasks themselves are the
+:mod:`rankwise.tasks` family, registered as kind ``task``)."""
 from rankwise import registry
 from rankwise.engine.loop import (Engine, NonFiniteLoss, StepResult, TrainState, batch_indices,
                                   evaluate, linear_schedule)
-from rankwise.engine.memory_decoder import MemoryDecoderConfig, MemoryDecoderTask
-from rankwise.engine.grpo import GRPOConfig, GRPOTask
-from rankwise.engine.preference import DPOConfig, DPOTask
-from rankwise.engine.task import CausalLMTask, ClassificationTask, Task
-
-for _cls in (ClassificationTask, CausalLMTask):
-    registry.register("task", _cls.name, dict, _cls, summary=f"{_cls.name} ({_cls.auto_class})")
-registry.register("task", DPOTask.name, DPOConfig, DPOTask,
-                  summary="dpo (AutoModelForCausalLM; preference pairs, section dpo:)")
-registry.register("task", MemoryDecoderTask.name, MemoryDecoderConfig, MemoryDecoderTask,
-                  summary="memory-decoder (AutoModelForCausalLM; kNN-LM imitation, section memory_decoder:)")
-registry.register("task", GRPOTask.name, GRPOConfig, GRPOTask,
-                  summary="grpo (AutoModelForCausalLM; prompts + rewards, section grpo:)")
+from rankwise.engine.task import Task, TaskConfig
 
 
-def get_task(name: str, config=None) -> Task:
-    """The registered task ``name`` (``classification``, ``causal-lm``, ``dpo``), instantiated
-    with its config section (``dpo:``) when given.
+def get_task(task: "str | TaskConfig", config: TaskConfig | None = None) -> Task:
+    """The registered task, built from its config.
+
+    Args:
+        task: A task config (the run config's ``task:`` section, whose ``name`` picks the
+            task), or a task name (``classification``, ``causal-lm``, ``dpo``, ...).
+        config: With a name: the task's config (default: its defaults).
+
+    Returns:
+        The task.
 
     Raises:
         RankwiseError: Unknown task (the message lists the registered ones).
     """
-    builder = registry.get("task", name).builder
+    if not isinstance(task, str):
+        task, config = task.name, task
+    builder = registry.get("task", task).builder
     return builder(config) if config is not None else builder()
 
 
-__all__ = ["Engine", "NonFiniteLoss", "StepResult", "TrainState", "Task", "ClassificationTask",
-           "CausalLMTask", "batch_indices", "evaluate", "get_task", "linear_schedule"]
+def task_class(name: str) -> type[Task]:
+    """The :class:`Task` subclass registered as ``name`` (its class attributes: ``uses_labels``,
+    ``lm_loss``, ``auto_class``), without building it.
+
+    Raises:
+        RankwiseError: Unknown task.
+    """
+    return registry.get("task", name).builder
+
+
+__all__ = ["Engine", "NonFiniteLoss", "StepResult", "TrainState", "Task", "TaskConfig",
+           "batch_indices", "evaluate", "get_task", "linear_schedule", "task_class"]

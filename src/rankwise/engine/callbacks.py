@@ -15,6 +15,7 @@ the ones after it (early stopping, the final report).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
@@ -95,14 +96,17 @@ class Evaluate:
         every: Steps between evaluations (0 = never during the fit).
         log: An :class:`EventLog` that receives ``{"step", **metrics}`` lines.
         at_end: Also evaluate after the last step (the final metrics).
+        memory: A :class:`MeasureMemory` that measures the evaluations apart from the steps.
     """
 
     def __init__(self, data: Any, batch_size: int, every: int = 0, log: EventLog | None = None,
-                 at_end: bool = False) -> None:
+                 at_end: bool = False, memory: "MeasureMemory | None" = None) -> None:
         self.data, self.batch_size, self.every, self.log, self.at_end = data, batch_size, every, log, at_end
+        self.memory = memory
 
     def _run(self, engine, state) -> None:
-        state.last_eval = engine.evaluate(self.data, self.batch_size)
+        with self.memory.evaluating() if self.memory is not None else contextlib.nullcontext():
+            state.last_eval = engine.evaluate(self.data, self.batch_size)
         if self.log is not None:
             self.log.write({"step": state.step, **state.last_eval})
 
@@ -182,7 +186,8 @@ class LossPlot:
 
 
 class ProgressBar:
-    """A ``rich`` progress bar with loss, examples/s and (causal LM) tokens/s.
+    """A ``rich`` progress bar with loss, examples/s and (causal LM) tokens/s. The loss reads
+    ``loss -`` until this session's first step (a resume that starts at the last step runs none).
 
     Args:
         description: Shown left of the bar.
@@ -200,14 +205,15 @@ class ProgressBar:
     def on_fit_start(self, engine, state) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         cols = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[ex]:.1f} ex/s")]
+                TextColumn("{task.fields[loss_text]}"), TextColumn("{task.fields[ex]:.1f} ex/s")]
         if self.tokens:
             cols.append(TextColumn("{task.fields[tok]:.0f} tok/s"))
         cols.append(TimeRemainingColumn())
         self._bar = Progress(*cols, console=self.console, disable=self.disable, transient=False)
         self._bar.start()
         self._task = self._bar.add_task(self.description, total=state.total_steps,
-                                        completed=state.start_step, loss=float("nan"), ex=0.0, tok=0.0)
+                                        completed=state.start_step, loss=float("nan"), loss_text="loss -",
+                                        ex=0.0, tok=0.0)
 
     def on_step_end(self, engine, state, result) -> None:
         import time
@@ -215,6 +221,7 @@ class ProgressBar:
         self._seen[1] += result.tokens
         dt = max(time.perf_counter() - state.began, 1e-9)
         self._bar.update(self._task, completed=state.step, loss=result.loss,
+                         loss_text=f"loss {result.loss:.4f}",
                          ex=self._seen[0] / dt, tok=self._seen[1] / dt)
 
     def on_fit_exit(self, engine, state) -> None:
@@ -224,8 +231,14 @@ class ProgressBar:
 
 
 class MeasureMemory:
-    """Fold the memory meter's events after every step (:meth:`rankwise.memory.PeakMemory.flush`),
-    so on CPU the profiler holds one step's events, not a whole run's.
+    """The run's memory: the training steps' peak and, apart, the evaluations' peak.
+
+    Folds the meter's events after every step (:meth:`rankwise.memory.PeakMemory.flush`), so on
+    CPU the profiler holds one step's events, not a whole run's. Evaluations run inside
+    :meth:`evaluating` (``Evaluate(..., memory=this)``), a meter kept apart, so an evaluation's
+    peak never stands for the training's. A resumed run starts from the peaks its checkpoint
+    recorded (:meth:`restore`): a resume that starts at the last step trains nothing and still
+    reports the peak of the steps trained before.
 
     Args:
         meter: The :class:`~rankwise.memory.PeakMemory` the fit runs inside.
@@ -233,6 +246,38 @@ class MeasureMemory:
 
     def __init__(self, meter: Any) -> None:
         self.meter = meter
+        self.prior_bytes = self.prior_eval_bytes = 0
+        self.eval_bytes = 0
 
     def on_step_end(self, engine, state, result) -> None:
         self.meter.flush()
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """A block measured apart from the training steps (an evaluation)."""
+        from rankwise.memory import PeakMemory
+        with PeakMemory(self.meter.device, apart=True) as apart:
+            yield
+        self.eval_bytes = max(self.eval_bytes, apart.peak_bytes)
+
+    def peaks(self) -> dict[str, Any]:
+        """``{"peak_memory_mb", "eval_peak_memory_mb", "memory_meter"}`` of the run so far
+        (earlier sessions included), for ``metrics.json`` and the checkpoints."""
+        self.meter.flush()
+        train = max(self.prior_bytes, self.meter.peak_bytes)
+        ev = max(self.prior_eval_bytes, self.eval_bytes)
+        return {"peak_memory_mb": round(train / 2 ** 20, 1),
+                "eval_peak_memory_mb": round(ev / 2 ** 20, 1), "memory_meter": self.meter.meter}
+
+    def restore(self, record: dict) -> None:
+        """Start from a checkpoint's :meth:`peaks` (ignored when another meter wrote them:
+        a run resumed on another kind of device).
+
+        Args:
+            record: The checkpoint's ``meta.json`` (``peak_memory_mb`` etc.; absent in
+                checkpoints written before they were recorded).
+        """
+        if record.get("memory_meter") != self.meter.meter:
+            return
+        self.prior_bytes = int(float(record.get("peak_memory_mb") or 0) * 2 ** 20)
+        self.prior_eval_bytes = int(float(record.get("eval_peak_memory_mb") or 0) * 2 ** 20)

@@ -1,8 +1,11 @@
-"""What a model is trained to do: a :class:`Task` owns collation, labels, loss and metrics.
+"""The task protocol: a :class:`Task` owns collation, labels, loss and metrics, and its
+:class:`TaskConfig` (the run config's ``task:`` section) its settings and cross-checks.
 
 Every place that turns examples into a loss (``rankwise train``, federated clients, compare,
-benchmarks, GoRA's calibration) asks the run's task; nothing branches on a task string. A task
-is registered once (kind ``"task"``); instruction formats are data formats of ``causal-lm``.
+benchmarks, GoRA's calibration) asks the run's task; nothing branches on a task string. The
+tasks themselves are the :mod:`rankwise.tasks` family, each registered once (kind ``"task"``:
+``registry.register("task", name, Config, TaskClass)``); instruction formats are data formats of
+``causal-lm``.
 
 Losses are returned as *sums* over the batch's targets together with the number of targets,
 so the engine can normalise a step by the targets of the whole step (gradient accumulation
@@ -10,16 +13,13 @@ over variable-length sequences gives the same update as one big batch).
 """
 from __future__ import annotations
 
-import math
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-
 from rankwise.core.protocol import transform_inputs
-from rankwise.engine.chunked_loss import chunked_forward
-from rankwise.errors import RankwiseError
 
 IGNORE = -100  # label of positions that carry no loss (padding, prompts, virtual tokens)
 WEIGHT_KEYS = ("weights", "token_weights")  # per-example / per-token loss weights (data.select)
@@ -50,19 +50,97 @@ def add_weights(batch: dict[str, torch.Tensor], items: list[dict[str, Any]]) -> 
     return batch
 
 
+@dataclass
+class TaskConfig:
+    """Base of a task's config: the run config's ``task:`` section, chosen by ``task.name`` from
+    the registry (kind ``task``) as ``method:`` is. A task's config subclasses it, re-declares
+    ``name`` and holds every default of the task.
+
+    Attributes:
+        name: The registered task (``rankwise list`` shows them).
+        paths: Class attribute: the fields that hold a local path (a relative one is read from
+            the config file's folder; a run folder stores it absolute).
+    """
+
+    paths: ClassVar[tuple[str, ...]] = ()
+
+    name: str = ""
+
+    def problems(self) -> list[str]:
+        """Return value errors of the section alone (``"field: message"``); default: none."""
+        return []
+
+    def run_problems(self, run: Any) -> list[str]:
+        """Return what this task refuses in the rest of the run config, each naming the fix;
+        default: nothing.
+
+        Args:
+            run: The whole :class:`~rankwise.recipes.config.RunConfig` (every section has passed
+                its own checks).
+        """
+        return []
+
+    def read_from(self, folder: Path) -> None:
+        """Told the folder of the config file this section was read from (GRPO imports
+        ``module:function`` rewards from it); default: nothing."""
+
+
 class Task:
     """Base class. Subclasses set the class attributes and implement the four methods.
 
+    A task is built by its registered builder, the class itself, from its config
+    (``Task(config)``; ``Task()``: the config's defaults).
+
     Attributes:
-        name: The ``model.task`` value.
+        name: The ``task.name`` value.
         auto_class: The transformers ``AutoModel*`` class that loads a model for the task.
         uses_labels: Records need a label field (``data.label_field``).
+        lm_loss: The loss is next-token cross-entropy on the data's token sequences, so
+            perplexity measures it (``rankwise compress``'s evaluation, ``compress.restore``,
+            ``rankwise transfer`` and ``data.question_free`` need such a task; a subclass of
+            :class:`~rankwise.tasks.common.CausalLMTask` inherits it).
+        from_adapter: Set by the train recipe when the run starts from ``model.adapter``.
+        model_loader: Set by the train recipe: ``model_loader(path, device)`` loads another
+            causal LM folder as the run loads ``model.path`` (the memory decoder's base);
+            ``None`` outside a run.
     """
 
     name: ClassVar[str] = ""
     auto_class: ClassVar[str] = ""
     uses_labels: ClassVar[bool] = False
-    paired: ClassVar[bool] = False  # examples are preference pairs (rankwise.data.preference)
+    lm_loss: ClassVar[bool] = False
+    from_adapter: bool = False
+    model_loader: Callable[[str, str], nn.Module] | None = None
+
+    def __init__(self, config: TaskConfig | None = None) -> None:
+        self.config = config
+
+    @classmethod
+    def example(cls, folder: Path) -> dict | None:
+        """A small run of this task on an in-code tiny model (``model.path: tiny-llama``, ...;
+        :mod:`rankwise.testing`), its records written into ``folder``: the raw run config the
+        task contract suite (``tests/tasks/test_task_contract.py``) collates, scores, evaluates,
+        trains and resumes. ``None`` (the default): the task has none, which that suite reports.
+
+        Args:
+            folder: An empty folder for the example's data files.
+
+        Returns:
+            The raw run config (new spelling: a ``task:`` section), or ``None``.
+        """
+        return None
+
+    def records(self, data_cfg: Any, tokenizer: Any, progress: bool = False) -> tuple[Any, Any] | None:
+        """``(train, eval)`` examples the task builds from the ``data:`` section itself (DPO's
+        pairs, GRPO's prompts), or ``None`` (the default): the records are then encoded as
+        text by :func:`rankwise.data.text.build_data`, which asks this hook first.
+
+        Args:
+            data_cfg: The ``data:`` section.
+            tokenizer: A transformers tokenizer.
+            progress: Show ``datasets``' progress bars while reading.
+        """
+        return None
 
     def collate(self, items: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
         """Turn examples (``{"input_ids": [...], ...}``) into padded model inputs + ``labels``."""
@@ -123,132 +201,3 @@ class Task:
             inputs.pop("attention_mask", None)
             inputs["use_cache"] = False
         return model(**inputs), batch
-
-
-class ClassificationTask(Task):
-    """Sequence classification: one label per example, cross-entropy, accuracy."""
-
-    name = "classification"
-    auto_class = "AutoModelForSequenceClassification"
-    uses_labels = True
-
-    def collate(self, items, pad_id):
-        """Pad ``input_ids``; ``labels`` is one class index per example."""
-        ids, mask = pad([it["input_ids"] for it in items], pad_id)
-        labels = torch.tensor([int(it["label"]) for it in items], dtype=torch.long)
-        return add_weights({"input_ids": ids, "attention_mask": mask, "labels": labels}, items)
-
-    def count_targets(self, batch):
-        """One target per example."""
-        return int(batch["labels"].shape[0])
-
-    def loss_sum(self, model, batch):
-        """Summed cross-entropy of the logits against the labels."""
-        out, batch = self._forward(model, batch)
-        logits = out.logits
-        if logits.shape[-1] < 2:
-            raise RankwiseError("a classification head with one output is a regression head; "
-                                "the data needs at least two labels (check data.label_field)")
-        if "weights" in batch:  # sum_i w_i CE_i (data.select.weights)
-            per = F.cross_entropy(logits.float(), batch["labels"], reduction="none")
-            return (per * batch["weights"]).sum(), out
-        return F.cross_entropy(logits.float(), batch["labels"], reduction="sum"), out
-
-    def eval_update(self, stats, batch, output, loss_sum):
-        """Loss sum, examples, and correct predictions."""
-        super().eval_update(stats, batch, output, loss_sum)
-        stats["correct"] = stats.get("correct", 0.0) + float(
-            (output.logits.argmax(-1) == batch["labels"]).sum())
-
-    def eval_metrics(self, stats):
-        """``eval_loss`` (mean cross-entropy) and ``eval_accuracy``."""
-        n = max(stats.get("targets", 0.0), 1.0)
-        return {"eval_loss": stats.get("loss", 0.0) / n, "eval_accuracy": stats.get("correct", 0.0) / n}
-
-
-class CausalLMTask(Task):
-    """Next-token prediction. Examples may carry their own ``labels`` (``-100`` where no loss
-    is wanted, e.g. on a prompt); otherwise every real token is a target."""
-
-    name = "causal-lm"
-    auto_class = "AutoModelForCausalLM"
-    # Evaluation forwards at most this many bytes of float32 logits (rows x T x vocab) at once.
-    # 64 examples x 96 tokens x a 30k vocabulary are 750 MB, and the loss holds two more copies
-    # (the shifted slice, log-softmax): the instruct example peaked at 2.85 GB for 2M parameters.
-    eval_logits_bytes: int = 64 * 2**20
-    # Target tokens per chunk of the loss (:mod:`rankwise.engine.chunked_loss`); 0 = the whole
-    # logits at once. ``rankwise train`` sets it from ``train.loss_chunk_tokens``.
-    loss_chunk_tokens: int = 0
-
-    def collate(self, items, pad_id):
-        """Pad ``input_ids``; labels are the example's own or its ids, ``-100`` on padding.
-
-        Packed blocks (items with ``position_ids``) keep them; the padding tail gets positions
-        restarting at 0, so it forms its own segment that no real token attends to.
-        """
-        ids, mask = pad([it["input_ids"] for it in items], pad_id)
-        if all("labels" in it for it in items):
-            labels, _ = pad([it["labels"] for it in items], IGNORE)
-        else:
-            labels = ids.masked_fill(mask == 0, IGNORE)
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if all("position_ids" in it for it in items):
-            width = ids.shape[1]
-            batch["position_ids"] = torch.tensor(
-                [list(it["position_ids"]) + list(range(width - len(it["position_ids"]))) for it in items],
-                dtype=torch.long)
-        return add_weights(batch, items)
-
-    def count_targets(self, batch):
-        """Tokens that are predicted: labels at positions 1.. that are not ``-100``."""
-        return int((batch["labels"][:, 1:] != IGNORE).sum())
-
-    def loss_sum(self, model, batch):
-        """Summed next-token cross-entropy over the target tokens (in chunks of
-        ``loss_chunk_tokens`` target tokens when set: the full logits are never formed, and the
-        output's ``logits`` is then a placeholder without storage)."""
-        if self.loss_chunk_tokens and not any(k in batch for k in WEIGHT_KEYS):  # weighted: whole logits
-            done = chunked_forward(model, lambda: self._forward(model, batch), self.loss_chunk_tokens)
-            if done is not None:
-                return done[0], done[1]
-        out, batch = self._forward(model, batch)
-        logits = out.logits[:, :-1]                       # (B, T-1, V): predicts tokens 1..T-1
-        labels = batch["labels"][:, 1:]                   # (B, T-1)
-        weighted = any(k in batch for k in WEIGHT_KEYS)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                               ignore_index=IGNORE, reduction="none" if weighted else "sum")
-        if weighted:  # sum_ij w_i v_ij CE_ij (data.select.weights; v: QCS's token weights)
-            w = torch.ones_like(labels, dtype=torch.float32)
-            if "weights" in batch:
-                w = w * batch["weights"][:, None]
-            if "token_weights" in batch:
-                w = w * batch["token_weights"][:, 1:]
-            loss = (loss.reshape(labels.shape) * w).sum()
-        return loss, out
-
-    def eval_parts(self, model, batch):
-        """Row slices of ``batch`` whose float32 logits fit in ``eval_logits_bytes`` (at least
-        one row each); the loss sums and target counts of the slices add up to the batch's."""
-        rows, width = batch["input_ids"].shape
-        step = self.eval_rows(model, width, self.eval_logits_bytes)
-        if step is None or step >= rows:
-            return [batch]
-        return [{k: v[i:i + step] if v.dim() and v.shape[0] == rows else v for k, v in batch.items()}
-                for i in range(0, rows, step)]
-
-    @staticmethod
-    def eval_rows(model: nn.Module, width: int, budget: int) -> int | None:
-        """Rows of ``width`` tokens whose float32 logits fit in ``budget`` bytes (at least 1);
-        ``None`` when the model's vocabulary size is unknown."""
-        config = getattr(getattr(model, "module", model), "config", None)
-        if config is not None and hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        vocab = getattr(config, "vocab_size", None)
-        if not isinstance(vocab, int) or vocab < 1:
-            return None
-        return max(1, budget // (width * vocab * 4))
-
-    def eval_metrics(self, stats):
-        """``eval_loss`` per target token and ``eval_perplexity``."""
-        loss = stats.get("loss", 0.0) / max(stats.get("targets", 0.0), 1.0)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}

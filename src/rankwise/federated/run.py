@@ -117,7 +117,8 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
         trained = max(m["rounds"], 1)
         rows[label] = {"strategy": m["strategy"], "eval_accuracy": m.get("eval_accuracy"),
                        "eval_loss": m.get("eval_loss"),
-                       "initial_eval_accuracy": m.get("initial_eval_accuracy"), "rounds": m["rounds"],
+                       "initial_eval_accuracy": m.get("initial_eval_accuracy"),
+                       "majority_accuracy": m.get("majority_accuracy"), "rounds": m["rounds"],
                        "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"],
                        "bytes_total": m["bytes_total"], "bytes_per_round": m["bytes_total"] / trained,
                        "rejected": m["rejected"], "failed": m["failed"], "missing": m["missing"],
@@ -128,14 +129,19 @@ def write_results(runs: dict[str, Path], out: Path, title: str = "federated runs
         for key in ("eval_accuracy", "eval_loss"):
             if any(key in e for e in lines):
                 curves.setdefault(key, {})[label] = [(e["cum_bytes"] / 1e6, e[key]) for e in lines if key in e]
-    md = ["| run | strategy | final acc. | initial acc. | final eval loss | rounds | MB up | MB down | MB total | MB/round |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+    # runs recorded before majority_accuracy existed keep their table as it was
+    majority = any(r["majority_accuracy"] is not None for r in rows.values())
+    md = ["| run | strategy | final acc. | initial acc. | " + ("majority | " if majority else "")
+          + "final eval loss | rounds | MB up | MB down | MB total | MB/round |",
+          "|---|---|---|---|" + ("---|" if majority else "") + "---|---|---|---|---|---|"]
     for label, r in rows.items():
         acc = "—" if r["eval_accuracy"] is None else f"{r['eval_accuracy']:.4f}"
         init = "—" if r["initial_eval_accuracy"] is None else f"{r['initial_eval_accuracy']:.4f}"
+        major = "—" if r["majority_accuracy"] is None else f"{r['majority_accuracy']:.4f}"
         loss = "—" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
-        md.append(f"| {label} | {r['strategy']} | {acc} | {init} | {loss} | {r['rounds']} | {r['bytes_up'] / 1e6:.3f} | "
-                  f"{r['bytes_down'] / 1e6:.3f} | {r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
+        md.append(f"| {label} | {r['strategy']} | {acc} | {init} | " + (f"{major} | " if majority else "")
+                  + f"{loss} | {r['rounds']} | {r['bytes_up'] / 1e6:.3f} | {r['bytes_down'] / 1e6:.3f} | "
+                  f"{r['bytes_total'] / 1e6:.3f} | {r['bytes_per_round'] / 1e6:.3f} |")
     atomic.write_bytes(out / "results.md", ("\n".join(md) + "\n").encode())
     atomic.write_json(out / "results.json", rows)
     if curves.get("eval_accuracy"):

@@ -55,7 +55,7 @@ def load_run(config_path: str | Path) -> tuple:
     text = Path(config_path).read_text()
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if key not in _RUNS:
-        cfg = load_run_config(Path(config_path))
+        cfg = load_run_config(Path(config_path), notice=False)
         fed = cfg.federated or FederatedConfig()
         problems = train_problems(cfg, fed)  # a deployment's run.yaml never went through resolve
         if problems:

@@ -2,8 +2,8 @@
 
 The same run as the CLI (validation, run folder, checkpoints, resume, torchrun), from a dict, a
 YAML path or a :class:`~rankwise.recipes.config.RunConfig`; it returns the metrics that
-``metrics.json`` holds. GRPO rewards may be Python callables in ``grpo.rewards``, as TRL's
-``GRPOTrainer(reward_funcs=[fn])`` (:func:`rankwise.engine.rewards.name_callables`).
+``metrics.json`` holds. GRPO rewards may be Python callables in ``task.rewards``, as TRL's
+``GRPOTrainer(reward_funcs=[fn])`` (:func:`rankwise.tasks.grpo.rewards.name_callables`).
 """
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ def load_config(config: Any, sets: list[str] | None = None):
         sets: ``--set`` overrides, ``["train.steps=100", ...]``.
 
     Returns:
-        The config; callables in ``grpo.rewards`` are replaced by their names.
+        The config; callables in ``task.rewards`` are replaced by their names.
 
     Raises:
         RankwiseError: Every problem of the config at once, or a ``config`` of another type.
     """
-    from rankwise.engine.rewards import name_callables
     from rankwise.recipes.config import RunConfig, load_run_config, read_yaml
+    from rankwise.tasks.grpo.rewards import name_callables
     path = None
     if isinstance(config, RunConfig):
         raw = config.to_dict()
@@ -40,12 +40,12 @@ def load_config(config: Any, sets: list[str] | None = None):
     else:
         raise RankwiseError(f"rankwise.train: config must be a dict, a YAML path or a RunConfig; got "
                             f"{type(config).__name__}")
-    grpo = raw.get("grpo")
-    if isinstance(grpo, dict) and isinstance(grpo.get("rewards"), (list, tuple)):
-        grpo["rewards"] = name_callables(list(grpo["rewards"]))
+    for section in (raw.get("task"), raw.get("grpo")):  # (grpo: the old spelling of task)
+        if isinstance(section, dict) and isinstance(section.get("rewards"), (list, tuple)):
+            section["rewards"] = name_callables(list(section["rewards"]))
     cfg = load_run_config(None, sets, base=raw)
-    if path is not None and cfg.grpo is not None and cfg.grpo.rewards_dir is None:
-        cfg.grpo.rewards_dir = str(path.expanduser().resolve().parent)  # as the CLI reads a file
+    if path is not None:
+        cfg.task.read_from(path.expanduser().resolve().parent)  # as the CLI reads a file
     return cfg
 
 
@@ -54,7 +54,7 @@ def train(config: Any, out: str | Path, *, resume: bool = False, sets: list[str]
     """Run ``rankwise train`` from Python and return its metrics.
 
     Args:
-        config: A dict, a YAML path or a ``RunConfig`` (:func:`load_config`); ``grpo.rewards``
+        config: A dict, a YAML path or a ``RunConfig`` (:func:`load_config`); ``task.rewards``
             may hold callables ``fn(prompts, completions, **columns) -> list[float]``.
         out: The run folder (the CLI's ``--out``).
         resume: Continue the run in ``out`` from its last checkpoint (``--resume``).

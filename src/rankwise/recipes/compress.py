@@ -177,7 +177,7 @@ def load_input(run_cfg: RunConfig, raw: dict, model_path: Path | None = None
         if raw.get("data") is not None:
             own.data = run_cfg.data
         model = merge_plain(model, dtype=merged_dtype(own))  # as export --format merged writes it
-        return model, tok, get_task(own.model.task), own
+        return model, tok, get_task(own.task.name), own
     if model_path is not None:
         raise RankwiseError(f"--model names the base model of a run, but model.path {str(path)!r} "
                             "is not a run folder; set model.path to the model to compress")
@@ -186,7 +186,7 @@ def load_input(run_cfg: RunConfig, raw: dict, model_path: Path | None = None
         if (path / "config.json").is_file() and not weights:
             raise RankwiseError(f"model folder {path} has no weights (*.safetensors or *.bin); point "
                                 "model.path at a folder written by save_pretrained, or at a rankwise run")
-    task = get_task(run_cfg.model.task)
+    task = get_task(run_cfg.task.name)
     m = run_cfg.model
     model, tok = load_model(m.path, task, m.num_labels, seed=run_cfg.train.seed,
                             add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
@@ -263,7 +263,7 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
         t1 += time.perf_counter() - t2
     after = evaluate(model, task, heldout, ccfg.batch_size)
     kv = None
-    if ccfg.kv_cache.kind != "none" and task.name == "causal-lm":
+    if ccfg.kv_cache.kind != "none" and task.lm_loss:
         from rankwise.compress.kv import cache_perplexity
         k = ccfg.kv_cache
         kv = {"kind": k.kind, "bits": k.bits, "chunk": k.chunk,
@@ -298,7 +298,7 @@ def _restorer(model: nn.Module, task, ccfg):
     if not ccfg.restore.enabled:
         return None
     from rankwise.compress.restore import RestoreLCC, check_restorable
-    paths = check_restorable(model, ccfg, task.name)
+    paths = check_restorable(model, ccfg, task)
     return RestoreLCC(ccfg.restore, paths, model.config.num_attention_heads, seed=ccfg.seed)
 
 
@@ -369,8 +369,9 @@ def run_compress(config: Path, sets: list[str], out: Path, overwrite: bool = Fal
         check_restore_config(ccfg)                    # before loading the model
     check_output(out, {"model.path": run_cfg.model.path, "--model": model_path}, overwrite)
     model, tok, task, run_cfg = load_input(run_cfg, raw, model_path)
-    if task.name not in ("causal-lm", "classification"):
-        raise RankwiseError(f"rankwise compress evaluates causal-lm or classification models, not {task.name}")
+    if not (task.lm_loss or task.uses_labels):  # perplexity, or accuracy on labelled records
+        raise RankwiseError(f"rankwise compress evaluates causal-lm or classification models, not "
+                            f"{task.name}; set task.name: causal-lm")
     needs_data = task.uses_labels or ccfg.calibration.source == RUN_DATA
     train_data, eval_data = build_data(run_cfg.data, task, tok) if needs_data else (None, None)
     calib = token_windows(ccfg.calibration, tok, "compress.calibration", train_data)

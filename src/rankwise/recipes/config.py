@@ -1,7 +1,8 @@
 """The run config: ``model``, ``data``, ``method``, ``optim``, ``train``, ``eval`` (and ``federated``,
 ``compress`` for those commands).
 
-Defaults live in the dataclasses below and in each method's/optimizer's own config class;
+Defaults live in the section dataclasses (:mod:`rankwise.recipes.sections`) and in each
+method's/optimizer's own config class;
 YAML files and ``--set key=value`` only override them. Every problem in a config is reported
 at once, each unknown key with the closest valid one.
 """
@@ -10,397 +11,34 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, Union
 
 import yaml
 
 from rankwise import registry
 from rankwise.configs import from_dict
-from rankwise.data.select import SelectConfig
-from rankwise.data.tokenizer import TokenizerTrainConfig
-from rankwise.engine.memory_decoder import MemoryDecoderConfig
+from rankwise.engine import TaskConfig, task_class
 from rankwise.engine.per_layer import problems as per_layer_problems
-from rankwise.engine.grpo import GRPOConfig
-from rankwise.engine.preference import DPOConfig
-from rankwise.engine.reference import resolve as resolve_reference
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
-from rankwise.recipes import yamlfile
+from rankwise.recipes import legacy, yamlfile
+from rankwise.recipes.sections import MAX_TOKENS, DataConfig, EvalConfig, ModelConfig, TrainConfig
+from rankwise.tasks import ClassificationConfig
 
-MAX_TOKENS = 2**24  # data.max_length's ceiling: beyond any model's positions, within tokenizers' range
-
-
-@dataclass
-class ModelConfig:
-    """Which model to adapt.
-
-    Attributes:
-        path: ``demo`` (the packaged MiniLM), a local Hugging Face model folder, or one of the
-            tiny in-code models ``tiny-bert``, ``tiny-gpt2``, ``tiny-llama`` (for tests).
-        task: A registered task: ``classification`` (sequence classification head) or
-            ``causal-lm`` (``rankwise list`` shows them).
-        num_labels: Number of classes; ``None`` infers it from the data.
-        dtype: Storage dtype of the frozen base: ``float32``, ``bfloat16`` or ``float16``
-            (trainable weights are float32 whatever this says).
-        quantize: Load the base quantized by bitsandbytes through transformers'
-            ``BitsAndBytesConfig``: ``nf4`` / ``fp4`` (4-bit, QLoRA) or ``int8``; ``null`` = no.
-        double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
-        add_tokens: New tokens given to the tokenizer (``tokenizer.add_tokens``); the
-            embedding (and an untied output head) grows by their rows, each initialised to the
-            mean of the existing rows (:mod:`rankwise.recipes.tokens`).
-        add_special_tokens: New special tokens (never split, e.g. a chat template's
-            ``<|im_start|>``), added and initialised the same way.
-        init: Where the weights start: ``pretrained`` (the folder's weights), ``random`` (a
-            fresh initialisation from the folder's ``config.json``, seeded by ``train.seed``:
-            pretraining from scratch, ``method: full``), or ``auto`` (``random`` when the folder
-            holds a ``config.json`` and no weights, else ``pretrained``).
-        train_tokenizer: Learn a tokenizer from the run's training text before the model is
-            built (:class:`~rankwise.data.tokenizer.TokenizerTrainConfig`; saved in the run
-            folder's ``tokenizer/``, reused on ``--resume``); the model's vocabulary is sized to
-            it. Needs ``init: random`` (or a config-only folder). ``null``: the folder's tokenizer.
-        adapter: Start from an existing adapter instead of a fresh one: a PEFT LoRA folder, a
-            rankwise adapter folder or a finished train run (:mod:`rankwise.recipes.start`). Its
-            method, ranks and weights continue (the ``method`` section becomes the adapter's);
-            DPO's / GRPO's reference is then the starting model (``dpo.reference``).
-    """
-
-    path: str = "demo"
-    task: str = "classification"
-    num_labels: Union[int, None] = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    quantize: Union[Literal["nf4", "fp4", "int8"], None] = None
-    double_quant: bool = True
-    add_tokens: list[str] = field(default_factory=list)
-    add_special_tokens: list[str] = field(default_factory=list)
-    init: Literal["auto", "pretrained", "random"] = "auto"
-    train_tokenizer: Union[TokenizerTrainConfig, None] = None
-    adapter: Union[str, None] = None
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        tasks = registry.names("task")
-        if self.task not in tasks:
-            return [f"task: got {self.task!r}; expected one of {tasks}{closest(self.task, tasks)}"]
-        for key in ("add_tokens", "add_special_tokens"):
-            if not all(getattr(self, key)):
-                return [f"{key}: got an empty token string; list the new tokens, e.g. ['<|im_end|>']"]
-        if self.train_tokenizer is not None and self.init == "pretrained":
-            return ["train_tokenizer gives the model a new vocabulary, which pretrained weights "
-                    "do not know; set model.init: random (or remove train_tokenizer)"]
-        return []
-
-
-@dataclass
-class DataConfig:
-    """Where the text comes from and how it becomes examples (:mod:`rankwise.data`).
-
-    Attributes:
-        source: ``demo`` (stdlib docstring topics), ``stdlib-functions`` (prompt = a stdlib
-            function's docstring, completion = its ``def`` line), ``stdlib-source`` (one text
-            per standard-library module, whole modules held out: a pretraining corpus,
-            :mod:`rankwise.data.corpus`), a ``.jsonl``/``.csv``/``.parquet``
-            file, or a folder written by ``datasets.Dataset.save_to_disk`` (all read through
-            ``datasets``: memory-mapped Arrow, tokenization cached).
-        format: ``text`` (every token trains; classification uses it), ``prompt-completion``
-            (loss on the completion + EOS only) or ``chat`` (a list of ``{role, content}``
-            messages through the chat template; loss on assistant turns only). Causal LM.
-            Presets of those (:mod:`rankwise.data.presets`; ``model.task: causal-lm``): ``alpaca``
-            (``{instruction, input, output}`` records through the Alpaca prompt, as
-            ``prompt-completion``) and ``sharegpt`` (``{conversations: [{from, value}]}``, as
-            ``chat``).
-        text_field: Column/key holding the text.
-        label_field: Column/key holding the label (classification).
-        prompt_field: Column/key of the prompt (``prompt-completion``).
-        completion_field: Column/key of the completion (``prompt-completion``).
-        messages_field: Column/key of the messages (``chat``).
-        chosen_field: Column/key of the preferred completion (``model.task: dpo``).
-        rejected_field: Column/key of the dispreferred completion (``model.task: dpo``).
-        train_on_prompt: Prompt tokens are loss targets too (``prompt-completion``).
-        chat_template: A Jinja chat template (text, or a file path) used instead of the
-            tokenizer's own; needed when the tokenizer has none.
-        packing: Pack several examples into each ``max_length`` block for training (causal
-            LM); they never attend to each other and their positions restart.
-        max_length: Tokens per example. Text is cut from the right (unless ``split_long``); a
-            prompt is cut from the left, and an example whose completion alone is longer is
-            dropped and counted.
-        split_long: ``text`` format, causal LM: a text longer than ``max_length`` becomes
-            several consecutive examples (``BOS + text + EOS`` in windows of ``max_length``)
-            instead of being cut, so pretraining sees all of every document.
-        eval_source: A separate evaluation file; else a held-out fraction of ``source``.
-        eval_fraction: Held-out fraction, chosen by a hash of each record (deterministic).
-        limit: Use at most this many training records (``None`` = all).
-        cache_dir: Where ``datasets`` keeps Arrow conversions (``None``: its default cache).
-        label_noise: Share of *training* class labels flipped to another class, in [0, 1)
-            (robustness experiments; evaluation labels stay clean; :mod:`rankwise.data.noise`).
-        label_noise_seed: Seeds which labels flip (independent of ``train.seed``).
-        holdout: What the run evaluates on: ``eval`` (the evaluation split) or ``validation``
-            (a deterministic ``validation_fraction`` of the *training* records, held out of
-            training; learning-rate sweeps choose on it so the evaluation split stays unseen).
-        validation_fraction: Share of the training records held out with ``holdout: validation``.
-        schedule: How a training step's examples are grouped into processes and micro-batches:
-            ``none`` (contiguous shares in draw order) or ``skrull`` (by the cost
-            ``a L + b L^2`` of each sequence: LPT over processes, padding-aware micro-batches;
-            the same examples and loss per step; ``docs/skrull.md``).
-        schedule_linear: ``a / b`` of Skrull's cost model in tokens (``null``: 12 x the
-            model's hidden size).
-        schedule_bucket: Skrull's memory cap (the paper's BucketSize): the most padded tokens
-            ``n x L_max`` of one micro-batch (``null``: no cap). A longer sequence is refused
-            (no context parallelism here to split it).
-        select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
-        order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
-            ``gain-rl`` (``model.task: grpo``: prompts sorted by GAIN-RL's angle concentration,
-            drawn by its Gaussian sampler; :mod:`rankwise.engine.gain_rl`).
-        question_free: QFFT (``prompt-completion`` / ``chat``): training examples are the
-            responses alone, without any question token; evaluation keeps the question
-            (:mod:`rankwise.data.formats`; ``docs/preference-rl.md``).
-    """
-
-    source: str = "demo"
-    format: Literal["text", "prompt-completion", "chat", "alpaca", "sharegpt"] = "text"
-    text_field: str = "text"
-    label_field: str = "label"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    messages_field: str = "messages"
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
-    train_on_prompt: bool = False
-    chat_template: Union[str, None] = None
-    packing: bool = False
-    max_length: int = 64
-    split_long: bool = False
-    eval_source: Union[str, None] = None
-    eval_fraction: float = 0.2
-    limit: Union[int, None] = None
-    cache_dir: Union[str, None] = None
-    label_noise: float = 0.0
-    label_noise_seed: int = 0
-    holdout: Literal["eval", "validation"] = "eval"
-    validation_fraction: float = 0.1
-    schedule: Literal["none", "skrull"] = "none"
-    schedule_linear: Union[float, None] = None
-    schedule_bucket: Union[int, None] = None
-    select: SelectConfig = field(default_factory=SelectConfig)
-    order: Literal["uniform", "gain-rl"] = "uniform"
-    question_free: bool = False
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
-        if self.question_free and self.format == "text":
-            out.append("question_free drops the question of prompt-completion or chat records, and "
-                       "plain text (data.format: text) has none; set data.format or remove question_free")
-        if self.question_free and self.train_on_prompt:
-            out.append("question_free trains on the response alone, so train_on_prompt has no prompt "
-                       "to train; set one of them false")
-        if self.split_long and self.format != "text":
-            out.append(f"split_long cuts plain text into windows, and data.format is {self.format!r}; "
-                       "set data.format: text or remove split_long")
-        if self.schedule == "skrull" and self.packing:
-            out.append("schedule: skrull groups whole sequences by length, and packing already "
-                       "makes equal blocks; set one of data.schedule: none or data.packing: false")
-        if self.schedule_linear is not None and not self.schedule_linear > 0:
-            out.append(f"schedule_linear: got {self.schedule_linear}; expected tokens > 0 or null")
-        if self.schedule_bucket is not None and not self.schedule_bucket > 0:
-            out.append(f"schedule_bucket: got {self.schedule_bucket}; expected padded tokens > 0 or null")
-        if self.schedule_bucket is not None and self.schedule != "skrull":
-            out.append("schedule_bucket caps Skrull's micro-batches; set data.schedule: skrull or remove it")
-        if not 0.0 < self.validation_fraction < 1.0:
-            out.append(f"validation_fraction: got {self.validation_fraction}; expected a value in (0, 1)")
-        if not 0.0 < self.eval_fraction < 1.0:
-            out.append(f"eval_fraction: got {self.eval_fraction}; expected a value in (0, 1)")
-        if not 0.0 <= self.label_noise < 1.0:
-            out.append(f"label_noise: got {self.label_noise}; expected a fraction in [0, 1)")
-        if not 2 <= self.max_length <= MAX_TOKENS:
-            out.append(f"max_length: got {self.max_length}; expected 2..{MAX_TOKENS} tokens")
-        if self.limit is not None and self.limit < 1:
-            out.append(f"limit: got {self.limit}; expected a number of records >= 1, or null for all")
-        if not 0 <= self.label_noise_seed < 2**32:
-            out.append(f"label_noise_seed: got {self.label_noise_seed}; expected 0..2**32-1")
-        return out
-
-
-@dataclass
-class TrainConfig:
-    """The training loop.
-
-    Attributes:
-        steps: Optimizer steps.
-        batch_size: Examples per step.
-        eval_batch_size: Examples per evaluation forward.
-        eval_every: Evaluate every N steps (0 = only at the end).
-        save_every: Checkpoint every N steps (0 = only at the end).
-        log_every: Write a line to ``events.jsonl`` every N steps.
-        seed: Seeds model init, data order and dropout.
-        warmup_fraction: Linear warm-up over this fraction of steps, then linear decay to 0.
-        grad_clip: Clip the gradient norm to this value; ``null`` or 0 = off; ``auto`` = what
-            the optimizer's registration asks for (1.0, or off for optimizers that set their
-            own step from the gradient norm: ``ngn-m``, ``t-signsgd``). A run's ``config.yaml``
-            holds the value in force (``null`` when off).
-        calibration_batches: Batches given to data-driven initialisations (GoRA).
-        keep_checkpoints: How many checkpoints to keep.
-        early_stopping_patience: Stop after this many evaluations (``eval_every``) without a
-            lower ``eval_loss`` (0 = never).
-        progress: Show a progress bar.
-        precision: Autocast compute: ``fp32`` (none), ``bf16`` or ``fp16`` (with a gradient
-            scaler, saved in checkpoints). Trainable weights stay float32 in every mode.
-        gradient_checkpointing: Recompute each transformer block's activations in the backward
-            pass (non-reentrant; transformers models).
-        grad_accum: Micro-batches per optimizer step; ``batch_size`` stays the examples per
-            step, and the loss is normalised by the targets of the whole step.
-        log_to: Extra loggers besides ``events.jsonl``: ``tensorboard`` (needs the
-            ``tensorboard`` package) writes to ``RUN_DIR/tensorboard``.
-        distributed: Under ``torchrun`` with several processes: ``ddp`` (every process holds
-            the model; gradients are summed) or ``fsdp`` (FSDP2 ``fully_shard``: parameters
-            sharded across processes). ``batch_size`` is then the global batch.
-        distributed_timeout_s: Seconds a process waits for the others in a collective before
-            it gives up (a dead or stuck process ends the run instead of hanging it).
-        distributed_step_timeout_s: The collective timeout from the end of the first
-            optimizer step on, once start-up (loading, the first collectives) is through:
-            ``null`` keeps ``distributed_timeout_s`` throughout. It must still cover the longest
-            wait of a step: an evaluation, or a checkpoint that rank 0 writes.
-        threads: Torch CPU threads per process: ``auto`` = the CPUs this process may use
-            (affinity mask, cgroup quota) shared by the run's processes on the machine
-            (``rankwise.engine.threads``), or a number.
-        loss_chunk_tokens: Causal LM: compute the loss from the final hidden states through
-            the output head in chunks of this many target tokens, each chunk's logits
-            recomputed in the backward (:mod:`rankwise.engine.chunked_loss`; same loss and
-            gradients up to float rounding); 0 = off; ``auto`` = :attr:`AUTO_CHUNK_TOKENS` when
-            the model's vocabulary has at least :attr:`AUTO_CHUNK_VOCAB` entries, else off.
-            Why 32,000 and 512: the unchunked loss keeps about four fp32 copies of the
-            ``(tokens x vocab)`` logits alive (logits, log-softmax, both gradients), 16 V bytes
-            a token: at V = 32,000 that is 512 KB a token, more than a 7B Llama's checkpointed
-            activations (~ 32 layers x 4096 x 2 bytes = 256 KB) and the largest item of a LoRA
-            step; from Llama-2's 32,000 to Qwen's 152k and Gemma's 256k it only grows. The cost
-            is one more head forward per target token (``2 H V`` flops: 0.6 % of Llama-2-7B's
-            ``6 N`` flops a token, 2 % of Llama-3-8B's). The tiny test models (MiniLM's 30,522-token
-            vocabulary) stay on the unchunked path. 512 tokens keep one chunk's fp32 logits at
-            256 MiB for a 128k vocabulary while the ``512 x H x V`` matmul still runs at full
-            speed.
-        offload_activations: Keep the tensors the forward saves for backward in pinned CPU
-            memory until the backward needs them (copies on a side CUDA stream; parameters and
-            tensors under 1 KiB stay; ``docs/offload.md``). No effect on a CPU device, where
-            activations already live in CPU memory (``rankwise train`` says so).
-        compile: ``torch.compile`` the model's blocks (each layer of its ``nn.ModuleList``s,
-            ``rankwise.engine.compile``); a method dynamo cannot trace is refused before
-            training. The first steps pay the compilation.
-        fused_lora: ``auto``: LoRA-wrapped linear layers (LoRA, rsLoRA, GoRA ranks; one active
-            adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
-            backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
-            same losses and gradients. ``off`` (or ``false``): the plain path.
-        neftune_noise_alpha: NEFTune (Jain et al. 2024): uniform noise of scale
-            ``alpha / sqrt(L d)`` on the input embeddings of the training forwards only, ``L``
-            each example's real tokens (:mod:`rankwise.engine.neftune`; the paper uses 5-15);
-            ``null``: off.
-    """
-
-    AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
-    AUTO_CHUNK_TOKENS: ClassVar[int] = 512
-
-    steps: int = 200
-    batch_size: int = 32
-    eval_batch_size: int = 64
-    eval_every: int = 0
-    save_every: int = 50
-    log_every: int = 5
-    seed: int = 0
-    warmup_fraction: float = 0.06
-    grad_clip: Union[float, None, Literal["auto"]] = "auto"
-    calibration_batches: int = 8
-    keep_checkpoints: int = 2
-    early_stopping_patience: int = 0
-    progress: bool = True
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    gradient_checkpointing: bool = False
-    grad_accum: int = 1
-    log_to: list[Literal["tensorboard"]] = field(default_factory=list)
-    distributed: Literal["ddp", "fsdp"] = "ddp"
-    distributed_timeout_s: float = 600.0
-    distributed_step_timeout_s: Union[float, None] = None
-    threads: Union[Literal["auto"], int] = "auto"
-    offload_activations: bool = False
-    compile: bool = False
-    fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
-    loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
-    neftune_noise_alpha: Union[float, None] = None
-
-    def loss_chunk_for(self, vocab: int | None) -> int:
-        """Target tokens per loss chunk for a model of ``vocab`` entries (0 = unchunked)."""
-        if self.loss_chunk_tokens != "auto":
-            return int(self.loss_chunk_tokens)
-        return self.AUTO_CHUNK_TOKENS if (vocab or 0) >= self.AUTO_CHUNK_VOCAB else 0
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
-        for name in ("steps", "batch_size", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
-        for name in ("eval_every", "save_every", "log_every", "calibration_batches",
-                     "early_stopping_patience"):
-            if getattr(self, name) < 0:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 0")
-        if self.grad_accum < 1:
-            out.append(f"grad_accum: got {self.grad_accum}; expected an integer >= 1")
-        elif self.batch_size >= 1 and self.batch_size % self.grad_accum:
-            out.append(f"grad_accum: got {self.grad_accum}, which does not divide batch_size "
-                       f"{self.batch_size} (examples per optimizer step); choose a divisor such as "
-                       f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
-        if not 0 <= self.seed < 2**32:
-            out.append(f"seed: got {self.seed}; expected 0..2**32-1")
-        if isinstance(self.grad_clip, float) and self.grad_clip < 0:
-            out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
-        if self.distributed_timeout_s <= 0:
-            out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
-        if self.distributed_step_timeout_s is not None and self.distributed_step_timeout_s <= 0:
-            out.append(f"distributed_step_timeout_s: got {self.distributed_step_timeout_s}; "
-                       "expected seconds > 0 or null")
-        if self.compile and self.gradient_checkpointing:
-            out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
-                       "set train.compile: false or train.gradient_checkpointing: false")
-        if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
-            out.append(f"threads: got {self.threads!r}; expected auto or an integer 1..4096")
-        if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
-            out.append(f"loss_chunk_tokens: got {self.loss_chunk_tokens}; expected auto, 0 (off) "
-                       "or a number of tokens per chunk")
-        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha > 0:
-            out.append(f"neftune_noise_alpha: got {self.neftune_noise_alpha}; expected alpha > 0 "
-                       "(the paper uses 5 to 15) or null for no noise")
-        return out
-
-
-@dataclass
-class EvalConfig:
-    """What each evaluation writes besides the metrics.
-
-    Attributes:
-        samples: Greedy completions of the first N evaluation prompts, written to
-            ``samples.jsonl`` at every evaluation (causal LM; 0 = none).
-        max_new_tokens: Tokens generated per sample.
-    """
-
-    samples: int = 0
-    max_new_tokens: int = 32
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
-        if self.samples < 0:
-            out.append(f"samples: got {self.samples}; expected an integer >= 0")
-        if self.max_new_tokens < 1:
-            out.append(f"max_new_tokens: got {self.max_new_tokens}; expected an integer >= 1")
-        return out
+__all__ = ["MAX_TOKENS", "DataConfig", "EvalConfig", "ModelConfig", "RunConfig", "TrainConfig", "SECTIONS",
+           "apply_sets", "build_run_config", "compressor_config", "cross_problems", "load_run_config",
+           "parse_set", "per_layer_support", "read_yaml", "task_config"]
 
 
 @dataclass
 class RunConfig:
-    """A whole run. ``method``, ``optim`` and ``compress`` are the registered entries' own config
-    classes (chosen by their ``name`` / ``method`` key); ``federated`` and ``compress`` are only
-    present when the file has them (``rankwise federated`` / ``rankwise compress``); ``dpo``
-    (:class:`~rankwise.engine.preference.DPOConfig`) is present exactly when ``model.task`` is
-    ``dpo`` (filled with its defaults when the file has none)."""
+    """A whole run. ``task``, ``method``, ``optim`` and ``compress`` are the registered entries'
+    own config classes (chosen by their ``name`` key; ``compress.method`` for compressors):
+    ``task`` defaults to ``classification``; ``federated`` and ``compress`` are only present when
+    the file has them (``rankwise federated`` / ``rankwise compress``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=ClassificationConfig)
     data: DataConfig = field(default_factory=DataConfig)
     method: Any = None
     optim: Any = None
@@ -408,9 +46,6 @@ class RunConfig:
     federated: Union[FederatedConfig, None] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
     compress: Any = None
-    dpo: Union[DPOConfig, None] = None
-    grpo: Union[GRPOConfig, None] = None
-    memory_decoder: Union[MemoryDecoderConfig, None] = None  # exactly when model.task: memory-decoder
 
     def to_dict(self) -> dict:
         """Return the fully resolved config as plain data (what ``config.yaml`` holds)."""
@@ -419,8 +54,7 @@ class RunConfig:
                 for k, v in out.items() if v is not None}
 
 
-SECTIONS = ("model", "data", "method", "optim", "train", "federated", "eval", "compress", "dpo", "grpo",
-            "memory_decoder")
+SECTIONS = ("model", "task", "data", "method", "optim", "train", "federated", "eval", "compress")
 
 
 def parse_set(item: str) -> tuple[list[str], Any]:
@@ -496,16 +130,37 @@ def read_yaml(path: Path, paths: dict | None = None) -> dict:
     if not isinstance(data, dict):
         raise RankwiseError(f"config {path} must be a YAML mapping with sections {', '.join(SECTIONS)}")
     from rankwise.recipes.paths import RUN_PATHS, resolve_relative
-    return resolve_relative(data, path.parent, RUN_PATHS if paths is None else paths)
+    return resolve_relative(data, path.parent, {**RUN_PATHS, **_task_paths(data)} if paths is None else paths)
 
 
-def build_run_config(data: dict) -> RunConfig:
+def _task_paths(data: dict) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """The path keys of the raw ``task:`` section's config class (its ``paths``)."""
+    task = data.get("task")
+    name = task.get("name", ClassificationConfig.name) if isinstance(task, dict) else ClassificationConfig.name
+    try:
+        cls = registry.get("task", str(name)).config_cls
+    except RankwiseError:
+        return {}  # reported when the config is built
+    return {("task", key): () for key in getattr(cls, "paths", ())}
+
+
+def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     """Validate a raw dict into a :class:`RunConfig`, reporting every problem at once.
+
+    The old spelling of the task (``model.task`` plus a ``dpo:`` / ``grpo:`` / ``memory_decoder:``
+    section) is read for one release (:mod:`rankwise.recipes.legacy`).
+
+    Args:
+        data: The raw config.
+        notice: Print the one-line notice of an old spelling (once per process); off for a run
+            folder's own ``config.yaml``, which its user did not write.
 
     Raises:
         RankwiseError: Listing unknown sections/keys (with suggestions) and bad values.
     """
-    problems: list[str] = []
+    spelling = legacy.translate(data)
+    data = spelling.data
+    problems: list[str] = list(spelling.problems)
     for key in data:
         if key not in SECTIONS:
             problems.append(f"{key}: unknown section{closest(key, SECTIONS)}; valid: {', '.join(SECTIONS)}")
@@ -529,6 +184,7 @@ def build_run_config(data: dict) -> RunConfig:
     problems.extend(per_layer_support(optim))
     cfg = RunConfig(
         model=part(lambda: from_dict(ModelConfig, data.get("model"), "model")),
+        task=part(lambda: task_config(data.get("task"), spelling.where, spelling.name_key)),
         data=part(lambda: from_dict(DataConfig, data.get("data"), "data")),
         method=part(lambda: from_dict(registry.get("method", str(method["name"])).config_cls, method, "method")),
         optim=part(lambda: from_dict(registry.get("optimizer", str(optim["name"])).config_cls, optim, "optim")),
@@ -538,25 +194,42 @@ def build_run_config(data: dict) -> RunConfig:
         eval=part(lambda: from_dict(EvalConfig, data.get("eval"), "eval")),
         compress=part(lambda: compressor_config(data["compress"]))
         if data.get("compress") is not None else None,
-        dpo=part(lambda: from_dict(DPOConfig, data["dpo"], "dpo")) if data.get("dpo") is not None else None,
-        grpo=part(lambda: from_dict(GRPOConfig, data["grpo"], "grpo")) if data.get("grpo") is not None else None,
-        memory_decoder=part(lambda: from_dict(MemoryDecoderConfig, data["memory_decoder"], "memory_decoder"))
-        if data.get("memory_decoder") is not None else None,
     )
-    if cfg.model is not None and cfg.model.task == "dpo" and cfg.dpo is None:
-        cfg.dpo = DPOConfig()  # config.yaml records the defaults the run used
-    if cfg.model is not None and cfg.model.task == "grpo" and cfg.grpo is None:
-        cfg.grpo = GRPOConfig()
-    if cfg.model is not None and cfg.model.task == "memory-decoder" and data.get("memory_decoder") is None:
-        problems.append("model.task memory-decoder needs a memory_decoder section with base: the base "
-                        "model's folder")
     if not problems:
         problems.extend(cross_problems(cfg))
     if problems:
         raise RankwiseError("; ".join(problems))
     _absolute_paths(cfg)
     _resolve_optimizer_defaults(cfg)
+    if notice:
+        legacy.notice(spelling.notice)
     return cfg
+
+
+def task_config(raw: dict | None, where: str = "task", name_key: str = "task.name") -> TaskConfig:
+    """The ``task:`` section: the config class of the task ``task.name`` names (default
+    ``classification``), as ``method:`` is the method's.
+
+    Args:
+        raw: The raw section.
+        where: The prefix of its messages.
+        name_key: Where the name was written (messages).
+
+    Raises:
+        RankwiseError: An unknown task, or a bad key or value of its config.
+    """
+    raw = dict(raw or {})
+    name = raw.setdefault("name", ClassificationConfig.name)
+    try:
+        entry = registry.get("task", str(name))
+    except RankwiseError as err:
+        raise RankwiseError(f"{name_key}: {err}") from None
+    if not dataclasses.is_dataclass(entry.config_cls):  # registered without a config class
+        extra = sorted(k for k in raw if k != "name")
+        if extra:
+            raise RankwiseError(f"{where}.{extra[0]}: unknown key; task {name!r} has no settings")
+        return TaskConfig(name=str(name))
+    return from_dict(entry.config_cls, raw, where)
 
 
 def compressor_config(raw: dict) -> Any:
@@ -590,11 +263,10 @@ def _resolve_optimizer_defaults(cfg: RunConfig) -> None:
 
 
 def _absolute_paths(cfg: RunConfig) -> None:
-    """Store local paths (``model.path``, ``model.adapter``, ``data.source``, ``data.eval_source``) absolute, so a
-    run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
+    """Store local paths (``model.path``, ``model.adapter``, ``data.source``, ``data.eval_source``,
+    the task config's ``paths``) absolute, so a run folder's ``config.yaml`` still finds them from any working directory (export, resume)."""
     pairs = [(cfg.model, "path"), (cfg.model, "adapter"), (cfg.data, "source"), (cfg.data, "eval_source")]
-    if cfg.memory_decoder is not None:
-        pairs.append((cfg.memory_decoder, "base"))
+    pairs += [(cfg.task, key) for key in getattr(type(cfg.task), "paths", ())]  # memory-decoder's base
     for section, key in pairs:
         value = getattr(section, key)
         if value and Path(value).expanduser().exists():
@@ -622,59 +294,26 @@ def per_layer_support(optim: dict) -> list[str]:
 
 
 def cross_problems(cfg: RunConfig) -> list[str]:
-    """Problems that involve two sections (each section's own checks have passed)."""
-    out = []
-    m, t = cfg.model, cfg.train
-    if registry.get("task", m.task).builder().uses_labels and (cfg.data.format != "text" or cfg.data.packing or cfg.eval.samples):
-        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
-                else f"data.format {cfg.data.format}")
-        out.append(f"{what} needs model.task: causal-lm (got {m.task}); remove it or change the task")
-    trains_full = registry.get("method", cfg.method.name).trains == "full"
-    for name, section in (("dpo", cfg.dpo), ("grpo", cfg.grpo)):  # reference: initial needs a start
-        try:
-            if section is not None:
-                resolve_reference(section.reference, name, trains_full, bool(m.adapter), "adapters-off")
-        except RankwiseError as err:
-            out.append(str(err))
+    """Problems that involve two sections (each section's own checks have passed): the task's
+    own (its config's ``run_problems``), then those of the other sections."""
+    out = list(cfg.task.run_problems(cfg))
+    m, t, d = cfg.model, cfg.train, cfg.data
+    task = task_class(cfg.task.name)
+    lm_loss, labels = getattr(task, "lm_loss", False), getattr(task, "uses_labels", False)
     if m.adapter and cfg.federated is not None:
         out.append("model.adapter starts a rankwise train run from an adapter; a federated run "
                    "starts from its server's global adapter: remove model.adapter")
-    if cfg.dpo is not None and m.task != "dpo":
-        out.append(f"the dpo section needs model.task: dpo (got {m.task}); remove it or change the task")
-    if m.task == "dpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt):
-        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
-                else "data.train_on_prompt")
-        out.append(f"{what} is not supported with model.task: dpo (pairs are scored whole, on "
-                   "their completions); remove it")
-    if (cfg.memory_decoder is not None) != (m.task == "memory-decoder"):
-        out.append(f"the memory_decoder section goes with model.task: memory-decoder (got {m.task}); "
-                   "set both or neither")
-    if m.task == "memory-decoder" and (cfg.data.packing or cfg.data.schedule != "none"):
-        out.append("data.packing and data.schedule are not supported with model.task: memory-decoder "
-                   "(its kNN targets belong to whole examples); remove them")
-    if cfg.data.question_free and m.task != "causal-lm":
-        out.append(f"data.question_free is supervised fine-tuning on responses and needs model.task: "
-                   f"causal-lm (got {m.task}); remove it")
-    if cfg.data.format in ("alpaca", "sharegpt") and m.task != "causal-lm" and \
-            not registry.get("task", m.task).builder().uses_labels:  # (those: the check above)
-        base = "prompt-completion" if cfg.data.format == "alpaca" else "chat"
-        out.append(f"data.format: {cfg.data.format} is a record layout for supervised fine-tuning "
-                   f"(model.task: causal-lm, got {m.task}); use data.format: {base} and name the "
+    if d.question_free and not lm_loss:
+        out.append(f"data.question_free is supervised fine-tuning on responses and needs task.name: "
+                   f"causal-lm (got {cfg.task.name}); remove it")
+    if d.format in ("alpaca", "sharegpt") and not lm_loss and not labels:  # (labels: the task's check)
+        base = "prompt-completion" if d.format == "alpaca" else "chat"
+        out.append(f"data.format: {d.format} is a record layout for supervised fine-tuning "
+                   f"(task.name: causal-lm, got {cfg.task.name}); use data.format: {base} and name the "
                    "fields (data.prompt_field, ...)")
-    if m.task == "dpo" and cfg.data.schedule != "none":
-        out.append("data.schedule: skrull schedules single sequences, and model.task: dpo trains "
-                   "pairs; set data.schedule: none")
-    if cfg.grpo is not None and m.task != "grpo":
-        out.append(f"the grpo section needs model.task: grpo (got {m.task}); remove it or change the task")
-    if cfg.data.order == "gain-rl" and m.task != "grpo":
-        out.append(f"data.order: gain-rl orders GRPO's prompts and needs model.task: grpo (got "
-                   f"{m.task}); set data.order: uniform")
-    if m.task == "grpo" and (cfg.data.packing or cfg.eval.samples or cfg.data.train_on_prompt
-                             or cfg.data.schedule != "none"):
-        what = ("data.packing" if cfg.data.packing else "eval.samples" if cfg.eval.samples
-                else "data.train_on_prompt" if cfg.data.train_on_prompt else "data.schedule")
-        out.append(f"{what} is not supported with model.task: grpo (it trains on its own sampled "
-                   "completions and writes samples.jsonl itself); remove it")
+    if d.order == "gain-rl" and getattr(cfg.task, "gain_rl", None) is None:  # GRPO's settings
+        out.append(f"data.order: gain-rl orders GRPO's prompts and needs task.name: grpo (got "
+                   f"{cfg.task.name}); set data.order: uniform")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "
@@ -699,13 +338,16 @@ def cross_problems(cfg: RunConfig) -> list[str]:
     return out
 
 
-def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict | None = None) -> RunConfig:
+def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict | None = None,
+                    notice: bool = True) -> RunConfig:
     """Read a YAML run config, apply ``--set`` overrides, validate.
 
     Args:
         path: The YAML file (``None``: start from ``base`` or all defaults).
         sets: ``["train.steps=100", "method.targets=[query,value]"]``.
         base: A raw dict to start from instead of a file.
+        notice: Print the notice of an old spelling (:func:`build_run_config`); ``False`` for a
+            run folder's ``config.yaml``.
 
     Returns:
         The validated config.
@@ -714,7 +356,7 @@ def load_run_config(path: Path | None, sets: list[str] | None = None, base: dict
         RankwiseError: On any problem with the file, the overrides or the values.
     """
     data = read_yaml(path) if path is not None else dict(base or {})
-    cfg = build_run_config(apply_sets(data, list(sets or [])))
-    if path is not None and cfg.grpo is not None and cfg.grpo.rewards_dir is None:
-        cfg.grpo.rewards_dir = str(Path(path).expanduser().resolve().parent)  # module:function rewards
+    cfg = build_run_config(apply_sets(data, list(sets or [])), notice=notice)
+    if path is not None:
+        cfg.task.read_from(Path(path).expanduser().resolve().parent)  # GRPO's module:function rewards
     return cfg

@@ -130,7 +130,7 @@ def run_distill(teacher_path: Path, out: Path, cfg: DistillConfig, resume: bool 
     heldout = Windows(token_windows(cfg.heldout, tok, "heldout"), pad)
     task = get_task("causal-lm")
     model = LowRankClone(teacher, cfg.student_hidden, cfg.temperature, cfg.kl_weight, cfg.clone_weight,
-                         cfg.tie_head_projection)
+                         cfg.tie_head_projection, cfg.kl_reduction, cfg.init, cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     out.mkdir(parents=True, exist_ok=True)

@@ -70,11 +70,11 @@ def load_for_generation(run_dir: Path, adapter: Path | None = None, device: str 
     if not (run_dir / "config.yaml").is_file():
         raise RankwiseError(f"{run_dir} is not a run folder (no config.yaml); pass the --out folder "
                             "of a finished 'rankwise train'")
-    cfg = load_run_config(run_dir / "config.yaml")
-    task = get_task(cfg.model.task)
+    cfg = load_run_config(run_dir / "config.yaml", notice=False)
+    task = get_task(cfg.task.name)
     if task.uses_labels:
         raise RankwiseError(f"run {run_dir} trained a {task.name} model; generate needs a "
-                            "causal-lm run (model.task: causal-lm)")
+                            "causal-lm run (task.name: causal-lm)")
     m = cfg.model
     full = registry.get("method", cfg.method.name).trains == "full" and adapter is None
     if full and model_path is not None:
@@ -151,7 +151,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
                  stream: Callable[[str], None] | None = None, kv_cache: str = "fp",
                  kv_bits: int = 2, model_path: Path | None = None, steer: str | None = None,
                  steer_from: Path | None = None, steer_config: Any = None, memory_decoder: Path | None = None,
-                 memory_lambda: float | None = None) -> list[dict]:
+                 memory_lambda: float | None = None,
+                 note: Callable[[str], None] | None = None) -> list[dict]:
     """Generate completions for one prompt or a file of prompts.
 
     Args:
@@ -175,11 +176,13 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         steer_from: The warm-start run (an adapter run on the same base) whose adapters on / off
             give P_warm / P_pre.
         steer_config: A :class:`rankwise.engine.svdecode.SVDecodeConfig` (its defaults if None).
-        memory_decoder: ``--memory-decoder``: a Memory Decoder (a ``model.task: memory-decoder``
+        memory_decoder: ``--memory-decoder``: a Memory Decoder (a ``task.name: memory-decoder``
             run folder, or a causal-LM model folder) mixed with the run's model in log space
-            (:mod:`rankwise.engine.memory_generation`), each with its own KV cache.
+            (:mod:`rankwise.tasks.memory_decoder.generation`), each with its own KV cache.
         memory_lambda: ``--memory-lambda``: its share; default: the memory-decoder run's
-            ``memory_decoder.lam`` (:class:`~rankwise.engine.memory_decoder.MemoryDecoderConfig`).
+            ``task.lam`` (:class:`~rankwise.tasks.memory_decoder.task.MemoryDecoderConfig`).
+        note: Receives SVDecode's calibration line (μ*, the applied μ, whether it was clipped);
+            default: nowhere.
 
     Returns:
         ``[{"prompt", "completion"}]``.
@@ -207,6 +210,8 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
     if steerer is not None and (adapter is not None or
                                 Path(steer_from).resolve() != Path(run_dir).resolve()):
         warm = load_for_generation(steer_from, None, device, model_path)[1]
+    if steerer is not None and steerer.config.strength != 0 and steerer.fit is None:
+        _calibrate(steerer, Path(steer_from), model, warm, tok, device, note)
     memory = None
     if memory_decoder is not None:
         if kv_cache != "fp":
@@ -231,7 +236,7 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         cache = None if kv_cache == "fp" else make_cache(
             kv_cache, kv_bits, config=model.config, rotary=find_rotary(model))  # NSNQuant: keys before RoPE
         if memory is not None:
-            from rankwise.engine.memory_generation import generate_with_memory
+            from rankwise.tasks.memory_decoder.generation import generate_with_memory
             shown = [""]
 
             def on_token(ids: list[int], shown=shown) -> None:
@@ -255,6 +260,18 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         out.append(row)
         echo("" if single else json.dumps(row, ensure_ascii=False))
     return out
+
+
+def _calibrate(steerer: Any, steer_from: Path, model: Any, warm: Any, tok: Any, device: str,
+               note: Callable[[str], None] | None) -> None:
+    """Calibrate SVDecode's μ on the first ``calib_examples`` training examples of the warm-start
+    run's own data (its ``data:`` section, read as in training)."""
+    from rankwise.data.text import build_data
+    warm_cfg = load_run_config(steer_from / "config.yaml")
+    train = build_data(warm_cfg.data, get_task(warm_cfg.task.name), tok)[0]
+    fit = steerer.calibrate(model, train, warm, device)
+    if note is not None:
+        note(fit.line())
 
 
 def _steerer(run_dir: Path, steer: str | None, steer_from: Path | None, steer_config: Any,
@@ -284,12 +301,12 @@ def _steerer(run_dir: Path, steer: str | None, steer_from: Path | None, steer_co
     if not (steer_from / "config.yaml").is_file():
         raise RankwiseError(f"--steer-from {steer_from} is not a run folder (no config.yaml); pass "
                             "the --out folder of a warm-start 'rankwise train'")
-    warm_cfg = load_run_config(steer_from / "config.yaml")
+    warm_cfg = load_run_config(steer_from / "config.yaml", notice=False)
     if registry.get("method", warm_cfg.method.name).trains == "full":
         raise RankwiseError(f"--steer-from {steer_from} trained every weight, so it has no adapters "
                             "to switch off for the base distribution; steer from an adapter run")
     if Path(run_dir).resolve() != steer_from.resolve() and (Path(run_dir) / "config.yaml").is_file():
-        base = load_run_config(Path(run_dir) / "config.yaml").model
+        base = load_run_config(Path(run_dir) / "config.yaml", notice=False).model
         if (base.path, base.add_tokens) != (warm_cfg.model.path, warm_cfg.model.add_tokens):
             raise RankwiseError(f"--steer-from {steer_from} was trained on base {warm_cfg.model.path!r} "
                                 f"but {run_dir} on {base.path!r}; steer from a warm-start run of the "
@@ -314,40 +331,40 @@ def same_tokenizer(base, memory, where: str) -> None:
 
 
 def check_memory_decoder(path: Path) -> None:
-    """Refuse a ``--memory-decoder`` folder that holds no Memory Decoder: only a ``model.task:
+    """Refuse a ``--memory-decoder`` folder that holds no Memory Decoder: only a ``task.name:
     memory-decoder`` run, or a causal-LM model folder (such a run's ``model/``), is mixed in.
 
     Raises:
         RankwiseError: A run of another task (a plain LoRA run, say), another command's output,
             or a missing / empty folder; one line naming what to pass.
     """
-    fix = "pass the --out folder of a model.task: memory-decoder run (docs/memory-decoder.md)"
+    fix = "pass the --out folder of a task.name: memory-decoder run (docs/memory-decoder.md)"
     found = folders.kind(path) if path.is_dir() else None
     if found == "model":
         return
     if found == "train" and (path / "config.yaml").is_file():
-        cfg = load_run_config(path / "config.yaml")
-        if cfg.model.task == "memory-decoder":
+        cfg = load_run_config(path / "config.yaml", notice=False)
+        if cfg.task.name == "memory-decoder":
             return
-        raise RankwiseError(f"--memory-decoder {path} is a {cfg.model.task} run (method "
+        raise RankwiseError(f"--memory-decoder {path} is a {cfg.task.name} run (method "
                             f"{cfg.method.name}), not a memory-decoder run; {fix}")
     held = folders.WHAT[found] if found else "nothing (missing or empty)"
     raise RankwiseError(f"--memory-decoder {path} holds {held}, not a memory-decoder run; {fix}")
 
 
 def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | None) -> tuple[Any, float]:
-    """``(model, lambda)`` of a Memory Decoder folder: a ``model.task: memory-decoder`` run (its
-    ``memory_decoder.lam`` is the default ``lambda``) or a causal-LM model folder.
+    """``(model, lambda)`` of a Memory Decoder folder: a ``task.name: memory-decoder`` run (its
+    ``task.lam`` is the default ``lambda``) or a causal-LM model folder.
 
     Raises:
         RankwiseError: Not such a folder, another tokenizer than the base's, or ``lam`` outside [0, 1].
     """
-    from rankwise.engine.memory_decoder import MemoryDecoderConfig
+    from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
     default = MemoryDecoderConfig().lam
     if (path / "config.yaml").is_file():
         cfg, memory, tok, _ = load_for_generation(path, device=device)
-        if cfg.memory_decoder is not None:
-            default = cfg.memory_decoder.lam
+        if isinstance(cfg.task, MemoryDecoderConfig):
+            default = cfg.task.lam
     elif (path / "config.json").is_file():
         memory, tok = load_model(str(path), get_task("causal-lm"), device=device)
         memory.to(device).eval()

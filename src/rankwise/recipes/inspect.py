@@ -60,7 +60,7 @@ def _inputs(target: Path, data: Path | None) -> tuple[RunConfig, str]:
     if what == "model" and data is None:
         raise RankwiseError(f"inspect: {target} is a model folder; pass --data CONFIG (a run config whose "
                             "data: section gives the calibration batches)")
-    cfg = load_run_config(data if data is not None else Path(target) / "config.yaml")
+    cfg = load_run_config(data if data is not None else Path(target) / "config.yaml", notice=data is not None)
     if what == "model":
         cfg.model.path = str(target)
     return cfg, what
@@ -232,7 +232,7 @@ def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CAL
     target, out = Path(target), atomic.check_folder(out)
     folders.check_writable(out, "inspect", "inspect")  # never into a run or the user's files
     cfg, what = _inputs(target, data)
-    task = get_task(cfg.model.task)
+    task = get_task(cfg.task.name)
     targets = getattr(cfg.method, "targets", "all-linear")
     states, tokenizer = [], None
     for label, model, tok in _states(target, what, cfg, task, cfg.model.num_labels):

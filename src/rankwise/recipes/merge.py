@@ -101,6 +101,7 @@ class Source:
     fingerprint: str | None = None  # rankwise files only
     model: ModelConfig | None = None  # runs only
     seed: int = 0
+    task: str = "causal-lm"  # runs: their task.name
 
 
 def _json(path: Path) -> dict:
@@ -119,10 +120,10 @@ def _source(path: Path) -> Source:
         if not (path / "adapter" / RANKWISE_CONFIG).is_file():
             raise RankwiseError(f"{path} has no adapter/ (a full fine-tune, or not finished); merge "
                                 "reads LoRA adapters: let the run finish (or --resume it)")
-        cfg = load_run_config(path / "config.yaml")
+        cfg = load_run_config(path / "config.yaml", notice=False)
         meta = _json(path / "adapter" / RANKWISE_CONFIG)
         return Source(path / "adapter", "train", cfg.model.path, meta.get("fingerprint"), cfg.model,
-                      cfg.train.seed)
+                      cfg.train.seed, cfg.task.name)
     if found == "adapter":
         meta = _json(path / RANKWISE_CONFIG)
         return Source(path, "adapter", meta.get("base_model"), meta.get("fingerprint"))
@@ -163,7 +164,7 @@ def check_same_base(sources: list[Source], model_path: Path | None) -> None:
 def _load_base(sources: list[Source], model_path: Path | None):
     run = next((s for s in sources if s.model is not None), None)
     if run is not None:
-        m, seed = run.model, run.seed
+        m, seed, task = run.model, run.seed, run.task
     else:
         base = next((s.base for s in sources if s.base), None)
         if base is None and model_path is None:
@@ -178,10 +179,10 @@ def _load_base(sources: list[Source], model_path: Path | None):
                     raise RankwiseError(f"{s.path}: task_type {t!r}; merge loads bases of "
                                         f"task types {sorted(PEFT_TASKS)}")
                 task = PEFT_TASKS[t]
-        m, seed = ModelConfig(path=str(base or model_path), task=task), 0
+        m, seed = ModelConfig(path=str(base or model_path)), 0
     path = str(model_path) if model_path is not None else m.path
     try:
-        model, tok = load_model(path, m.task, m.num_labels, seed=seed, dtype=m.dtype,
+        model, tok = load_model(path, task, m.num_labels, seed=seed, dtype=m.dtype,
                                 quantize=m.quantize, double_quant=m.double_quant,
                                 add_tokens=m.add_tokens, add_special_tokens=m.add_special_tokens)
     except RankwiseError as err:

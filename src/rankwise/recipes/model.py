@@ -302,7 +302,7 @@ def _check_decoder(path: str, config: dict, task) -> None:
         f"{path} ({config['model_type']}, a bidirectional encoder)"
     raise RankwiseError(f"model.path {what} cannot be a causal LM: it attends to later tokens; "
                         f"point model.path at a causal LM folder (GPT-2, Llama, ...) or set "
-                        f"model.task: classification")
+                        f"task.name: classification")
 
 
 def _check_head(folder: Path, task, path: str = "") -> None:
@@ -317,7 +317,7 @@ def _check_head(folder: Path, task, path: str = "") -> None:
         return
     if not task.uses_labels and archs and all(a.endswith("ForSequenceClassification") for a in archs):
         raise RankwiseError(f"model folder {folder} holds a sequence classifier ({archs[0]}), "
-                            "whose language-model head is gone; use model.task: classification, or "
+                            "whose language-model head is gone; use task.name: classification, or "
                             "point model.path at the base model's folder")
     _check_decoder(path or str(folder), config, task)
 

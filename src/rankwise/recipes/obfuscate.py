@@ -1,4 +1,6 @@
-"""``rankwise obfuscate``: publish a model folder with LoRO masks, the factors kept apart.
+"""``rankwise obfuscate``: publish a model folder under rank-d additive masks (LoRO-like), the
+factors kept apart. The mask falls to a rank-d SVD of ``W' − W_pretrained`` (``bench loro``), so it
+is named "LoRO-like", not LoRO, until the paper's construction is recovered (docs/loro.md).
 
 Reads a transformers model folder, adds a multiplexed low-rank mask to every targeted linear
 layer (:mod:`rankwise.obfuscation`) and writes

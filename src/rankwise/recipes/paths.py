@@ -36,7 +36,7 @@ RUN_PATHS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("data", "chat_template"): (),
     ("data", "select", "target"): ("demo:",),
     ("data", "select", "from"): (),
-    ("memory_decoder", "base"): (),
+    ("memory_decoder", "base"): (),  # the old spelling; task.<key>: its config class's paths
     ("compress", "calibration", "source"): TEXT_NAMES,
     ("compress", "heldout", "source"): TEXT_NAMES,
 }

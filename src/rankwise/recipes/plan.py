@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from rankwise import registry
 from rankwise.errors import RankwiseError
+from rankwise.recipes import plan_meta as meta_ops
 
 MiB = 2 ** 20
 # Switches built on other branches; plan reads them from the config when the dataclasses
@@ -155,15 +156,22 @@ def check_switches(sw: dict, cfg) -> None:
 
 class _NoCalibration:
     """The calibration batches plan hands a method: plan reads no data, so a method whose
-    initialisation does read them (GoRA, LoRA's ``eva``/``corda``) stops with one line."""
+    initialisation does read them (GoRA, LoRA's ``eva``/``corda``) stops with one line that
+    names the method and a data-free config of the same size to plan instead."""
 
-    def __init__(self, method: str):
+    def __init__(self, method):
         self.method = method
 
     def __iter__(self):
-        raise RankwiseError(f"plan: method {self.method!r} calibrates on data before it trains, "
-                            "and plan reads no data; plan it with the same rank and a data-free "
-                            "init (e.g. --set method.init=kaiming), or run it")
+        m = self.method
+        if hasattr(m, "init"):
+            instead = "plan it with the same rank and a data-free init (e.g. --set method.init=kaiming)"
+        else:  # GoRA: its ranks come from gradients, their budget is uniform LoRA's at rank r
+            instead = (f"plan LoRA at the same rank and targets (method: {{name: lora, r: {m.r}, "
+                       f"targets: {m.targets!r}}}: the same parameter budget)")
+        raise RankwiseError(f"plan: method {m.name!r} calibrates on data before it trains, and "
+                            f"plan reads no data; {instead}, or run it")
+
 
 def meta_model(cfg) -> nn.Module:
     """The run's model on the meta device with the method applied and trainable weights in
@@ -171,13 +179,14 @@ def meta_model(cfg) -> nn.Module:
     ``config.json`` (and, for the ``tiny-*`` models, the packaged tokenizer's size).
 
     Raises:
-        RankwiseError: If the folder has no config or the method needs calibration data.
+        RankwiseError: If the folder has no config, or the method refuses the model or needs
+            calibration data (the message names the method).
     """
     import transformers
 
     from rankwise.engine import get_task
     from rankwise.recipes import model as rm
-    task = get_task(cfg.model.task)
+    task = get_task(cfg.task.name)
     auto = getattr(transformers, task.auto_class)
     if cfg.model.path in rm.TINY:
         config = rm._tiny_config(cfg.model.path, len(rm.load_tokenizer(cfg.model.path)),
@@ -192,8 +201,13 @@ def meta_model(cfg) -> nn.Module:
     config.use_cache = False
     with torch.device("meta"):
         model = auto.from_config(config).to(rm.torch_dtype(cfg.model.dtype))
-    registry.get("method", cfg.method.name).apply(model, cfg.method, "default",
-                                                  batches=_NoCalibration(cfg.method.name))
+    try:
+        registry.get("method", cfg.method.name).apply(model, cfg.method, "default",
+                                                      batches=_NoCalibration(cfg.method))
+    except RankwiseError as err:
+        text = str(err)
+        raise RankwiseError(text if text.startswith("plan:") else
+                            f"plan: method {cfg.method.name!r}: {text}") from None
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -356,6 +370,8 @@ class _Probe(TorchFunctionMode):
                 self.record(t)
             self.record(torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))  # lse
             return out
+        if meta_ops.grouped_mm_needs_stand_in(func, args, kwargs):
+            return meta_ops.grouped_mm(func, args, kwargs)
         if func in _MATMULS and self.dtype is not None:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
@@ -383,7 +399,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def count_saved(model: nn.Module, batch: int, seq: int, compute: torch.dtype | None,
-                padded: str | None = None) -> Saved:
+                padded: str | None = None, method: str | None = None) -> Saved:
     """Run one meta forward of ``batch x seq`` tokens and count the bytes autograd saves.
 
     Args:
@@ -392,6 +408,7 @@ def count_saved(model: nn.Module, batch: int, seq: int, compute: torch.dtype | N
         compute: The autocast dtype (``None``: no autocast).
         padded: ``"cpu"`` / ``"cuda"`` when batches carry padding (the attention gets a mask,
             which changes the kernel; see :class:`_Probe`), ``None`` for full rows.
+        method: The method's name, for the error message.
 
     Returns:
         The counts by region.
@@ -437,12 +454,16 @@ def count_saved(model: nn.Module, batch: int, seq: int, compute: torch.dtype | N
     handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
+        # The counted batch is full rows, so any mask built from it (prompt methods prepend
+        # their virtual tokens' ones) is all ones: say so where transformers would read it.
         with mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None), \
+                mock.patch.object(masking, "fast_all", meta_ops.all_ones(masking.fast_all)), \
                 torch.autograd.graph.saved_tensors_hooks(record, lambda t: t), \
                 _Probe(compute, record, padded):
             model(input_ids=ids)
     except (RuntimeError, NotImplementedError) as err:
-        raise RankwiseError(f"plan: the model's forward does not run on the meta device "
+        with_method = f" with method {method!r}" if method else ""
+        raise RankwiseError(f"plan: the model's forward{with_method} does not run on the meta device "
                             f"({str(err).splitlines()[0]}); plan supports transformers models "
                             "whose forward has no data-dependent branch") from None
     finally:

@@ -102,8 +102,8 @@ class Planner:
         key = (cfg.model.dtype, cfg.train.precision, seq)
         if key not in self._saved:
             model = self._model(cfg)[0]
-            self._saved[key] = [P.count_saved(model, b, seq, self._compute(cfg), self.padded)
-                                for b in (1, 2)]
+            self._saved[key] = [P.count_saved(model, b, seq, self._compute(cfg), self.padded,
+                                              cfg.method.name) for b in (1, 2)]
         one, two = self._saved[key]
 
         def at(a: int, b: int) -> int:
@@ -229,7 +229,7 @@ class Planner:
 
     def _uses_labels(self, cfg) -> bool:
         from rankwise import registry
-        return registry.get("task", cfg.model.task).builder().uses_labels
+        return registry.get("task", cfg.task.name).builder().uses_labels
 
     # -- --fit ----------------------------------------------------------------------------
     def fit(self, budget: int) -> tuple[list[str], P.Estimate] | None:

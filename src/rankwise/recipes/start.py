@@ -11,7 +11,7 @@ adapter (on the same base, not a delta on top of the start).
 
 DPO's and GRPO's reference is then, by default, the starting model, as TRL does for a PEFT model
 that holds an adapter (``dpo.reference`` / ``grpo.reference``: ``initial``; ``adapters-off``
-chooses the base instead; :mod:`rankwise.engine.reference`).
+chooses the base instead; :mod:`rankwise.tasks.reference`).
 """
 from __future__ import annotations
 

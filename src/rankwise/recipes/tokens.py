@@ -139,16 +139,12 @@ def apply_trainable_tokens(model: nn.Module, method_cfg: Any, model_cfg: Any, to
 
 
 def save_tokenizer_files(tok: Any, folder: Path) -> None:
-    """``tok.save_pretrained(folder)`` plus the files it leaves behind: transformers 5 writes
-    only ``tokenizer.json``, so a SentencePiece ``tokenizer.model`` (which llama.cpp's converter
-    and slow tokenizers read) is copied from the folder the tokenizer was loaded from."""
-    import shutil
-    tok.save_pretrained(str(folder))
-    origin = Path(getattr(tok, "name_or_path", "") or "")
-    for name in getattr(tok, "vocab_files_names", {}).values():
-        src = origin / name
-        if origin.is_dir() and src.is_file() and not (Path(folder) / name).exists():
-            shutil.copy(src, Path(folder) / name)
+    """``tok.save_pretrained(folder)`` plus the files it leaves behind (transformers 5 writes only
+    ``tokenizer.json``, so a SentencePiece ``tokenizer.model``, which llama.cpp's converter and
+    slow tokenizers read, is copied from the folder the tokenizer was loaded from):
+    :func:`rankwise.core.tokenizer_files.save_tokenizer_files`."""
+    from rankwise.core.tokenizer_files import save_tokenizer_files as save
+    save(tok, folder)
 
 
 def save_tokenizer(tok: Any, run_dir: Path) -> Path:

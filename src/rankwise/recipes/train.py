@@ -66,7 +66,7 @@ class Session:
     dist: Distributed = field(default_factory=Distributed)
     scope: optim_scope.Scope | None = None  # what the optimizer updates its own way
     schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
-    sampler: Any = None  # data.order: gain-rl's sampler, built once (engine/gain_rl.py)
+    sampler: Any = None  # data.order: gain-rl's sampler, built once (tasks/grpo/gain_rl.py)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device (one batch, every
@@ -97,11 +97,11 @@ class Session:
         """GAIN-RL's sampler over the training prompts (their angle signals under the model as
         it is now; a resumed run restores the saved ones). One process only."""
         if self.sampler is None:
-            from rankwise.engine.gain_rl import GainRLSampler, prompt_signals
+            from rankwise.tasks.grpo.gain_rl import GainRLSampler, prompt_signals
             if self.dist.active:
                 raise RankwiseError("data.order: gain-rl samples from one process's view of the "
                                     "rewards; run it without torchrun or set data.order: uniform")
-            g = self.cfg.grpo.gain_rl
+            g = self.cfg.task.gain_rl
             scores = prompt_signals(self.model, self.train_data.prompts, g, self.device)
             self.sampler = GainRLSampler(scores, g, self.cfg.train.grad_accum, self.cfg.train.seed)
             self.task.sampler = self.sampler
@@ -179,10 +179,9 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     problem = precision_problem(cfg.train.precision, device)
     if problem:
         raise RankwiseError(problem)
-    task = get_task(cfg.model.task, cfg.dpo or cfg.grpo or cfg.memory_decoder)
-    if cfg.memory_decoder is not None:  # the datastore's base loads as model.path would
-        task.base_loader = lambda path, dev: load_model(path, get_task("causal-lm"), seed=cfg.train.seed,
-                                                        device=dev)[0].to(dev).eval()
+    task = get_task(cfg.task)
+    task.model_loader = lambda path, dev: load_model(path, "causal-lm", seed=cfg.train.seed,  # as model.path
+                                                     device=dev)[0].to(dev).eval()  # (memory decoder's base)
     if tokenizer is None and cfg.model.train_tokenizer is not None:
         raise RankwiseError("model.train_tokenizer is learned by rankwise train into its run folder; "
                             "train first, then point model.path at the run's model/ folder")
@@ -227,7 +226,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     if not any(p.requires_grad for p in model.parameters()):
         if not hasattr(cfg.method, "targets"):  # frozen: only a task head trains
             raise RankwiseError(f"method {cfg.method.name!r} trains only the task head, and a "
-                                f"{cfg.model.task} model has none; choose an adapter method such "
+                                f"{cfg.task.name} model has none; choose an adapter method such "
                                 "as lora")
         raise RankwiseError(f"method {cfg.method.name!r} left nothing trainable; check method.targets")
     for p in model.parameters():  # master weights: a head copied from a bf16 base trains in fp32
@@ -245,7 +244,7 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
                  cfg.train.eval_batch_size, device)  # DPO: a precomputed reference
     if getattr(task, "snapshot", None) is not None and dist.active and dist.kind == "fsdp":
         raise RankwiseError("the reference 'initial' swaps in a copy of the weights, which FSDP2 "
-                            "shards; use train.distributed: ddp (or, for DPO, dpo.reference: precomputed)")
+                            "shards; use train.distributed: ddp (or, for DPO, task.reference: precomputed)")
     if cfg.data.packing:
         session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
     if cfg.train.compile:  # the blocks compiled; a method dynamo cannot trace is refused here
@@ -343,7 +342,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
     if cfg_file.exists():
         saved = yamlfile.load(cfg_file.read_text()) or {}
         try:  # fill keys added since the run was written with their defaults
-            saved = yaml.safe_load(yaml.safe_dump(build_run_config(saved).to_dict()))
+            saved = yaml.safe_load(yaml.safe_dump(build_run_config(saved, notice=False).to_dict()))
         except RankwiseError:
             pass  # compared as written
         now = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
@@ -351,7 +350,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
             d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
-            d.get("grpo", {}).pop("rewards_dir", None)  # where the config was read: same rewards
+            d.get("task", {}).pop("rewards_dir", None)  # where the config was read: same rewards
             if (now.get("model") or {}).get("adapter"):  # the method is model.adapter's, read
                 d.pop("method", None)                    # again by prepare (config.yaml has it)
         if (now.get("model") or {}).get("num_labels") is None and "model" in now:
@@ -400,9 +399,10 @@ def save_result(session: Session, out: Path) -> Path:
     return save_adapter(session.model, out / "adapter", session.cfg.method)
 
 
-def _saver(session: Session, out: Path):
-    """The checkpoint writer: trainable weights, engine state, adapter structure, time (under
-    torchrun: every process's RNG and the world size; rank 0 writes, sharded tensors gathered)."""
+def _saver(session: Session, out: Path, measure: cb.MeasureMemory):
+    """The checkpoint writer: trainable weights, engine state, adapter structure, time, the
+    peaks so far (under torchrun: every process's RNG and the world size; rank 0 writes,
+    sharded tensors gathered)."""
     dist = session.dist
 
     def save(engine: Engine, state) -> None:
@@ -411,9 +411,10 @@ def _saver(session: Session, out: Path):
         if dist.active:
             engine_state["torch_rng_ranks"] = dist.rng_states()
         engine_state = dist.full_state(engine_state)
+        peaks = measure.peaks()
         with dist.full_params(session.model):
             if dist.is_main:
-                meta = {"train_time_s": state.elapsed, "world_size": dist.world,
+                meta = {"train_time_s": state.elapsed, "world_size": dist.world, **peaks,
                         "structure": {"layers": structure(session.model),
                                       "modules_to_save": modules_to_save(session.model)}}
                 if session.schedule_extensions:  # a later resume rebuilds the same schedule
@@ -563,15 +564,18 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     t = cfg.train
     out.mkdir(parents=True, exist_ok=True)
     log = cb.EventLog(out / "events.jsonl", t.log_every) if main else None
+    mem = PeakMemory(session.device)  # the steps' peak; evaluations apart (MeasureMemory)
+    measure = cb.MeasureMemory(mem)
     callbacks = [
         cb.ProgressBar(cfg.method.name, console, tokens=not session.task.uses_labels,
                        disable=not (t.progress and main)),
-        log, cb.Evaluate(session.eval_data, t.eval_batch_size, t.eval_every, log),
+        log, cb.Evaluate(session.eval_data, t.eval_batch_size, t.eval_every, log, memory=measure),
     ]
     if t.early_stopping_patience:
         callbacks.append(cb.EarlyStopping("eval_loss", t.early_stopping_patience))
-    callbacks += [cb.Checkpoint(_saver(session, out), t.save_every),
-                  cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True),
+    callbacks += [cb.Checkpoint(_saver(session, out, measure), t.save_every),
+                  cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True,
+                              memory=measure),
                   cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}") if main else None]
     callbacks += report_callbacks(session, out, log, write=main)  # data line, samples, TensorBoard
     if t.distributed_step_timeout_s is not None and dist.active:
@@ -582,6 +586,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if ckpts:
         _resume(ckpts[-1], meta, session, engine)
         start_step, prior_time = int(meta["step"]), float(meta.get("train_time_s", 0.0))
+        measure.restore(meta)  # the peaks of the steps trained before
         console.print(f"resuming {out} from step {start_step}")
         _continue_schedule(session, engine, meta, old_steps, console)
     elif resume:
@@ -606,8 +611,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
                 console.print(f"{out} is finished; wrote {written} again from the checkpoint of "
                               f"step {start_step}")
         return json.loads((out / "metrics.json").read_text())
-    mem = PeakMemory(session.device)
-    engine.callbacks.append(cb.MeasureMemory(mem))
+    engine.callbacks.append(measure)
     try:
         with mem, dist.guard():
             state = engine.fit(t.steps, start_step, prior_time)
@@ -622,7 +626,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         trainable, total = count_parameters(session.model)
     metrics = {**{k: round(v, 6) for k, v in state.last_eval.items()}, "trainable_params": trainable,
                "total_params": total, "steps": state.step, "train_time_s": round(state.elapsed, 3),
-               "peak_memory_mb": round(mem.peak_mb, 1), "memory_meter": mem.meter,
+               **measure.peaks(),
                "method": cfg.method.name, "optim": cfg.optim.name, **data_info(session),
                **optim_scope.metrics(session.scope)}
     if main:
@@ -632,7 +636,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         from rankwise.recipes.planner import predicted_train_peak_mb
         predicted = predicted_train_peak_mb(cfg, session.device, dist.world)
         if predicted is not None:
-            console.print(f"peak memory {mem.peak_mb:.1f} MiB ({mem.meter}); rankwise plan "
+            console.print(f"peak memory {metrics['peak_memory_mb']:.1f} MiB ({mem.meter}); rankwise plan "
                           f"predicted {predicted:.1f} MiB for the training steps at data.max_length="
                           f"{cfg.data.max_length} (evaluation is not planned)")
     return metrics

@@ -34,6 +34,7 @@ from rankwise.core.io import save_adapter
 from rankwise.core.ops import disable_adapters
 from rankwise.core.protocol import adapter_modules, describe, factors
 from rankwise.core.weights import dense_weight
+from rankwise.engine import task_class
 from rankwise.errors import RankwiseError
 from rankwise.memory import PeakMemory
 from rankwise.recipes import folders, yamlfile
@@ -53,8 +54,11 @@ class TransferConfig:
     """How ``rankwise transfer`` moves an adapter (the one place its defaults live).
 
     Attributes:
-        finetune_steps: Steps of the run's own training on the new base after the transfer
-            (0: none; the paper's short fine-tune "for numerical stability").
+        finetune_steps: Steps of the run's own training on the new base after the transfer:
+            LoRASuite's third stage, its short fine-tune. 0 (the default) writes the output of
+            the first two stages alone, recorded as ``stage: "transfer only"``. It is not the
+            paper's whole method, which always fine-tunes. The paper gives the fine-tune's data
+            (100 or 1k samples) but no step count, so the default does not invent one.
         calibration_texts: Training examples whose hidden states give the CKA layer similarity.
         normalise: Least-squares head maps (exact on identical models); ``False``: the authors'
             code's formula.
@@ -100,9 +104,9 @@ def _check_run(cfg) -> None:
         raise RankwiseError("transfer moves plain LoRA pairs (init kaiming or gaussian, no DoRA, "
                             "no trained tokens, expert parameters or whole modules); this run's "
                             "method section has one of those")
-    if cfg.model.task != "causal-lm":
-        raise RankwiseError(f"the run's model.task is {cfg.model.task!r}; transfer moves adapters "
-                            "of causal language models (model.task: causal-lm)")
+    if not task_class(cfg.task.name).lm_loss:
+        raise RankwiseError(f"the run's task is {cfg.task.name!r}; transfer moves adapters of causal "
+                            "language models trained on the next-token loss (task.name: causal-lm)")
 
 
 def _blocks(model) -> list[str]:
@@ -121,6 +125,22 @@ def _attention(model, prefix: str) -> Attention:
     c = model.config
     heads = c.num_attention_heads
     return Attention(w["q"], w["k"], w["v"], w["o"], heads, getattr(c, "num_key_value_heads", None) or heads)
+
+
+def _mlp_weights(old, new, p_old: str, p_new: str, deltas: dict, shapes: dict,
+                 hidden: tuple[int, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{key: (W_old, W_new)}`` for the block's adapted linears whose non-hidden side (an MLP's
+    intermediate size) differs between the models: they move by the code's MLP rule."""
+    out, old_mods, new_mods = {}, dict(old.named_modules()), dict(new.named_modules())
+    for key, (old_shape, new_shape) in shapes.items():
+        (o_old, i_old), (o_new, i_new) = old_shape, new_shape
+        up = i_old == hidden[0] and i_new == hidden[1] and o_old != o_new
+        down = o_old == hidden[0] and o_new == hidden[1] and i_old != i_new
+        if up or down:
+            s = deltas[key][1]
+            out[key] = tuple(dense_weight(getattr(m, "base_layer", m)).detach().double()
+                             for m in (old_mods[p_old + s], new_mods[p_new + s]))
+    return out
 
 
 def _w_x(old, new, tok_old, tok_new) -> tuple[torch.Tensor, dict]:
@@ -236,9 +256,10 @@ def transfer_run(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig | 
             shapes = {k: (tuple(dw.shape), tuple(dense_weight(new_mods[p_new[j] + s].base_layer).shape))
                       for k, (dw, s) in deltas[i].items() if k not in ATTENTION and p_new[j] + s in new_mods}
             attn = any(k in ATTENTION for k in dmap)
+            weights = _mlp_weights(old, new, p_old[i], p_new[j], deltas[i], shapes, w_x.shape)
             result, heads = suite.block({k: v for k, v in dmap.items() if k in ATTENTION or k in shapes},
                                         _attention(old, p_old[i]) if attn else None,
-                                        _attention(new, p_new[j]) if attn else None, shapes)
+                                        _attention(new, p_new[j]) if attn else None, shapes, weights)
             if heads is not None:
                 heads_record[str(i)] = heads
             for k, (_, s) in deltas[i].items():
@@ -254,7 +275,9 @@ def transfer_run(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig | 
                     fb.copy_(b.to(fb.dtype))
                 moved += 1
     transfer_s = time.perf_counter() - began
-    record = {"run": str(run_dir), "new_base": str(new_base), "settings": asdict(cfg),
+    stage = (f"transfer + {cfg.finetune_steps} fine-tune steps" if cfg.finetune_steps else
+             "transfer only (no fine-tune: LoRASuite's last stage needs --finetune-steps N)")
+    record = {"run": str(run_dir), "new_base": str(new_base), "stage": stage, "settings": asdict(cfg),
               "w_x": wx_info, "cka": [[round(float(v), 4) for v in row] for row in sim],
               "layer_mapping": layers, "head_mapping": heads_record, "layers_moved": moved,
               "not_transferred": skipped, "transfer_s": round(transfer_s, 3), "load_s": round(load_s, 3),

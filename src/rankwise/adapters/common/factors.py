@@ -46,4 +46,4 @@ def check_rank(r: int, in_features: int, out_features: int) -> None:
     limit = min(in_features, out_features)
     if not 1 <= r <= limit:
         raise RankwiseError(f"rank {r} is invalid for a {in_features}->{out_features} "
-                            f"layer; choose r in [1, {limit}]")
+                            f"layer; choose r in [1, {limit}], or leave the layer out (method.exclude)")

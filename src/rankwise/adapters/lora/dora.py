@@ -26,6 +26,7 @@ and by the tests that hold the expansion to it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -35,7 +36,11 @@ from rankwise.core import weights as layer_weights
 
 
 def _no_autocast(device: torch.device):
-    """A context with autocast off on ``device`` (norms are summed in float32, never in bf16)."""
+    """A context with autocast off on ``device`` (norms are summed in float32, never in bf16);
+    a device with no autocast (``meta``, where ``rankwise plan`` builds its model) has none to
+    turn off."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
 
 
@@ -90,10 +95,11 @@ def row_norms(w_sq: torch.Tensor, wa: torch.Tensor, a: torch.Tensor, b: torch.Te
         cross = (2.0 * scale) * (b * wa).sum(1)                        # 2s B_i · (W Aᵀ)_i
         quad = (scale * scale) * ((b @ (a @ a.T)) * b).sum(1)          # s² B_i (A Aᵀ) B_iᵀ
         sq = w_sq + cross + quad
-        bad = (sq < CANCELLED * (w_sq + cross.abs() + quad)).nonzero().squeeze(1)
-        if dense is not None and bad.numel():
-            rows = dense()[bad]                                        # (k, in)
-            sq[bad] = row_norms_direct(rows, a, b[bad], scale).square()
+        if dense is not None and sq.device.type != "meta":             # meta: no values to test
+            bad = (sq < CANCELLED * (w_sq + cross.abs() + quad)).nonzero().squeeze(1)
+            if bad.numel():
+                rows = dense()[bad]                                    # (k, in)
+                sq[bad] = row_norms_direct(rows, a, b[bad], scale).square()
         return sq.clamp_min(torch.finfo(torch.float32).tiny).sqrt()
 
 

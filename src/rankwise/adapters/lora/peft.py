@@ -97,8 +97,34 @@ def _target_modules(model: nn.Module, paths: list[str]) -> list[str]:
     return suffixes if sorted(hit) == sorted(paths) else sorted(paths)
 
 
+def _check_dora_base(layers: dict[str, Any], dora: dict[str, bool], adapter_name: str) -> None:
+    """Refuse DoRA on a bitsandbytes 4-bit base: PEFT evaluates it with another weight norm.
+
+    On a CPU with AVX512-BF16 bitsandbytes repacks a 4-bit weight for its inference kernel at
+    the first eval forward, and PEFT's DoRA then takes ``||W + s B A||`` from
+    ``dequantize_4bit`` of the repacked bytes read as the standard layout (scrambled weights;
+    ``peft.utils.integrations.dequantize_bnb_weight``): PEFT's model is another model than the
+    one rankwise trained and its merged export holds (docs/dora.md). Plain LoRA reads no
+    weight, and DoRA on a dense or 8-bit base dequantizes no repacked layout.
+
+    Raises:
+        RankwiseError: Naming a 4-bit DoRA layer, the reason and the exports that keep it.
+    """
+    from rankwise.core.quant import is_4bit
+    four = [p for p, m in layers.items() if dora.get(p) and is_4bit(m.base_layer)]
+    if four:
+        raise RankwiseError(
+            f"adapter {adapter_name!r} is DoRA on a bitsandbytes 4-bit base (e.g. {four[0]!r}), "
+            "which PEFT evaluates differently: in an eval forward on a CPU with AVX512-BF16, "
+            "bitsandbytes repacks the 4-bit weight and PEFT's DoRA takes its weight norm from the "
+            "repacked bytes; export with --format merged (the adapter folded into the dequantized "
+            "base) or --format rankwise, or, for PEFT on a GPU or in training mode only, "
+            "export_peft(..., allow_4bit_dora=True)")
+
+
 def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "default",
-                task_type: str | None = None, base_model_name_or_path: str | None = None) -> Path:
+                task_type: str | None = None, base_model_name_or_path: str | None = None,
+                allow_4bit_dora: bool = False) -> Path:
     """Write LoRA adapter ``adapter_name`` in HF PEFT's format (atomically).
 
     Per-layer settings become PEFT's single global ``r``/``lora_alpha``/``use_rslora`` (the
@@ -117,14 +143,17 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
             ...) when None.
         base_model_name_or_path: Recorded in the config; defaults to the model config's
             ``_name_or_path``.
+        allow_4bit_dora: Write DoRA on a bitsandbytes 4-bit base anyway, for a PEFT that runs
+            it where bitsandbytes does not repack the weight (CUDA, or training mode).
 
     Returns:
         The folder written.
 
     Raises:
         RankwiseError: If the adapter is missing, has layers that are not LoRA, mixes DoRA
-            and plain LoRA layers (PEFT's ``use_dora`` is one flag for all), or was trained on
-            a base that LoftQ re-quantized.
+            and plain LoRA layers (PEFT's ``use_dora`` is one flag for all), was trained on
+            a base that LoftQ re-quantized, or is DoRA on a 4-bit base (see
+            :func:`_check_dora_base`) without ``allow_4bit_dora``.
     """
     from rankwise.adapters.lora.peft_experts import expert_export, target_parameter_names
     layers = _lora_layers(model, adapter_name)
@@ -142,6 +171,8 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
         raise RankwiseError(f"adapter {adapter_name!r} mixes DoRA and plain LoRA layers (e.g. "
                             f"{plain!r} is plain); PEFT's use_dora is one flag for every layer: "
                             "export with --format rankwise or --format merged")
+    if not allow_4bit_dora:
+        _check_dora_base(layers, dora, adapter_name)
     settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
                     bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
     expert_settings, expert_tensors = expert_export(experts, adapter_name, PREFIX)
@@ -309,7 +340,8 @@ def _load_token_rows(model: nn.Module, cfg: dict, rows: dict[str, torch.Tensor],
     return state
 
 
-def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "default") -> dict:
+def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "default",
+              check: bool = True) -> dict:
     """Import a PEFT-saved LoRA adapter into rankwise LoRA layers (in place).
 
     Ranks come from the tensors' shapes; alpha from ``alpha_pattern`` / ``lora_alpha`` with
@@ -321,13 +353,15 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
         model: The base model the adapter was trained on (no adapter named ``adapter_name``).
         peft_dir: A folder with ``adapter_config.json`` + ``adapter_model.safetensors``.
         adapter_name: The name to give the adapter in rankwise.
+        check: Run one probe batch with and without the adapter and refuse an adapter whose
+            non-zero weights do not change the output (:func:`rankwise.core.probe.check_effect`).
 
     Returns:
         The PEFT config dict.
 
     Raises:
-        RankwiseError: On a missing/corrupt/pickled file, unsupported features, or an
-            adapter that does not fit the model.
+        RankwiseError: On a missing/corrupt/pickled file, unsupported features, an adapter
+            that does not fit the model, or one that loads and does nothing (``check``).
     """
     from rankwise.adapters.lora import apply_lora, pattern_value
 
@@ -371,6 +405,9 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
     state.update(_load_token_rows(model, cfg, token_values, adapter_name))
     mark_trainable(model, adapter_name)
     load_adapter_state_dict(model, state, adapter_name)
+    if check:
+        from rankwise.core.probe import check_effect
+        check_effect(model, adapter_name)
     return cfg
 
 

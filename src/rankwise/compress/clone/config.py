@@ -14,8 +14,16 @@ class DistillConfig:
         student_hidden: The student's hidden size ``d_s`` (below the teacher's ``d_t``; the CLI's
             ``--student-hidden``). Heads, head size, FFN width, depth and vocabulary are the
             teacher's.
-        temperature: ``T`` of the KL term (the LRC code's default 10; its README runs 40).
+        temperature: ``T`` of the KL term: 40, the authors' published run (the README's
+            command); the code's argparse default is 10.
         kl_weight: Weight of ``KL(p_t^T ‖ p_s^T)`` (the code adds it with weight 1, no ``T²``).
+        kl_reduction: ``sequence``: the KL summed over each window's positions and averaged
+            over windows (the released code's ``kl_div(..., reduction="batchmean")`` on
+            ``(B, L, V)`` logits; at ``T = 40`` and windows of ``L`` tokens its per-token weight
+            is ``L/T²``); ``token``: averaged over tokens (1/L of that).
+        init: ``svd`` (ours: one orthonormal basis from the teacher embedding's SVD, norm
+            weights folded in; it starts far better than a random start in ``bench distill``)
+            or ``normal`` (the released code's: projections N(0, 0.02), norms at 1).
         clone_weight: Weight of the summed activation-clone MSE terms (the code's
             ``aux_loss_scale_factor`` 0.2).
         tie_head_projection: One projection for the embedding and the output head (the code's
@@ -27,7 +35,7 @@ class DistillConfig:
         weight_decay: AdamW weight decay.
         warmup_fraction: Linear warm-up share of the steps, then linear decay to 0.
         grad_clip: Max gradient norm (0 = off).
-        seed: Seeds the batch order.
+        seed: Seeds the batch order (and ``init: normal``).
         eval_every: Held-out perplexity every N steps (0 = only at the end).
         checkpoint_every: Checkpoint every N steps (0 = only at the end).
         data: Training windows (default: the standard library's training modules, read with
@@ -36,8 +44,10 @@ class DistillConfig:
     """
 
     student_hidden: int = 0
-    temperature: float = 10.0
+    temperature: float = 40.0
     kl_weight: float = 1.0
+    kl_reduction: str = "sequence"
+    init: str = "svd"
     clone_weight: float = 0.2
     tie_head_projection: bool = True
     steps: int = 200
@@ -60,6 +70,10 @@ class DistillConfig:
                        "the teacher's hidden size (--student-hidden H)")
         if self.temperature <= 0:
             out.append(f"temperature: got {self.temperature}; expected a number > 0")
+        if self.kl_reduction not in ("sequence", "token"):
+            out.append(f"kl_reduction: got {self.kl_reduction!r}; expected 'sequence' or 'token'")
+        if self.init not in ("svd", "normal"):
+            out.append(f"init: got {self.init!r}; expected 'svd' or 'normal'")
         for name in ("kl_weight", "clone_weight", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 out.append(f"{name}: got {getattr(self, name)}; expected a number >= 0")

@@ -20,8 +20,13 @@ with the clone terms of the code (q, k, v in the teacher's head space; the atten
 ``W_o · ctx_s`` against the teacher's ``o_proj`` output; gate and up pre-activations; the MLP
 output ``W_down^S a_s`` against ``Z_down · y_t``).
 
-Where the notes are silent (the initialisation): every projection starts from one orthonormal
-basis ``U`` (``d_t × d_s``, the top right singular vectors of the teacher's embedding), with
+The KL is summed over the sequence and averaged over sequences, as the released code's
+``kl_div(..., reduction="batchmean")`` on ``(B, L, V)`` logits (``kl_reduction: token`` averages
+over tokens instead, 1/L of that weight).
+
+The initialisation (``init``): ``svd``, our choice (the released code re-initialises every
+projection N(0, 0.02) with norms at 1, ``init: normal``): every projection starts from one
+orthonormal basis ``U`` (``d_t × d_s``, the top right singular vectors of the teacher's embedding), with
 the teacher's RMSNorm weight ``g`` folded into the projection that reads the normed input
 (``Z_q = diag(g) U``) and student norms ``sqrt(d_t / d_s)`` (a unit-RMS student input is
 ``sqrt(d_s/d_t)`` of the teacher's projected one). :meth:`LowRankClone.select` instead starts
@@ -89,21 +94,36 @@ def masked_mse(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> t
 
 
 def kl_teacher_student(t_logits: torch.Tensor, s_logits: torch.Tensor, temperature: float,
-                       mask: torch.Tensor | None) -> torch.Tensor:
-    """``KL(p_t^T ‖ p_s^T) = Σ_v p_t log(p_t / p_s)`` with ``p = softmax(logits / T)``, averaged
-    over the unmasked positions, no ``T²`` factor (the LRC code). ``(B, T, V)`` logits."""
+                       mask: torch.Tensor | None, reduction: str = "sequence") -> torch.Tensor:
+    """``KL(p_t^T ‖ p_s^T) = Σ_v p_t log(p_t / p_s)`` with ``p = softmax(logits / T)``, no ``T²``
+    factor (the LRC code).
+
+    Args:
+        t_logits, s_logits: ``(B, T, V)``.
+        temperature: ``T``.
+        mask: ``(B, T)`` of 0/1 (the positions counted) or ``None``.
+        reduction: ``"sequence"``: summed over the unmasked positions and averaged over the
+            ``B`` sequences (the released code's ``kl_div(..., reduction="batchmean")`` on
+            ``(B, L, V)`` logits); ``"token"``: averaged over the unmasked positions.
+
+    Returns:
+        A scalar.
+    """
     log_t = F.log_softmax(t_logits.float() / temperature, dim=-1)
     log_s = F.log_softmax(s_logits.float() / temperature, dim=-1)
     per = (log_t.exp() * (log_t - log_s)).sum(-1)              # (B, T)
-    if mask is None:
-        return per.mean()
-    m = mask.to(per.dtype)
-    return (per * m).sum() / m.sum().clamp_min(1.0)
+    if mask is not None:
+        per = per * mask.to(per.dtype)
+    if reduction == "sequence":
+        return per.sum() / per.shape[0]
+    if reduction != "token":
+        raise ValueError(f"kl_teacher_student: reduction {reduction!r}; expected 'sequence' or 'token'")
+    return per.mean() if mask is None else per.sum() / mask.to(per.dtype).sum().clamp_min(1.0)
 
 
 def lrc_losses(t_act: dict, s_act: dict, t_logits: torch.Tensor, s_logits: torch.Tensor,
                w_o: list[torch.Tensor], z_down: list[torch.Tensor], temperature: float,
-               mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+               mask: torch.Tensor | None, kl_reduction: str = "sequence") -> dict[str, torch.Tensor]:
     """The KL and activation-clone terms of LRC (unweighted; the CE is the task's).
 
     Args:
@@ -115,6 +135,7 @@ def lrc_losses(t_act: dict, s_act: dict, t_logits: torch.Tensor, s_logits: torch
         z_down: The student's ``Z_down`` per layer ``(d_s, d_t)``.
         temperature: ``T``.
         mask: ``(B, T)`` or ``None``.
+        kl_reduction: :func:`kl_teacher_student`'s ``reduction``.
 
     Returns:
         ``{"kl": ..., "clone": Σ_layers (q + k + v + attn + gate + up + mlp)}``.
@@ -125,7 +146,7 @@ def lrc_losses(t_act: dict, s_act: dict, t_logits: torch.Tensor, s_logits: torch
             clone = clone + masked_mse(s_act[i, name], t_act[i, name], mask)
         clone = clone + masked_mse(s_act[i, "ctx"] @ w_o[i].T, t_act[i, "o"], mask)      # (B, T, d_t)
         clone = clone + masked_mse(s_act[i, "down"], t_act[i, "down"] @ z_down[i].T, mask)  # (B, T, d_s)
-    return {"kl": kl_teacher_student(t_logits, s_logits, temperature, mask), "clone": clone}
+    return {"kl": kl_teacher_student(t_logits, s_logits, temperature, mask, kl_reduction), "clone": clone}
 
 
 class LowRankClone(nn.Module):
@@ -139,20 +160,24 @@ class LowRankClone(nn.Module):
     Args:
         teacher: A bias-free ``LlamaForCausalLM`` (frozen here, cast to float32).
         student_hidden: ``d_s``.
-        temperature, kl_weight, clone_weight: The loss settings (:class:`DistillConfig`).
+        temperature, kl_weight, clone_weight, kl_reduction: The loss settings (:class:`DistillConfig`).
         tie_head_projection: One projection for embedding and head.
+        init: ``svd`` (:meth:`init_svd`, ours) or ``normal`` (:meth:`init_normal`, the released code's).
+        seed: Seeds ``init: normal``.
 
     Raises:
         RankwiseError: From :func:`check_student`.
     """
 
-    def __init__(self, teacher: nn.Module, student_hidden: int, temperature: float = 10.0,
-                 kl_weight: float = 1.0, clone_weight: float = 0.2, tie_head_projection: bool = True) -> None:
+    def __init__(self, teacher: nn.Module, student_hidden: int, temperature: float = 40.0,
+                 kl_weight: float = 1.0, clone_weight: float = 0.2, tie_head_projection: bool = True,
+                 kl_reduction: str = "sequence", init: str = "svd", seed: int = 0) -> None:
         super().__init__()
         from transformers import LlamaForCausalLM
         check_student(teacher.config, student_hidden)
         self.teacher = teacher.float().eval().requires_grad_(False)
         self.temperature, self.kl_weight, self.clone_weight = temperature, kl_weight, clone_weight
+        self.kl_reduction = kl_reduction
         self.tie_head = tie_head_projection
         cfg = student_config(teacher.config, student_hidden, tie_head_projection)
         with torch.random.fork_rng(devices=[]):  # the skeleton's own weights are never used (its
@@ -171,7 +196,9 @@ class LowRankClone(nn.Module):
                 self.proj[f"{i}_{name}"] = nn.Parameter(torch.zeros(d_s, d_t))
         self.norms = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.ones(d_s))
                                        for k in self._norm_names()})
-        self.init_svd()
+        if init not in ("svd", "normal"):
+            raise RankwiseError(f"distill: init {init!r}; expected 'svd' or 'normal'")
+        self.init_svd() if init == "svd" else self.init_normal(seed)
         self._acts: dict = {}
         self._aux: dict[str, torch.Tensor] = {}
         self._hooks(self.teacher, "t")
@@ -193,6 +220,16 @@ class LowRankClone(nn.Module):
         emb = self.teacher.get_input_embeddings().weight.float()
         u = torch.linalg.svd(emb, full_matrices=False)[2][:d_s].T.contiguous()   # (d_t, d_s)
         self._init_from(u, lambda g: g[:, None] * u, math.sqrt(u.shape[0] / d_s), None)
+
+    @torch.no_grad()
+    def init_normal(self, seed: int = 0, std: float = 0.02) -> None:
+        """The released code's start: every projection drawn from ``N(0, std²)`` (seeded), the
+        student's norm weights at 1."""
+        gen = torch.Generator().manual_seed(seed)
+        for p in self.proj.values():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for p in self.norms.values():
+            p.fill_(1.0)
 
     @torch.no_grad()
     def select(self, keep: torch.Tensor) -> None:
@@ -281,7 +318,7 @@ class LowRankClone(nn.Module):
         w_o = [self.teacher.get_submodule(f"model.layers.{i}.{MODULE['o']}").weight for i in range(self.layers)]
         z_down = [self.proj[f"{i}_down"] for i in range(self.layers)]
         terms = lrc_losses(t_act, s_act, t_out.logits, s_out.logits, w_o, z_down, self.temperature,
-                           attention_mask)
+                           attention_mask, self.kl_reduction)
         self._aux = {"kl": self.kl_weight * terms["kl"], "clone": self.clone_weight * terms["clone"]}
         self._acts = {}
         return SimpleNamespace(logits=s_out.logits)

@@ -21,14 +21,23 @@ is its output at a position: the slice of the ``o_proj`` input that belongs to t
    the input, so ``o_proj(a + c) = W_o a + (bias + W_o c)``: the bias becomes ``bias + W_o c``
    with ``W_o`` the (pruned) weight. No weight changes, so the sparsity is exactly the pruned one.
 
+**The "lost component" form restricts nothing** (here and in the released code alike).
+When N ≥ d, ``V_h`` is a full orthonormal basis of R^d. When N < d (``probes: 64`` against
+head_dim 128 at real scale), its zero-padded rows are covered by the free bias ``b_h``. Either way
+``V_hᵀ v_h + b_h`` can be any vector of R^d, so the trained correction is a plain per-head bias
+(as in LoFiT). Only Adam's path to it differs, since the two parametrisations are scaled and
+rotated differently. We keep the released parametrisation, so the optimisation follows the
+code's. It is not a constraint to lost directions, and no result here should be read as one.
+
 Choices where the sources leave room (see ``docs/compression.md``):
 
 * The released code's contrastive pairs are an Alpaca answer against the most similar other
   answer (a sentence encoder). Here a probe window against the same window with its second half
   taken from the next window: no encoder, any text works.
 * The released probe's input also concatenates ``a_h^pruned + m_h`` (the pruned output plus a
-  "main component"); it is the same for both members of a pair, so a linear probe cannot use it
-  to tell them apart, and it is left out. Ties in accuracy are broken by the held-out BCE.
+  "main component"); it is the same for both members of a pair, so it cannot tell them apart by
+  itself (as a shared per-pair offset it can still move both across the probe's threshold, a
+  small effect), and it is left out. Ties in accuracy are broken by the held-out BCE.
 * The released head-index decoding divides by the number of layers for both the layer and the
   head (right only when #heads = #layers); heads here are decoded as ``(layer, head)`` directly.
 * Llama's ``o_proj`` has no bias. The fold then sets ``config.attention_bias = true`` and adds
@@ -98,13 +107,13 @@ def check_restore_config(config: Any) -> None:
                             f"{config.calibration.sequences}; lower probes or raise sequences")
 
 
-def check_restorable(model: nn.Module, config: Any, task_name: str) -> list[str]:
+def check_restorable(model: nn.Module, config: Any, task: Any) -> list[str]:
     """Check, before any work, that ``compress.restore`` can run.
 
     Args:
         model: The (still dense) model.
         config: The whole ``compress:`` config (its method must prune).
-        task_name: The model's task.
+        task: The model's task (its ``name``, and ``lm_loss``: trained on the next-token loss).
 
     Returns:
         The paths of the attention output projections.
@@ -115,8 +124,8 @@ def check_restorable(model: nn.Module, config: Any, task_name: str) -> list[str]
     """
     r: RestoreConfig = config.restore
     check_restore_config(config)
-    if task_name != "causal-lm":
-        raise RankwiseError(f"compress.restore trains with the causal-LM loss; model.task is {task_name}, "
+    if not task.lm_loss:
+        raise RankwiseError(f"compress.restore trains with the causal-LM loss; task.name is {task.name}, "
                             "not causal-lm")
     paths = [n for n, m in model.named_modules() if n.endswith(r.o_proj) and isinstance(m, nn.Linear)]
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)

@@ -71,6 +71,18 @@ class TPAPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """normal(0, ``initializer_range`` = 0.02) for every linear and embedding, like
+        transformers' Llama (so the MHA/GQA/MQA rows of ``bench tpa`` share the init).
+
+        **Not the authors' init.** The released T6 (``tensorgi/TPA``, ``model/T6.py``) draws the
+        factor projections Xavier-uniform on their 3-D ``(d, R, h)`` / ``(d, R, d_h)`` views
+        (about std 0.018 for A and 0.0055 for B at d = 1024, both smaller than 0.02 here), and
+        zero-initialises the output projections (``c_proj``); here nothing is zero-initialised.
+        Because Q and K are products of two small factors, TPA's attention logits start far
+        smaller than MHA's either way (near-uniform attention at init). The gap to MHA in
+        ``docs/tpa.md`` is far larger than the paper's, and this init difference is one
+        candidate cause that was not measured.
+        """
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, std)

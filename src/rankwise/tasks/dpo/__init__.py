@@ -1,0 +1,6 @@
+"""The ``dpo`` task (Direct Preference Optimization): the loss, its records, the registration."""
+from rankwise import registry
+from rankwise.tasks.dpo.task import DPOConfig, DPOTask
+
+registry.register("task", DPOTask.name, DPOConfig, DPOTask,
+                  summary="dpo (AutoModelForCausalLM; preference pairs {prompt, chosen, rejected}; task.beta, task.loss)")

@@ -1,0 +1,319 @@
+"""The ``dpo`` task: Direct Preference Optimization on ``{prompt, chosen, rejected}`` pairs.
+
+Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a
+Reward Model", eq. 7. With the sequence log-probability ``log pi(y|x)`` summed over the
+*completion* tokens only (the prompt carries no term; the convention of TRL), the implicit
+reward of a completion is ``r(y) = beta * (log pi(y|x) - log pi_ref(y|x))`` and, with
+``h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))`` per pair:
+
+* ``sigmoid`` (DPO, eq. 7; with conservative label smoothing ``eps``, Mitchell 2023):
+  ``-(1 - eps) log sigma(beta h) - eps log sigma(-beta h)``;
+* ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
+  Preferences", eq. 17): ``(h' - 1 / (2 beta))^2`` where ``h'`` uses each completion's
+  log-ratio *divided by its number of completion tokens* (the normalisation TRL applies and
+  the IPO authors confirmed to TRL; the paper itself is silent on it);
+* ``hinge`` (SLiC, Zhao et al. 2023): ``max(0, 1 - beta h)``.
+
+The reference ``pi_ref`` is the same network with its adapters switched off
+(:func:`rankwise.core.ops.disable_adapters`, no second copy), or, for full fine-tuning,
+log-probabilities computed once before training with the initial weights and kept with the
+dataset (:meth:`DPOTask.prepare`), or, for a run that starts from an existing adapter
+(``model.adapter``), that starting model through a frozen copy of its trainable tensors
+(``initial``, :mod:`rankwise.tasks.reference`; TRL's ``ref`` adapter). A batch holds the chosen
+rows, then the rejected rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rankwise import registry
+from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
+from rankwise.errors import RankwiseError
+from rankwise.tasks.common import CausalLMTask, lm_example, write_records
+from rankwise.tasks.dpo.data import build_pair_data
+from rankwise.tasks.reference import WeightSnapshot, reference, resolve
+
+LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+@dataclass
+class DPOConfig(TaskConfig):
+    """The ``task:`` section of ``task: {name: dpo}``.
+
+    Attributes:
+        name: ``dpo``.
+        loss: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (see :mod:`rankwise.tasks.dpo.task`).
+        beta: The KL strength ``beta`` (IPO's ``tau``).
+        label_smoothing: Conservative DPO's ``eps`` in [0, 0.5): the share of pairs assumed
+            mislabelled (``sigmoid`` only).
+        reference: Where ``pi_ref`` comes from: ``adapters-off`` (the model with its adapters
+            disabled, at every step: the base), ``precomputed`` (log-probs of the initial
+            weights, computed once before training), ``initial`` (the model as the run starts,
+            from a frozen copy of its trainable tensors, at every step; with ``model.adapter``
+            or a full fine-tune), ``auto`` (``initial`` with ``model.adapter``, ``precomputed``
+            for methods that train every weight, else ``adapters-off``).
+    """
+
+    name: str = "dpo"
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    reference: Literal["auto", "adapters-off", "precomputed", "initial"] = "auto"
+
+    def problems(self) -> list[str]:
+        """Return value errors."""
+        out = []
+        if not self.beta > 0:
+            out.append(f"beta: got {self.beta}; expected a value > 0")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            out.append(f"label_smoothing: got {self.label_smoothing}; expected a value in [0, 0.5)")
+        if self.label_smoothing and self.loss != "sigmoid":
+            out.append(f"label_smoothing: applies to loss sigmoid only (got loss {self.loss}); set it to 0")
+        return out
+
+    def run_problems(self, run: Any) -> list[str]:
+        """The reference must exist (``initial`` needs a start); pairs are scored whole, on their
+        completions, so packing, samples, prompt targets and a length schedule are refused."""
+        out = []
+        trains_full = registry.get("method", run.method.name).trains == "full"
+        try:
+            resolve(self.reference, "task", trains_full, bool(run.model.adapter), "adapters-off")
+        except RankwiseError as err:
+            out.append(str(err))
+        d = run.data
+        if d.packing or run.eval.samples or d.train_on_prompt:
+            what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
+            out.append(f"{what} is not supported with task.name: dpo (pairs are scored whole, on "
+                       "their completions); remove it")
+        if d.schedule != "none":
+            out.append("data.schedule: skrull schedules single sequences, and task.name: dpo trains "
+                       "pairs; set data.schedule: none")
+        return out
+
+
+def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row sum of the log-probabilities of the target tokens (labels ``!= -100``).
+
+    Args:
+        logits: ``(R, T, V)`` model output.
+        labels: ``(R, T)`` token ids, ``-100`` on prompt and padding.
+
+    Returns:
+        ``(log-prob sums (R,), target counts (R,))`` in float32.
+    """
+    targets = labels[:, 1:]                                         # (R, T-1): tokens 1..T-1
+    keep = targets != IGNORE
+    rows = keep.nonzero()[:, 0]                                     # (N,) row of each target
+    picked = logits[:, :-1][keep].float()                           # (N, V): target positions only
+    logp = picked.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, -1)
+    sums = torch.zeros(labels.shape[0], device=logits.device).index_add(0, rows, logp)
+    return sums, keep.sum(-1).float()
+
+
+def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, loss: str,
+               beta: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair losses and implicit rewards.
+
+    Args:
+        policy: ``(B, 2)`` completion log-probs of the trained model (chosen, rejected).
+        reference: ``(B, 2)`` the same under the reference.
+        lengths: ``(B, 2)`` completion tokens (IPO's normalisation).
+        loss: One of :data:`LOSSES`.
+        beta: ``beta``.
+        label_smoothing: Conservative DPO's ``eps`` (``sigmoid``).
+
+    Returns:
+        ``(losses (B,), rewards (B, 2))`` with ``rewards = beta * (policy - reference)``.
+    """
+    ratios = policy - reference                                     # (B, 2) log-ratios
+    h = ratios[:, 0] - ratios[:, 1]
+    if loss == "sigmoid":
+        out = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss == "ipo":
+        per_token = ratios / lengths.clamp(min=1.0)
+        out = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * beta)) ** 2
+    elif loss == "hinge":
+        out = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"dpo.loss: got {loss!r}; expected one of {LOSSES}")
+    return out, beta * ratios.detach()
+
+
+@dataclass
+class DPOOutput:
+    """What one DPO forward measured (per pair, detached)."""
+
+    logps: torch.Tensor      # (B, 2) chosen, rejected
+    rewards: torch.Tensor    # (B, 2)
+
+
+class DPOTask(Task):
+    """Preference pairs ``{prompt, chosen, rejected}``: one target per pair (the pair's loss).
+
+    Examples are ``{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`` and,
+    with a precomputed reference, ``"ref_logps"`` ``[chosen, rejected]``
+    (:mod:`rankwise.tasks.dpo.data` builds them).
+
+    Args:
+        config: The ``task:`` section (default: :class:`DPOConfig`).
+    """
+
+    name = "dpo"
+    auto_class = "AutoModelForCausalLM"
+    eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
+
+    def __init__(self, config: DPOConfig | None = None) -> None:
+        super().__init__(config or DPOConfig())
+        self._sums: dict[str, float] = {}
+        self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
+
+    @classmethod
+    def example(cls, folder):
+        """``tiny-llama`` preferring a function's body to ``pass`` (12 pairs)."""
+        pairs = [{"prompt": f"def f{i}(x):\n", "chosen": f"    return x + {i}", "rejected": "    pass"}
+                 for i in range(12)]
+        return lm_example(folder, {"name": cls.name, "beta": 0.2},
+                          data={"source": write_records(Path(folder) / "pairs.jsonl", pairs),
+                                "max_length": 24, "eval_fraction": 0.25})
+
+    def records(self, data_cfg, tokenizer, progress=False):
+        """The ``data:`` section's preference pairs (:func:`rankwise.tasks.dpo.data.build_pair_data`)."""
+        return build_pair_data(data_cfg, tokenizer, progress)
+
+    def collate(self, items, pad_id):
+        """Rows ``0..B-1`` are the chosen completions, ``B..2B-1`` the rejected ones."""
+        seqs = [it["chosen_ids"] for it in items] + [it["rejected_ids"] for it in items]
+        ids, mask = pad(seqs, pad_id)                               # (2B, T)
+        labels, _ = pad([it["chosen_labels"] for it in items] + [it["rejected_labels"] for it in items],
+                        IGNORE)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if all("ref_logps" in it for it in items):
+            batch["ref_logps"] = torch.tensor([list(it["ref_logps"]) for it in items], dtype=torch.float32)
+        return batch
+
+    def count_targets(self, batch):
+        """One target per pair."""
+        return int(batch["input_ids"].shape[0]) // 2
+
+    def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``(completion log-probs (B, 2), completion tokens (B, 2), output)`` of ``model``."""
+        inputs = {k: v for k, v in batch.items() if k != "ref_logps"}
+        out, inputs = self._forward(model, inputs)
+        logps, counts = completion_logps(out.logits, inputs["labels"])
+        return logps.view(2, -1).T, counts.view(2, -1).T, out      # (2B,) -> (B, 2)
+
+    def loss_sum(self, model, batch):
+        """Summed per-pair loss; the reference is ``batch["ref_logps"]``, or the model with its
+        adapters disabled or its initial weights swapped in (no gradient)."""
+        policy, lengths, _ = self.sequence_logps(model, batch)
+        ref = batch.get("ref_logps")
+        if ref is None:
+            with torch.no_grad(), reference(model, self.snapshot):
+                ref, _, _ = self.sequence_logps(model, batch)
+        c = self.config
+        losses, rewards = dpo_losses(policy, ref.to(policy.device), lengths, c.loss, c.beta,
+                                     c.label_smoothing)
+        output = DPOOutput(policy.detach(), rewards)
+        if model.training:
+            _add(self._sums, output)
+        return losses.sum(), output
+
+    def eval_parts(self, model, batch):
+        """Slices of whole pairs (chosen row ``i`` with rejected row ``B + i``) whose float32
+        logits fit in ``eval_logits_bytes``; sums and counts add up to the batch's."""
+        pairs, width = self.count_targets(batch), batch["input_ids"].shape[1]
+        rows = CausalLMTask.eval_rows(model, width, self.eval_logits_bytes)
+        step = None if rows is None else max(1, rows // 2)         # two rows per pair
+        if step is None or step >= pairs:
+            return [batch]
+        parts = []
+        for i in range(0, pairs, step):
+            j = min(pairs, i + step)
+            rows = torch.cat([torch.arange(i, j), torch.arange(pairs + i, pairs + j)]).to(batch["input_ids"].device)
+            part = {k: v[rows] for k, v in batch.items() if k != "ref_logps"}
+            if "ref_logps" in batch:
+                part["ref_logps"] = batch["ref_logps"][i:j]
+            parts.append(part)
+        return parts
+
+    def step_metrics(self) -> dict[str, float]:
+        """Means over the pairs of the training forwards since the last call (this process's)."""
+        sums, self._sums = self._sums, {}
+        return _means(sums, "")
+
+    def eval_update(self, stats, batch, output, loss_sum):
+        """Loss sum, pairs, and the reward / log-prob sums."""
+        super().eval_update(stats, batch, output, loss_sum)
+        _add(stats, output)
+
+    def eval_metrics(self, stats):
+        """``eval_loss`` (mean per pair), ``eval_reward_accuracy`` (share of pairs whose chosen
+        reward is higher), ``eval_reward_margin`` and the mean rewards and log-probs."""
+        n = max(stats.get("targets", 0.0), 1.0)
+        return {"eval_loss": stats.get("loss", 0.0) / n, **_means(stats, "eval_")}
+
+    def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
+                device: str) -> str:
+        """Resolve ``task.reference`` and, for ``precomputed``, store the reference log-probs of
+        the model as it is now (before the first step) with each dataset (``ref_logps``); for
+        ``initial``, copy its trainable tensors (:class:`~rankwise.tasks.reference.WeightSnapshot`).
+
+        Returns:
+            The reference in force (``adapters-off``, ``precomputed`` or ``initial``).
+
+        Raises:
+            RankwiseError: ``initial`` for an adapter trained from scratch.
+        """
+        mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "precomputed")
+        if mode == "initial":
+            self.snapshot = WeightSnapshot(model)
+        if mode == "precomputed":
+            for data in datasets:
+                data.ref_logps = reference_logps(self, model, data, batch_size, device)
+        return mode
+
+
+@torch.no_grad()
+def reference_logps(task: DPOTask, model: nn.Module, data: Any, batch_size: int, device: str) -> list:
+    """``[[chosen, rejected], ...]`` completion log-probs of ``model`` over every pair of ``data``
+    (in eval mode, so dropout does not enter the reference)."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(data), batch_size):
+        items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
+        batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
+        logps, _, _ = task.sequence_logps(model, batch)
+        out.extend(logps.cpu().tolist())
+    model.train(was_training)
+    return out
+
+
+def _add(stats: dict[str, float], output: DPOOutput) -> None:
+    r, lp = output.rewards.float(), output.logps.float()
+    for key, value in (("pairs", r.shape[0]), ("correct", (r[:, 0] > r[:, 1]).sum()),
+                       ("margin", (r[:, 0] - r[:, 1]).sum()), ("reward_chosen", r[:, 0].sum()),
+                       ("reward_rejected", r[:, 1].sum()), ("logps_chosen", lp[:, 0].sum()),
+                       ("logps_rejected", lp[:, 1].sum())):
+        stats[key] = stats.get(key, 0.0) + float(value)
+
+
+def _means(stats: dict[str, float], prefix: str) -> dict[str, float]:
+    n = stats.get("pairs", 0.0)
+    if not n:
+        return {}
+    names = {"correct": "reward_accuracy", "margin": "reward_margin", "reward_chosen": "reward_chosen",
+             "reward_rejected": "reward_rejected", "logps_chosen": "logps_chosen",
+             "logps_rejected": "logps_rejected"}
+    return {prefix + name: stats.get(key, 0.0) / n for key, name in names.items()}
+
+
+__all__ = ["DPOConfig", "DPOTask", "DPOOutput", "LOSSES", "completion_logps", "dpo_losses",
+           "reference_logps"]

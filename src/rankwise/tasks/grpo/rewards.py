@@ -1,0 +1,220 @@
+"""Reward functions of ``task.name: grpo``: built-ins and ``module:function`` callables.
+
+A reward function has TRL's signature, so functions written for ``trl.GRPOTrainer`` port
+unchanged::
+
+    def reward(prompts: list[str], completions: list[str], **columns) -> list[float]
+
+``prompts[i]`` and ``completions[i]`` are the prompt text and one sampled completion (a prompt
+appears once per completion of its group); ``columns`` are the record's other fields, as lists
+aligned with ``completions`` (``columns["answer"][i]``). It returns one float per completion.
+
+Built-ins (``grpo.rewards``):
+
+* ``exact-match``: 1.0 when the completion, stripped, equals the record's ``grpo.answer_field``
+  (stripped), else 0.0;
+* ``regex``: 1.0 when ``grpo.pattern`` matches at the start of the stripped completion
+  (``re.match``); ``{answer}`` in the pattern is replaced by the record's answer, escaped;
+* ``python-parses``: 1.0 when the completion parses as Python (``ast.parse``), also when it is a
+  block header whose body is missing (``def f(x):`` parses with ``pass`` appended), else 0.0;
+* ``length-penalty``: ``-len(completion) / grpo.length_target`` (characters).
+
+``module:function`` imports ``module`` from ``PYTHONPATH`` first, then from ``grpo.rewards_dir``
+(the config file's folder by default), so a ``rewards.py`` next to the config needs no
+``PYTHONPATH``. Python callables handed to ``rankwise.train`` (TRL's ``reward_funcs=[fn]``) are
+named by :func:`name_callables`: ``module:function`` when that imports back to the same function
+(a resumed run from the CLI finds it), else ``python:<name>``, which resolves in this process only.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import math
+import re
+import sys
+from typing import Any, Callable
+
+from rankwise.errors import RankwiseError
+
+BUILTINS = ("exact-match", "regex", "python-parses", "length-penalty")
+RewardFn = Callable[..., list]
+CALLABLES: dict[str, RewardFn] = {}  # python:<name> -> the callable handed over in this process
+
+
+def _answers(columns: dict[str, list], field: str, n: int) -> list[str]:
+    if field not in columns:
+        raise RankwiseError(f"the reward needs the answer field {field!r}, which the records lack "
+                            f"(fields: {', '.join(sorted(columns)) or 'none'}); set grpo.answer_field")
+    return ["" if a is None else str(a) for a in columns[field]][:n]
+
+
+def exact_match(field: str) -> RewardFn:
+    """``exact-match`` on the record's ``field``."""
+    def reward(prompts, completions, **columns):
+        answers = _answers(columns, field, len(completions))
+        return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+    return reward
+
+
+def regex(pattern: str, field: str) -> RewardFn:
+    """``regex``: ``pattern`` (``{answer}`` = the record's escaped answer) at the completion's start."""
+    def reward(prompts, completions, **columns):
+        if "{answer}" in pattern:
+            answers = _answers(columns, field, len(completions))
+            pats = [pattern.replace("{answer}", re.escape(a.strip())) for a in answers]
+        else:
+            pats = [pattern] * len(completions)
+        return [float(re.match(p, c.strip()) is not None) for p, c in zip(pats, completions)]
+    return reward
+
+
+def _parses(text: str) -> bool:
+    for candidate in (text, text.rstrip() + " pass"):
+        try:
+            ast.parse(candidate)
+            return True
+        except (SyntaxError, ValueError):
+            continue
+    return False
+
+
+def python_parses(prompts, completions, **columns) -> list[float]:
+    """``python-parses``: 1.0 for a completion that is valid Python (a bare header counts)."""
+    return [float(bool(c.strip()) and _parses(c.strip())) for c in completions]
+
+
+def length_penalty(target: int) -> RewardFn:
+    """``length-penalty``: minus the completion's characters over ``target``."""
+    def reward(prompts, completions, **columns):
+        return [-len(c) / target for c in completions]
+    return reward
+
+
+def _importable_name(fn: Any) -> str | None:
+    """``module:function`` if importing it gives back ``fn`` itself (not ``__main__``, a lambda,
+    a nested function or a method)."""
+    module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not module or not qual or module == "__main__" or not qual.isidentifier():
+        return None
+    try:
+        found = getattr(importlib.import_module(module), qual)
+    except Exception:  # noqa: BLE001 - any failure means: not importable by name
+        return None
+    return f"{module}:{qual}" if found is fn else None
+
+
+def name_callables(rewards: list) -> list[str]:
+    """``grpo.rewards`` with each callable replaced by a name :func:`resolve` finds.
+
+    Args:
+        rewards: Names and callables (``fn(prompts, completions, **columns) -> list[float]``).
+
+    Returns:
+        Names: ``module:function`` for importable functions, else ``python:<name>`` (``#2``... for
+        two callables of one name), registered in :data:`CALLABLES` for this process.
+    """
+    out: list[str] = []
+    for item in rewards:
+        if not callable(item):
+            out.append(item)
+            continue
+        name = _importable_name(item)
+        if name is None:
+            base = f"python:{getattr(item, '__qualname__', None) or type(item).__name__}"
+            name, k = base, 2
+            while name in out:
+                name, k = f"{base}#{k}", k + 1
+            CALLABLES[name] = item
+        out.append(name)
+    return out
+
+
+def resolve(name: str, answer_field: str = "answer", pattern: str | None = None,
+            length_target: int = 200, rewards_dir: str | None = None) -> RewardFn:
+    """The reward function ``name``: a built-in, an importable ``module:function`` (from
+    ``PYTHONPATH``, then ``rewards_dir``) or a ``python:`` callable of this process.
+
+    Raises:
+        RankwiseError: An unknown name, a module or function that cannot be imported, or a
+            name that is not callable.
+    """
+    if name == "exact-match":
+        return exact_match(answer_field)
+    if name == "regex":
+        if not pattern:
+            raise RankwiseError("reward regex needs grpo.pattern (a regular expression)")
+        return regex(pattern, answer_field)
+    if name == "python-parses":
+        return python_parses
+    if name == "length-penalty":
+        return length_penalty(length_target)
+    if ":" not in name:
+        raise RankwiseError(f"grpo.rewards: got {name!r}; expected one of {BUILTINS} or "
+                            "'module:function'")
+    if name.startswith("python:"):
+        if name not in CALLABLES:
+            raise RankwiseError(f"grpo.rewards: {name!r} was a Python callable handed to "
+                                "rankwise.train in another process; pass it to rankwise.train again "
+                                "(resume=True continues the run), or name an importable module:function")
+        return CALLABLES[name]
+    module, _, attr = name.partition(":")
+    if rewards_dir and rewards_dir not in sys.path:
+        sys.path.append(rewards_dir)  # after PYTHONPATH: an installed module of the name wins
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        where = f"PYTHONPATH or {rewards_dir}" if rewards_dir else "PYTHONPATH"
+        raise RankwiseError(f"grpo.rewards: cannot import {name!r} ({type(err).__name__}: {err}); "
+                            f"check the module is on {where} (grpo.rewards_dir) and the function's "
+                            "name") from None
+    if not callable(fn):
+        raise RankwiseError(f"grpo.rewards: {name!r} is not callable")
+    return fn
+
+
+def score(fns: dict[str, RewardFn], prompts: list[str], completions: list[str],
+          columns: dict[str, list], records: list[Any]) -> dict[str, list[float]]:
+    """Every reward of every completion: ``{name: [float, ...]}``.
+
+    Args:
+        fns: Reward functions by name.
+        prompts: One prompt text per completion.
+        completions: The completion texts.
+        columns: The records' other fields, aligned with ``completions``.
+        records: A label per completion (its record), for error messages.
+
+    Raises:
+        RankwiseError: A function raised, returned the wrong number of values, or a value that
+            is not a finite number (the record is named).
+    """
+    out = {}
+    for name, fn in fns.items():
+        try:
+            values = fn(prompts=list(prompts), completions=list(completions), **columns)
+        except Exception as err:  # a user's function: any failure becomes one line
+            raise RankwiseError(f"reward {name!r} raised {type(err).__name__}: {err} (records "
+                                f"{_span(records)}); fix the function") from None
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RankwiseError(f"reward {name!r} returned {got} values for {len(completions)} "
+                                "completions; return one float per completion")
+        clean = []
+        for value, record in zip(values, records):
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                v = math.nan
+            if not math.isfinite(v):
+                raise RankwiseError(f"reward {name!r} returned {value!r} for record {record}; "
+                                    "return a finite float for every completion")
+            clean.append(v)
+        out[name] = clean
+    return out
+
+
+def _span(records: list[Any]) -> str:
+    unique = list(dict.fromkeys(records))
+    return ", ".join(str(r) for r in unique[:5]) + (" ..." if len(unique) > 5 else "")
+
+
+__all__ = ["BUILTINS", "CALLABLES", "name_callables", "resolve", "score", "exact_match", "regex", "python_parses", "length_penalty"]

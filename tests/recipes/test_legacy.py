@@ -1,0 +1,75 @@
+"""The old spelling of the task (``model.task`` + ``dpo:`` / ``grpo:`` / ``memory_decoder:``) is
+read for one release with a one-line notice, and resolves to the same config as ``task:``."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rankwise.errors import RankwiseError
+from rankwise.recipes import legacy
+from rankwise.recipes.config import build_run_config, load_run_config
+from rankwise.recipes.runs import config_hash
+
+LLAMA = {"path": "tiny-llama"}
+
+
+@pytest.mark.parametrize("old, new", [
+    ({"model": {**LLAMA, "task": "dpo"}, "dpo": {"beta": 0.2}}, {"name": "dpo", "beta": 0.2}),
+    ({"model": {**LLAMA, "task": "grpo"}}, {"name": "grpo"}),
+    ({"model": {**LLAMA, "task": "causal-lm"}}, {"name": "causal-lm"}),
+    ({"model": LLAMA, "grpo": None}, {"name": "classification"}),
+])
+def test_the_old_spelling_resolves_as_the_new_one_and_hashes_alike(old, new):
+    spelling = legacy.translate(old)
+    assert spelling.data["task"] == new and "task" not in spelling.data["model"]
+    assert not spelling.problems
+    if "beta" in new or new["name"] == "grpo":
+        assert spelling.notice.startswith("notice: model.task") and "\n" not in spelling.notice
+        assert f"write task: {{name: {new['name']}" in spelling.notice
+    now = {"model": LLAMA, "task": new}
+    assert build_run_config(old, notice=False).to_dict() == build_run_config(now).to_dict()
+    assert config_hash(old) == config_hash(now)
+
+
+def test_a_classification_run_hashes_as_before_the_task_section():
+    old = {"model": {"path": "demo", "task": "classification"}}
+    resolved = build_run_config(old, notice=False).to_dict()
+    assert resolved["task"] == {"name": "classification"} and "task" not in resolved["model"]
+    shaped = legacy.old_shape(resolved)
+    assert shaped["model"]["task"] == "classification" and "task" not in shaped
+    assert config_hash(old) == config_hash({"model": {"path": "demo"}})
+
+
+def test_the_notice_is_one_line_on_stderr_once(capsys, monkeypatch):
+    monkeypatch.setattr(legacy, "_SHOWN", set())
+    for _ in range(2):
+        build_run_config({"model": {**LLAMA, "task": "dpo"}, "dpo": {"beta": 0.3}})
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["notice: model.task and the dpo: section are the old spelling, read until the next "
+                   "release; write task: {name: dpo, beta: 0.3}"]
+    build_run_config({"model": LLAMA, "task": {"name": "dpo", "beta": 0.3}})
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"model": {**LLAMA, "task": "causal-lm"}, "dpo": {"beta": 0.2}}, "the dpo section needs model.task: dpo"),
+    ({"model": {**LLAMA, "task": "dpo"}, "task": {"name": "dpo"}}, "which this config also has"),
+    ({"model": {**LLAMA, "task": "dpo"}, "dpo": 3}, "dpo: expected a mapping"),
+    ({"model": {**LLAMA, "task": "dpoo"}}, "model.task: unknown task 'dpoo'"),
+    ({"model": {**LLAMA, "task": "dpo"}, "dpo": {"betta": 1}}, "dpo.betta"),
+    ({"model": LLAMA, "task": {"name": "dpo", "betta": 1}}, "task.betta"),
+    ({"model": LLAMA, "task": {"name": "memory-decoder"}}, "task.base: empty"),
+])
+def test_mistakes_in_either_spelling_name_the_key_the_user_wrote(raw, needle):
+    with pytest.raises(RankwiseError) as err:
+        build_run_config(raw, notice=False)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_task_path_is_read_from_the_config_folder_in_both_spellings(tmp_path):
+    (tmp_path / "base").mkdir()
+    for i, raw in enumerate([{"model": {**LLAMA, "task": "memory-decoder"}, "memory_decoder": {"base": "base"}},
+                             {"model": LLAMA, "task": {"name": "memory-decoder", "base": "base"}}]):
+        path = tmp_path / f"c{i}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        assert load_run_config(path, notice=False).task.base == str((tmp_path / "base").resolve())

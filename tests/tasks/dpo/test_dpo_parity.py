@@ -1,0 +1,124 @@
+"""The ``dpo`` task's loss against TRL's ``DPOTrainer`` on a PEFT LoRA of the same tiny model:
+same weights, same token batch, the first batch's loss to 1e-5 (fp32) for sigmoid, ipo and
+hinge; and the conservative (label-smoothed) DPO loss against its formula."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from rankwise import registry
+from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
+from rankwise.core.protocol import adapter_modules, factors
+from rankwise.tasks.dpo.task import DPOConfig, DPOTask, completion_logps, dpo_losses
+from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def pairs(seed: int = 3, n: int = 4) -> list[dict]:
+    """Random token pairs: a shared prompt (no loss) and completions of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(1, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        c, r = (torch.randint(1, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(2))
+        out.append({"chosen_ids": prompt + c, "chosen_labels": [-100] * len(prompt) + c,
+                    "rejected_ids": prompt + r, "rejected_labels": [-100] * len(prompt) + r})
+    return out
+
+
+def models(tmp_path, loss: str, beta: float):
+    """(rankwise LoRA model, TRL trainer over a PEFT LoRA) of one base with equal, non-zero
+    adapters. TRL gets the base and a ``peft_config`` (a PEFT model handed to it would have its
+    adapter copied as the reference, "ref"); the weights are set after it built the adapter."""
+    peft = pytest.importorskip("peft")
+    base = tiny_llama_lm(seed=0)
+    ours = copy.deepcopy(base)
+    registry.get("method", "lora").apply(ours, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
+    trainer = trl_trainer(copy.deepcopy(base), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0), loss, beta, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    assert "ref" not in trainer.model.peft_config  # the reference is the adapters switched off
+    with torch.no_grad():
+        for _, mod in adapter_modules(ours):  # non-zero B, so the adapters matter
+            for w in factors(mod, "default"):
+                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
+    same_factors(ours, trainer.model)
+    return ours.train(), trainer
+
+
+def trl_trainer(model, peft_config, loss: str, beta: float, tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models as tmodels
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(
+        {f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0", eos_token="t0")
+    data = Dataset.from_dict({"prompt": ["t2 t3"], "chosen": [" t4"], "rejected": [" t5"]})
+    args = trl.DPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=[loss], report_to=[],
+                         use_cpu=True, per_device_train_batch_size=4, bf16=False, fp16=False)
+    return trl.DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                          peft_config=peft_config)
+
+
+@pytest.mark.slow  # imports TRL and builds its trainer (~18 s once under load, 0.2 s after)
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
+def test_first_batch_loss_equals_trl_dpo_trainer(loss, tmp_path):
+    beta = 0.5
+    ours, trainer = models(tmp_path, loss, beta)
+    task = DPOTask(DPOConfig(loss=loss, beta=beta, reference="adapters-off"))
+    batch = task.collate(pairs(), pad_id=0)
+    total, out = task.loss_sum(ours, batch)
+    mine = float(total.detach()) / task.count_targets(batch)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "completion_mask": (batch["labels"] != -100).long()}
+    ref = float(trainer._compute_loss(trainer.model, inputs, False))
+    assert mine == pytest.approx(ref, abs=1e-5, rel=1e-5)
+    at_init = {"sigmoid": math.log(2), "ipo": 1 / (2 * beta) ** 2, "hinge": 1.0}[loss]
+    assert abs(mine - at_init) > 1e-3  # the adapters moved the policy off the reference
+    rewards = trainer._metrics["train"]
+    assert float(out.rewards[:, 0].mean()) == pytest.approx(rewards["rewards/chosen"][-1], abs=1e-5)
+    assert float((out.rewards[:, 0] - out.rewards[:, 1]).mean()) == pytest.approx(
+        rewards["rewards/margins"][-1], abs=1e-5)
+
+
+def test_label_smoothing_is_conservative_dpo():
+    policy = torch.tensor([[-3.0, -5.0], [-7.0, -2.0]])
+    ref = torch.tensor([[-4.0, -4.5], [-6.0, -2.5]])
+    h = (policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1])          # 1.5, -1.5
+    losses, rewards = dpo_losses(policy, ref, torch.ones(2, 2), "sigmoid", 0.2, 0.1)
+    expect = -0.9 * F.logsigmoid(0.2 * h) - 0.1 * F.logsigmoid(-0.2 * h)
+    assert torch.allclose(losses, expect, atol=1e-7)
+    assert torch.allclose(rewards, 0.2 * (policy - ref))
+
+
+def test_completion_logps_skip_the_prompt():
+    logits = torch.randn(1, 4, 6)
+    labels = torch.tensor([[-100, -100, 3, 5]])
+    logp = torch.log_softmax(logits, -1)
+    total, count = completion_logps(logits, labels)
+    assert float(total) == pytest.approx(float(logp[0, 1, 3] + logp[0, 2, 5]), abs=1e-6) and int(count) == 2
+
+
+def test_evaluation_in_slices_of_whole_pairs_gives_the_same_metrics():
+    from rankwise.tasks.dpo.data import PairData
+    from rankwise.engine import evaluate
+    model = tiny_llama_lm(seed=0)
+    registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
+    for _, mod in adapter_modules(model):
+        torch.nn.init.normal_(factors(mod, "default")[1], std=0.3, generator=torch.Generator().manual_seed(2))
+    data = PairData(pairs(n=5), pad_id=0)
+    whole = evaluate(model, DPOTask(), data, batch_size=5)
+    sliced_task = DPOTask()
+    sliced_task.eval_logits_bytes = 2 * 12 * VOCAB * 4                # two rows (one pair) per forward
+    batch = sliced_task.collate([data[i] for i in range(5)], 0)
+    assert len(sliced_task.eval_parts(model, batch)) == 5
+    sliced = evaluate(model, sliced_task, data, batch_size=5)
+    assert whole.keys() == sliced.keys() and whole["eval_reward_margin"] != 0.0
+    for key in whole:
+        assert sliced[key] == pytest.approx(whole[key], abs=1e-6), key
