@@ -5,10 +5,13 @@ Quality only (accuracy, forgetting; no time claim). Each (row, order) is one pie
 (``pieces/<row>-<order>.json``, committed), written when it finishes and skipped when present, so
 an interrupted run resumes. Rows:
 
-* ``hrm-pet``: per-task LoRA trained with CTIRD; reported with the hybrid re-matching (``hrm``),
-  and, on the same modules, plain matching, direct re-matching only and the oracle module;
-* ``key-match``: per-task LoRA without CTIRD, key matching (L2P/CODA-style); the same modules are
-  also scored with re-matching, so re-matching is compared without CTIRD as well;
+* ``hrm-pet``: per-task LoRA trained with CTIRD; reported as released (the trained task-identity
+  classifier, ``tii``, then the hybrid re-matching with the GEN gate at ``tau = -10``:
+  ``tii:hrm``), with ``tau`` tuned on the validation split (``tii:hrm-tuned``), and, on the
+  same modules, plain matching, direct re-matching only, key matching and the oracle module;
+* ``key-match``: per-task LoRA without CTIRD, key matching (L2P/CODA-style, ``keys:match``); the
+  same modules are also scored with the task-identity matcher and re-matching, so re-matching
+  is compared without CTIRD as well;
 * ``sequential``: one LoRA trained task after task;
 * ``joint``: one LoRA trained on all tasks (order-independent: run once).
 """
@@ -25,8 +28,11 @@ from rankwise_bench.common import write_results
 ORDERS = ((0, 1, 2, 3), (3, 2, 1, 0), (2, 0, 3, 1))
 ROWS = ("hrm-pet", "key-match", "sequential", "joint")
 # (row, rule) pairs reported; the first rule of a per-task row is its own inference
-REPORT = (("hrm-pet", "hrm"), ("hrm-pet", "direct"), ("hrm-pet", "match"), ("hrm-pet", "oracle"),
-          ("key-match", "match"), ("key-match", "hrm"), ("key-match", "direct"), ("key-match", "oracle"),
+REPORT = (("hrm-pet", "tii:hrm"), ("hrm-pet", "tii:hrm-tuned"), ("hrm-pet", "tii:direct"),
+          ("hrm-pet", "tii:match"), ("hrm-pet", "keys:hrm-tuned"), ("hrm-pet", "keys:direct"),
+          ("hrm-pet", "keys:match"), ("hrm-pet", "oracle"),
+          ("key-match", "keys:match"), ("key-match", "tii:match"), ("key-match", "tii:hrm-tuned"),
+          ("key-match", "keys:hrm-tuned"), ("key-match", "oracle"),
           ("sequential", "single"), ("joint", "single"))
 
 
@@ -112,13 +118,17 @@ def markdown(result: dict) -> str:
     lines += ["", "Per-order average accuracy (%):", ""]
     for name, t in table.items():
         lines.append(f"- {name}: " + ", ".join(f"{100 * a:.1f}" for a in t["average_accuracy"]))
-    lines += ["", "Re-matching counts per evaluation point (examples switched by the direct rule; examples "
-              "below tau tried by the confidence rule):", ""]
+    lines += ["", "Re-matching counts per evaluation point, per initial matcher (examples switched by the "
+              "direct rule; examples whose gate score is below tau = "
+              f"{cfg.get('tau')} ({cfg.get('gate')}) and below the validation-tuned tau; the gate "
+              "scores' range; the matcher's task accuracy):", ""]
     for row in ("hrm-pet", "key-match"):
         for r in rematch.get(row, []):
-            if r:
-                lines.append(f"- {row}: switched {r['switched']}, unsure {r['unsure']}, "
-                             f"key-matching task accuracy {[round(a, 3) for a in r['match_task_accuracy']]}")
+            for m, c in (r or {}).items():
+                lines.append(f"- {row} [{m}]: switched {c['switched']}, unsure {c['unsure']}, "
+                             f"unsure at tuned tau {c['unsure_tuned']} (tau {[round(v, 3) for v in c['tau_tuned']]}), "
+                             f"scores {round(min(c['score_min']), 2)}..{round(max(c['score_max']), 2)}, "
+                             f"task accuracy {[round(a, 3) for a in c['match_task_accuracy']]}")
     return "\n".join(lines) + "\n"
 
 

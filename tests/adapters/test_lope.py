@@ -90,6 +90,30 @@ def test_router_statistics_mask_the_poisoning_expert_in_eval():
     assert stats["eval"]["selected"] == [1.0, 1.0, 0.0] and stats["eval"]["load"][2] == 0.0
 
 
+def test_poison_gate_is_the_mean_router_weight_per_kind_of_data():
+    """``poison_gate`` = mean softmax(R x)[-1] over real tokens, kept apart for stage-1 noisy
+    forwards, stage-2 task forwards and evaluation forwards (before the mask)."""
+    layer = make_layer()
+    e = layer.experts["default"]
+    g_p = lambda x: torch.softmax(x @ e.router.weight.T, -1)[..., -1]
+    xs = {k: torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(i)) for i, k in enumerate(("noisy", "task", "eval"))}
+    e.token_mask = torch.ones(3, 5, dtype=torch.long)
+    e.token_mask[:, 3:] = 0                                     # padding is left out
+    layer.train()
+    e.stage = "poison"
+    layer(xs["noisy"])
+    e.stage = "task"
+    layer(xs["task"])
+    layer.eval()
+    layer(xs["eval"])
+    got = layer.statistics()["default"]["poison_gate"]
+    for kind, x in xs.items():
+        assert got[kind]["tokens"] == 9
+        assert got[kind]["mean"] == pytest.approx(float(g_p(x)[:, :3].mean()), rel=1e-6)
+    layer.reset_statistics(("eval",))
+    assert set(layer.statistics()["default"]["poison_gate"]) == {"noisy", "task"}
+
+
 def test_parameter_budget_and_base_at_init():
     base, model = tiny_gpt2_lm(), tiny_gpt2_lm()
     layers = apply_lope(model, LopeConfig(r=2, num_experts=2, targets=["c_attn"], poison_steps=0))

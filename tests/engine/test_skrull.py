@@ -11,8 +11,9 @@ import torch
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
 from rankwise.engine import Engine
+from rankwise.engine.skrull import (CapError, Skrull, assign_ranks, capped_groups, cost, padded_cost,
+                                   split_micro)
 from rankwise.tasks import CausalLMTask
-from rankwise.engine.skrull import Skrull, assign_ranks, cost, padded_cost, split_micro
 from rankwise.testing import tiny_llama64
 
 
@@ -75,6 +76,56 @@ def test_the_micro_batch_cut_is_the_best_contiguous_cut_of_the_sorted_lengths():
         assert got == pytest.approx(best) and sorted(sum(groups, [])) == list(range(7))
 
 
+def test_the_capped_cut_is_the_best_cut_whose_groups_fit_the_bucket():
+    rng = np.random.default_rng(4)
+    checked = 0
+    for _ in range(40):
+        lengths = rng.integers(4, 600, 7).tolist()
+        bucket = float(rng.integers(600, 1800))
+        s = sorted(lengths, reverse=True)
+        cuts = [(a, b) for a in range(1, 6) for b in range(a + 1, 7)]
+        ok = [c for c in cuts if all((y - x) * s[x] <= bucket for x, y in zip((0,) + c, c + (7,)))]
+        if not ok:
+            with pytest.raises(CapError):
+                split_micro(lengths, 3, 100.0, bucket)
+            continue
+        groups = split_micro(lengths, 3, 100.0, bucket)
+        assert all(len(g) * max(lengths[i] for i in g) <= bucket for g in groups)
+        best = min(max(padded_cost(s[x:y], 100.0) for x, y in zip((0,) + c, c + (7,))) for c in ok)
+        got = max(padded_cost([lengths[i] for i in g], 100.0) for g in groups)
+        assert got == pytest.approx(best) and sorted(sum(groups, [])) == list(range(7))
+        # the fewest capped groups, by brute force over all contiguous cuts into k groups
+        fewest = min(k for k in range(1, 8) for c in itertools.combinations(range(1, 7), k - 1)
+                     if all((y - x) * s[x] <= bucket for x, y in zip((0,) + c, c + (7,))))
+        assert capped_groups(lengths, bucket) == fewest
+        checked += 1
+    assert checked >= 10
+
+
+def test_the_plan_keeps_every_micro_batch_under_the_memory_cap():
+    """Long-tail steps (64 examples up to 1024 tokens, 2 processes x 4 micro-batches): the
+    uncapped cost-optimal plan pads some micro-batch past 3072 tokens in 6 of 10 steps (many
+    short sequences are cheap under a L + L^2 but not in memory); capped at 3072 none does,
+    every example still lands once, and a sequence longer than the cap is refused (no context
+    parallelism to split it)."""
+    over = 0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        lengths = np.clip(rng.lognormal(5.0, 1.0, 64), 8, 1024).astype(int).tolist()
+        free = Skrull(2, 0, 4, 768).plan(lengths)
+        over += any(len(m) * max(lengths[i] for i in m) > 3072 for r in free for m in r)
+        plan = Skrull(2, 0, 4, 768, bucket=3072).plan(lengths)
+        assert sorted(i for r in plan for m in r for i in m) == list(range(64))
+        assert all(len(m) * max(lengths[i] for i in m) <= 3072 for r in plan for m in r)
+        assert [len(r) for r in plan] == [4, 4]
+    assert over == 6
+    with pytest.raises(CapError, match="no context parallelism"):
+        Skrull(2, 0, 4, 768, bucket=1000).plan([1200] + [10] * 15)
+    assert Skrull(2, 0, 2, 768, bucket=2000).plan([1000] * 8) == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+    with pytest.raises(CapError, match="no process can take"):   # 2 x 2 groups of 2 fit 8, not 10
+        Skrull(2, 0, 2, 768, bucket=2000).plan([1000] * 10)
+
+
 class Examples(list):
     pad_id = 0
 
@@ -105,6 +156,9 @@ def test_the_config_keys_and_their_one_line_refusals():
     from rankwise.recipes.config import build_run_config
     cfg = build_run_config({"data": {"schedule": "skrull"}, "train": {"compile": True}})
     assert cfg.data.schedule == "skrull" and cfg.data.schedule_linear is None and cfg.train.compile
+    assert build_run_config({"data": {"schedule": "skrull", "schedule_bucket": 4096}}).data.schedule_bucket == 4096
+    with pytest.raises(RankwiseError, match="schedule_bucket caps Skrull's micro-batches"):
+        build_run_config({"data": {"schedule_bucket": 4096}})
     with pytest.raises(RankwiseError, match="set one of data.schedule: none or data.packing: false"):
         build_run_config({"data": {"schedule": "skrull", "packing": True}})
     with pytest.raises(RankwiseError, match="set data.schedule: none"):

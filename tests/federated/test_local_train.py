@@ -182,3 +182,4 @@ def test_leff_importance_and_query_answer():
     answer = Leff.answer_query(client, {keys.CAPACITIES: [1, 2]}, {})
     assert answer[keys.CAPACITY] == 2 and answer[keys.IMPORTANCE] == pytest.approx(want, rel=1e-5)
     assert Leff.answer_query(client, {keys.CAPACITIES: [1, 2]}, {keys.CAPACITY: 5})[keys.CAPACITY] == 5
+    assert answer[keys.IMPORTANCE_S] > 0.0                   # the pass's cost is reported

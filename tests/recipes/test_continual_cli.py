@@ -4,7 +4,8 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.data.demo import PACKAGES
-from rankwise.recipes.continual import DEMO_TASKS, load_config, parse_tasks
+from rankwise.errors import RankwiseError
+from rankwise.recipes.continual import DEMO_TASKS, ContinualConfig, load_config, parse_tasks
 from rankwise.testing import error_lines
 
 
@@ -39,6 +40,14 @@ def test_demo_split_is_four_tasks_of_two_packages_and_config_reads_yaml(tmp_path
     cfg.write_text("continual: {steps_per_task: 3, tau: 0.5}\n")
     c = load_config(cfg, {"method": "joint"})
     assert (c.steps_per_task, c.tau, c.method, c.candidates) == (3, 0.5, "joint", 2)
+    assert (c.gate, ContinualConfig().tau, c.matcher) == ("gen", -10.0, "tii")    # the released rule
+
+
+def test_bad_gate_settings_are_all_reported_in_one_line():
+    with pytest.raises(RankwiseError) as err:
+        ContinualConfig(gate="msp", matcher="oracle", val_per_class=-1).check()
+    msg = str(err.value)
+    assert "tau -10.0 with gate msp" in msg and "continual.matcher 'oracle'" in msg and "val_per_class" in msg
 
 
 @pytest.mark.slow
@@ -48,8 +57,11 @@ def test_hrm_pet_end_to_end_on_a_tiny_model_keeps_earlier_head_rows():
     rec = run_continual(ContinualConfig(model="tiny-bert", steps_per_task=2, batch_size=4, eval_per_class=2,
                                         key_examples=4), tasks)
     assert rec["head_drift"] == 0.0        # rows of earlier tasks' classes never move
-    for rule in ("match", "direct", "hrm", "oracle"):
+    assert rec["primary"] == "tii:hrm"
+    for rule in ("tii:match", "tii:hrm", "tii:hrm-tuned", "keys:match", "keys:direct", "oracle"):
         m = rec["rules"][rule]["matrix"]
         assert [len(row) for row in m] == [1, 2, 3]
         assert rec["rules"][rule]["average_accuracy"] == pytest.approx(sum(m[-1]) / 3)
-    assert len(rec["rematch"]["switched"]) == 3 and rec["rematch"]["unsure"][0] == 0
+    for m in ("tii", "keys"):
+        assert len(rec["rematch"][m]["switched"]) == 3 and rec["rematch"][m]["unsure"][0] == 0
+        assert rec["rematch"][m]["tau_tuned"][0] == -10.0           # nothing to tune with one task

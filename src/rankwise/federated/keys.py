@@ -44,6 +44,8 @@ PARTITION = "partition-id"       # the client's data partition (maps node ids to
 CAPACITY = "capacity"            # LEFF: layers the client can train (reply; node_config key)
 CAPACITIES = "capacities"        # LEFF: list[int] capacity per partition id (query config)
 IMPORTANCE = "layer-importance"  # LEFF: per-layer first-order Taylor importance (list)
+IMPORTANCE_S = "importance-s"     # LEFF: seconds the client's importance pass took (reply)
+REFRESH = "refresh-importance"    # LEFF: bool, measure importance again this round (train config)
 
 # --- MetricRecord entries of a round (strategy -> Flower's history) ------------------------
 BYTES_UP = "bytes-up"

@@ -9,15 +9,20 @@ exemplars. Methods (``continual.method``):
 * ``hrm-pet``: a LoRA adapter per task (its classes' rows of the shared head train with it; the
   logits of other classes are masked while a task trains, so earlier rows do not move), trained
   with cross-entropy + ``distill_weight`` x CTIRD against the features of up to
-  ``distill_modules`` earlier modules; at inference key matching, then the hybrid re-matching;
-* ``key-match``: the same modules without CTIRD, chosen by key matching alone (L2P/CODA-style);
+  ``distill_modules`` earlier modules; at inference an initial matcher (the trained
+  task-identity classifier, ``tii``, the authors' code; or task keys, ``keys``), then the
+  hybrid re-matching;
+* ``key-match``: the same per-task modules without CTIRD (its ``keys:match`` rule is the
+  L2P/CODA-style key-matching baseline);
 * ``sequential``: one adapter trained task after task (the forgetting baseline);
 * ``joint``: one adapter trained on all tasks at once (the upper bound).
 
 Evaluation is class-incremental: after each task, the evaluation examples of every task seen so
 far, scored over the classes seen so far. Per-task-module methods report every inference rule
-(``match``, ``direct`` re-matching only, ``hrm`` = direct + confidence-based, ``oracle`` = the
-true task's module, i.e. task-incremental), so the rules are compared on the same modules.
+``<matcher>:<rule>`` on the same modules (:mod:`rankwise.recipes.continual_rules`): matchers
+``tii`` and ``keys``; rules ``match``, ``direct`` re-matching only, ``hrm`` = direct +
+confidence-based at ``tau``, ``hrm-tuned`` = the same with ``tau`` chosen on a validation split
+held out of the training records; and ``oracle`` = the true task's module (task-incremental).
 """
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ from pathlib import Path
 
 import torch
 
-from rankwise.core.continual import (candidate_tasks, confidence, direct_rematch, low_confidence,
-                                     match_keys, relation_distillation, task_keys)
+from rankwise.core.continual import GATES, TaskIdentity, relation_distillation
 from rankwise.errors import RankwiseError
+from rankwise.recipes.continual_rules import (MATCHERS, STEPS, EvalCache, masked, matchers, rows_of,
+                                              score_point)
+from rankwise.recipes.continual_rules import hybrid_rematch  # noqa: F401  (re-exported)
 
 METHODS = ("hrm-pet", "key-match", "sequential", "joint")
-RULES = ("match", "direct", "hrm", "oracle")
+RULES = tuple(f"{m}:{r}" for m in MATCHERS for r in STEPS) + ("oracle",)
 # the 4 x 2 split of the demo's packages used by `rankwise bench continual`
 DEMO_TASKS = "asyncio,email/http,importlib/logging,multiprocessing/tkinter,xml"
 
@@ -54,8 +61,18 @@ class ContinualConfig:
         eval_fraction: Share of the records held out (the demo's hash split).
         eval_per_class: Evaluation examples per class (the first ones by id).
         key_examples: Training examples per task whose mean frozen feature is its key.
-        tau: Confidence-based re-matching runs on examples whose initial max softmax
-            probability is below ``tau`` (the code's ``msp`` rule).
+        matcher: Initial matcher of the method's own rule: ``tii`` (the trained task-identity
+            classifier, the authors' code) or ``keys``; both are always scored.
+        tii_steps, tii_lr: Full-batch AdamW steps and rate of the task-identity classifier on
+            each task's frozen features.
+        tii_align_steps, tii_samples: Classifier-alignment steps after each task but the first,
+            each on ``tii_samples`` draws per seen class of its feature Gaussian.
+        gate: Confidence rule of the re-matching: ``gen`` (the code's default, negated
+            generalised entropy) or ``msp`` (max softmax probability).
+        tau: Confidence-based re-matching runs on examples whose gate score is below ``tau``
+            (code: ``--tau -10`` with ``gen``; ``msp`` needs a probability).
+        val_per_class: Training records per class held out as the validation split on which
+            ``hrm-tuned`` picks ``tau`` (0: no tuning).
         temperature: ``T`` of the confidence score ``T logsumexp(l / T)`` (code: 0.1).
         candidates: Tasks of the top-``candidates`` classes of the initial prediction are tried
             (code: 2).
@@ -75,7 +92,14 @@ class ContinualConfig:
     eval_fraction: float = 0.2
     eval_per_class: int = 25
     key_examples: int = 64
-    tau: float = 0.8
+    matcher: str = "tii"
+    tii_steps: int = 100
+    tii_lr: float = 1e-2
+    tii_align_steps: int = 30
+    tii_samples: int = 16
+    gate: str = "gen"
+    tau: float = -10.0
+    val_per_class: int = 15
     temperature: float = 0.1
     candidates: int = 2
     distill_weight: float = 0.1
@@ -83,15 +107,27 @@ class ContinualConfig:
     seed: int = 0
 
     def check(self) -> None:
-        """Raise a one-line RankwiseError naming the first bad setting."""
+        """Raise one RankwiseError line naming every bad setting."""
+        bad = []
         if self.method not in METHODS:
-            raise RankwiseError(f"continual.method {self.method!r}: expected one of {list(METHODS)}")
+            bad.append(f"continual.method {self.method!r}: expected one of {list(METHODS)}")
+        if self.matcher not in MATCHERS:
+            bad.append(f"continual.matcher {self.matcher!r}: expected one of {list(MATCHERS)}")
+        if self.gate not in GATES:
+            bad.append(f"continual.gate {self.gate!r}: expected one of {list(GATES)}")
+        elif self.gate == "msp" and not 0 < self.tau <= 1:
+            bad.append(f"continual.tau {self.tau} with gate msp: give a probability in (0, 1] (e.g. 0.8)")
         for name in ("steps_per_task", "batch_size", "r", "max_length", "eval_per_class",
-                     "key_examples", "candidates"):
+                     "key_examples", "candidates", "tii_samples"):
             if getattr(self, name) < 1:
-                raise RankwiseError(f"continual.{name} must be >= 1, got {getattr(self, name)}")
+                bad.append(f"continual.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tii_steps", "tii_align_steps", "val_per_class"):
+            if getattr(self, name) < 0:
+                bad.append(f"continual.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.eval_fraction < 1:
-            raise RankwiseError(f"continual.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+            bad.append(f"continual.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if bad:
+            raise RankwiseError("; ".join(bad))
 
 
 def load_config(path: Path | None, overrides: dict | None = None) -> ContinualConfig:
@@ -140,8 +176,8 @@ def parse_tasks(spec: str | list[str], classes: tuple[str, ...]) -> list[list[st
 
 
 class _Data:
-    """Tokenized demo records of the tasks' classes: training pools, evaluation set, frozen
-    features of the key and evaluation examples."""
+    """Tokenized demo records of the tasks' classes: training pools, the validation split (the
+    last ``val_per_class`` training records of each class, held out) and the evaluation set."""
 
     def __init__(self, cfg: ContinualConfig, tasks: list[list[str]], tok):
         from rankwise.data.demo import PACKAGES, load_demo_records, split_of
@@ -158,9 +194,14 @@ class _Data:
                 raise RankwiseError(f"class {c!r} has no training or evaluation docstrings on this Python")
         ev = [r for c in self.classes for r in evals[c][:cfg.eval_per_class]]
         self.eval_ids, self.eval_y = self._encode(tok, ev, cfg.max_length), torch.tensor([label[r["package"]] for r in ev])
+        # validation split: the last val_per_class training records of each class (never trained on)
+        cut = {c: max(1, len(train[c]) - cfg.val_per_class) for c in self.classes}
+        val = [r for c in self.classes for r in train[c][cut[c]:]] if cfg.val_per_class else []
+        self.val_ids = self._encode(tok, val, cfg.max_length) if val else None
+        self.val_y = torch.tensor([label[r["package"]] for r in val], dtype=torch.long)
         self.train = {}
         for ti, t in enumerate(tasks):
-            recs = [r for c in t for r in train[c]]
+            recs = [r for c in t for r in (train[c][:cut[c]] if cfg.val_per_class else train[c])]
             self.train[ti] = (self._encode(tok, recs, cfg.max_length),
                               torch.tensor([label[r["package"]] for r in recs]))
 
@@ -169,10 +210,6 @@ class _Data:
         enc = tok([r["text"] for r in recs], truncation=True, max_length=max_length, padding="max_length",
                   return_tensors="pt")
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-
-
-def _rows(batch: dict, idx: torch.Tensor) -> dict:
-    return {k: v[idx] for k, v in batch.items()}
 
 
 class _Model:
@@ -224,68 +261,9 @@ class _Model:
     def features(self, batch: dict, module: str | None, chunk: int = 64) -> torch.Tensor:
         out = []
         for i in range(0, len(batch["input_ids"]), chunk):
-            self.forward(_rows(batch, torch.arange(i, min(i + chunk, len(batch["input_ids"])))), module)
+            self.forward(rows_of(batch, torch.arange(i, min(i + chunk, len(batch["input_ids"])))), module)
             out.append(self.feature.float())
         return torch.cat(out)
-
-
-def _masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Logits with every class outside ``allowed`` (a class mask) set to -inf."""
-    return logits.masked_fill(~allowed, float("-inf"))
-
-
-class _EvalCache:
-    """Evaluation logits per (module, example), computed once per evaluation point."""
-
-    def __init__(self, net: _Model, batch: dict, chunk: int = 64):
-        self.net, self.batch, self.chunk, self.rows = net, batch, chunk, {}
-
-    @torch.no_grad()
-    def logits(self, modules: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = [None] * len(ids)
-        for m in modules.unique().tolist():
-            have = self.rows.setdefault(m, {})
-            todo = sorted({int(i) for i, mm in zip(ids, modules) if int(mm) == m and int(i) not in have})
-            for s in range(0, len(todo), self.chunk):
-                part = torch.tensor(todo[s:s + self.chunk])
-                for i, row in zip(part.tolist(), self.net.forward(_rows(self.batch, part), f"task{m}")):
-                    have[i] = row.float()
-            for k, (i, mm) in enumerate(zip(ids.tolist(), modules.tolist())):
-                if mm == m:
-                    out[k] = have[i]
-        return torch.stack(out)
-
-
-def hybrid_rematch(cfg: ContinualConfig, get, matched: torch.Tensor, class_task: torch.Tensor,
-                   allowed: torch.Tensor, multi: bool) -> dict[str, torch.Tensor]:
-    """Predictions of every inference rule from the matched modules.
-
-    Args:
-        get: ``get(modules, rows) -> logits`` of the given rows under the given modules.
-        matched: Initially matched module per example.
-        class_task: Task of each class.
-        allowed: Mask of the classes seen so far.
-        multi: More than one task seen (the code re-matches by confidence only then).
-
-    Returns:
-        ``{"match", "direct", "hrm"}`` -> predicted class per example.
-    """
-    rows = torch.arange(len(matched))
-    first = _masked(get(matched, rows), allowed)
-    direct_mod, switched = direct_rematch(matched, first, class_task)
-    second = first.clone()
-    if switched.any():
-        second[switched] = _masked(get(direct_mod[switched], rows[switched]), allowed)
-    hrm = second.clone()
-    unsure = low_confidence(first, cfg.tau) if multi else torch.zeros_like(switched)
-    if unsure.any():
-        k = min(cfg.candidates, int(allowed.sum()))
-        cands = candidate_tasks(first[unsure], class_task, k)        # (u, k)
-        options = [second[unsure]] + [_masked(get(cands[:, j], rows[unsure]), allowed) for j in range(k)]
-        stack = torch.stack(options, dim=1)                           # (u, 1 + k, C)
-        best = confidence(stack, cfg.temperature).argmax(-1)
-        hrm[unsure] = stack[torch.arange(len(best)), best]
-    return {"match": first.argmax(-1), "direct": second.argmax(-1), "hrm": hrm.argmax(-1)}
 
 
 def _per_task(pred: torch.Tensor, y: torch.Tensor, task_of: torch.Tensor, seen: int) -> list[float]:
@@ -308,7 +286,9 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
 
     Returns:
         ``{"config", "tasks", "rules": {rule: {"matrix", "average_accuracy", "forgetting"}},
-        "rematch": {...}}``; ``sequential``/``joint`` have the single rule ``single``.
+        "rematch": {matcher: {counter: one value per task}}, "primary", "head_drift"}``;
+        ``primary`` is the method's own rule (``<matcher>:hrm``); ``sequential``/``joint`` have
+        the single rule ``single``.
     """
     cfg.check()
     from rankwise.data.demo import PACKAGES
@@ -322,11 +302,15 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
     eval_task = data.class_task[data.eval_y]
     say = (lambda s: console.print(s)) if console is not None else (lambda s: None)
     per_module = cfg.method in ("hrm-pet", "key-match")
-    eval_feats = net.features(data.eval_ids, None) if per_module else None
-    key_feats = [net.features(_rows(data.train[t][0], torch.arange(min(cfg.key_examples, len(data.train[t][1])))),
-                              None) for t in range(T)] if per_module else None
+    if per_module:
+        eval_feats = net.features(data.eval_ids, None)
+        val_feats = net.features(data.val_ids, None) if data.val_ids is not None else None
+        train_feats = [net.features(data.train[t][0], None) for t in range(T)]
+        key_feats = [f[:cfg.key_examples] for f in train_feats]
+        tii = TaskIdentity(eval_feats.shape[1], len(classes), cfg.seed)
+        val_task = data.class_task[data.val_y]
     matrices = {r: [] for r in (RULES if per_module else ("single",))}
-    counts = {"switched": [], "unsure": []}
+    counts = {m: {} for m in MATCHERS}
     head_after = []  # head rows after each task: earlier tasks' rows must not move (masked logits)
 
     def train_on(batch_of, steps, allowed, params, teachers):
@@ -343,7 +327,7 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
                     net.forward(batch, m)
                     old.append(net.feature.detach())
             logits = net.forward(batch, current)
-            loss = torch.nn.functional.cross_entropy(_masked(logits, allowed), y)
+            loss = torch.nn.functional.cross_entropy(masked(logits, allowed), y)
             for f in old:
                 loss = loss + cfg.distill_weight * relation_distillation(net.feature, f)
             losses["loss"] = float(loss.detach())
@@ -362,7 +346,7 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
                 state["perm"], state["pos"] = torch.randperm(len(ids), generator=gen), 0
             idx = state["perm"][state["pos"]:state["pos"] + cfg.batch_size]
             state["pos"] += cfg.batch_size
-            return _rows(enc, idx), ids[idx]
+            return rows_of(enc, idx), ids[idx]
         return next_batch
 
     if cfg.method == "joint":
@@ -370,7 +354,7 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
         params = net.add(current)
         allowed = torch.ones(len(classes), dtype=torch.bool)
         train_on(sampler([data.train[t] for t in range(T)]), cfg.steps_per_task * T, allowed, params, [])
-        logits = torch.cat([net.forward(_rows(data.eval_ids, torch.arange(i, min(i + 64, len(data.eval_y)))), current)
+        logits = torch.cat([net.forward(rows_of(data.eval_ids, torch.arange(i, min(i + 64, len(data.eval_y)))), current)
                             for i in range(0, len(data.eval_y), 64)]).detach()
         matrices["single"] = [_per_task(logits.argmax(-1), data.eval_y, eval_task, T)]
         out = {"single": {"matrix": matrices["single"], "average_accuracy": sum(matrices["single"][0]) / T,
@@ -393,32 +377,38 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
         head_after.append(torch.cat([net.head.weight, net.head.bias[:, None]], 1).detach().clone())
         mask = eval_task <= t
         rows_y, rows_task = data.eval_y[mask], eval_task[mask]
-        batch = _rows(data.eval_ids, mask.nonzero().flatten())
+        batch = rows_of(data.eval_ids, mask.nonzero().flatten())
         if cfg.method == "sequential":
             with torch.no_grad():
-                logits = torch.cat([net.forward(_rows(batch, torch.arange(i, min(i + 64, len(rows_y)))), current)
+                logits = torch.cat([net.forward(rows_of(batch, torch.arange(i, min(i + 64, len(rows_y)))), current)
                                     for i in range(0, len(rows_y), 64)])
-            pred = _masked(logits, seen_classes).argmax(-1)
+            pred = masked(logits, seen_classes).argmax(-1)
             matrices["single"].append(_per_task(pred, rows_y, rows_task, t + 1))
             continue
-        keys = task_keys(torch.cat(key_feats[:t + 1]),
-                         torch.cat([torch.full((len(f),), j) for j, f in enumerate(key_feats[:t + 1])]), t + 1)
-        matched = match_keys(eval_feats[mask], keys)
-        cache = _EvalCache(net, batch)
-        preds = hybrid_rematch(cfg, cache.logits, matched, data.class_task, seen_classes, multi=t > 0)
-        preds["oracle"] = _masked(cache.logits(rows_task, torch.arange(len(rows_y))), seen_classes).argmax(-1)
+        tii.learn_task(train_feats[t], data.train[t][1], allowed_train, cfg.tii_steps, cfg.tii_lr)
+        if t > 0:
+            tii.align(seen_classes, cfg.tii_align_steps, cfg.tii_lr, cfg.tii_samples)
+        vmask = val_task <= t
+        m_eval = matchers(t, key_feats, tii, eval_feats[mask], data.class_task, seen_classes)
+        m_val = (matchers(t, key_feats, tii, val_feats[vmask], data.class_task, seen_classes)
+                 if val_feats is not None else {m: torch.zeros(0, dtype=torch.long) for m in MATCHERS})
+        cache = EvalCache(net, batch)
+        vcache = EvalCache(net, rows_of(data.val_ids, vmask.nonzero().flatten())) if val_feats is not None else None
+        preds, point = score_point(cfg, t, m_eval, m_val, cache, vcache, rows_y,
+                                   data.val_y[vmask], data.class_task, seen_classes)
+        preds["oracle"] = masked(cache.logits(rows_task, torch.arange(len(rows_y))), seen_classes).argmax(-1)
         for rule in RULES:
             matrices[rule].append(_per_task(preds[rule], rows_y, rows_task, t + 1))
-        first = _masked(cache.logits(matched, torch.arange(len(rows_y))), seen_classes)
-        counts["switched"].append(int(direct_rematch(matched, first, data.class_task)[1].sum()))
-        counts["unsure"].append(int(low_confidence(first, cfg.tau).sum()) if t > 0 else 0)
-        counts.setdefault("match_task_accuracy", []).append(float((matched == rows_task).float().mean()))
+        for m in MATCHERS:
+            point[m]["match_task_accuracy"] = float((m_eval[m] == rows_task).float().mean())
+            for k, v in point[m].items():
+                counts[m].setdefault(k, []).append(v)
         say(f"task {t + 1}/{T}: " + "  ".join(f"{r} {sum(matrices[r][-1]) / (t + 1):.3f}" for r in RULES))
     out = {r: {"matrix": m, **summary(m)} for r, m in matrices.items()}
     drift = max(float((head_after[-1][data.class_task == j] - head_after[j][data.class_task == j]).abs().max())
                 for j in range(T))
     return {"config": asdict(cfg), "tasks": tasks, "rules": out, "rematch": counts if per_module else None,
-            "head_drift": drift}
+            "primary": f"{cfg.matcher}:hrm" if per_module else "single", "head_drift": drift}
 
 
 def continual_command(config: Path, tasks: str, method: str | None, out: Path | None) -> dict:

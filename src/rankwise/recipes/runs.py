@@ -48,6 +48,7 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("data", "select"), lambda v: not v.get("method") and not v.get("from_")),  # all data
                (("data", "chosen_field"), "chosen"), (("data", "rejected_field"), "rejected"),  # dpo
                (("data", "schedule"), "none"), (("data", "schedule_linear"), None),  # skrull
+               (("data", "schedule_bucket"), None),
                (("train", "compile"), False),
                (("train", "distributed_step_timeout_s"), None),
                (("compress", "restore"), lambda v: not isinstance(v, dict) or not v.get("enabled")),  # RestoreLCC off

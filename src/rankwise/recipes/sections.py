@@ -122,6 +122,9 @@ class DataConfig:
             the same examples and loss per step; ``docs/skrull.md``).
         schedule_linear: ``a / b`` of Skrull's cost model in tokens (``null``: 12 x the
             model's hidden size).
+        schedule_bucket: Skrull's memory cap (the paper's BucketSize): the most padded tokens
+            ``n x L_max`` of one micro-batch (``null``: no cap). A longer sequence is refused
+            (no context parallelism here to split it).
         select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
         order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
             ``gain-rl`` (``task.name: grpo``: prompts sorted by GAIN-RL's angle concentration,
@@ -155,6 +158,7 @@ class DataConfig:
     validation_fraction: float = 0.1
     schedule: Literal["none", "skrull"] = "none"
     schedule_linear: Union[float, None] = None
+    schedule_bucket: Union[int, None] = None
     select: SelectConfig = field(default_factory=SelectConfig)
     order: Literal["uniform", "gain-rl"] = "uniform"
     question_free: bool = False
@@ -176,6 +180,10 @@ class DataConfig:
                        "makes equal blocks; set one of data.schedule: none or data.packing: false")
         if self.schedule_linear is not None and not self.schedule_linear > 0:
             out.append(f"schedule_linear: got {self.schedule_linear}; expected tokens > 0 or null")
+        if self.schedule_bucket is not None and not self.schedule_bucket > 0:
+            out.append(f"schedule_bucket: got {self.schedule_bucket}; expected padded tokens > 0 or null")
+        if self.schedule_bucket is not None and self.schedule != "skrull":
+            out.append("schedule_bucket caps Skrull's micro-batches; set data.schedule: skrull or remove it")
         if not 0.0 < self.validation_fraction < 1.0:
             out.append(f"validation_fraction: got {self.validation_fraction}; expected a value in (0, 1)")
         if not 0.0 < self.eval_fraction < 1.0:

@@ -91,7 +91,7 @@ class Session:
         if d.schedule != "skrull":
             return None
         return Skrull.for_model(self.model, dist.world, dist.rank, self.cfg.train.grad_accum,
-                                d.schedule_linear)
+                                d.schedule_linear, d.schedule_bucket)
 
     def gain_rl(self):
         """GAIN-RL's sampler over the training prompts (their angle signals under the model as

@@ -85,6 +85,7 @@ class PoisonedExperts(nn.Module):
         self.scaling, self.noise_std, self.num_experts = scaling, float(noise_std), num_experts
         self.renormalize, self.stage, self.batches_seen = bool(renormalize), None, 0
         self.stats = RouterStats(num_experts + 1)
+        self.poison_gate = PoisonGate()
         self.token_mask: torch.Tensor | None = None   # the model's attention mask (hook-set)
 
     def poison_term(self, x: torch.Tensor, gate: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
@@ -108,6 +109,8 @@ class PoisonedExperts(nn.Module):
         normal = b.permute(1, 0, 2).reshape(b.shape[1], -1)                         # (out, E r)
         y = F.linear(routed, normal)                                                # (..., out)
         valid = valid_tokens(self.token_mask, x.shape[:-1])
+        mode = ("noisy" if self.stage == "poison" else "task") if self.training else "eval"
+        self.poison_gate.update(gate[..., -1], mode, valid)
         if self.training:
             noise = None
             if self.noise_std > 0:
@@ -163,13 +166,18 @@ class LopeLayer(UnmergeableLayer):
 
     def statistics(self) -> dict[str, Any]:
         """Protocol capability: router load per adapter (the last expert is the poisoning one;
-        its evaluation load is 0 because it is masked)."""
-        return {n: e.stats.as_dict() for n, e in self.experts.items()}
+        its evaluation load is 0 because it is masked), plus ``poison_gate``: the router's mean
+        weight ``g_p`` on the poisoning expert on stage 1's noisy data, on stage 2's task data
+        and on evaluation data (before masking), :class:`PoisonGate`."""
+        return {n: {**e.stats.as_dict(), "poison_gate": e.poison_gate.as_dict()}
+                for n, e in self.experts.items()}
 
     def reset_statistics(self, modes: tuple[str, ...] = RouterStats.MODES) -> None:
-        """Protocol capability: forget the load sums of ``modes``."""
+        """Protocol capability: forget the load sums of ``modes`` (``train`` also forgets the
+        noisy- and task-data gate means)."""
         for e in self.experts.values():
             e.stats.reset(modes)
+            e.poison_gate.reset(modes)
 
     # ----- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +192,40 @@ class LopeLayer(UnmergeableLayer):
     def extra_repr(self) -> str:
         return ", ".join(f"{n}: r={s['r']}, experts={s['num_experts']}+poison"
                          for n, s in self.settings.items())
+
+
+class PoisonGate:
+    """Mean router weight of the poisoning expert, ``mean g_p(x)`` over real tokens, per kind
+    of data: ``noisy`` (stage-1 training forwards on generated noisy data), ``task`` (stage-2
+    training forwards on the task data) and ``eval`` (evaluation forwards, the weight the
+    router gives before the expert is masked). A large ``task``/``eval`` value means the router
+    sends clean inputs to the poisoning expert, so masking it removes task signal; the reading
+    LoPE rests on wants ``noisy`` well above ``eval``.
+    """
+
+    KINDS = ("noisy", "task", "eval")
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list[torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def update(self, g_p: torch.Tensor, kind: str, valid: torch.Tensor | None = None) -> None:
+        """Add one forward's ``g_p (...)`` (positions where ``valid`` is unset are padding)."""
+        w = g_p.detach().float().reshape(-1)
+        if valid is not None:
+            w = w[valid.reshape(-1).to(w.device)]
+        acc = self._sums.setdefault(kind, [torch.zeros((), device=w.device), torch.zeros((), device=w.device)])
+        acc[0] += w.sum()
+        acc[1] += w.numel()
+
+    def reset(self, modes: tuple[str, ...]) -> None:
+        """Forget ``eval`` when ``"eval"`` is in ``modes``, ``noisy`` and ``task`` for ``"train"``."""
+        for kind in (("noisy", "task") if "train" in modes else ()) + (("eval",) if "eval" in modes else ()):
+            self._sums.pop(kind, None)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{kind: {"mean": mean g_p, "tokens": count}}`` for the kinds seen."""
+        return {k: {"mean": float(s / n.clamp_min(1)), "tokens": int(n)} for k, (s, n) in self._sums.items()}
 
 
 class NoiseInjection(nn.Module):

@@ -3,6 +3,7 @@ Edge"; OpenReview DqRbfiTdKK). No official code exists; choices are in the class
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -28,12 +29,17 @@ class LeffConfig:
             softmax of block importance.
         normalize: Divide importances by their sum before the softmax (the reading used
             before the paper's plain softmax was restored; off by default).
+        refresh: Clients measure the importance again in every round they train (on the
+            global model they received); ``false``: only on first contact, so the full
+            backward over all base weights runs once per client instead of once per round
+            (the sampling then keeps the first round's probabilities).
     """
 
     name: str = "leff"
     capacities: list[int] = field(default_factory=lambda: [1, 2, 3])
     temperature: float = 1.0
     normalize: bool = False
+    refresh: bool = True
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings."""
@@ -111,6 +117,13 @@ def client_importance(client: Any) -> list[float]:
                             7 + client.partition_id)
 
 
+def _timed_importance(client: Any) -> dict[str, Any]:
+    """``{IMPORTANCE: per-layer importance, IMPORTANCE_S: seconds it took}``."""
+    start = time.perf_counter()
+    imp = client_importance(client)
+    return {keys.IMPORTANCE: imp, keys.IMPORTANCE_S: round(time.perf_counter() - start, 4)}
+
+
 class Leff(AdapterStrategy):
     """LEFF (Shen et al. 2025), per round: (1) each client declares its capacity L_i (a query
     message on first contact); (2) the server samples one block of L_i consecutive layers with
@@ -122,10 +135,18 @@ class Leff(AdapterStrategy):
     the clients that trained it, layers nobody trained keep their value.
 
     Choices: the trained tensors are whatever the run's method trains (LoRA factors, or the
-    full weights with ``method: full``, the paper's setting); the paper does not say where the
-    importance's gradients are computed (its conclusion counts it as server load, and the
-    server has no labelled data of the clients'), so each client computes it on the global
-    model with its own batch, keeping the data local; stage 3 (distilling the untrained layers
+    full weights with ``method: full``, the paper's setting); the paper counts the importance
+    computation as server load, but the server here has no labelled data (the clients' stays
+    local, and the public proxy set the paper's server would use belongs to stage 3, not
+    built), so each client computes it on the global model with its own batch. Its cost,
+    stated because it is what LEFF exists to avoid: one forward and one backward through the
+    *whole* model with gradients for *all* base weights (a full-parameter step's compute and
+    gradient memory, besides the block's local steps), every round (``refresh: false``: once
+    per client); the seconds it took are logged per client and round (``importance_s`` in
+    ``rounds.jsonl``), as are each client's block probabilities (``block_probabilities``). The
+    plain softmax of raw ``sum |g theta|`` grows with parameters per layer, so the choice is
+    close to deterministic on larger models (logged, not changed: it is the paper's rule as
+    read). Stage 3 (distilling the untrained layers
     into a smaller frozen student on a public proxy set) is not implemented: clients run the
     frozen layers as they are, which removes the approximation error Delta^2 of the paper's
     bound and costs the clients the full frozen forward; what the distillation would cost in
@@ -137,8 +158,11 @@ class Leff(AdapterStrategy):
     @classmethod
     def pre_train_metrics(cls, client: Any, config: Mapping[str, Any]) -> dict[str, Any]:
         """A block round's reply refreshes the per-layer importance, measured on the global
-        model the client received (before its local training changes it)."""
-        return {keys.IMPORTANCE: client_importance(client)} if config.get(keys.TRAIN_LAYERS) else {}
+        model the client received (before its local training changes it); not when the plan
+        says ``refresh: false``."""
+        if not config.get(keys.TRAIN_LAYERS) or not config.get(keys.REFRESH, True):
+            return {}
+        return _timed_importance(client)
 
     @classmethod
     def answer_query(cls, client: Any, config: Mapping[str, Any],
@@ -147,7 +171,7 @@ class Leff(AdapterStrategy):
         ``capacities`` list sent with the query, indexed by partition id) and importance."""
         caps = list(config.get(keys.CAPACITIES, [1]))
         cap = int(node_config.get(keys.CAPACITY, caps[client.partition_id % len(caps)]))
-        return {keys.CAPACITY: cap, keys.IMPORTANCE: client_importance(client)}
+        return {keys.CAPACITY: cap, **_timed_importance(client)}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -155,6 +179,8 @@ class Leff(AdapterStrategy):
         self.capacity: dict[int, int] = {}
         self.importance: dict[int, list[float]] = {}
         self.blocks: dict[int, list[int]] = {}  # last block per node (for the log)
+        self.probabilities: dict[int, list[float]] = {}  # the distribution it was drawn from
+        self.seconds: dict[int, float] = {}     # last importance pass per node (client-timed)
 
     def configure_train(self, server_round: int, arrays, config, grid):
         """Query unknown nodes for capacity and importance, then send plans (see base class)."""
@@ -175,6 +201,8 @@ class Leff(AdapterStrategy):
         imp = metrics.get(keys.IMPORTANCE)
         if isinstance(imp, list) and imp:
             self.importance[node] = [float(v) for v in imp]
+        if keys.IMPORTANCE_S in metrics:
+            self.seconds[node] = float(metrics[keys.IMPORTANCE_S])
         if keys.PARTITION in metrics:
             self.partition_of[node] = int(metrics[keys.PARTITION])
 
@@ -187,7 +215,8 @@ class Leff(AdapterStrategy):
         start = self._rng.choices(range(len(probs)), weights=probs)[0]
         block = self.layers[start:start + min(cap, len(self.layers))]
         self.blocks[node_id] = block
-        return Plan(factors="AB", layers=block)
+        self.probabilities[node_id] = [round(p, 6) for p in probs]
+        return Plan(factors="AB", layers=block, extra={keys.REFRESH: bool(self.config.refresh)})
 
     def aggregate_train(self, server_round: int, replies):
         """Base aggregation, plus reading refreshed importances and logging the blocks."""
@@ -197,9 +226,11 @@ class Leff(AdapterStrategy):
                 self._read_report(r.metadata.src_node_id, dict(r.content.metric_records[keys.METRICS]))
         out = super().aggregate_train(server_round, replies)
         entry = self.history[-1]
-        entry["blocks"] = {f"partition {self.partition_of.get(n, '?')}": b  # node ids vary per run
-                           for n, b in sorted(self.blocks.items(), key=lambda nb: self._order(nb[0]))
-                           if n in self._expected}
+        nodes = [n for n in sorted(self.blocks, key=self._order) if n in self._expected]
+        name = lambda n: f"partition {self.partition_of.get(n, '?')}"  # node ids vary per run
+        entry["blocks"] = {name(n): self.blocks[n] for n in nodes}
+        entry["block_probabilities"] = {name(n): self.probabilities[n] for n in nodes}
+        entry["importance_s"] = {name(n): self.seconds[n] for n in nodes if n in self.seconds}
         return out
 
     def aggregate_updates(self, server_round: int, updates: list[Update]) -> list[str]:
