@@ -30,11 +30,12 @@ def tiny_bert_cls(num_labels: int = 3, seed: int = 0) -> nn.Module:
     return BertForSequenceClassification(cfg).eval()
 
 
-def tiny_gpt2_lm(seed: int = 0) -> nn.Module:
+def tiny_gpt2_lm(seed: int = 0, dropout: float = 0.0) -> nn.Module:
     """Return a 2-layer, 16-wide ``GPT2LMHeadModel`` (transformers ``Conv1D`` layers).
 
     Args:
         seed: Torch seed for the random weights.
+        dropout: Its residual, embedding and attention dropout (GPT-2's own default is 0.1).
 
     Returns:
         The model in eval mode.
@@ -42,8 +43,8 @@ def tiny_gpt2_lm(seed: int = 0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32,
-                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0)
+                     bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
+                     attn_pdrop=dropout)
     return GPT2LMHeadModel(cfg).eval()
 
 

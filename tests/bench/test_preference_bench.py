@@ -31,5 +31,6 @@ def test_pairs_take_a_rewarded_and_an_unrewarded_sample_of_one_prompt(monkeypatc
         "return the name\n", add_special_tokens=False)["input_ids"]
     assert ex["chosen_labels"][k:] == ex["chosen_ids"][k:]
 
-    qfft = bench.encode(tok, recs, question_free=True)
+    qfft = bench.encode(tok, recs, question_free=True)   # EOS as measured (bench.QFFT_EOS)
+    assert bench.QFFT_EOS is True
     assert [x["input_ids"] for x in qfft] == [special_prefix(tok) + words[r["completion"]] + [eos] for r in recs]

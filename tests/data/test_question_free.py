@@ -1,5 +1,6 @@
 """QFFT (``data.question_free``): the training rows are the responses alone — the first training
-batch's token ids are exactly ``prefix + response + EOS`` per row and share no token with the
+batch's token ids are exactly ``prefix + response`` per row (``+ EOS`` with
+``data.question_free_eos``; the released template adds none) and share no token with the
 questions — while the evaluation rows (and the prompts generation reads) keep the question;
 plain text data is refused with one line."""
 from __future__ import annotations
@@ -27,10 +28,11 @@ def records(n: int = 32) -> list[dict]:
     return [{"prompt": f"{QUESTIONS[i % 4]} {i}", "completion": RESPONSES[i % 4]} for i in range(n)]
 
 
-def raw_config(source: Path, fmt: str = "prompt-completion") -> dict:
+def raw_config(source: Path, fmt: str = "prompt-completion", eos: bool = False) -> dict:
     return {"model": {"path": "tiny-llama", "task": "causal-lm"},
             "data": {"source": str(source), "format": fmt, "max_length": 40, "eval_fraction": 0.25,
-                     "question_free": True, "chat_template": TEMPLATE if fmt == "chat" else None},
+                     "question_free": True, "question_free_eos": eos,
+                     "chat_template": TEMPLATE if fmt == "chat" else None},
             "method": {"name": "lora", "r": 2, "targets": ["q_proj", "v_proj"]},
             "train": {"steps": 1, "batch_size": 8, "progress": False}}
 
@@ -58,9 +60,11 @@ def tok():
 
 @pytest.mark.slow
 def test_training_sees_the_response_alone_and_evaluation_the_question(tmp_path, tok):
+    """Through the recipe with ``question_free_eos: true`` (the default, no EOS, is the Encoder
+    test below; this one also shows the key reaches the encoder)."""
     path = tmp_path / "pc.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records()))
-    session = prepare(load_run_config(None, base=raw_config(path)), device="cpu")
+    session = prepare(load_run_config(None, base=raw_config(path, eos=True)), device="cpu")
     prefix, eos, pad = special_prefix(tok), end_id(tok), tok.pad_token_id
 
     def words(text: str) -> list[int]:
@@ -92,7 +96,30 @@ def test_training_sees_the_response_alone_and_evaluation_the_question(tmp_path, 
     assert plain.prompt_ids(QUESTIONS[0])[len(prefix):] == words(QUESTIONS[0])  # generation asks the question
 
 
-def test_chat_keeps_the_assistant_turns_without_the_template(tmp_path, tok):
+@pytest.mark.parametrize("eos", [False, True])
+def test_prompt_completion_response_ends_with_eos_only_when_asked(tok, eos):
+    """Default (the released ``qwen_qfft`` template: ``{{content}}``, no EOS slot): ``prefix +
+    response``; ``question_free_eos``: ``prefix + response + EOS``."""
+    from rankwise.recipes.sections import DataConfig
+    assert DataConfig().question_free_eos is False
+    kw = {} if not eos else {"question_free_eos": True}
+    enc = Encoder(tok, "prompt-completion", 40, question_free=True, **kw)
+    recs = records(4)
+    out = enc({"prompt": [r["prompt"] for r in recs], "completion": [r["completion"] for r in recs]},
+              list(range(4)))
+    prefix, tail = special_prefix(tok), [end_id(tok)] if eos else []
+    for ids, labels, r in zip(out["input_ids"], out["labels"], recs):
+        assert ids == prefix + tok(r["completion"], add_special_tokens=False)["input_ids"] + tail
+        assert labels == [IGNORE] * len(prefix) + ids[len(prefix):]
+    plain = Encoder(tok, "prompt-completion", 40, question_free=True)
+    assert (enc.fingerprint("x") == plain.fingerprint("x")) is not eos    # the cache tells them apart
+    off = Encoder(tok, "prompt-completion", 40)
+    # without question_free the key has no effect, so it stays out of the cache key
+    assert off.fingerprint("x") == Encoder(tok, "prompt-completion", 40, question_free_eos=True).fingerprint("x")
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_chat_keeps_the_assistant_turns_without_the_template(tmp_path, tok, eos):
     convs = [{"messages": [{"role": "system", "content": "be brief"},
                            {"role": "user", "content": QUESTIONS[i % 4]},
                            {"role": "assistant", "content": RESPONSES[i % 4]},
@@ -100,18 +127,18 @@ def test_chat_keeps_the_assistant_turns_without_the_template(tmp_path, tok):
                            {"role": "assistant", "content": "ok"}]} for i in range(8)]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    enc = Encoder(tok, "chat", 40, chat_template=TEMPLATE, question_free=True)
+    enc = Encoder(tok, "chat", 40, chat_template=TEMPLATE, question_free=True, question_free_eos=eos)
     out = enc({"messages": [c["messages"] for c in convs]}, list(range(8)))
     words = tok(RESPONSES[0], add_special_tokens=False)["input_ids"]
     ok = tok("ok", add_special_tokens=False)["input_ids"]
-    eos = end_id(tok)
-    assert out["input_ids"][0] == special_prefix(tok) + words + [eos] + ok + [eos]
+    end = [end_id(tok)] if eos else []
+    assert out["input_ids"][0] == special_prefix(tok) + words + end + ok + end
     assert out["labels"][0][1:] == out["input_ids"][0][1:]
     asked = Encoder(tok, "chat", 40, chat_template=TEMPLATE)({"messages": [convs[0]["messages"]]}, [0])
     assert "zebra" in tok.decode(asked["input_ids"][0])                # the plain encoding keeps it
 
 
-@pytest.mark.parametrize("case", ["text", "train_on_prompt", "dpo"])
+@pytest.mark.parametrize("case", ["text", "train_on_prompt", "dpo", "eos_alone"])
 def test_bad_input_is_one_line(case, tmp_path):
     path = tmp_path / "pc.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records()))
@@ -122,9 +149,12 @@ def test_bad_input_is_one_line(case, tmp_path):
         raw["data"]["train_on_prompt"] = True
     if case == "dpo":
         raw["model"]["task"] = "dpo"
+    if case == "eos_alone":
+        raw["data"].update(question_free=False, question_free_eos=True)
     res = invoke("train", write_yaml(tmp_path / "c.yaml", raw), "--out", tmp_path / "run")
     needle = {"text": "plain text (data.format: text) has none",
               "train_on_prompt": "train_on_prompt has no prompt",
-              "dpo": "needs task.name: causal-lm (got dpo)"}[case]
+              "dpo": "needs task.name: causal-lm (got dpo)",
+              "eos_alone": "set question_free: true or remove question_free_eos"}[case]
     assert_user_error(res, "question_free", needle)
     assert not (tmp_path / "run").exists()

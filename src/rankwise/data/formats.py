@@ -19,10 +19,13 @@ dropped (kept as an empty row, so record numbers stay those of the file) and cou
 
 Question-free encoding (QFFT, ``data.question_free``; Liu et al. 2025, "QFFT, Question-Free
 Fine-Tuning for Adaptive Reasoning"): a training example is the response alone, ``prefix +
-response + EOS``, with no prompt tokens at all (not masked: absent). For chat the response is the
-assistant messages' contents, each ended by EOS, without the template's markers (the released
-code's ``qwen_qfft`` template writes every turn as its bare content); earlier assistant turns are
-cut from the left to fit, as a prompt is. :func:`rankwise.data.text.build_data` uses it for the
+response``, with no prompt tokens at all (not masked: absent). For chat the response is the
+assistant messages' contents, concatenated, without the template's markers (the released code's
+``qwen_qfft`` template writes every turn as its bare content); earlier assistant turns are cut
+from the left to fit, as a prompt is. The released template adds no end-of-sequence token
+(``format_assistant`` is ``{{content}}``, ``efficient_eos`` false), so none is added by default;
+``question_free_eos`` (``data.question_free_eos``) ends every response with EOS, which teaches
+the model to stop after each one (it bears on the paper's response-length claim). :func:`rankwise.data.text.build_data` uses it for the
 training rows only; evaluation rows keep the question.
 """
 from __future__ import annotations
@@ -162,6 +165,8 @@ class Encoder:
             ``"{row}:{text}"``; a built-in source with a ``heldout`` column (``stdlib-source``)
             decides the split itself.
         question_free: Encode the response alone (QFFT; ``prompt-completion`` and ``chat``).
+        question_free_eos: With ``question_free``, end each response with EOS (the released
+            template adds none: the default).
         preset: A record layout of :mod:`rankwise.data.presets` (``alpaca``: ``fmt`` is
             ``prompt-completion``; ``sharegpt``: ``chat``) turned into ``fmt``'s fields first.
         split_long: ``text`` (causal LM): a record becomes ``prefix + text + EOS`` cut into
@@ -184,6 +189,7 @@ class Encoder:
     eval_fraction: float | None = None
     use_id: bool = False
     question_free: bool = False
+    question_free_eos: bool = False
     preset: str | None = None
     split_long: bool = False
 
@@ -204,9 +210,11 @@ class Encoder:
 
     def fingerprint(self, source_fingerprint: str) -> str:
         """A cache key of this encoding of a dataset whose fingerprint is given."""
+        fields = {k: v for k, v in vars(self).items() if k != "tokenizer"}
+        if not self.question_free:  # no effect: the keys of the encodings cached before it stay
+            fields.pop("question_free_eos", None)
         parts = [VERSION, source_fingerprint, tokenizer_digest(self.tokenizer),
-                 json.dumps({k: v for k, v in vars(self).items() if k != "tokenizer"},
-                            sort_keys=True, default=str)]
+                 json.dumps(fields, sort_keys=True, default=str)]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     # ----- the map function ---------------------------------------------------------------------
@@ -289,8 +297,9 @@ class Encoder:
         return out
 
     def _response_only(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        """QFFT: ``prefix + response + EOS`` per record; the prompt (for chat: every message
-        that is not the assistant's) is left out, not masked."""
+        """QFFT: ``prefix + response`` per record (``+ EOS`` after each response with
+        ``question_free_eos``); the prompt (for chat: every message that is not the
+        assistant's) is left out, not masked."""
         if self.fmt == "prompt-completion":
             turns = [[str(c)] for c in batch[self.completion_field]]
         else:
@@ -305,7 +314,8 @@ class Encoder:
         ids = iter(self.tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
         out: dict[str, list] = {"input_ids": [], "labels": []}
         for conv in turns:
-            segs = [list(next(ids)) + [self.eos] for _ in conv]
+            end = [self.eos] if self.question_free_eos else []
+            segs = [list(next(ids)) + end for _ in conv]
             head, tail = [t for seg in segs[:-1] for t in seg], segs[-1]
             ids_, labels = self._fit(self.prefix, head, tail, head, tail)
             out["input_ids"].append(ids_)

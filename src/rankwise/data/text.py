@@ -369,7 +369,7 @@ def build_data(data_cfg, task, tokenizer, progress: bool = False) -> tuple[Arrow
         train_rows, eval_rows = np.flatnonzero(~held_out), np.flatnonzero(held_out)
     asked = train_ds  # the records with their questions (what evaluation reads)
     if data_cfg.question_free:  # QFFT: the training rows hold the responses alone
-        enc.question_free = True
+        enc.question_free, enc.question_free_eos = True, data_cfg.question_free_eos
         train_ds = _encode(data_cfg.source, data_cfg, enc, uses_labels)
     if data_cfg.holdout == "validation":  # carve from training, never eval
         eval_ds, (train_rows, eval_rows) = asked, validation_split(train_rows, data_cfg.validation_fraction)

@@ -53,7 +53,7 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("train", "distributed_step_timeout_s"), None),
                (("compress", "restore"), lambda v: not isinstance(v, dict) or not v.get("enabled")),  # RestoreLCC off
                (("data", "order"), "uniform"),  # grpo / gain-rl
-               (("data", "question_free"), False),  # qfft
+               (("data", "question_free"), False), (("data", "question_free_eos"), False),  # qfft
                (("data", "split_long"), False), (("model", "init"), "auto"),  # pretraining
                (("model", "train_tokenizer"), None), (("model", "adapter"), None),
                (("optim", "loraplus_lr_ratio"), None), (("optim", "loraplus_lr_embedding"), 1e-6),

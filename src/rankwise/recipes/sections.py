@@ -132,6 +132,8 @@ class DataConfig:
         question_free: QFFT (``prompt-completion`` / ``chat``): training examples are the
             responses alone, without any question token; evaluation keeps the question
             (:mod:`rankwise.data.formats`; ``docs/preference-rl.md``).
+        question_free_eos: With ``question_free``, end every response with EOS. Off by default,
+            as the released ``qwen_qfft`` template adds none (stopping is left to the model).
     """
 
     source: str = "demo"
@@ -162,6 +164,7 @@ class DataConfig:
     select: SelectConfig = field(default_factory=SelectConfig)
     order: Literal["uniform", "gain-rl"] = "uniform"
     question_free: bool = False
+    question_free_eos: bool = False
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -169,6 +172,9 @@ class DataConfig:
         if self.question_free and self.format == "text":
             out.append("question_free drops the question of prompt-completion or chat records, and "
                        "plain text (data.format: text) has none; set data.format or remove question_free")
+        if self.question_free_eos and not self.question_free:
+            out.append("question_free_eos ends question-free responses with EOS, and question_free "
+                       "is off; set question_free: true or remove question_free_eos")
         if self.question_free and self.train_on_prompt:
             out.append("question_free trains on the response alone, so train_on_prompt has no prompt "
                        "to train; set one of them false")

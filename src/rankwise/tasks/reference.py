@@ -80,4 +80,35 @@ def resolve(mode: str, section: str, trains_full: bool, from_adapter: bool, full
     return mode
 
 
-__all__ = ["WeightSnapshot", "reference", "resolve"]
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Switch every dropout of ``model`` off, as TRL's ``disable_dropout_in_model`` does.
+
+    The reference is the same network (adapters off, or its initial weights swapped in), so with
+    dropout on, the policy and reference forwards draw different masks and a fresh LoRA's first
+    DPO loss is not ``log 2``. Every dropout module (the base's and the adapters', e.g. LoRA's
+    ``lora_dropout``) gets ``p = 0``; so does a float ``attention_dropout`` attribute (Llama,
+    Qwen and Mistral attention pass it to the attention kernel instead of holding a module).
+    Works in place; the weights are untouched.
+
+    Args:
+        model: The model about to train.
+
+    Returns:
+        How many dropouts had a non-zero probability.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, DROPOUTS):
+            changed += module.p != 0
+            module.p = 0.0
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and not isinstance(rate, bool):
+            changed += rate != 0
+            module.attention_dropout = 0.0
+    return int(changed)
+
+
+__all__ = ["DROPOUTS", "WeightSnapshot", "disable_dropout", "reference", "resolve"]

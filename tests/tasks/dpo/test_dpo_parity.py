@@ -122,3 +122,39 @@ def test_evaluation_in_slices_of_whole_pairs_gives_the_same_metrics():
     assert whole.keys() == sliced.keys() and whole["eval_reward_margin"] != 0.0
     for key in whole:
         assert sliced[key] == pytest.approx(whole[key], abs=1e-6), key
+
+
+def long_pairs(seed: int = 11, n: int = 8, width: int = 20) -> list[dict]:
+    """``n`` pairs with a 4-token prompt and ``width``-token completions (the review's check)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt, c, r = (torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in (4, width, width))
+        out.append({"chosen_ids": prompt + c, "chosen_labels": [-100] * 4 + c,
+                    "rejected_ids": prompt + r, "rejected_labels": [-100] * 4 + r})
+    return out
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_first_loss_of_a_fresh_lora_is_log_2_on_a_model_with_dropout(disable):
+    """GPT-2 with dropout 0.1 (its own default) and LoRA dropout 0.1: with ``disable_dropout``
+    (TRL's default) the policy and the adapters-off reference are one function and the first
+    loss is log 2 to 1e-6; without it they draw different masks (the review measured 0.6884)."""
+    from rankwise.testing import tiny_gpt2_lm
+    model = tiny_gpt2_lm(seed=0, dropout=0.1)
+    registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=["c_attn", "c_fc"],
+                                                             dropout=0.1))
+    task = DPOTask(DPOConfig(beta=0.1, reference="adapters-off", disable_dropout=disable))
+    assert task.prepare(model, [], False, 8, "cpu") == "adapters-off"
+    drops = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(drops) > 10 and all(p == (0.0 if disable else 0.1) for p in drops)
+    model.train()
+    torch.manual_seed(0)
+    batch = task.collate(long_pairs(), pad_id=0)
+    total, out = task.loss_sum(model, batch)
+    loss = float(total.detach()) / task.count_targets(batch)
+    if disable:
+        assert loss == pytest.approx(math.log(2), abs=1e-6)
+        assert float(out.rewards.abs().max()) < 1e-6
+    else:
+        assert abs(loss - math.log(2)) > 1e-3                      # the old behaviour

@@ -124,6 +124,7 @@ def test_sigkill_then_resume_equals_uninterrupted(pairs_jsonl, tmp_path, task):
     raw = raw_config(pairs_jsonl, steps=4) if task == "dpo" else grpo_raw(tmp_path, steps=4)
     raw["train"].update(save_every=1, eval_every=0, threads=1)
     raw["method"]["dropout"] = 0.1                      # an RNG stream the resume must restore
+    raw[task]["disable_dropout"] = False                # (on by default, it would zero that dropout)
     ref = run(raw, tmp_path / "ref")
     cfg = write_yaml(tmp_path / "c.yaml", raw)
     out = tmp_path / "killed"

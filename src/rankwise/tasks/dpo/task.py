@@ -37,7 +37,7 @@ from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.errors import RankwiseError
 from rankwise.tasks.common import CausalLMTask, lm_example, write_records
 from rankwise.tasks.dpo.data import build_pair_data
-from rankwise.tasks.reference import WeightSnapshot, reference, resolve
+from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, resolve
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
@@ -58,6 +58,11 @@ class DPOConfig(TaskConfig):
             from a frozen copy of its trainable tensors, at every step; with ``model.adapter``
             or a full fine-tune), ``auto`` (``initial`` with ``model.adapter``, ``precomputed``
             for methods that train every weight, else ``adapters-off``).
+        disable_dropout: Set every dropout of the model (base and adapters) to ``p = 0`` before
+            training (:func:`rankwise.tasks.reference.disable_dropout`; TRL's ``DPOConfig``
+            default), so the policy and reference forwards see the same network and a fresh
+            adapter's first loss is ``log 2``. ``false``: dropout stays on in the training
+            forwards of both (the behaviour before this switch).
     """
 
     name: str = "dpo"
@@ -65,6 +70,7 @@ class DPOConfig(TaskConfig):
     beta: float = 0.1
     label_smoothing: float = 0.0
     reference: Literal["auto", "adapters-off", "precomputed", "initial"] = "auto"
+    disable_dropout: bool = True
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -261,7 +267,7 @@ class DPOTask(Task):
 
     def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
                 device: str) -> str:
-        """Resolve ``task.reference`` and, for ``precomputed``, store the reference log-probs of
+        """Switch dropout off (``task.disable_dropout``), resolve ``task.reference`` and, for ``precomputed``, store the reference log-probs of
         the model as it is now (before the first step) with each dataset (``ref_logps``); for
         ``initial``, copy its trainable tensors (:class:`~rankwise.tasks.reference.WeightSnapshot`).
 
@@ -272,6 +278,8 @@ class DPOTask(Task):
             RankwiseError: ``initial`` for an adapter trained from scratch.
         """
         mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "precomputed")
+        if self.config.disable_dropout:
+            disable_dropout(model)
         if mode == "initial":
             self.snapshot = WeightSnapshot(model)
         if mode == "precomputed":

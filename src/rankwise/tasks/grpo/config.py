@@ -56,7 +56,9 @@ class GRPOConfig(TaskConfig):
         reward_weights: One weight per reward (``null``: all 1); the reward is their weighted sum.
         num_generations: ``G``, completions per prompt (>= 2).
         max_completion_length: New tokens per completion, at most.
-        temperature: Sampling temperature of the groups (> 0).
+        temperature: Sampling temperature of the groups (> 0); the loss's and the reference's
+            log-probs are taken at it too (logits / ``temperature`` before the log-softmax, as
+            TRL 1.16's ``GRPOTrainer`` does), so they are those of the sampled distribution.
         top_p: Nucleus sampling mass.
         beta: KL strength ``beta`` (0: no reference forward).
         epsilon: Clip range below 1 (and above, unless ``epsilon_high``).
@@ -77,6 +79,10 @@ class GRPOConfig(TaskConfig):
             the run starts, from a frozen copy of its trainable tensors; with ``model.adapter``
             or a full fine-tune) or ``auto`` (``initial`` with ``model.adapter``, else
             ``adapters-off``).
+        disable_dropout: Set every dropout of the model (base and adapters) to ``p = 0`` before
+            training (:func:`rankwise.tasks.reference.disable_dropout`), so sampling, the
+            policy forward and the reference forward see one network and the KL starts at 0.
+            On by default here, as for DPO; TRL's ``GRPOConfig`` defaults it to false.
     """
 
     name: str = "grpo"
@@ -98,6 +104,7 @@ class GRPOConfig(TaskConfig):
     gain_rl: GainRLConfig = field(default_factory=GainRLConfig)
     rewards_dir: Union[str, None] = None
     reference: Literal["auto", "adapters-off", "initial"] = "auto"
+    disable_dropout: bool = True
 
     def problems(self) -> list[str]:
         """Return value errors."""

@@ -9,7 +9,9 @@ its reward relative to its group (``scale_rewards: group``)::
 
     A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)        (std with Bessel's correction)
 
-Per completion token ``t`` with ratio ``rho = pi(o_t) / pi_old(o_t)`` (``pi_old`` = the sampling
+Every log-prob below (policy and reference) is taken at the sampling temperature ``T``
+(``task.temperature``): ``log_softmax(logits / T)``, the distribution the completions were drawn
+from, as TRL 1.16 does. Per completion token ``t`` with ratio ``rho = pi(o_t) / pi_old(o_t)`` (``pi_old`` = the sampling
 policy: one update per generation, so ``rho = 1`` in value and its gradient is the policy
 gradient) and ``D = exp(ref - logp) - (ref - logp) - 1`` (the reference ``ref`` is the same
 network with its adapters switched off, :func:`rankwise.core.ops.disable_adapters`, or, for a run
@@ -50,7 +52,7 @@ from rankwise.tasks.common import lm_example, write_records
 from rankwise.tasks.grpo import rewards as R
 from rankwise.tasks.grpo.config import LOSS_TYPES, GainRLConfig, GRPOConfig  # noqa: F401  (re-exported)
 from rankwise.tasks.grpo.data import build_prompt_data
-from rankwise.tasks.reference import WeightSnapshot, reference, resolve
+from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, resolve
 
 
 
@@ -66,11 +68,24 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") ->
     return adv
 
 
-def token_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``(R, C)`` log-probs of the completion tokens (columns ``P..`` of ``input_ids``)."""
+def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """``(R, C)`` log-probs of the completion tokens (columns ``P..`` of ``input_ids``) under the
+    distribution they were sampled from: ``log_softmax(logits / temperature)``, as TRL 1.16's
+    ``GRPOTrainer`` computes its policy and reference log-probs.
+
+    Args:
+        model: The policy (or, inside :func:`~rankwise.tasks.reference.reference`, the reference).
+        batch: Prompt + completion rows (:func:`rows_of`).
+        temperature: The sampling temperature (> 0; 1: the plain softmax).
+
+    Returns:
+        ``(R, C)`` float32 log-probs (padding columns hold values the completion mask drops).
+    """
     width = batch["completion_mask"].shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     logits = out.logits[:, -width - 1:-1].float()                   # (R, C, V): predicts completion
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = batch["input_ids"][:, -width:]
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
 
@@ -145,9 +160,12 @@ class GRPOTask(Task):
                 "data": torch.tensor([it["data"] for it in items])}
 
     def prepare(self, model, datasets, trains_full, batch_size, device):
-        """Remember the datasets (their texts and fields feed the rewards) and the EOS token;
-        resolve ``task.reference`` (``initial``: copy the trainable tensors now)."""
+        """Switch dropout off (``task.disable_dropout``); remember the datasets (their texts and
+        fields feed the rewards) and the EOS token; resolve ``task.reference`` (``initial``: copy
+        the trainable tensors now)."""
         mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "adapters-off")
+        if self.config.disable_dropout:
+            disable_dropout(model)
         if mode == "initial" and self.config.beta != 0.0:
             self.snapshot = WeightSnapshot(model)
         for d in datasets:
@@ -207,7 +225,7 @@ class GRPOTask(Task):
         out.update(advantages=adv.to(device), rewards=rewards.to(device))
         if c.beta != 0.0:
             with reference(model, self.snapshot):
-                out["ref_logps"] = token_logps(model, out)
+                out["ref_logps"] = token_logps(model, out, c.temperature)
         if model.training:
             self._log(data, rows, texts, values, rewards, adv, out["completion_mask"])
         return out
@@ -238,7 +256,7 @@ class GRPOTask(Task):
         if "completion_mask" not in batch:
             batch = self.rollout(model, batch)
         c = self.config
-        logps = token_logps(model, batch)
+        logps = token_logps(model, batch, c.temperature)
         mask = batch["completion_mask"].float()
         eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
         old = logps.detach()  # pi_old: the sampling policy, one update per rollout (TRL's rule)
