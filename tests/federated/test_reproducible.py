@@ -25,9 +25,10 @@ def write_config(tmp_path, **federated):
 
 
 def numbers(run) -> list[dict]:
-    """Every line of ``rounds.jsonl`` without the wall-clock entry."""
+    """Every line of ``rounds.jsonl`` without the wall-clock entries (the round's ``time_s``,
+    LEFF's per-client ``importance_s``)."""
     lines = [json.loads(x) for x in (run / "rounds.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in e.items() if k != "time_s"} for e in lines]
+    return [{k: v for k, v in e.items() if k not in ("time_s", "importance_s")} for e in lines]
 
 
 class TwoProcesses(LocalGrid):
