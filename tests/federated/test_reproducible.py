@@ -112,7 +112,13 @@ def test_a_node_served_by_another_process_ends_the_same(tmp_path, strategy, monk
     path = write_config(tmp_path, strategy=strategy, clients=2, rounds=4, local_steps=2)
     run_inprocess(path, tmp_path / "one")
     run_inprocess(path, tmp_path / "two", grid=TwoProcesses(path))
-    assert numbers(tmp_path / "one") == numbers(tmp_path / "two")
+    # LEFF's logged block probabilities come from each client's importance pass, a gradient
+    # reduction whose last digits follow the serving process's threads; the blocks drawn from
+    # them, the losses and the bytes must still be equal
+    one, two = numbers(tmp_path / "one"), numbers(tmp_path / "two")
+    for e in one + two:
+        e.pop("block_probabilities", None)
+    assert one == two
 
 
 def test_frozen_head_never_trains_or_travels(tmp_path):

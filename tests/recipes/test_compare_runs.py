@@ -170,6 +170,9 @@ def test_ctrl_c_stops_every_job_and_keeps_finished_runs(config, tmp_path):
     os.killpg(proc.pid, signal.SIGINT)                        # what Ctrl-C in a terminal sends
     assert proc.wait(timeout=120) == 130
     said = proc.stdout.read().decode().strip().splitlines()
+    # (a loaded machine can add multiprocessing's resource_tracker line about a semaphore of a
+    # killed worker after ours; it is Python's shutdown, not the command's last word)
+    said = [line for line in said if "resource_tracker" not in line and "warnings.warn(" not in line]
     assert said[-1] == "interrupted; rerun the same command to continue", said[-5:]
     finished = {p: p.stat().st_mtime_ns for p in out.glob("lora/seed*/metrics.json")}
     assert finished and len(finished) < 3
@@ -231,7 +234,7 @@ def test_one_compare_process_keeps_its_memory_flat_over_six_minilm_runs(tmp_path
             "data": {"source": "demo", "max_length": 32, "eval_fraction": 0.2},
             "method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
             "optim": {"name": "adamw", "lr": 0.003},
-            "train": {"steps": 4, "batch_size": 32, "eval_batch_size": 128, "eval_every": 0,
+            "train": {"steps": 2, "batch_size": 32, "eval_batch_size": 128, "eval_every": 0,
                       "save_every": 0, "progress": False}}
     gc.collect()
     gc.disable()

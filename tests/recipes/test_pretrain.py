@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from click.testing import CliRunner
 from rankwise.data.corpus import load_source_records
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.train import train
-from tests.recipes.test_train import default_sigint
+from tests.recipes.test_train import start_and_wait_for_checkpoint
 from tests.recipes.torchrun_helpers import ENV, losses, torchrun
 
 pytestmark = pytest.mark.slow
@@ -88,14 +87,7 @@ def test_sigkill_then_resume_equals_uninterrupted(run, corpus, config_only, tmp_
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(raw(corpus, config_only)))
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "rankwise", "train", str(cfg), "--out", str(out)],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, preexec_fn=default_sigint)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "checkpoints" / "step-0000002" / "meta.json").exists():
-        if proc.poll() is not None:
-            pytest.fail(f"training exited early: {proc.stderr.read().decode()[-500:]}")
-        time.sleep(0.02)
+    proc = start_and_wait_for_checkpoint(cfg, out, step=2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "metrics.json").exists(), "run finished before the kill"

@@ -119,13 +119,16 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start_and_wait_for_checkpoint(cfg: Path, out: Path) -> subprocess.Popen:
+def start_and_wait_for_checkpoint(cfg: Path, out: Path, step: int = 5) -> subprocess.Popen:
+    """Start ``rankwise train CFG --out OUT`` in a process of its own and return it once the
+    checkpoint of ``step`` is complete (its ``meta.json`` is written last); fail the test if the
+    run exits first or takes over two minutes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([RANKWISE, "train", str(cfg), "--out", str(out)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=default_sigint)
     deadline = time.time() + 120
-    while time.time() < deadline and not (out / "checkpoints" / "step-0000005" / "meta.json").exists():
+    while time.time() < deadline and not (out / "checkpoints" / f"step-{step:07d}" / "meta.json").exists():
         if proc.poll() is not None:
             pytest.fail(f"training exited early: {proc.stderr.read().decode()[-500:]}")
         time.sleep(0.05)
@@ -137,7 +140,7 @@ def _start_and_wait_for_checkpoint(cfg: Path, out: Path) -> subprocess.Popen:
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     cfg = _write_cfg(tmp_path, steps=40)   # the kill lands at the step-5 checkpoint: 35 steps of room
     train(load_run_config(cfg), tmp_path / "ref")   # the reference needs no process of its own
-    proc = _start_and_wait_for_checkpoint(cfg, tmp_path / "killed")
+    proc = start_and_wait_for_checkpoint(cfg, tmp_path / "killed")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "killed" / "metrics.json").exists(), "run finished before the kill"
@@ -153,7 +156,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_writes_checkpoint_and_exits_cleanly(tmp_path):
     cfg = _write_cfg(tmp_path, steps=400)
-    proc = _start_and_wait_for_checkpoint(cfg, tmp_path / "int")
+    proc = start_and_wait_for_checkpoint(cfg, tmp_path / "int")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()[-500:]

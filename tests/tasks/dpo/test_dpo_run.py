@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +23,7 @@ from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_tokenizer
 from rankwise.recipes.train import prepare, train
 from test_cli_errors import assert_user_error, invoke, write_yaml
-from tests.recipes.test_train import default_sigint
+from tests.recipes.test_train import start_and_wait_for_checkpoint
 
 
 def pair_records(n: int = 24) -> list[dict]:
@@ -128,14 +124,7 @@ def test_sigkill_then_resume_equals_uninterrupted(pairs_jsonl, tmp_path, task):
     ref = run(raw, tmp_path / "ref")
     cfg = write_yaml(tmp_path / "c.yaml", raw)
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "rankwise", "train", str(cfg), "--out", str(out)],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, preexec_fn=default_sigint)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "checkpoints" / "step-0000001" / "meta.json").exists():
-        if proc.poll() is not None:
-            pytest.fail(f"training exited early: {proc.stderr.read().decode()[-500:]}")
-        time.sleep(0.02)
+    proc = start_and_wait_for_checkpoint(cfg, out, step=1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "metrics.json").exists(), "the run finished before the kill"
@@ -215,7 +204,7 @@ def test_bad_input_is_one_line(case, tmp_path):
 def test_dpo_section_defaults_are_recorded():
     cfg = load_run_config(None, base={"model": {"path": "tiny-llama"}, "task": {"name": "dpo"}})
     assert cfg.to_dict()["task"] == {"name": "dpo", "loss": "sigmoid", "beta": 0.1,
-                                     "label_smoothing": 0.0, "reference": "auto"}
+                                     "label_smoothing": 0.0, "reference": "auto", "disable_dropout": True}
     assert get_task(cfg.task).config is cfg.task
     old = load_run_config(None, base={"model": {"path": "tiny-llama", "task": "dpo"}})  # old spelling
     assert old.to_dict() == cfg.to_dict()
