@@ -6,37 +6,15 @@ byte-identical after the command. (train, compare, compress, federated, demo:
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
-from rankwise.cli import main
 from rankwise.recipes import folders
-from rankwise.testing import error_lines
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line(res, *needles) -> str:
-    assert res.exit_code == 2, res.output
-    lines = error_lines(res.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.output
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
-
-
-def tree(folder: Path) -> dict[str, str]:
-    """``{relative path: sha256}`` of every file under ``folder`` (hidden ones included)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+from test_folder_kinds import invoke, one_line, tree  # the checks every folder-writing command shares
 
 
 def _write(folder: Path, files: dict[str, str]) -> Path:
