@@ -198,6 +198,18 @@ def test_a_comparison_resumed_with_other_threads_still_owns_its_runs(config, tmp
     assert numbers(again) == numbers(first)
 
 
+def test_a_run_recorded_in_the_old_task_spelling_is_owned_by_the_new_one(tmp_path):
+    """A comparison recorded with ``model.task`` and resumed after its config moved to
+    ``task:`` still owns its folders (the same plan, spelled twice); another plan does not."""
+    old = {"model": {"path": "demo", "task": "classification"}, "method": {"name": "lora"},
+           "train": {"threads": 1}}
+    new = {"model": {"path": "demo"}, "task": {"name": "classification"}, "method": {"name": "lora"}}
+    (tmp_path / runs.PLAN).write_text(json.dumps({"plan": old, "config_sha256": "x"}))
+    runs.check_owned(tmp_path, new)
+    with pytest.raises(RankwiseError, match="not this comparison's"):
+        runs.check_owned(tmp_path, {**new, "method": {"name": "dora"}})
+
+
 def test_every_committed_comparison_record_is_still_reused():
     """The per-run records committed under bench/results/ are reused by a rerun of their table's
     command only while their resolved config hashes as it did: a new config key must enter the

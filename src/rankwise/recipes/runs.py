@@ -97,14 +97,18 @@ def read_plan(run_dir: Path) -> tuple[Any, str | None]:
 
 
 def _comparable(raw: Any) -> Any:
-    """A plan without the settings that do not change results (:data:`NOT_RESULTS`), so a
-    comparison resumed with another ``--set train.threads=...`` still owns its folders."""
+    """A plan in the new spelling, without the settings that do not change results
+    (:data:`NOT_RESULTS`), so a comparison resumed with another ``--set train.threads=...``, or
+    with its config moved from ``model.task`` to ``task:``, still owns its folders."""
     if not isinstance(raw, dict):
         return raw
-    out = json.loads(json.dumps(raw))
+    from rankwise.recipes.legacy import translate
+    out = json.loads(json.dumps(translate(raw).data))  # the task's old spelling owns its folders too
     for section, key in NOT_RESULTS:
         if isinstance(out.get(section), dict):
             out[section].pop(key, None)
+            if not out[section]:
+                del out[section]
     return out
 
 
