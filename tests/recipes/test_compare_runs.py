@@ -243,10 +243,10 @@ def test_one_compare_process_keeps_its_memory_flat_over_six_minilm_runs(tmp_path
         return metrics
     monkeypatch.setattr(runs, "run_one", measured)
     base = {"model": {"path": "demo", "task": "classification"},
-            "data": {"source": "demo", "max_length": 32, "eval_fraction": 0.2},
+            "data": {"source": "demo", "max_length": 32, "eval_fraction": 0.05},  # one eval batch
             "method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
             "optim": {"name": "adamw", "lr": 0.003},
-            "train": {"steps": 2, "batch_size": 32, "eval_batch_size": 128, "eval_every": 0,
+            "train": {"steps": 2, "batch_size": 8, "eval_batch_size": 128, "eval_every": 0,
                       "save_every": 0, "progress": False}}
     gc.collect()
     gc.disable()
