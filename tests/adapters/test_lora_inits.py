@@ -260,7 +260,7 @@ def test_train_recipe_calibrates_resumes_and_exports_corda(tmp_path, monkeypatch
     export onto the untouched base with the run's logits."""
     import shutil
 
-    import rankwise.adapters.lora as lora_pkg
+    import rankwise.adapters.lora.apply as lora_apply
     from rankwise.engine import get_task
     from rankwise.recipes.config import load_run_config
     from rankwise.recipes.export import export_run, load_run
@@ -283,7 +283,7 @@ def test_train_recipe_calibrates_resumes_and_exports_corda(tmp_path, monkeypatch
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibration ran again on resume")
 
-    monkeypatch.setattr(lora_pkg, "input_statistics", no_calibration)
+    monkeypatch.setattr(lora_apply, "input_statistics", no_calibration)
     resumed = train(load_run_config(None, base=copy.deepcopy(raw)), part, resume=True)
     assert resumed["eval_loss"] == full["eval_loss"]
     cfg, model, _ = load_run(tmp_path / "full")

@@ -10,7 +10,7 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from rankwise.core import quant, weights as layer_weights  # noqa: E402
+from rankwise.core import bnb as bnb_layers, quant, weights as layer_weights  # noqa: E402
 from rankwise.core.io import fingerprint  # noqa: E402
 from rankwise.core.ops import count_parameters  # noqa: E402
 from rankwise.testing import tiny_llama64  # noqa: E402
@@ -152,4 +152,4 @@ def test_the_optional_kernels_warning_of_bitsandbytes_is_not_printed(caplog):
                     "you already `pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
         log.warning("something else")
     assert [r.getMessage() for r in caplog.records] == ["something else"]
-    assert quant._not_optional_kernel in log.filters
+    assert bnb_layers._not_optional_kernel in log.filters

@@ -1,11 +1,10 @@
-"""Quantized base layers (bitsandbytes): reading their weights, and keeping them trainable.
+"""Quantized base layers (bitsandbytes) across a whole model: keeping them trainable, and turning
+a quantized model back into a plain one for the merged export.
 
 rankwise never quantizes a layer itself: transformers does, from a ``BitsAndBytesConfig``
-(``model.quantize``). This module teaches :mod:`rankwise.core.weights` to read the two
-bitsandbytes layer types - ``Linear4bit`` (NF4/FP4, QLoRA) and ``Linear8bitLt`` (LLM.int8) -
-as dense ``(out, in)`` matrices, and turns a quantized model back into a plain one for the
-merged export. It is registered lazily: only a process that has imported bitsandbytes can hold
-such a layer, so nothing here imports it unless it is already loaded (as with GPT-2's Conv1D).
+(``model.quantize``). Reading one layer's weight as a dense ``(out, in)`` matrix is
+:mod:`rankwise.core.bnb` (registered in :mod:`rankwise.core.weights`); this module reads
+weights through :mod:`rankwise.core.weights`, never the other way round.
 
 The CPU repacking caveat. On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight into a
 kernel-specific layout (and rounds the block scales to bf16) the first time the layer runs an
@@ -21,97 +20,13 @@ inference forward. Three consequences are handled here:
 """
 from __future__ import annotations
 
-import copy
-import logging
-import sys
-
 import torch
 from torch import nn
 
-_REGISTERED = False
-# bitsandbytes 0.50 logs this at import on an AVX512-BF16 CPU without the optional ``kernels``
-# package, then uses its own 4-bit kernel: nothing is wrong, so a run does not print it.
-OPTIONAL_KERNEL = "Failed to load CPU gemm_4bit_forward from kernels-community"
-
-
-def _not_optional_kernel(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(OPTIONAL_KERNEL)
-
-
-# the logger exists before bitsandbytes is imported, and keeps its filter when bitsandbytes gets it
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_optional_kernel)
-
-
-def bnb_loaded() -> bool:
-    """True once bitsandbytes has been imported in this process."""
-    return "bitsandbytes" in sys.modules
-
-
-def _bnb_classes() -> tuple[type, type]:
-    import bitsandbytes as bnb
-    return bnb.nn.Linear4bit, bnb.nn.Linear8bitLt
-
-
-def is_4bit(layer: nn.Module) -> bool:
-    """True if ``layer`` is a bitsandbytes ``Linear4bit`` (NF4/FP4)."""
-    return bnb_loaded() and isinstance(layer, _bnb_classes()[0])
-
-
-def is_packed_for_cpu(layer: nn.Module) -> bool:
-    """True if a ``Linear4bit`` weight is in bitsandbytes' CPU inference layout."""
-    state = getattr(getattr(layer, "weight", None), "quant_state", None)
-    return bool(getattr(state, "packing_format_for_cpu", False))
-
-
-def dequantize_4bit(layer: nn.Module) -> torch.Tensor:
-    """The dense ``(out, in)`` weight of a bitsandbytes ``Linear4bit``, in its compute dtype.
-
-    Reads the CPU inference layout too (through bitsandbytes' inverse of the repacking,
-    applied to copies, so the layer is not changed).
-
-    Args:
-        layer: A ``bnb.nn.Linear4bit``.
-
-    Returns:
-        A new tensor of shape ``(out_features, in_features)``.
-    """
-    import bitsandbytes.functional as F
-    data, state = layer.weight.data, layer.weight.quant_state
-    if getattr(state, "packing_format_for_cpu", False):
-        data, state = F._convert_weight_packed_for_cpu_inverse(data.clone(), copy.deepcopy(state))
-        if getattr(state, "original_storage_type", None) is not None:
-            data = data.view(state.original_storage_type)
-    return F.dequantize_4bit(data, state)
-
-
-def dequantize_8bit(layer: nn.Module) -> torch.Tensor:
-    """The dense ``(out, in)`` float32 weight of a bitsandbytes ``Linear8bitLt``
-    (``int8 row * row scale / 127``).
-
-    Args:
-        layer: A ``bnb.nn.Linear8bitLt`` holding int8 weights.
-
-    Returns:
-        A new float32 tensor of shape ``(out_features, in_features)``.
-    """
-    import bitsandbytes.functional as F
-    scb = getattr(layer.weight, "SCB", None)
-    if scb is None:
-        scb = layer.state.SCB
-    return F.int8_vectorwise_dequant(layer.weight.data, scb)
-
-
-def register() -> None:
-    """Register the bitsandbytes dequantizers in :data:`rankwise.core.weights.DEQUANTIZERS`
-    (idempotent; a no-op until bitsandbytes is imported)."""
-    global _REGISTERED
-    if _REGISTERED or not bnb_loaded():
-        return
-    from rankwise.core.weights import DEQUANTIZERS
-    four, eight = _bnb_classes()
-    DEQUANTIZERS[four] = dequantize_4bit
-    DEQUANTIZERS[eight] = dequantize_8bit
-    _REGISTERED = True
+# the layer-level readers live in core/bnb.py (which core/weights.py imports); named here too,
+# where callers have always found them
+from rankwise.core.bnb import (OPTIONAL_KERNEL, _bnb_classes, bnb_loaded, dequantize_4bit,  # noqa: F401
+                               dequantize_8bit, is_4bit, is_packed_for_cpu)
 
 
 def quantized_paths(model: nn.Module) -> list[str]:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rankwise.core import quant as _quant
+from rankwise.core import bnb
 from rankwise.core.inject import is_conv1d
 
 # Quantized layer types register a dequantizer here: ``type -> fn(module) -> (out, in) tensor``.
-# bitsandbytes' layers are registered by ``core/quant.py`` as soon as bitsandbytes is imported.
+# bitsandbytes' layers are registered from ``core/bnb.py`` once bitsandbytes is imported.
 DEQUANTIZERS: dict[type, callable] = {}
 
 
@@ -27,7 +27,7 @@ def base_layer(module: nn.Module) -> nn.Module:
 
 
 def _dequantizer(layer: nn.Module):
-    _quant.register()  # no-op until bitsandbytes is imported (only then can its layers exist)
+    bnb.register(DEQUANTIZERS)  # no-op until bitsandbytes is imported (only then can its layers exist)
     for cls in type(layer).__mro__:
         if cls in DEQUANTIZERS:
             return DEQUANTIZERS[cls]

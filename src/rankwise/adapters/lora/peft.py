@@ -363,7 +363,7 @@ def load_peft(model: nn.Module, peft_dir: str | Path, adapter_name: str = "defau
         RankwiseError: On a missing/corrupt/pickled file, unsupported features, an adapter
             that does not fit the model, or one that loads and does nothing (``check``).
     """
-    from rankwise.adapters.lora import apply_lora, pattern_value
+    from rankwise.adapters.lora.apply import apply_lora, pattern_value
 
     from rankwise.adapters.lora.peft_experts import take_expert_tensors
     peft_dir = Path(peft_dir)

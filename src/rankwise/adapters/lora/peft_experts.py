@@ -109,7 +109,7 @@ def take_expert_tensors(tensors: dict[str, torch.Tensor], model: nn.Module, cfg:
         RankwiseError: If a targeted parameter has no pair in the file, or the model has no
             such 3-D parameter.
     """
-    from rankwise.adapters.lora import pattern_value
+    from rankwise.adapters.lora.apply import pattern_value
     names = cfg.get("target_parameters") or []
     targets = find_parameter_targets(model, names, what="PEFT target_parameters")
     rest = dict(tensors)
