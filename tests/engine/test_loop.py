@@ -10,7 +10,8 @@ import torch
 
 from engine_helpers import ToyLM, engine, examples, token_mean_loss
 from rankwise.engine import NonFiniteLoss, batch_indices, linear_schedule
-from rankwise.engine.loop import precision_problem, split
+from rankwise.engine.loop import split
+from rankwise.engine.precision import precision_problem
 from rankwise.errors import RankwiseError
 
 LR = 0.5

@@ -13,7 +13,7 @@ from torch import nn
 
 import rankwise
 from rankwise.engine import Engine, NonFiniteLoss, evaluate, get_task
-from rankwise.engine.loop import PRECISIONS
+from rankwise.engine.precision import PRECISIONS
 from rankwise.optim.common import state_bytes
 from rankwise_bench.common import llama
 from rankwise_bench.corpus import ByteWindows

@@ -21,7 +21,7 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.core import atomic
 from rankwise.engine import evaluate
-from rankwise.engine.loop import autocast
+from rankwise.engine.precision import autocast
 from rankwise.engine.threads import use_threads
 from rankwise.federated import keys
 from rankwise.federated.checkpoint import load_round, save_round

@@ -31,7 +31,7 @@ from rankwise.engine import callbacks as cb
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.distributed import setup as setup_distributed
 from rankwise.engine.compile import compile_model, compile_problem
-from rankwise.engine.loop import precision_problem
+from rankwise.engine.precision import precision_problem
 from rankwise.engine.neftune import add_neftune
 from rankwise.engine.skrull import Skrull
 from rankwise.engine.threads import local_processes, use_threads
