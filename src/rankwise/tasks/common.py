@@ -225,10 +225,34 @@ class CausalLMTask(Task):
             return None
         return max(1, budget // (width * vocab * 4))
 
+    def eval_update(self, stats, batch, output, loss_sum):
+        """The loss sums, and the argmax hits of the target tokens: per token, and per sequence
+        (every target token hit). A chunked loss's placeholder logits (stride 0, no storage)
+        carry no argmax, so such a batch adds to the loss only."""
+        super().eval_update(stats, batch, output, loss_sum)
+        logits = getattr(output, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.stride(-1) == 0:
+            return
+        labels = batch["labels"][:, 1:]                   # (B, T-1)
+        target = labels != IGNORE
+        hit = logits[:, :-1].argmax(-1) == labels         # (B, T-1)
+        scored = target.any(1)                            # (B,): sequences with a target
+        stats["hits"] = stats.get("hits", 0.0) + float((hit & target).sum())
+        stats["hit_targets"] = stats.get("hit_targets", 0.0) + float(target.sum())
+        stats["exact"] = stats.get("exact", 0.0) + float(((hit | ~target).all(1) & scored).sum())
+        stats["sequences"] = stats.get("sequences", 0.0) + float(scored.sum())
+
     def eval_metrics(self, stats):
-        """``eval_loss`` per target token and ``eval_perplexity``."""
+        """``eval_loss`` per target token and ``eval_perplexity``; where the logits were formed,
+        ``eval_token_accuracy`` (target tokens that are the argmax) and ``eval_exact_match``
+        (sequences whose every target token is: greedy decoding from the prompt reproduces the
+        target exactly, its end-of-sequence token included)."""
         loss = stats.get("loss", 0.0) / max(stats.get("targets", 0.0), 1.0)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+        out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+        if stats.get("sequences"):
+            out["eval_token_accuracy"] = stats["hits"] / max(stats["hit_targets"], 1.0)
+            out["eval_exact_match"] = stats["exact"] / stats["sequences"]
+        return out
 
 
 __all__ = ["CausalLMConfig", "CausalLMTask", "ClassificationConfig", "ClassificationTask", "lm_example",
