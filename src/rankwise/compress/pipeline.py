@@ -165,6 +165,98 @@ def check_layers(model: nn.Module, compressor: Compressor, targets) -> list[str]
     return paths
 
 
+def _hooked(owner: nn.Module, rel_paths: list[str]) -> tuple[dict[str, _Gram], list]:
+    """Attach a :class:`_Gram` to each of ``owner``'s target layers; return them and the handles."""
+    grams = {r: _Gram(shape(owner.get_submodule(r))[1]) for r in rel_paths}
+    return grams, [owner.get_submodule(r).register_forward_hook(g) for r, g in grams.items()]
+
+
+@dataclass
+class _Pass:
+    """What the layer steps of one :func:`compress_model` call share."""
+
+    compressor: Compressor
+    result: Result
+    total: int
+    on_layer: Callable[[str, int, int], None] | None
+
+
+def _compress_layers(run: _Pass, owner: nn.Module, prefix: str, rel_paths: list[str],
+                     grams: dict[str, _Gram]) -> dict[str, Compressed]:
+    """Compress each layer from its Gram matrix and write the decoded weight back."""
+    done = {}
+    for rel in rel_paths:
+        module = owner.get_submodule(rel)
+        t0 = time.perf_counter()
+        w = dense_weight(module).detach().float().clone()
+        h = grams[rel].hessian()
+        comp = run.compressor.compress(w.clone(), h)
+        _write(module, comp.weight)
+        done[rel] = comp
+        path = f"{prefix}{rel}"
+        run.result.report[path] = {"shape": list(w.shape), "seconds": time.perf_counter() - t0,
+                                   "_weight": w, "_hessian": h}
+        if run.on_layer:
+            run.on_layer(path, len(run.result.report), run.total)
+    return done
+
+
+def _finish(run: _Pass, prefix: str, layers: dict[str, Compressed], owner: nn.Module) -> None:
+    """Write the final weights and complete each layer's report line (error, sizes, info)."""
+    for rel, comp in layers.items():
+        path = f"{prefix}{rel}"
+        _write(owner.get_submodule(rel), comp.weight)
+        line = run.result.report[path]
+        w, h = line.pop("_weight"), line.pop("_hessian")
+        line.update({"rel_error": relative_error(w, comp.weight, h),
+                     "bytes_before": w.numel() * run.compressor.value_dtype.itemsize,
+                     "bytes_after": comp.nbytes, "params_before": w.numel(),
+                     "params_after": comp.params, **comp.info})
+        run.result.layers[path] = comp
+
+
+def _compress_blocks(run: _Pass, model: nn.Module, batches: list[dict],
+                     blocks: list[tuple[str, list[str]]]) -> None:
+    """Block by block: Gram pass, compress, optional refinement, then the next block's inputs."""
+    compressor, result = run.compressor, run.result
+    first = model.get_submodule(blocks[0][0])
+    inputs = _capture(model, first, batches)
+    for block_path, rel_paths in blocks:
+        block = model.get_submodule(block_path)
+        grams, handles = _hooked(block, rel_paths)
+        try:
+            dense_out = [_run(block, *x) for x in inputs]
+            if not compressor.refines_blocks:
+                dense_out = []      # only a refinement needs the dense targets
+        finally:
+            for hd in handles:
+                hd.remove()
+        result.held_bytes = max(result.held_bytes, _nbytes(inputs) + _nbytes(dense_out)
+                                + sum(g.sum.numel() * 8 for g in grams.values()))
+        layers = _compress_layers(run, block, block_path + ".", rel_paths, grams)
+        if compressor.refines_blocks:
+            def forward(i: int, block=block) -> torch.Tensor:
+                return _run(block, *inputs[i])
+            layers = compressor.refine_block(block, layers, forward, dense_out)
+        _finish(run, block_path + ".", layers, block)
+        del dense_out
+        inputs = [(_run(block, *x), x[1], x[2]) for x in inputs]
+    del inputs
+
+
+def _compress_rest(run: _Pass, model: nn.Module, batches: list[dict], rest: list[str]) -> None:
+    """The targets outside the blocks, from one pass of the whole (compressed) model."""
+    grams, handles = _hooked(model, rest)
+    extra = _forward_kwargs(model)
+    try:
+        for batch in batches:
+            model(**batch, **extra)
+    finally:
+        for hd in handles:
+            hd.remove()
+    _finish(run, "", _compress_layers(run, model, "", rest, grams), model)
+
+
 def compress_model(model: nn.Module, compressor: Compressor, batches: list[dict[str, torch.Tensor]],
                    targets: Any = "all-linear",
                    on_layer: Callable[[str, int, int], None] | None = None) -> Result:
@@ -188,78 +280,15 @@ def compress_model(model: nn.Module, compressor: Compressor, batches: list[dict[
     compressor.value_dtype = dense_weight(model.get_submodule(paths[0])).dtype
     blocks, rest = split_blocks(model, paths)
     result = Result()
+    run = _Pass(compressor, result, len(paths), on_layer)
     was_training = model.training
     model.eval()
-
-    def do_layers(owner: nn.Module, prefix: str, rel_paths: list[str], grams: dict[str, _Gram]) -> dict:
-        done = {}
-        for rel in rel_paths:
-            module = owner.get_submodule(rel)
-            t0 = time.perf_counter()
-            w = dense_weight(module).detach().float().clone()
-            h = grams[rel].hessian()
-            comp = compressor.compress(w.clone(), h)
-            _write(module, comp.weight)
-            done[rel] = comp
-            path = f"{prefix}{rel}"
-            result.report[path] = {"shape": list(w.shape), "seconds": time.perf_counter() - t0,
-                                   "_weight": w, "_hessian": h}
-            if on_layer:
-                on_layer(path, len(result.report), len(paths))
-        return done
-
-    def finish(prefix: str, layers: dict[str, Compressed], owner: nn.Module) -> None:
-        for rel, comp in layers.items():
-            path = f"{prefix}{rel}"
-            _write(owner.get_submodule(rel), comp.weight)
-            line = result.report[path]
-            w, h = line.pop("_weight"), line.pop("_hessian")
-            line.update({"rel_error": relative_error(w, comp.weight, h),
-                         "bytes_before": w.numel() * compressor.value_dtype.itemsize,
-                         "bytes_after": comp.nbytes, "params_before": w.numel(),
-                         "params_after": comp.params, **comp.info})
-            result.layers[path] = comp
-
-    def hooked(owner: nn.Module, rel_paths: list[str]) -> tuple[dict[str, _Gram], list]:
-        grams = {r: _Gram(shape(owner.get_submodule(r))[1]) for r in rel_paths}
-        return grams, [owner.get_submodule(r).register_forward_hook(g) for r, g in grams.items()]
-
     try:
         with torch.no_grad():
             if blocks:
-                first = model.get_submodule(blocks[0][0])
-                inputs = _capture(model, first, batches)
-                for block_path, rel_paths in blocks:
-                    block = model.get_submodule(block_path)
-                    grams, handles = hooked(block, rel_paths)
-                    try:
-                        dense_out = [_run(block, *x) for x in inputs]
-                        if not compressor.refines_blocks:
-                            dense_out = []      # only a refinement needs the dense targets
-                    finally:
-                        for hd in handles:
-                            hd.remove()
-                    result.held_bytes = max(result.held_bytes, _nbytes(inputs) + _nbytes(dense_out)
-                                            + sum(g.sum.numel() * 8 for g in grams.values()))
-                    layers = do_layers(block, block_path + ".", rel_paths, grams)
-                    if compressor.refines_blocks:
-                        def forward(i: int, block=block) -> torch.Tensor:
-                            return _run(block, *inputs[i])
-                        layers = compressor.refine_block(block, layers, forward, dense_out)
-                    finish(block_path + ".", layers, block)
-                    del dense_out
-                    inputs = [(_run(block, *x), x[1], x[2]) for x in inputs]
-                del inputs
+                _compress_blocks(run, model, batches, blocks)
             if rest:
-                grams, handles = hooked(model, rest)
-                extra = _forward_kwargs(model)
-                try:
-                    for batch in batches:
-                        model(**batch, **extra)
-                finally:
-                    for hd in handles:
-                        hd.remove()
-                finish("", do_layers(model, "", rest, grams), model)
+                _compress_rest(run, model, batches, rest)
     finally:
         model.train(was_training)
     result.layers = {p: result.layers[p] for p in paths}

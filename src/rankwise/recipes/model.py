@@ -182,6 +182,72 @@ def _random_model(auto, folder: Path, tok, dtype: torch.dtype, trained_vocab: bo
     return model
 
 
+def _quiet_transformers() -> None:
+    """Silence transformers' logging and progress bars; keep the hub offline."""
+    from transformers import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _tiny_model(path: str, auto, task, num_labels: int | None, dtype: torch.dtype, quant,
+                device: str) -> tuple[nn.Module, object]:
+    """A ``tiny-*`` test model built in code (quantized in memory when asked) and its tokenizer."""
+    tok = load_tokenizer(path)
+    config = _tiny_config(path, len(tok), num_labels or 2)
+    _check_decoder(path, config.to_dict(), task)
+    model = auto.from_config(config).to(dtype)
+    model.config._name_or_path = path
+    if quant is not None:
+        model = _quantize_in_memory(model, auto, quant, dtype, device)
+    return model, tok
+
+
+def _fresh_model(path: str, auto, task, dtype: torch.dtype, quant, quantize: str | None,
+                 tokenizer) -> tuple[nn.Module, object]:
+    """A random model from a folder's ``config.json`` (``model.init``) and its tokenizer."""
+    folder = model_folder(path)
+    _check_head(folder, task, path)
+    if quant is not None:
+        raise RankwiseError(f"model.quantize: {quantize} quantizes pretrained weights, and "
+                            f"{folder} starts from random ones (model.init); set model.quantize: null")
+    try:
+        tok = tokenizer if tokenizer is not None else load_tokenizer(str(folder))
+    except RankwiseError as err:
+        raise RankwiseError(f"{err}, or set model.train_tokenizer to learn one from the "
+                            "training data") from None
+    register_architectures()
+    model = _random_model(auto, folder, tok, dtype, trained_vocab=tokenizer is not None)
+    return model, tok
+
+
+def _pretrained_model(path: str, auto, task, num_labels: int | None, dtype: torch.dtype, quant,
+                      device: str, kwargs: dict, tokenizer) -> tuple[nn.Module, object]:
+    """A pretrained model from a local folder (or ``demo``) and its tokenizer."""
+    folder = model_folder(path)
+    _check_head(folder, task, path)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(str(folder) if path != "demo" else "demo")
+    if quant is not None:
+        kwargs.update(quantization_config=quant, device_map={"": device})
+    register_architectures()  # rankwise's own model types (TPA) load like any other
+    try:
+        model = auto.from_pretrained(str(folder), local_files_only=True, **dtype_kwargs(dtype), **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise RankwiseError(f"cannot load a {task.name} model from {folder}: "
+                            f"{str(err).splitlines()[0]}") from None
+    except RuntimeError as err:
+        if "mismatched" not in str(err):
+            raise
+        raise RankwiseError(f"model folder {folder} holds a classifier whose head has another "
+                            f"number of labels than the data's {num_labels}; point model.path "
+                            "at the base model's folder (a new head is trained)") from None
+    model.source_folder = str(folder)  # where the full-precision weights are (LoftQ reads them)
+    if path == "demo":
+        model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
+    return model, tok
+
+
 def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
                dtype: str = "float32", quantize: str | None = None, double_quant: bool = True,
                device: str = "cpu", add_tokens: list[str] = (),
@@ -218,7 +284,6 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
             is needed and missing.
     """
     import transformers
-    from transformers import logging as hf_logging
 
     from rankwise.engine import get_task
     if isinstance(task, str):
@@ -226,56 +291,17 @@ def load_model(path: str, task, num_labels: int | None = None, seed: int = 0,
     t = torch_dtype(dtype)
     quant = bnb_config(quantize, dtype, double_quant,
                        skip=CLASSIFIER_HEADS if task.uses_labels else None) if quantize else None
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _quiet_transformers()
     auto = getattr(transformers, task.auto_class)
     kwargs = {"num_labels": num_labels} if task.uses_labels and num_labels else {}
-    tok = None
     torch.manual_seed(seed)
     if path in TINY:
-        tok = load_tokenizer(path)
-        config = _tiny_config(path, len(tok), num_labels or 2)
-        _check_decoder(path, config.to_dict(), task)
-        model = auto.from_config(config).to(t)
-        model.config._name_or_path = path
-        if quant is not None:
-            model = _quantize_in_memory(model, auto, quant, t, device)
+        model, tok = _tiny_model(path, auto, task, num_labels, t, quant, device)
     elif starts_random(path, init):
-        folder = model_folder(path)
-        _check_head(folder, task, path)
-        if quant is not None:
-            raise RankwiseError(f"model.quantize: {quantize} quantizes pretrained weights, and "
-                                f"{folder} starts from random ones (model.init); set model.quantize: null")
-        try:
-            tok = tokenizer if tokenizer is not None else load_tokenizer(str(folder))
-        except RankwiseError as err:
-            raise RankwiseError(f"{err}, or set model.train_tokenizer to learn one from the "
-                                "training data") from None
-        register_architectures()
-        model = _random_model(auto, folder, tok, t, trained_vocab=tokenizer is not None)
+        model, tok = _fresh_model(path, auto, task, t, quant, quantize, tokenizer)
     else:
-        folder = model_folder(path)
-        _check_head(folder, task, path)
-        tok = tokenizer if tokenizer is not None else load_tokenizer(str(folder) if path != "demo" else "demo")
-        if quant is not None:
-            kwargs.update(quantization_config=quant, device_map={"": device})
-        register_architectures()  # rankwise's own model types (TPA) load like any other
-        try:
-            model = auto.from_pretrained(str(folder), local_files_only=True, **dtype_kwargs(t), **kwargs)
-        except (OSError, ValueError, KeyError) as err:
-            raise RankwiseError(f"cannot load a {task.name} model from {folder}: "
-                                f"{str(err).splitlines()[0]}") from None
-        except RuntimeError as err:
-            if "mismatched" not in str(err):
-                raise
-            raise RankwiseError(f"model folder {folder} holds a classifier whose head has another "
-                                f"number of labels than the data's {num_labels}; point model.path "
-                                "at the base model's folder (a new head is trained)") from None
-        model.source_folder = str(folder)  # where the full-precision weights are (LoftQ reads them)
-        if path == "demo":
-            model.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"
+        model, tok = _pretrained_model(path, auto, task, num_labels, t, quant, device, kwargs,
+                                       tokenizer)
     if add_tokens or add_special_tokens:
         from rankwise.recipes.tokens import extend_tokenizer, resize_for_tokens
         new_ids = extend_tokenizer(tok, add_tokens, add_special_tokens)

@@ -115,6 +115,84 @@ def _activation_hook(path: str, module: nn.Module, acc: dict[str, torch.Tensor])
     return hook
 
 
+def _accumulators(grads_of: dict[str, torch.Tensor], layers: dict[str, nn.Module],
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """One zero fp32 accumulator per target, in its weight's storage layout."""
+    acc = {p: torch.zeros(w.shape, dtype=torch.float32, device=device) for p, w in grads_of.items()}
+    for p, m in layers.items():
+        out_f, in_f = layer_weights.shape(m)
+        acc[p] = torch.zeros((in_f, out_f) if is_conv1d(layer_weights.base_layer(m)) else (out_f, in_f),
+                             dtype=torch.float32, device=device)
+    return acc
+
+
+def _grad_hook(path: str, targets: list[torch.Tensor], acc: dict[str, torch.Tensor],
+               stats: GradStats) -> Callable[[torch.Tensor], None]:
+    """Post-accumulate hook adding a weight's ``.grad`` into ``acc[path]`` and freeing it."""
+    def hook(p: torch.Tensor) -> None:
+        live = sum(t.grad.numel() * t.grad.element_size() for t in targets if t.grad is not None)
+        stats.peak_grad_bytes = max(stats.peak_grad_bytes, live)
+        acc[path].add_(p.grad.float())
+        p.grad = None
+    return hook
+
+
+def _install_hooks(params: list[nn.Parameter], grads_of: dict[str, torch.Tensor],
+                   layers: dict[str, nn.Module], acc: dict[str, torch.Tensor],
+                   stats: GradStats) -> list:
+    """Freeze every parameter but the target weights, hook the targets; return the handles."""
+    targets = list(grads_of.values())
+    for p in params:
+        p.requires_grad_(False)
+    handles = []
+    for path, w in grads_of.items():
+        w.requires_grad_(True)
+        w.grad = None
+        handles.append(w.register_post_accumulate_grad_hook(_grad_hook(path, targets, acc, stats)))
+    for path, m in layers.items():
+        handles.append(m.register_forward_hook(_activation_hook(path, m, acc)))
+    return handles
+
+
+def _run_batches(model: nn.Module, batches: Iterable[dict], n_batches: int, device: torch.device,
+                 acc: dict[str, torch.Tensor], stats: GradStats, meter: PeakMemory,
+                 score: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None,
+                 stop_tolerance: float, min_batches: int,
+                 loss_fn: Callable[[nn.Module, dict], torch.Tensor]) -> None:
+    """Backward over up to ``n_batches`` batches, stopping early once the importances settle."""
+    it: Iterator[dict] = iter(batches)
+    prev: dict[str, float] | None = None
+    for _ in range(n_batches):
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        loss = loss_fn(model, _to_device(batch, device))
+        if loss.requires_grad:
+            loss.backward()
+        stats.batches += 1
+        meter.flush()
+        if score is not None and stats.batches >= max(1, min_batches - 1):
+            cur = score({p: a / stats.batches for p, a in acc.items()})
+            stats.history.append(cur)
+            if prev is not None and stats.batches >= min_batches and _stable(prev, cur, stop_tolerance):
+                stats.early_stopped = stats.batches < n_batches
+                break
+            prev = cur
+
+
+def _restore(meter: PeakMemory, handles: list, params: list[nn.Parameter],
+             was_trainable: list[bool], targets: list[torch.Tensor]) -> None:
+    """Stop the meter, remove the hooks, restore ``requires_grad`` and drop every ``.grad``."""
+    meter.__exit__(None, None, None)
+    for h in handles:
+        h.remove()
+    for p, t in zip(params, was_trainable):
+        p.requires_grad_(t)
+    for w in targets:
+        w.grad = None
+
+
 def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter | nn.Module],
                          batches: Iterable[dict], n_batches: int,
                          score: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None,
@@ -152,63 +230,19 @@ def accumulate_gradients(model: nn.Module, weights: dict[str, nn.Parameter | nn.
     some = next(iter(weights.values()))
     device = (some if isinstance(some, torch.Tensor) else next(some.parameters())).device
     meter = PeakMemory(device).__enter__()  # the whole phase: accumulators included
-    acc = {p: torch.zeros(w.shape, dtype=torch.float32, device=device) for p, w in grads_of.items()}
-    for p, m in layers.items():
-        out_f, in_f = layer_weights.shape(m)
-        acc[p] = torch.zeros((in_f, out_f) if is_conv1d(layer_weights.base_layer(m)) else (out_f, in_f),
-                             dtype=torch.float32, device=device)
+    acc = _accumulators(grads_of, layers, device)
     targets = list(grads_of.values())
     target_ids = {id(w) for w in targets}
     stats = GradStats(grads={}, accumulator_bytes=sum(a.numel() * 4 for a in acc.values()),
                       all_grads_bytes=sum(p.numel() * p.element_size() for p, t in
                                           zip(params, was_trainable) if t or id(p) in target_ids),
                       via_activations=list(layers))
-
-    def make_hook(path: str) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            live = sum(t.grad.numel() * t.grad.element_size() for t in targets if t.grad is not None)
-            stats.peak_grad_bytes = max(stats.peak_grad_bytes, live)
-            acc[path].add_(p.grad.float())
-            p.grad = None
-        return hook
-
-    for p in params:
-        p.requires_grad_(False)
-    handles = []
-    for path, w in grads_of.items():
-        w.requires_grad_(True)
-        w.grad = None
-        handles.append(w.register_post_accumulate_grad_hook(make_hook(path)))
-    for path, m in layers.items():
-        handles.append(m.register_forward_hook(_activation_hook(path, m, acc)))
+    handles = _install_hooks(params, grads_of, layers, acc, stats)
     try:
-        it: Iterator[dict] = iter(batches)
-        prev: dict[str, float] | None = None
-        for _ in range(n_batches):
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            loss = loss_fn(model, _to_device(batch, device))
-            if loss.requires_grad:
-                loss.backward()
-            stats.batches += 1
-            meter.flush()
-            if score is not None and stats.batches >= max(1, min_batches - 1):
-                cur = score({p: a / stats.batches for p, a in acc.items()})
-                stats.history.append(cur)
-                if prev is not None and stats.batches >= min_batches and _stable(prev, cur, stop_tolerance):
-                    stats.early_stopped = stats.batches < n_batches
-                    break
-                prev = cur
+        _run_batches(model, batches, n_batches, device, acc, stats, meter, score,
+                     stop_tolerance, min_batches, loss_fn)
     finally:
-        meter.__exit__(None, None, None)
-        for h in handles:
-            h.remove()
-        for p, t in zip(params, was_trainable):
-            p.requires_grad_(t)
-        for w in targets:
-            w.grad = None
+        _restore(meter, handles, params, was_trainable, targets)
     if stats.batches == 0:
         raise RankwiseError("GoRA got no calibration batch: set train.calibration_batches to 1 "
                             "or more (in Python: rankwise.apply(model, 'gora', batches=...))")

@@ -81,6 +81,77 @@ def _lora_config(config: GoraConfig, paths: list[str]) -> LoraConfig:
                       use_rslora=config.use_rslora, modules_to_save=config.modules_to_save)
 
 
+def _calibrate(model: nn.Module, config: GoraConfig, modules: dict[str, nn.Module],
+               batches: Iterable[dict], loss_fn: Callable[[nn.Module, dict], torch.Tensor]):
+    """Steps 1-2: average each target's gradient; return the stats and the importances."""
+    def score(grads: dict[str, torch.Tensor]) -> dict[str, float]:  # grads in storage layout
+        return {p: importance(config.importance, layer_weights.dense_weight(modules[p]),
+                              layer_weights.to_storage_layout(modules[p], g), config.r) for p, g in grads.items()}
+
+    keep_training_layout(model)  # 4-bit layers must keep their training layout (core/quant.py)
+    # a packed (quantized) weight cannot hold a gradient: its layer's G comes from activations
+    targets = {p: m if layer_weights.is_quantized(m) else layer_weights.storage_param(m) for p, m in modules.items()}
+    stats = accumulate_gradients(model, targets,
+                                 batches, config.n_batches,
+                                 score=score if config.early_stop else None,
+                                 stop_tolerance=config.stop_tolerance,
+                                 min_batches=config.min_batches, loss_fn=loss_fn)
+    scores = stats.history[-1] if stats.history else score(stats.grads)
+    return stats, scores
+
+
+def _allocate(config: GoraConfig, scores: dict[str, float],
+              dims: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """Step 2: per-layer ranks under the budget (warns when r_min/r_max leave no freedom)."""
+    shares = normalise(scores, config.sqrt_importance, config.softmax_temperature)
+    r_min, r_max = config.min_rank, config.max_rank
+    ranks = allocate_ranks(shares, dims, config.r, r_min, r_max, config.allocation)
+    if r_min >= config.r or r_max <= config.r:
+        # stacklevel 3: the warning points at apply_gora's caller
+        warnings.warn(f"GoRA: r_min={r_min}, r_max={r_max} around r={config.r} leave the allocation "
+                      "(almost) no freedom; ranks stay near uniform. Leave r_min/r_max unset "
+                      "(r/2 and 4r) to let importance decide", stacklevel=3)
+    return ranks
+
+
+def _init_b(config: GoraConfig, layers: dict[str, LoraLayer], grads: dict[str, torch.Tensor],
+            adapter_name: str) -> dict[str, float]:
+    """Step 3: set each B to the projected gradient step; return the step size per layer."""
+    sign = -1.0 if config.init_sign == "descent" else 1.0
+    etas: dict[str, float] = {}
+    with torch.no_grad():
+        for p, layer in layers.items():
+            a = layer.lora_A[adapter_name].weight                   # (r, in)
+            r, n_in = a.shape
+            eta = config.init_lr * (math.sqrt(n_in / r) if config.scale_init_by_dim else 1.0)
+            g = grads[p]                                             # (out, in)
+            b = layer.lora_B[adapter_name].weight
+            b.copy_(projected_step_b(g, a, layer.scaling[adapter_name], eta, sign).to(b.device))
+            etas[p] = eta
+    return etas
+
+
+def _report(config: GoraConfig, adapter_name: str, paths: list[str], dims: dict[str, tuple[int, int]],
+            ranks: dict[str, int], scores: dict[str, float], etas: dict[str, float],
+            stats) -> dict[str, Any]:
+    """The JSON-ready allocation report that :func:`gora_report` returns."""
+    budget = sum((m + n) * config.r for m, n in dims.values())
+    return {
+        "method": "gora", "adapter": adapter_name, "r0": config.r,
+        "r_min": config.min_rank, "r_max": config.max_rank,
+        "importance": config.importance, "allocation": config.allocation,
+        "budget_params": budget,
+        "allocated_params": sum((dims[p][0] + dims[p][1]) * ranks[p] for p in paths),
+        "ranks": {p: int(ranks[p]) for p in paths},
+        "importances": {p: float(scores[p]) for p in paths},
+        "shapes": {p: list(dims[p]) for p in paths},
+        "init": {"sign": config.init_sign, "eta": etas},
+        "batches": stats.batches, "early_stopped": stats.early_stopped,
+        "importance_history": stats.history,
+        "memory": stats.memory(),
+    }
+
+
 def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "default",
                batches: Iterable[dict] | None = None,
                loss_fn: Callable[[nn.Module, dict], torch.Tensor] = model_loss) -> GoraResult:
@@ -122,62 +193,18 @@ def apply_gora(model: nn.Module, config: GoraConfig, adapter_name: str = "defaul
     paths = find_targets(model, config.targets, config.exclude, "method.targets")
     modules = {p: model.get_submodule(p) for p in paths}
     dims = {p: layer_weights.shape(m) for p, m in modules.items()}  # (out, in)
-
-    def score(grads: dict[str, torch.Tensor]) -> dict[str, float]:  # grads in storage layout
-        return {p: importance(config.importance, layer_weights.dense_weight(modules[p]),
-                              layer_weights.to_storage_layout(modules[p], g), config.r) for p, g in grads.items()}
-
-    keep_training_layout(model)  # 4-bit layers must keep their training layout (core/quant.py)
-    # a packed (quantized) weight cannot hold a gradient: its layer's G comes from activations
-    targets = {p: m if layer_weights.is_quantized(m) else layer_weights.storage_param(m) for p, m in modules.items()}
-    stats = accumulate_gradients(model, targets,
-                                 batches, config.n_batches,
-                                 score=score if config.early_stop else None,
-                                 stop_tolerance=config.stop_tolerance,
-                                 min_batches=config.min_batches, loss_fn=loss_fn)
-    scores = stats.history[-1] if stats.history else score(stats.grads)
+    stats, scores = _calibrate(model, config, modules, batches, loss_fn)
     # accumulated in storage layout; B's init reads (out, in)
     grads = {p: layer_weights.to_storage_layout(modules[p], g) for p, g in stats.grads.items()}
-    shares = normalise(scores, config.sqrt_importance, config.softmax_temperature)
-    r_min, r_max = config.min_rank, config.max_rank
-    ranks = allocate_ranks(shares, dims, config.r, r_min, r_max, config.allocation)
-    if r_min >= config.r or r_max <= config.r:
-        warnings.warn(f"GoRA: r_min={r_min}, r_max={r_max} around r={config.r} leave the allocation "
-                      "(almost) no freedom; ranks stay near uniform. Leave r_min/r_max unset "
-                      "(r/2 and 4r) to let importance decide", stacklevel=2)
+    ranks = _allocate(config, scores, dims)
 
     structure = {p: {"r": ranks[p], "alpha": config.alpha, "use_rslora": config.use_rslora}
                  for p in paths}
     layers = apply_lora(model, _lora_config(config, paths), adapter_name, structure=structure)
-
-    sign = -1.0 if config.init_sign == "descent" else 1.0
-    etas: dict[str, float] = {}
-    with torch.no_grad():
-        for p, layer in layers.items():
-            a = layer.lora_A[adapter_name].weight                   # (r, in)
-            r, n_in = a.shape
-            eta = config.init_lr * (math.sqrt(n_in / r) if config.scale_init_by_dim else 1.0)
-            g = grads[p]                                             # (out, in)
-            b = layer.lora_B[adapter_name].weight
-            b.copy_(projected_step_b(g, a, layer.scaling[adapter_name], eta, sign).to(b.device))
-            etas[p] = eta
+    etas = _init_b(config, layers, grads, adapter_name)
     del stats.grads, grads
 
-    budget = sum((m + n) * config.r for m, n in dims.values())
-    report: dict[str, Any] = {
-        "method": "gora", "adapter": adapter_name, "r0": config.r,
-        "r_min": r_min, "r_max": r_max,
-        "importance": config.importance, "allocation": config.allocation,
-        "budget_params": budget,
-        "allocated_params": sum((dims[p][0] + dims[p][1]) * ranks[p] for p in paths),
-        "ranks": {p: int(ranks[p]) for p in paths},
-        "importances": {p: float(scores[p]) for p in paths},
-        "shapes": {p: list(dims[p]) for p in paths},
-        "init": {"sign": config.init_sign, "eta": etas},
-        "batches": stats.batches, "early_stopped": stats.early_stopped,
-        "importance_history": stats.history,
-        "memory": stats.memory(),
-    }
+    report = _report(config, adapter_name, paths, dims, ranks, scores, etas, stats)
     reports = dict(getattr(model, REPORT_ATTR, {}))
     reports[adapter_name] = report
     object.__setattr__(model, REPORT_ATTR, reports)

@@ -28,6 +28,62 @@ def pattern_value(path: str, pattern: dict, default):
     return default
 
 
+def _layer_settings(paths: list[str], config: LoraConfig,
+                    structure: dict[str, dict]) -> dict[str, tuple]:
+    """``{path: (r, alpha, use_rslora, use_dora)}``: the saved structure, else patterns, else config."""
+    settings = {}
+    for p in paths:
+        s = structure.get(p, {})
+        settings[p] = (s.get("r", pattern_value(p, config.rank_pattern, config.r)),
+                       s.get("alpha", pattern_value(p, config.alpha_pattern, config.alpha)),
+                       s.get("use_rslora", config.use_rslora), s.get("use_dora", config.use_dora))
+    return settings
+
+
+def _calibrate(model: nn.Module, config: LoraConfig, paths: list[str], settings: dict[str, tuple],
+               batches: Iterable[dict] | None, kind: str):
+    """Input statistics of a data-driven init; EVA also redistributes the ranks.
+
+    Returns ``(settings, stats, eva_vectors)``."""
+    shapes = {p: layer_weights.shape(model.get_submodule(p)) for p in paths}  # (out, in)
+    stats = input_statistics(model, paths, {p: shapes[p][1] for p in paths}, batches,
+                             config.init)
+    eva_vectors = None
+    if kind == "eva":
+        eva, eva_vectors = eva_structure(stats, {p: v[:3] for p, v in settings.items()},
+                                         config.eva_rho, {p: min(shapes[p]) for p in paths})
+        settings = {p: (v["r"], v["alpha"], v["use_rslora"], settings[p][3])
+                    for p, v in eva.items()}
+    return settings, stats, eva_vectors
+
+
+def _expert_targets(model: nn.Module, config: LoraConfig, structure: dict[str, dict],
+                    adapter_name: str):
+    """Fused 3-D expert parameters to adapt, and the wrapper that adds their pairs.
+
+    Returns ``({module path: [parameter names of rank > 0]}, wrap_params)``."""
+    # patterns match the parameter's full name, as in PEFT
+    params = parameter_targets(model, config)
+    expert_settings = {}
+    for path, names in params.items():
+        saved = structure.get(path, {}).get("parameters", {})
+        for n in names:
+            key, s = f"{path}.{n}", saved.get(n, {})
+            expert_settings[key] = (s.get("r", pattern_value(key, config.rank_pattern, config.r)),
+                                    s.get("alpha", pattern_value(key, config.alpha_pattern, config.alpha)),
+                                    s.get("use_rslora", config.use_rslora))
+    params = {p: kept for p, names in params.items()
+              if (kept := [n for n in names if expert_settings[f"{p}.{n}"][0] > 0])}
+
+    def wrap_params(path: str, module: nn.Module, names: list[str]) -> nn.Module:
+        layer = module if isinstance(module, ExpertLoraLayer) else ExpertLoraLayer(module)
+        for n in names:
+            r, alpha, rslora = expert_settings[f"{path}.{n}"]
+            layer.add(adapter_name, n, r, alpha, rslora, config.init)
+        return layer
+    return params, wrap_params
+
+
 def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "default",
                structure: dict[str, dict] | None = None, batches: Iterable[dict] | None = None,
                restore: bool = False, **_calibration) -> dict[str, LoraLayer]:
@@ -63,24 +119,11 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
     if problems:
         raise RankwiseError(f"method.{problems[0]}")
     paths = target_paths(model, config)
-    structure = structure or {}
-    settings = {}
-    for p in paths:
-        s = structure.get(p, {})
-        settings[p] = (s.get("r", pattern_value(p, config.rank_pattern, config.r)),
-                       s.get("alpha", pattern_value(p, config.alpha_pattern, config.alpha)),
-                       s.get("use_rslora", config.use_rslora), s.get("use_dora", config.use_dora))
+    settings = _layer_settings(paths, config, structure or {})
     kind = init_kind(config.init)
     stats = eva_vectors = None
     if kind in DATA_INITS and not restore:
-        shapes = {p: layer_weights.shape(model.get_submodule(p)) for p in paths}  # (out, in)
-        stats = input_statistics(model, paths, {p: shapes[p][1] for p in paths}, batches,
-                                 config.init)
-        if kind == "eva":
-            eva, eva_vectors = eva_structure(stats, {p: v[:3] for p, v in settings.items()},
-                                             config.eva_rho, {p: min(shapes[p]) for p in paths})
-            settings = {p: (v["r"], v["alpha"], v["use_rslora"], settings[p][3])
-                        for p, v in eva.items()}
+        settings, stats, eva_vectors = _calibrate(model, config, paths, settings, batches, kind)
     paths = [p for p in paths if settings[p][0] > 0]
     random_init = config.init if config.init in LORA_INITS else "kaiming"  # then overwritten
 
@@ -93,26 +136,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
                               layer.lora_B[adapter_name].weight, residual=True)
         return layer
 
-    # fused 3-D expert parameters: patterns match the parameter's full name, as in PEFT
-    params = parameter_targets(model, config)
-    expert_settings = {}
-    for path, names in params.items():
-        saved = structure.get(path, {}).get("parameters", {})
-        for n in names:
-            key, s = f"{path}.{n}", saved.get(n, {})
-            expert_settings[key] = (s.get("r", pattern_value(key, config.rank_pattern, config.r)),
-                                    s.get("alpha", pattern_value(key, config.alpha_pattern, config.alpha)),
-                                    s.get("use_rslora", config.use_rslora))
-    params = {p: kept for p, names in params.items()
-              if (kept := [n for n in names if expert_settings[f"{p}.{n}"][0] > 0])}
-
-    def wrap_params(path: str, module: nn.Module, names: list[str]) -> nn.Module:
-        layer = module if isinstance(module, ExpertLoraLayer) else ExpertLoraLayer(module)
-        for n in names:
-            r, alpha, rslora = expert_settings[f"{path}.{n}"]
-            layer.add(adapter_name, n, r, alpha, rslora, config.init)
-        return layer
-
+    params, wrap_params = _expert_targets(model, config, structure or {}, adapter_name)
     layers = adapt(model, config, adapter_name, wrap, paths, wrap_params, params)
     lora_layers = {p: m for p, m in layers.items() if isinstance(m, LoraLayer)}
     if not restore:

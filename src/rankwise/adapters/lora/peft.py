@@ -122,6 +122,61 @@ def _check_dora_base(layers: dict[str, Any], dora: dict[str, bool], adapter_name
             "export_peft(..., allow_4bit_dora=True)")
 
 
+def _check_exportable(layers: dict[str, Any], adapter_name: str, allow_4bit_dora: bool) -> dict[str, bool]:
+    """Refuse what a PEFT LoRA file cannot hold; return ``{path: is DoRA}``."""
+    requantized = [p for p, m in layers.items() if adapter_name in m.requantized]
+    if requantized:
+        raise RankwiseError(f"adapter {adapter_name!r} was trained on a base that LoftQ re-quantized "
+                            f"(method.loftq_iter > 1, e.g. {requantized[0]!r}), which a PEFT LoRA "
+                            "adapter on the original base cannot express: export with --format "
+                            "merged (or train with loftq_iter: 1)")
+    dora = {p: m.is_dora(adapter_name) for p, m in layers.items()}
+    if len(set(dora.values())) > 1:
+        plain = next(p for p, d in dora.items() if not d)
+        raise RankwiseError(f"adapter {adapter_name!r} mixes DoRA and plain LoRA layers (e.g. "
+                            f"{plain!r} is plain); PEFT's use_dora is one flag for every layer: "
+                            "export with --format rankwise or --format merged")
+    if not allow_4bit_dora:
+        _check_dora_base(layers, dora, adapter_name)
+    return dora
+
+
+def _layer_tensors(layers: dict[str, Any], adapter_name: str,
+                   tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """Add each layer's PEFT tensors to ``tensors``; return ``{path: (r, alpha, use_rslora)}``."""
+    settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
+                    bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
+    for path, layer in layers.items():
+        a, b = (t.cpu() for t in layer.delta_factors(adapter_name))
+        if a.shape[0] != settings[path][0]:  # residual init: s [B, -B0] [A; A0], rank 2r, same s
+            r, alpha, rs = settings[path]
+            scale = layer.scaling[adapter_name]
+            settings[path] = (2 * r, scale * (2 * r) ** 0.5 if rs else scale * 2 * r, rs)
+        tensors[f"{PREFIX}{path}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PREFIX}{path}.lora_B.weight"] = b.contiguous()
+        for key, p in layer.adapter_params(adapter_name).items():  # DoRA's magnitude
+            if key not in ("lora_A.weight", "lora_B.weight"):
+                tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
+    return settings
+
+
+def _global_settings(settings: dict[str, tuple]) -> dict[str, Any]:
+    """PEFT's global ``r``/``lora_alpha``/``use_rslora`` (most common) and per-path patterns.
+
+    Rewrites ``settings`` in place to the global rsLoRA flag (alpha giving the same scale)."""
+    rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
+    for p, (r, alpha, rs) in settings.items():  # same scale under the global rsLoRA flag
+        if rs != rslora:
+            alpha = alpha * r ** 0.5 if rs else alpha / r ** 0.5
+            settings[p] = (r, alpha, rslora)
+    r0 = Counter(s[0] for s in settings.values()).most_common(1)[0][0]
+    a0 = Counter(s[1] for s in settings.values()).most_common(1)[0][0]
+    rank_pattern = {re.escape(p): r for p, (r, _, _) in settings.items() if r != r0}
+    alpha_pattern = {re.escape(p): a for p, (_, a, _) in settings.items() if a != a0}
+    return {"r": r0, "lora_alpha": a0, "use_rslora": rslora,
+            "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
+
+
 def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "default",
                 task_type: str | None = None, base_model_name_or_path: str | None = None,
                 allow_4bit_dora: bool = False) -> Path:
@@ -159,45 +214,12 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     layers = _lora_layers(model, adapter_name)
     experts = {p: m for p, m in layers.items() if isinstance(m, ExpertLoraLayer)}
     layers = {p: m for p, m in layers.items() if p not in experts}
-    requantized = [p for p, m in layers.items() if adapter_name in m.requantized]
-    if requantized:
-        raise RankwiseError(f"adapter {adapter_name!r} was trained on a base that LoftQ re-quantized "
-                            f"(method.loftq_iter > 1, e.g. {requantized[0]!r}), which a PEFT LoRA "
-                            "adapter on the original base cannot express: export with --format "
-                            "merged (or train with loftq_iter: 1)")
-    dora = {p: m.is_dora(adapter_name) for p, m in layers.items()}
-    if len(set(dora.values())) > 1:
-        plain = next(p for p, d in dora.items() if not d)
-        raise RankwiseError(f"adapter {adapter_name!r} mixes DoRA and plain LoRA layers (e.g. "
-                            f"{plain!r} is plain); PEFT's use_dora is one flag for every layer: "
-                            "export with --format rankwise or --format merged")
-    if not allow_4bit_dora:
-        _check_dora_base(layers, dora, adapter_name)
-    settings = {p: (m.ranks[adapter_name], float(m.alphas[adapter_name]),
-                    bool(m.rslora.get(adapter_name, False))) for p, m in layers.items()}
+    dora = _check_exportable(layers, adapter_name, allow_4bit_dora)
     expert_settings, expert_tensors = expert_export(experts, adapter_name, PREFIX)
     tensors: dict[str, torch.Tensor] = dict(expert_tensors)
-    for path, layer in layers.items():
-        a, b = (t.cpu() for t in layer.delta_factors(adapter_name))
-        if a.shape[0] != settings[path][0]:  # residual init: s [B, -B0] [A; A0], rank 2r, same s
-            r, alpha, rs = settings[path]
-            scale = layer.scaling[adapter_name]
-            settings[path] = (2 * r, scale * (2 * r) ** 0.5 if rs else scale * 2 * r, rs)
-        tensors[f"{PREFIX}{path}.lora_A.weight"] = a.contiguous()
-        tensors[f"{PREFIX}{path}.lora_B.weight"] = b.contiguous()
-        for key, p in layer.adapter_params(adapter_name).items():  # DoRA's magnitude
-            if key not in ("lora_A.weight", "lora_B.weight"):
-                tensors[f"{PREFIX}{path}.{key}"] = p.detach().cpu().contiguous()
+    settings = _layer_tensors(layers, adapter_name, tensors)
     settings.update(expert_settings)  # keyed by the parameter's full name, as PEFT matches
-    rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
-    for p, (r, alpha, rs) in settings.items():  # same scale under the global rsLoRA flag
-        if rs != rslora:
-            alpha = alpha * r ** 0.5 if rs else alpha / r ** 0.5
-            settings[p] = (r, alpha, rslora)
-    r0 = Counter(s[0] for s in settings.values()).most_common(1)[0][0]
-    a0 = Counter(s[1] for s in settings.values()).most_common(1)[0][0]
-    rank_pattern = {re.escape(p): r for p, (r, _, _) in settings.items() if r != r0}
-    alpha_pattern = {re.escape(p): a for p, (_, a, _) in settings.items() if a != a0}
+    global_settings = _global_settings(settings)
     first = next(iter(layers.values()), None)
     drop = first.lora_dropout[adapter_name] if first is not None else None
     saved = modules_to_save(model)
@@ -205,8 +227,7 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     config = {
         "peft_type": "LORA", "task_type": task_type or peft_task_type(model),
         "base_model_name_or_path": base_model_name_or_path or cfg_name,
-        "r": r0, "lora_alpha": a0, "use_rslora": rslora,
-        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+        **global_settings,  # r, lora_alpha, use_rslora, rank_pattern, alpha_pattern
         "target_modules": _target_modules(model, list(layers)),
         "lora_dropout": float(getattr(drop, "p", 0.0)),
         "fan_in_fan_out": any(m.fan_in_fan_out for m in layers.values()),

@@ -127,104 +127,132 @@ class Channel:
             self._cond.notify_all()
 
 
+class _PubSubRun:
+    """The shared state of one :func:`train_pubsub` run and its worker loops."""
+
+    def __init__(self, cfg: VFLConfig, data: VFLData, passive_model, active_model) -> None:
+        self.cfg, self.data = cfg, data
+        self.passive_model, self.active_model = passive_model, active_model
+        self.traffic, self.latency = Traffic(), cfg.latency_ms / 1e3
+        self.ps_p = ParameterServer(passive_model, cfg.lr, cfg.momentum, cfg.staleness)
+        self.ps_a = ParameterServer(active_model, cfg.lr, cfg.momentum, cfg.staleness)
+        self.emb, self.grads = Channel(cfg.buffer), Channel()
+        self.order = batch_order(len(data.y), cfg.batch_size, cfg.epochs, cfg.seed)
+        self.per_epoch = len(self.order) // cfg.epochs
+        self.batches = iter(enumerate(self.order))
+        self.take_lock, self.done_lock = threading.Lock(), threading.Lock()
+        self.losses, self.curve, self.done = {}, [], itertools.count(1)
+        self.slow_p, self.slow_a = stretch_of(cfg, "passive"), stretch_of(cfg, "active")
+        self.errors: list[BaseException] = []
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+    def evaluate(self, consumed: int) -> None:
+        """Test accuracy on a snapshot of both parameter servers, appended to the curve."""
+        data = self.data
+        p_eval, a_eval = copy.deepcopy(self.passive_model), copy.deepcopy(self.active_model)
+        self.ps_p.pull(p_eval)
+        self.ps_a.pull(a_eval)
+        with torch.no_grad():
+            z = p_eval(data.x_passive_test)
+            self.traffic.add("eval_embeddings", z)
+            acc = accuracy(a_eval(z, data.x_active_test), data.y_test)
+        self.curve.append({"epoch": consumed // self.per_epoch, "step": consumed, "accuracy": acc,
+                           "wall_s": time.perf_counter() - self.t0,
+                           "cpu_s": time.process_time() - self.c0})
+
+    def passive_worker(self) -> None:
+        """Take batches, publish their embeddings, back-propagate the returned gradients."""
+        data, replica = self.data, copy.deepcopy(self.passive_model)
+        while True:
+            with self.take_lock:
+                nxt = next(self.batches, None)
+            if nxt is None:
+                return
+            step, ids = nxt
+            version = self.ps_p.pull(replica)
+            with Stretch(self.slow_p):
+                replica.zero_grad()
+                z = replica(data.x_passive[ids])  # (B, e)
+            self.traffic.add("ids", ids)
+            self.traffic.add("embeddings", z)
+            self.emb.publish(step, (ids, z.detach()), self.latency)
+            g = self.grads.take(step)
+            with Stretch(self.slow_p):
+                z.backward(g)
+            self.ps_p.push(replica, version)
+            with self.done_lock:  # the batch's round trip is over: both parties have pushed it
+                finished = next(self.done)
+                if finished % self.per_epoch == 0:
+                    self.evaluate(finished)
+
+    def active_worker(self) -> None:
+        """Subscribe to embeddings, compute the loss, publish ``dL/dz_p`` by batch id."""
+        data, replica = self.data, copy.deepcopy(self.active_model)
+        while True:
+            item = self.emb.subscribe()
+            if item is None:
+                return
+            step, (ids, z_p) = item
+            version = self.ps_a.pull(replica)
+            z = z_p.clone().requires_grad_(True)
+            with Stretch(self.slow_a):
+                replica.zero_grad()
+                loss = F.cross_entropy(replica(z, data.x_active[ids]), data.y[ids])
+                loss.backward()
+            self.ps_a.push(replica, version)  # before publishing, as the synchronous step does
+            self.traffic.add("gradients", z.grad)
+            self.grads.publish(step, z.grad, self.latency)
+            self.losses[step] = float(loss.detach())
+
+    def guard(self, fn):
+        """``fn`` recording its exception (re-raised by :meth:`run`) and closing the channel."""
+        def run():
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+                self.errors.append(err)
+                self.emb.close()
+        return run
+
+    def run(self) -> None:
+        """Start every worker thread and wait for all; re-raise a worker's first error."""
+        cfg = self.cfg
+        passive = [threading.Thread(target=self.guard(self.passive_worker), daemon=True)
+                   for _ in range(cfg.workers_passive)]
+        active = [threading.Thread(target=self.guard(self.active_worker), daemon=True)
+                  for _ in range(cfg.workers_active)]
+        for t in passive + active:
+            t.start()
+        for t in passive:
+            t.join()
+        self.emb.close()
+        for t in active:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+
+    def result(self) -> dict:
+        """The return value of :func:`train_pubsub`."""
+        ps_p, ps_a, losses, order = self.ps_p, self.ps_a, self.losses, self.order
+        return {"curve": sorted(self.curve, key=lambda r: r["step"]),
+                "losses": [losses[s] for s in sorted(losses)],
+                "traffic": dict(self.traffic.bytes), "messages": dict(self.traffic.messages),
+                "steps": len(order), "batch_sizes": [len(i) for i in order],
+                "dropped": ps_p.dropped + ps_a.dropped,
+                "dropped_passive": ps_p.dropped, "dropped_active": ps_a.dropped,
+                "staleness_passive": dict(sorted(ps_p.stale_seen.items())),
+                "staleness_active": dict(sorted(ps_a.stale_seen.items())),
+                "wall_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0}
+
+
 def train_pubsub(cfg: VFLConfig, data: VFLData, passive_model, active_model) -> dict:
     """PubSub-VFL for ``cfg.epochs`` epochs; test accuracy after every epoch's worth of
     finished batches (a batch is finished when the passive worker has pushed it, after the
     active worker pushed its own update), on a snapshot of both parameter servers. Same return keys as ``train_sync``,
     plus the staleness histograms and the dropped pushes per party."""
-    traffic, latency = Traffic(), cfg.latency_ms / 1e3
-    ps_p = ParameterServer(passive_model, cfg.lr, cfg.momentum, cfg.staleness)
-    ps_a = ParameterServer(active_model, cfg.lr, cfg.momentum, cfg.staleness)
-    emb, grads = Channel(cfg.buffer), Channel()
-    order = batch_order(len(data.y), cfg.batch_size, cfg.epochs, cfg.seed)
-    per_epoch = len(order) // cfg.epochs
-    batches = iter(enumerate(order))
-    take_lock, done_lock = threading.Lock(), threading.Lock()
-    losses, curve, done = {}, [], itertools.count(1)
-    slow_p, slow_a = stretch_of(cfg, "passive"), stretch_of(cfg, "active")
-    errors: list[BaseException] = []
-    t0, c0 = time.perf_counter(), time.process_time()
-
-    def evaluate(consumed: int) -> None:
-        p_eval, a_eval = copy.deepcopy(passive_model), copy.deepcopy(active_model)
-        ps_p.pull(p_eval)
-        ps_a.pull(a_eval)
-        with torch.no_grad():
-            z = p_eval(data.x_passive_test)
-            traffic.add("eval_embeddings", z)
-            acc = accuracy(a_eval(z, data.x_active_test), data.y_test)
-        curve.append({"epoch": consumed // per_epoch, "step": consumed, "accuracy": acc,
-                      "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0})
-
-    def passive_worker() -> None:
-        replica = copy.deepcopy(passive_model)
-        while True:
-            with take_lock:
-                nxt = next(batches, None)
-            if nxt is None:
-                return
-            step, ids = nxt
-            version = ps_p.pull(replica)
-            with Stretch(slow_p):
-                replica.zero_grad()
-                z = replica(data.x_passive[ids])  # (B, e)
-            traffic.add("ids", ids)
-            traffic.add("embeddings", z)
-            emb.publish(step, (ids, z.detach()), latency)
-            g = grads.take(step)
-            with Stretch(slow_p):
-                z.backward(g)
-            ps_p.push(replica, version)
-            with done_lock:  # the batch's round trip is over: both parties have pushed it
-                finished = next(done)
-                if finished % per_epoch == 0:
-                    evaluate(finished)
-
-    def active_worker() -> None:
-        replica = copy.deepcopy(active_model)
-        while True:
-            item = emb.subscribe()
-            if item is None:
-                return
-            step, (ids, z_p) = item
-            version = ps_a.pull(replica)
-            z = z_p.clone().requires_grad_(True)
-            with Stretch(slow_a):
-                replica.zero_grad()
-                loss = F.cross_entropy(replica(z, data.x_active[ids]), data.y[ids])
-                loss.backward()
-            ps_a.push(replica, version)  # before publishing, as the synchronous step does
-            traffic.add("gradients", z.grad)
-            grads.publish(step, z.grad, latency)
-            losses[step] = float(loss.detach())
-
-    def guard(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as err:  # noqa: BLE001 - re-raised in the caller
-                errors.append(err)
-                emb.close()
-        return run
-
-    passive = [threading.Thread(target=guard(passive_worker), daemon=True) for _ in range(cfg.workers_passive)]
-    active = [threading.Thread(target=guard(active_worker), daemon=True) for _ in range(cfg.workers_active)]
-    for t in passive + active:
-        t.start()
-    for t in passive:
-        t.join()
-    emb.close()
-    for t in active:
-        t.join()
-    if errors:
-        raise errors[0]
-    return {"curve": sorted(curve, key=lambda r: r["step"]), "losses": [losses[s] for s in sorted(losses)],
-            "traffic": dict(traffic.bytes), "messages": dict(traffic.messages), "steps": len(order),
-            "batch_sizes": [len(i) for i in order], "dropped": ps_p.dropped + ps_a.dropped,
-            "dropped_passive": ps_p.dropped, "dropped_active": ps_a.dropped,
-            "staleness_passive": dict(sorted(ps_p.stale_seen.items())),
-            "staleness_active": dict(sorted(ps_a.stale_seen.items())),
-            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    run = _PubSubRun(cfg, data, passive_model, active_model)
+    run.run()
+    return run.result()
 
 
 def profile(cfg: VFLConfig, data: VFLData, passive_model, active_model, batch: int, reps: int = 20) -> dict:
