@@ -12,7 +12,7 @@ import torch
 
 from rankwise.errors import RankwiseError
 from rankwise.tasks.grpo.gain_rl import (GainRLSampler, angle_signal, centre_step, last_mlp, online_angle,
-                                         prompt_signals)
+                                         prompt_signals, row_angles)
 from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, rows_of
 from rankwise.testing import tiny_llama_lm
 
@@ -118,6 +118,9 @@ def test_online_angle_readings_on_known_cosines():
     assert online_angle(x) == pytest.approx(0.25, abs=1e-6)
     # released: C * tril(1, 1) keeps 4 ones (diagonal), 3 super-diagonal and 6 lower entries of 0.25
     assert online_angle(x, "released") == pytest.approx((4 + 9 * 0.25) / 13, abs=1e-6)
+    # rows: padding dropped; a prompt method's 2 leading virtual tokens left out
+    h = torch.cat([torch.randn(2, 16), x, torch.randn(1, 16)])[None]   # (1, 2 + 4 + 1, 16)
+    assert row_angles(h, torch.tensor([[1, 1, 1, 1, 0]])) == pytest.approx([0.25], abs=1e-6)
 
 
 def test_online_angle_is_the_mean_cosine_of_the_training_forward():

@@ -155,7 +155,8 @@ def row_angles(hidden: torch.Tensor, attention_mask: torch.Tensor, reading: str 
     """:func:`online_angle` of every row of a training forward.
 
     Args:
-        hidden: The last block's MLP input ``(R, T, d)`` (:func:`mlp_inputs`).
+        hidden: The last block's MLP input ``(R, T, d)`` (:func:`mlp_inputs`; a prompt method's
+            leading virtual tokens, ``(R, v + T, d)``, are left out).
         attention_mask: ``(R, T)``; positions at 0 (padding) are dropped.
         reading: :func:`online_angle`'s reading.
 
@@ -163,6 +164,7 @@ def row_angles(hidden: torch.Tensor, attention_mask: torch.Tensor, reading: str 
         One angle per row.
     """
     keep = attention_mask.bool()
+    hidden = hidden[:, hidden.shape[1] - keep.shape[1]:]            # (R, T, d): virtual tokens lead
     return [online_angle(hidden[r][keep[r]], reading) for r in range(hidden.shape[0])]
 
 
