@@ -12,6 +12,9 @@ merged export is GRPO's base. GRPO: LoRA r=8 on every linear layer, G=8, 8 promp
 most 2 new tokens, beta 0.04, loss ``dapo``, AdamW ``lr`` (1e-2; 3e-3 in a second run), ``STEPS`` steps, greedy reward on the
 same 100 prompts every ``EVERY`` steps (``eval_reward_mean``: whether the optimisation works, not
 generalisation). "Steps to reach" = the first evaluated step whose reward is >= ``TARGET``.
+A gain-rl run also records its sampler's centre after each loop (``centre``, a position in the
+sorted list of 100 prompts; from the final checkpoint), which moves on the loop's accuracy and
+online angle (``docs/preference-rl.md``).
 """
 from __future__ import annotations
 
@@ -79,6 +82,15 @@ def _raw(model: Path, data: Path, order: str, seed: int, lr: float = 0.01, steps
                       "warmup_fraction": 0.0}}
 
 
+def _centre(run_dir: Path) -> list[float]:
+    """The GAIN-RL sampler's centre after each loop, from the run's last checkpoint."""
+    import torch
+
+    from rankwise.recipes.checkpoint import list_checkpoints
+    state = torch.load(list_checkpoints(run_dir)[-1] / "state.pt", weights_only=False)
+    return [round(float(m), 2) for m in state["schedule"]["history"]]
+
+
 def run(out: Path, lr: float = 0.01, steps: int = STEPS) -> dict:
     """Train every (seed, order) with GRPO's AdamW ``lr`` for ``steps`` steps; write
     ``out/results.json`` (after each run) and ``results.md``."""
@@ -108,6 +120,8 @@ def run(out: Path, lr: float = 0.01, steps: int = STEPS) -> dict:
             rows[key] = {"start": start, "final": curve[-1][1], "curve": curve, "steps_to_target": reach,
                          "train_reward_first5": statistics.mean(e["reward"] for e in events if "reward" in e
                                                                 and e["step"] <= 5)}
+            if order == "gain-rl":
+                rows[key]["centre"] = _centre(run_dir)
             write_json(rec_path, {"runs": rows})
     res = {"runs": rows, "target": TARGET, "steps": steps, "lr": lr, "every": EVERY, "sft_steps": SFT_STEPS,
            "seeds": list(SEEDS), "out": str(out)}
@@ -146,6 +160,10 @@ def markdown(res: dict, out: str | None = None) -> str:
             reach = [r["steps_to_target"] for r in rs]
             lines.append(f"| {order} mean | | {statistics.mean(r['start'] for r in rs):.2f} | "
                          f"{statistics.mean(r['final'] for r in rs):.2f} | {reach} |")
+    centres = [(k, runs[k]["centre"]) for k in sorted(runs) if "centre" in runs[k]]
+    if centres:
+        lines += ["", "GAIN-RL's centre (position in the sorted 100 prompts) after each sampler loop:", ""]
+        lines += [f"- seed {k.split('/')[1]}: " + ", ".join(f"{m:g}" for m in c) for k, c in centres]
     return "\n".join(lines + [""])
 
 

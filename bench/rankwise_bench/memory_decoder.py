@@ -5,17 +5,25 @@ Setup. Byte-level (vocabulary 256) Llama models built in code. The *base* (3 lay
 is pretrained from scratch on the standard library's source (the corpus of ``lowrank-pretrain``,
 :func:`rankwise_bench.corpus.load_corpus`'s file rule) with the ``email``
 package family left out entirely. The domain is ``email``: its files are split by module name
-into training files and held-out files. From the base and the domain's training windows:
+into training files, validation files (carved from the training side: left out of every
+training and of the datastore) and held-out test files. From the base and the domain's training
+windows:
 
 * **Memory Decoder** (``task.name: memory-decoder``'s task in the engine): a datastore of the
   base's head inputs over every training position (IVF index), the kNN targets of each position
   (self-hit excluded), and a decoder of the base's shape initialised from the base (the paper's
   GPT2-small base + GPT2-small decoder setting) trained on ``0.5 KL + 0.5 CE``; evaluated mixed
-  with the base at ``lambda = 0.25`` (and alone);
+  with the base (and alone);
 * **DAPT + mix**: the same decoder trained with CE only (ablation: is the kNN target what helps?);
 * **LoRA**: the base adapted with LoRA r=8 (attention and MLP linears) on the same windows and
   steps (CE);
-* **kNN-LM**: the base mixed with ``p_kNN`` itself at ``lambda = 0.25`` (retrieval at test time).
+* **kNN-LM**: the base mixed with ``p_kNN`` itself (retrieval at test time).
+
+``lambda``, every mixture's share of its second distribution, is chosen per mixture on the
+validation windows (:func:`choose_lambda`, the grid ``GRID`` = 0.1 .. 0.9), never on the test
+windows; base + Memory Decoder is also reported at the authors' published 0.55
+(``scripts/evaluate_joint_gpt2.sh``, the README's joint model) and at the released code's
+argparse default 0.25 (``evaluate_joint.py``), and its test-set sweep as a diagnostic.
 
 Measured: per-byte perplexity of every model on the held-out ``email`` windows, and on held-out
 general windows (the stdlib modules ``load_corpus`` holds out, family excluded) to see what
@@ -45,23 +53,29 @@ HIDDEN, LAYERS, HEADS = 96, 3, 4
 LARGE = (128, 4)  # a second, larger base with the same tokenizer (the plug-and-play claim)
 BASE_STEPS, BASE_LR = 1500, 3e-3
 ADAPT_STEPS, ADAPT_LR, LORA_LR, RANK = 300, 5e-4, 3e-3, 8
-K, TEMPERATURE, TARGET_TOKENS, LISTS, PROBE, LAM = 256, 10.0, 32, 512, 8, 0.25
+K, TEMPERATURE, TARGET_TOKENS, LISTS, PROBE = 256, 10.0, 32, 512, 8
+GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))  # lambda, chosen on the validation windows
+LAM_PUBLISHED, LAM_CODE = 0.55, 0.25  # the authors' published evaluation; the code's argparse default
 EVAL_GENERAL = 256
 
 
 def _corpus() -> dict[str, torch.Tensor]:
     """``general`` (stdlib minus the family; load_corpus's training modules), ``general_held``
-    (its held-out modules), ``domain`` / ``domain_held`` (the family, split by module name)."""
+    (its held-out modules), ``domain`` / ``domain_val`` / ``domain_held`` (the family, split by
+    module name: training, validation carved from the training side, test)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
-    parts: dict[str, list[bytes]] = {k: [] for k in ("general", "general_held", "domain", "domain_held")}
+    parts: dict[str, list[bytes]] = {k: [] for k in ("general", "general_held", "domain", "domain_val",
+                                                     "domain_held")}
     for f in sorted(root.rglob("*.py")):
         rel = f.relative_to(root)
         if skip & set(rel.parts):
             continue
-        module = ".".join(rel.with_suffix("").parts)
-        held = zlib.crc32(module.encode()) % (5 if rel.parts[0] == FAMILY else 10) == 0
-        kind = ("domain" if rel.parts[0] == FAMILY else "general") + ("_held" if held else "")
+        h = zlib.crc32(".".join(rel.with_suffix("").parts).encode())
+        if rel.parts[0] == FAMILY:  # the test split as before; validation from the training side
+            kind = "domain_held" if h % 5 == 0 else "domain_val" if h % 5 == 1 else "domain"
+        else:
+            kind = "general_held" if h % 10 == 0 else "general"
         parts[kind].append(f.read_bytes() + b"\n\n")
     return {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in parts.items()}
 
@@ -113,7 +127,7 @@ def _load(work: Path, name: str, size: tuple[int, int] = (HIDDEN, LAYERS)):
 def _memdec_config():
     from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
     return MemoryDecoderConfig(base="(in memory)", k=K, temperature=TEMPERATURE, target_tokens=TARGET_TOKENS,
-                               index="ivf", ivf_lists=LISTS, ivf_probe=PROBE, lam=LAM)
+                               index="ivf", ivf_lists=LISTS, ivf_probe=PROBE)
 
 
 def _adapt(work: Path, corpus, kind: str) -> dict:
@@ -159,9 +173,28 @@ def _ppl(logp: torch.Tensor, y: torch.Tensor) -> float:
     return math.exp(float(-logp.gather(1, y[:, None]).mean()))
 
 
+def choose_lambda(base_logp: torch.Tensor, other_logp: torch.Tensor, y: torch.Tensor,
+                  grid: tuple[float, ...] = GRID) -> tuple[float, dict[str, float]]:
+    """The mixture weight of ``grid`` with the lowest perplexity of ``(1 - lambda) p_base +
+    lambda p_other`` on the targets ``y`` (pass validation data only; the first on a tie).
+
+    Args:
+        base_logp: ``(N, V)`` log-probs of the base.
+        other_logp: ``(N, V)`` log-probs mixed in (a decoder's, or ``p_kNN``).
+        y: ``(N,)`` the next tokens.
+        grid: The candidate ``lambda`` values.
+
+    Returns:
+        ``(chosen lambda, {str(lambda): perplexity})``.
+    """
+    from rankwise.tasks.memory_decoder.generation import interpolate
+    ppl = {str(lam): _ppl(interpolate(base_logp, other_logp, lam), y) for lam in grid}
+    return min(grid, key=lambda lam: ppl[str(lam)]), ppl
+
+
 @torch.no_grad()
-def _knn_logprobs(base, corpus, held) -> torch.Tensor:
-    """``log p_kNN`` of the held-out positions from the domain-training datastore."""
+def _knn_logprobs(base, corpus, sets: list) -> list[torch.Tensor]:
+    """``log p_kNN`` of every position of each of ``sets`` from the domain-training datastore."""
     from rankwise.tasks.memory_decoder.task import Datastore, head_inputs, knn_distribution
     train = _windows(corpus["domain"])
     keys, values = [], []
@@ -170,50 +203,77 @@ def _knn_logprobs(base, corpus, held) -> torch.Tensor:
         keys.append(head_inputs(base, ids)[0][:, :-1].reshape(-1, HIDDEN))
         values.append(ids[:, 1:].reshape(-1))
     store = Datastore(torch.cat(keys), torch.cat(values), _memdec_config())
-    out = []
-    for s in range(0, len(held), 64):
-        ids = torch.tensor([held[i]["input_ids"] for i in range(s, min(s + 64, len(held)))])
-        q = head_inputs(base, ids)[0][:, :-1].reshape(-1, HIDDEN)
-        d, v, valid = store.search(q, K)
-        out.append(knn_distribution(d, v, 256, TEMPERATURE, valid).clamp(min=1e-30).log())
-    return torch.cat(out)
+    outs = []
+    for held in sets:
+        out = []
+        for s in range(0, len(held), 64):
+            ids = torch.tensor([held[i]["input_ids"] for i in range(s, min(s + 64, len(held)))])
+            q = head_inputs(base, ids)[0][:, :-1].reshape(-1, HIDDEN)
+            d, v, valid = store.search(q, K)
+            out.append(knn_distribution(d, v, 256, TEMPERATURE, valid).clamp(min=1e-30).log())
+        outs.append(torch.cat(out))
+    return outs
+
+
+def _sets(corpus) -> dict:
+    return {"validation": _windows(corpus["domain_val"]), "domain": _windows(corpus["domain_held"]),
+            "general": _windows(corpus["general_held"], limit=EVAL_GENERAL)}
 
 
 def _eval(work: Path, corpus) -> dict:
+    """Every model on the test sets, each mixture at its ``lambda`` chosen on the validation
+    windows (Memory Decoder also at 0.55 and 0.25); ``lambda``: the choices and the curves."""
     from rankwise.tasks.memory_decoder.generation import interpolate
-    sets = {"domain": _windows(corpus["domain_held"]),
-            "general": _windows(corpus["general_held"], limit=EVAL_GENERAL)}
-    base = _load(work, "base")
-    rows: dict[str, dict] = {}
+    sets = _sets(corpus)
+    base, models = _load(work, "base"), {k: _load(work, k) for k in ("memdec", "dapt", "lora")}
+    logp = {name: {"base": _logprobs(base, data)} for name, data in sets.items()}
     for name, data in sets.items():
-        lb, y = _logprobs(base, data)
-        lm, _ = _logprobs(_load(work, "memdec"), data)
-        ld, _ = _logprobs(_load(work, "dapt"), data)
-        ll, _ = _logprobs(_load(work, "lora"), data)
-        r = {"base": _ppl(lb, y), "base + Memory Decoder": _ppl(interpolate(lb, lm, LAM), y),
-             "Memory Decoder alone": _ppl(lm, y), "base + DAPT decoder (CE only)": _ppl(interpolate(lb, ld, LAM), y),
-             "DAPT decoder alone": _ppl(ld, y), "LoRA r=8": _ppl(ll, y)}
+        logp[name].update({k: _logprobs(m, data)[0] for k, m in models.items()})
+    knn_val, knn_test = _knn_logprobs(base, corpus, [sets["validation"], sets["domain"]])
+    (lb_v, y_v), v = logp["validation"]["base"], logp["validation"]
+    chosen, curves = {}, {}
+    for key, other in (("memdec", v["memdec"]), ("dapt", v["dapt"]), ("knn", knn_val)):
+        chosen[key], curves[key] = choose_lambda(lb_v, other, y_v)
+    lm, ld, lk = chosen["memdec"], chosen["dapt"], chosen["knn"]
+    rows: dict[str, dict] = {}
+    for name in ("domain", "general"):
+        (lb, y), p = logp[name]["base"], logp[name]
+        r = {"base": _ppl(lb, y),
+             f"base + Memory Decoder (lambda {lm}, chosen on validation)": _ppl(interpolate(lb, p["memdec"], lm), y),
+             f"base + Memory Decoder (lambda {LAM_PUBLISHED}, the authors' published evaluation)":
+                 _ppl(interpolate(lb, p["memdec"], LAM_PUBLISHED), y),
+             f"base + Memory Decoder (lambda {LAM_CODE}, the released code's default)":
+                 _ppl(interpolate(lb, p["memdec"], LAM_CODE), y),
+             "Memory Decoder alone": _ppl(p["memdec"], y),
+             f"base + DAPT decoder (CE only, lambda {ld}, chosen on validation)": _ppl(interpolate(lb, p["dapt"], ld), y),
+             "DAPT decoder alone": _ppl(p["dapt"], y), "LoRA r=8": _ppl(p["lora"], y)}
         if name == "domain":
-            lk = _knn_logprobs(base, corpus, data)
-            r["kNN-LM"] = _ppl(interpolate(lb, lk, LAM), y)
+            r[f"kNN-LM (lambda {lk}, chosen on validation)"] = _ppl(interpolate(lb, knn_test, lk), y)
             r["lambda sweep (base + Memory Decoder)"] = {
-                str(lam): _ppl(interpolate(lb, lm, lam), y) for lam in (0.1, 0.25, 0.5, 0.75)}
-        rows[name] = {"windows": len(data), "tokens": int(y.numel()), **r}
+                str(lam): _ppl(interpolate(lb, p["memdec"], lam), y) for lam in GRID}
+        rows[name] = {"windows": len(sets[name]), "tokens": int(y.numel()), **r}
+    rows["lambda"] = {"grid": list(GRID), "chosen": chosen, "validation ppl": curves,
+                      "validation windows": len(sets["validation"]), "validation tokens": int(y_v.numel())}
     return rows
 
 
 def _eval_large(work: Path, corpus) -> dict:
     """The larger base alone and with the *same* Memory Decoder (trained on the small base's
-    datastore) at ``LAM``: the plug-and-play claim."""
+    datastore), at the ``lambda`` chosen with the larger base on the validation windows and at
+    0.55: the plug-and-play claim."""
     from rankwise.tasks.memory_decoder.generation import interpolate
-    sets = {"domain": _windows(corpus["domain_held"]),
-            "general": _windows(corpus["general_held"], limit=EVAL_GENERAL)}
+    sets = _sets(corpus)
     large, mem = _load(work, "base_large", LARGE), _load(work, "memdec")
-    rows = {}
-    for name, data in sets.items():
-        lb, y = _logprobs(large, data)
-        lm, _ = _logprobs(mem, data)
-        rows[name] = {"large base": _ppl(lb, y), "large base + Memory Decoder": _ppl(interpolate(lb, lm, LAM), y)}
+    lb_v, y_v = _logprobs(large, sets["validation"])
+    lam, curve = choose_lambda(lb_v, _logprobs(mem, sets["validation"])[0], y_v)
+    rows: dict = {"lambda": {"chosen": lam, "validation ppl": curve}}
+    for name in ("domain", "general"):
+        lb, y = _logprobs(large, sets[name])
+        lm, _ = _logprobs(mem, sets[name])
+        rows[name] = {"large base": _ppl(lb, y),
+                      f"large base + Memory Decoder (lambda {lam}, chosen on validation)":
+                          _ppl(interpolate(lb, lm, lam), y),
+                      f"large base + Memory Decoder (lambda {LAM_PUBLISHED})": _ppl(interpolate(lb, lm, LAM_PUBLISHED), y)}
     return rows
 
 
@@ -241,7 +301,8 @@ def run(out: Path) -> dict:
     result = {"family": FAMILY, "bytes": {k: int(v.numel()) for k, v in corpus.items()},
               "sizes": {"hidden": HIDDEN, "layers": LAYERS, "seq": SEQ, "batch": BATCH},
               "memory_decoder": {"k": K, "temperature": TEMPERATURE, "target_tokens": TARGET_TOKENS,
-                                 "index": f"ivf lists={LISTS} probe={PROBE}", "lambda": LAM},
+                                 "index": f"ivf lists={LISTS} probe={PROBE}", "lambda grid": list(GRID),
+                                 "lambda published": LAM_PUBLISHED, "lambda code default": LAM_CODE},
               "torch": torch.__version__, "python": platform.python_version(), **done}
     write_results(out, result, markdown(result))
     return result
@@ -249,31 +310,44 @@ def run(out: Path) -> dict:
 
 def markdown(r: dict) -> str:
     """``results.md`` from the record."""
-    ev = r["eval"]
+    ev, md = r["eval"], r["memory_decoder"]
+    lam = ev["lambda"]
     names = [k for k in ev["domain"] if k not in ("windows", "tokens") and not isinstance(ev["domain"][k], dict)]
+    grid = md["lambda grid"]
     lines = [f"# Memory Decoder on the unseen `{r['family']}` package (byte-level, one seed)", "",
              f"Base: {r['sizes']['layers']}-layer {r['sizes']['hidden']}-wide Llama pretrained "
              f"{r['base']['steps']} steps ({r['base']['tokens']:,} bytes) on the stdlib without `{r['family']}`. "
              f"Domain training: {r['memdec']['windows']} windows of {r['sizes']['seq']} bytes, "
              f"{r['memdec']['steps']} steps each; datastore {r['memdec']['datastore']:,} keys "
-             f"({r['memory_decoder']['index']}), k={r['memory_decoder']['k']}, T={r['memory_decoder']['temperature']}, "
-             f"lambda={r['memory_decoder']['lambda']}.", "",
+             f"({md['index']}), k={md['k']}, T={md['temperature']}. Each mixture's lambda is chosen "
+             f"on a validation split of {lam['validation windows']} windows ({lam['validation tokens']:,} "
+             f"bytes) carved from the domain's training modules (left out of every training and the "
+             f"datastore), from the grid {grid[0]}..{grid[-1]}; never on the test windows.", "",
              "| model | held-out domain ppl | held-out general ppl |", "|---|---|---|"]
     for n in names:
         gen = ev["general"].get(n)
         lines.append(f"| {n} | {ev['domain'][n]:.3f} | {'' if gen is None else f'{gen:.3f}'} |")
-    sweep = ev["domain"]["lambda sweep (base + Memory Decoder)"]
     if "eval_large" in r:
         big = r["eval_large"]
         lines += ["", f"The same Memory Decoder plugged into a larger base ({LARGE[1]} layers, {LARGE[0]} wide, "
-                  "same pretraining data and steps):", "",
-                  "| model | held-out domain ppl | held-out general ppl |", "|---|---|---|"]
+                  "same pretraining data and steps; lambda chosen with the larger base on the validation split):",
+                  "", "| model | held-out domain ppl | held-out general ppl |", "|---|---|---|"]
         lines += [f"| {n} | {big['domain'][n]:.3f} | {big['general'][n]:.3f} |" for n in big["domain"]]
-    lines += ["", "lambda sweep (domain ppl, base + Memory Decoder): "
+    lines += ["", "Validation ppl by lambda (the choice):"]
+    labels = {"memdec": "base + Memory Decoder", "dapt": "base + DAPT decoder", "knn": "kNN-LM"}
+    for key, curve in lam["validation ppl"].items():
+        lines.append(f"- {labels[key]}: " + ", ".join(f"{k}: {v:.3f}" for k, v in curve.items())
+                     + f" (chosen {lam['chosen'][key]})")
+    if "eval_large" in r:
+        big = r["eval_large"]["lambda"]
+        lines.append("- large base + Memory Decoder: " + ", ".join(
+            f"{k}: {v:.3f}" for k, v in big["validation ppl"].items()) + f" (chosen {big['chosen']})")
+    sweep = ev["domain"]["lambda sweep (base + Memory Decoder)"]
+    lines += ["", "Test-set lambda sweep (diagnostic only, not used to choose; domain ppl, base + Memory Decoder): "
               + ", ".join(f"{k}: {v:.3f}" for k, v in sweep.items()), "",
               f"Held-out tokens: domain {ev['domain']['tokens']:,}, general {ev['general']['tokens']:,}. "
               "Perplexity is per byte (the vocabulary is bytes).", ""]
     return "\n".join(lines)
 
 
-__all__ = ["run"]
+__all__ = ["choose_lambda", "markdown", "run"]

@@ -181,6 +181,22 @@ class Task:
         here); default: nothing."""
         return None
 
+    def schedule(self, run: Any, model: nn.Module, train_data: Any, device: str,
+                 distributed: bool = False) -> Any:
+        """The engine's ``schedule`` when the task draws its own training examples (GRPO under
+        ``data.order: gain-rl``: GAIN-RL's sampler), built on the first call and kept, so its
+        state (saved in checkpoints) carries across the run's engines; default: ``None``, the
+        run's draw order.
+
+        Args:
+            run: The whole :class:`~rankwise.recipes.config.RunConfig`.
+            model: The prepared model.
+            train_data: The training examples.
+            device: Their device.
+            distributed: Whether the run has several processes.
+        """
+        return None
+
     def before_step(self, model: nn.Module, batches: list[dict[str, torch.Tensor]], step: int,
                     seed: int) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of training step ``step`` as the loss reads them (GRPO samples its

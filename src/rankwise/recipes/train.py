@@ -66,7 +66,6 @@ class Session:
     dist: Distributed = field(default_factory=Distributed)
     scope: optim_scope.Scope | None = None  # what the optimizer updates its own way
     schedule_extensions: list = field(default_factory=list)  # (train.steps before, at) per change
-    sampler: Any = None  # data.order: gain-rl's sampler, built once (tasks/grpo/gain_rl.py)
 
     def batch(self, step: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
         """The collated training batch of ``step`` on the session's device (one batch, every
@@ -83,29 +82,17 @@ class Session:
                       callbacks=callbacks or [], dist=self.dist, schedule=self.schedule(),
                       **engine_settings(self.cfg))
 
-    def schedule(self) -> Skrull | None:
-        """The step schedule of ``data.schedule`` for this process (``None``: draw order)."""
+    def schedule(self) -> Any:
+        """The step schedule: the task's own (``data.order: gain-rl``: GRPO's sampler, built once
+        by the task), else ``data.schedule``'s for this process (``None``: draw order)."""
         d, dist = self.cfg.data, self.dist
-        if d.order == "gain-rl":
-            return self.gain_rl()
+        own = self.task.schedule(self.cfg, self.model, self.train_data, self.device, dist.active)
+        if own is not None:
+            return own
         if d.schedule != "skrull":
             return None
         return Skrull.for_model(self.model, dist.world, dist.rank, self.cfg.train.grad_accum,
                                 d.schedule_linear, d.schedule_bucket)
-
-    def gain_rl(self):
-        """GAIN-RL's sampler over the training prompts (their angle signals under the model as
-        it is now; a resumed run restores the saved ones). One process only."""
-        if self.sampler is None:
-            from rankwise.tasks.grpo.gain_rl import GainRLSampler, prompt_signals
-            if self.dist.active:
-                raise RankwiseError("data.order: gain-rl samples from one process's view of the "
-                                    "rewards; run it without torchrun or set data.order: uniform")
-            g = self.cfg.task.gain_rl
-            scores = prompt_signals(self.model, self.train_data.prompts, g, self.device)
-            self.sampler = GainRLSampler(scores, g, self.cfg.train.grad_accum, self.cfg.train.seed)
-            self.task.sampler = self.sampler
-        return self.sampler
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""

@@ -1,7 +1,8 @@
 """``task: {name: grpo}`` through ``rankwise train``: it logs rewards and writes samples.jsonl,
-resumes exactly (same samples, same adapter) and reports eval_reward_mean; bad input ends with one
-line and exit 2 (a reward that cannot be imported, raises, or returns NaN naming the record;
-G < 2; data.order: gain-rl without grpo)."""
+resumes exactly (same samples, same adapter; a gain-rl run from mid-loop: the same sampler
+state) and reports eval_reward_mean; bad input ends with one line and exit 2 (a reward that
+cannot be imported, raises, or returns NaN naming the record; G < 2; data.order: gain-rl
+without grpo)."""
 from __future__ import annotations
 
 import json
@@ -76,6 +77,34 @@ def test_grpo_run_logs_samples_resumes_exactly_and_reports_reward(prompts, tmp_p
     assert resumed["eval_reward_mean"] == metrics["eval_reward_mean"]
     res = invoke("export", full, "--format", "peft", "--out", tmp_path / "peft")
     assert res.exit_code == 0 and (tmp_path / "peft" / "adapter_config.json").is_file(), res.output
+
+
+@pytest.mark.slow
+def test_gain_rl_run_resumes_mid_loop_exactly(prompts, tmp_path):
+    """data.order: gain-rl, a loop of 2 steps (pool 4, 2 prompts a step): resumed from the
+    step-1 checkpoint (half a loop: its accuracy and online-angle sums in the sampler's state),
+    the run draws the same prompts and ends with the same sampler state and adapter."""
+    raw = raw_config(prompts, steps=3)
+    raw["data"]["order"] = "gain-rl"
+    raw["grpo"]["gain_rl"] = {"pool": 4, "move": 0.5}
+    raw["train"]["keep_checkpoints"] = 3
+    full = tmp_path / "full"
+    run(raw, full)
+    state = torch.load(full / "checkpoints" / "step-0000003" / "state.pt", weights_only=False)["schedule"]
+    assert state["loop"] == 2 and state["ang"][1] == 2 * 3  # loop 2: step 3's 2 prompts x G=3 rows
+    assert len(state["history"]) == 2                       # the centre moved once, after loop 1
+    half = tmp_path / "half"
+    shutil.copytree(full, half)
+    for step in (2, 3):
+        shutil.rmtree(half / "checkpoints" / f"step-000000{step}")
+    assert [p.name for p in (half / "checkpoints").iterdir()] == ["step-0000001"]
+    (half / "metrics.json").unlink()
+    run(raw, half, resume=True)
+    assert (half / "samples.jsonl").read_text() == (full / "samples.jsonl").read_text()
+    again = torch.load(half / "checkpoints" / "step-0000003" / "state.pt", weights_only=False)["schedule"]
+    assert again == state
+    a, b = (load_file(str(p / "adapter" / "adapter.safetensors")) for p in (full, half))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def assert_run_error(result, *needles: str) -> None:

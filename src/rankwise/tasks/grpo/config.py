@@ -26,7 +26,9 @@ class GainRLConfig:
         tail_tokens: Trailing prompt tokens left out (the generation prompt); the released 6.
         inter_weight: Weight of the question-to-prefix term (released: 8).
         reading: ``pairs`` (the means over the token pairs each term names) or ``released`` (the
-            released code's double row slice and masked zeros).
+            released code's double row slice and masked zeros), for the ordering score and the
+            online angle that moves the centre (``pairs``: distinct token pairs; ``released``:
+            the released trainer's mean of ``C * tril(1, 1)``'s non-zeros).
         pool: Prompts drawn per sampler loop (released: 256; capped at the data size).
         sigma: The Gaussian's width as a fraction of the data size (released: 1000 of 7,500
             MATH prompts).

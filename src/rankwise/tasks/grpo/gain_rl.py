@@ -1,10 +1,10 @@
 """GAIN-RL (``data.order: gain-rl``): GRPO's prompts ordered by angle concentration, drawn by a
-Gaussian sampler whose centre moves with the policy's accuracy.
+Gaussian sampler whose centre moves with the policy's accuracy and online angle.
 
 Wang et al. 2025, "Angles Don't Lie: Unlocking Training-Efficient RL Through the Model's Own
 Signals" (arXiv 2506.02281). For a linear layer ``a = x W`` the gradient norm is
 ``sum_ij |x_i| |x_j| cos(theta_ij) <da_i, da_j>``, so prompts whose token hidden states point the
-same way give larger gradients. The signal, per prompt, from ``X`` = the hidden states entering
+same way give larger gradients. The ordering score, per prompt, from ``X`` = the hidden states entering
 the *last* layer's MLP (one forward of the prompt), rows L2-normalised, ``C = X X^T`` (cosines):
 
 * ``reading: pairs`` (this module's default, the paper's intent as we read it): with ``p`` prefix
@@ -16,19 +16,34 @@ the *last* layer's MLP (one forward of the prompt), rows L2-normalised, ``C = X 
   w * mean(M[p:T-tail][:p])`` where each ``[a:b][c:d]`` slices *rows twice* (``L`` = the rows
   after the first slice) and the means include the masked zeros.
 
-Prompts are sorted by descending score. The sampler (released ``gainrl_trainer.py``): each loop
-draws ``pool`` positions of the sorted list without replacement with
+Prompts are sorted by descending score (once, before training, under the starting model: the
+released ``data_processor.py``). The sampler (released ``gainrl_trainer.py``): each loop draws
+``pool`` positions of the sorted list without replacement with
 ``p_i ~ exp(-((i - mu) / sigma)^2 / 2)``, ``mu_0 = 0``; after the loop
 ``mu <- mu + clamp(m tanh(2 (acc - 1/2)) + m tanh(2 ang), 0, 2 m)`` with ``acc`` = the loop's
-mean reward / ``reward_max``, ``ang`` = the loop's mean signal, ``m = move * n`` and
-``sigma = sigma * n`` (the released 500 and 1000 on 7,500 prompts, as fractions). ``mu`` is kept
-inside ``[0, n - 1]`` for the weights (the released code lets it run past the end).
+mean reward / ``reward_max``, ``m = move * n`` and ``sigma = sigma * n`` (the released 500 and
+1000 on 7,500 prompts, as fractions). ``mu`` is kept inside ``[0, n - 1]`` for the weights (the
+released code lets it run past the end).
+
+``ang`` is the *online* angle of the released trainer (``trl_gainrl/trl/trainer/grpo_trainer.py``
+``get_per_token_logps``; ``verl_gainrl/.../dp_actor.py``): in every training forward of the
+policy (:meth:`rankwise.tasks.grpo.task.GRPOTask.loss_sum`) the hidden states entering the last
+block's MLP over each row's prompt + completion, padding dropped (verl's unpadded rows; the trl
+release's one-row mini-batches still carry the batch's padding), rows L2-normalised, ``C = X X^T``,
+and per row one plain mean cosine (:func:`online_angle`): no prefix split and no inter weight.
+``reading: pairs``: the mean over distinct pairs ``i > j``; ``reading: released``: the released
+``sum(C * tril(1, diagonal=1)) / count_nonzero(...)`` (diagonal and super-diagonal included).
+``ang`` = the mean over the loop's completion rows (the released mean over prompts of the mean
+over their completions, with equal groups). So the centre holds while the policy fails (at
+``acc = 0`` the step is ``m (tanh(2 ang) - 0.762) < 0`` for any cosine ``ang < 0.5``) and moves
+with the current policy's angles, not with the fixed ordering score.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -78,28 +93,79 @@ def last_mlp(model: nn.Module) -> nn.Module:
     return found
 
 
-@torch.no_grad()
-def prompt_signals(model: nn.Module, prompts: list[list[int]], cfg: Any, device: str = "cpu") -> list[float]:
-    """The angle signal of every prompt (one forward each, in eval mode)."""
+@contextlib.contextmanager
+def mlp_inputs(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collect the input of the last block's MLP (:func:`last_mlp`) of every forward run inside
+    the ``with`` block, detached, as ``(B, T, d)`` (or however the model shapes it).
+
+    Raises:
+        RankwiseError: The model has no ``<blocks>.<N>.mlp`` module.
+    """
     held: list[torch.Tensor] = []
     def grab(mod, args, kwargs):  # the MLP's input, passed by position or by name
-        x = args[0] if args else next(iter(kwargs.values()))
-        held.append(x.detach().reshape(-1, x.shape[-1]))            # (T, d) of the one prompt
+        held.append((args[0] if args else next(iter(kwargs.values()))).detach())
 
     hook = last_mlp(model).register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        yield held
+    finally:
+        hook.remove()
+
+
+@torch.no_grad()
+def prompt_signals(model: nn.Module, prompts: list[list[int]], cfg: Any, device: str = "cpu") -> list[float]:
+    """The ordering score of every prompt (one forward each, in eval mode)."""
     was = model.training
     model.eval()
     out = []
     try:
-        for ids in prompts:
-            held.clear()
-            model(input_ids=torch.tensor([ids], device=device))
-            out.append(angle_signal(held[-1], cfg.prefix_tokens, cfg.tail_tokens, cfg.inter_weight,
-                                    cfg.reading))
+        with mlp_inputs(model) as held:
+            for ids in prompts:
+                held.clear()
+                model(input_ids=torch.tensor([ids], device=device))
+                x = held[-1].reshape(-1, held[-1].shape[-1])        # (T, d) of the one prompt
+                out.append(angle_signal(x, cfg.prefix_tokens, cfg.tail_tokens, cfg.inter_weight,
+                                        cfg.reading))
     finally:
-        hook.remove()
         model.train(was)
     return out
+
+
+def online_angle(x: torch.Tensor, reading: str = "pairs") -> float:
+    """The released trainer's online angle of one row: its mean token cosine.
+
+    Args:
+        x: The row's hidden states ``(T, d)`` (prompt + completion, no padding).
+        reading: ``pairs``: the mean over distinct pairs ``i > j``; ``released``:
+            ``sum(C * tril(1, 1)) / count_nonzero(C * tril(1, 1))`` (diagonal and super-diagonal
+            in, as the released trainer computes it).
+
+    Returns:
+        The mean cosine (0 for a row with no pair).
+    """
+    x = torch.nn.functional.normalize(x.float(), dim=-1)
+    c = x @ x.T                                                     # (T, T) cosines
+    if reading == "released":
+        m = c * torch.tril(torch.ones_like(c), diagonal=1)
+        return float(m.sum() / torch.count_nonzero(m).clamp(min=1))
+    return _mean(c[torch.tril(torch.ones_like(c, dtype=torch.bool), diagonal=-1)])
+
+
+def row_angles(hidden: torch.Tensor, attention_mask: torch.Tensor, reading: str = "pairs") -> list[float]:
+    """:func:`online_angle` of every row of a training forward.
+
+    Args:
+        hidden: The last block's MLP input ``(R, T, d)`` (:func:`mlp_inputs`; a prompt method's
+            leading virtual tokens, ``(R, v + T, d)``, are left out).
+        attention_mask: ``(R, T)``; positions at 0 (padding) are dropped.
+        reading: :func:`online_angle`'s reading.
+
+    Returns:
+        One angle per row.
+    """
+    keep = attention_mask.bool()
+    hidden = hidden[:, hidden.shape[1] - keep.shape[1]:]            # (R, T, d): virtual tokens lead
+    return [online_angle(hidden[r][keep[r]], reading) for r in range(hidden.shape[0])]
 
 
 def centre_step(mu: float, acc: float, ang: float, move: float) -> float:
@@ -110,11 +176,12 @@ def centre_step(mu: float, acc: float, ang: float, move: float) -> float:
 
 class GainRLSampler:
     """The engine's ``schedule`` under ``data.order: gain-rl``: each step's prompts come from
-    the Gaussian draw over the sorted data (see the module docstring); its state goes into
-    checkpoints, so a resumed run draws the same prompts.
+    the Gaussian draw over the sorted data (see the module docstring), and the centre moves on
+    the loop's accuracy (:meth:`observe`) and online angle (:meth:`observe_angles`); its state
+    goes into checkpoints, so a resumed run draws the same prompts.
 
     Args:
-        scores: Each training prompt's angle signal.
+        scores: Each training prompt's ordering score (:func:`prompt_signals`).
         cfg: The :class:`~rankwise.tasks.grpo.task.GainRLConfig`.
         grad_accum: Micro-batches per step.
         seed: Seeds each loop's draw (with the loop's number).
@@ -158,10 +225,7 @@ class GainRLSampler:
             self._new_loop(k)
         k = min(k, len(self.pool))
         take, self.pool = self.pool[:k], self.pool[k:]
-        idx = [self.order[p] for p in take]
-        self.ang_sum += sum(self.scores[i] for i in idx)
-        self.ang_n += len(idx)
-        return idx
+        return [self.order[p] for p in take]
 
     def micro_batches(self, dataset: Any, idx: list[int]) -> list[list[int]]:
         """The engine's hook: this step's ``len(idx)`` prompts, in ``grad_accum`` micro-batches."""
@@ -171,6 +235,12 @@ class GainRLSampler:
         """The step's mean rewards (one per micro-batch), for the loop's accuracy."""
         self.acc_sum += sum(rewards)
         self.acc_n += len(rewards)
+
+    def observe_angles(self, angles: list[float]) -> None:
+        """The online angles of a training forward's rows (:func:`row_angles`), for the loop's
+        ``ang``."""
+        self.ang_sum += sum(angles)
+        self.ang_n += len(angles)
 
     def state_dict(self) -> dict:
         """Everything the next draws depend on."""
@@ -187,4 +257,5 @@ class GainRLSampler:
         self.history = list(state["history"])
 
 
-__all__ = ["angle_signal", "centre_step", "GainRLSampler", "last_mlp", "prompt_signals"]
+__all__ = ["angle_signal", "centre_step", "GainRLSampler", "last_mlp", "mlp_inputs", "online_angle",
+           "prompt_signals", "row_angles"]

@@ -49,6 +49,8 @@ from torch import nn
 from rankwise.engine.generation import sample_groups
 from rankwise.engine.task import Task
 from rankwise.tasks.common import lm_example, write_records
+from rankwise.errors import RankwiseError
+from rankwise.tasks.grpo import gain_rl as G
 from rankwise.tasks.grpo import rewards as R
 from rankwise.tasks.grpo.config import LOSS_TYPES, GainRLConfig, GRPOConfig  # noqa: F401  (re-exported)
 from rankwise.tasks.grpo.data import build_prompt_data
@@ -125,7 +127,7 @@ class GRPOTask(Task):
         self.data: dict[int, Any] = {}
         self.seed = 0
         self.eos_id: int | None = None
-        self.sampler: Any = None           # GAIN-RL's sampler, told each step's accuracy
+        self.sampler: Any = None           # GAIN-RL's sampler, told each step's accuracy and angles
         self._sums: dict[str, float] = {}
         self.samples: list[dict] = []      # this step's samples, for samples.jsonl
         self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
@@ -175,6 +177,25 @@ class GRPOTask(Task):
                 from rankwise.data.formats import end_id
                 self.eos_id = end_id(tok)
         return None
+
+    def schedule(self, run, model, train_data, device, distributed=False):
+        """``data.order: gain-rl``: GAIN-RL's sampler (:class:`~rankwise.tasks.grpo.gain_rl.GainRLSampler`),
+        its order from each training prompt's score under the model as it is now (a resumed
+        run restores the saved scores); ``None`` otherwise.
+
+        Raises:
+            RankwiseError: Under torchrun (the sampler sees one process's rewards).
+        """
+        if run.data.order != "gain-rl":
+            return None
+        if self.sampler is None:
+            if distributed:
+                raise RankwiseError("data.order: gain-rl samples from one process's view of the "
+                                    "rewards; run it without torchrun or set data.order: uniform")
+            g = self.config.gain_rl
+            scores = G.prompt_signals(model, train_data.prompts, g, device)
+            self.sampler = G.GainRLSampler(scores, g, run.train.grad_accum, run.train.seed)
+        return self.sampler
 
     def count_targets(self, batch):
         """Completions (``grpo``, ``dr_grpo``) or completion tokens (``dapo``); before the
@@ -256,7 +277,12 @@ class GRPOTask(Task):
         if "completion_mask" not in batch:
             batch = self.rollout(model, batch)
         c = self.config
-        logps = token_logps(model, batch, c.temperature)
+        if self.sampler is None:
+            logps = token_logps(model, batch, c.temperature)
+        else:  # GAIN-RL's online angle: this forward's hidden states (tasks/grpo/gain_rl.py)
+            with G.mlp_inputs(_unwrap(model)) as held:
+                logps = token_logps(model, batch, c.temperature)
+            self.sampler.observe_angles(G.row_angles(held[-1], batch["attention_mask"], c.gain_rl.reading))
         mask = batch["completion_mask"].float()
         eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
         old = logps.detach()  # pi_old: the sampling policy, one update per rollout (TRL's rule)

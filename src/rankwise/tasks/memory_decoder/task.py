@@ -60,7 +60,13 @@ class MemoryDecoderConfig(TaskConfig):
             needs ``index: ivf``.
         ivf_lists: Inverted lists of the IVF index (0: ``4 sqrt(N)``).
         ivf_probe: Lists searched per query.
-        lam: ``lambda``, the memory decoder's share when it is mixed with a base at generation.
+        lam: ``lambda``, the memory decoder's share when it is mixed with a base at generation
+            (``generate --memory-decoder``; ``--memory-lambda`` overrides it). 0.55: the
+            authors' published evaluation (``scripts/evaluate_joint_gpt2.sh`` and the README's
+            joint model, behind their WikiText-103 table); 0.25 is only the released code's
+            argparse default (``evaluate_joint.py``, ``demo/memDec.py``). The best ``lambda``
+            depends on the base, the decoder and the domain: choose it on held-out validation
+            text, as ``bench memory-decoder`` does (``docs/memory-decoder.md``).
     """
 
     paths: ClassVar[tuple[str, ...]] = ("base",)
@@ -76,7 +82,7 @@ class MemoryDecoderConfig(TaskConfig):
     flat_max_mb: float = 4096.0
     ivf_lists: int = 0
     ivf_probe: int = 8
-    lam: float = 0.25
+    lam: float = 0.55
 
     def problems(self) -> list[str]:
         """Return value errors."""
