@@ -34,7 +34,7 @@ def main(out: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
 
-    from rankwise.recipes.train import set_fused_lora
+    from rankwise.recipes.session import set_fused_lora
     torch.set_num_threads(1)
     texts, labels, k = lvp._texts(lvp.BATCH * lvp.N_BATCHES)
     data = lvp._dataset(AutoTokenizer.from_pretrained(get_model_path()), texts, labels)

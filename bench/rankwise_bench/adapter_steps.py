@@ -27,7 +27,7 @@ def step_time(raw: dict, steps: int) -> tuple[float, int]:
     """CPU seconds per training step of the run config ``raw`` (after one warm-up step) and its
     trainable-parameter count."""
     from rankwise.recipes.config import build_run_config
-    from rankwise.recipes.train import prepare
+    from rankwise.recipes.session import prepare
     session = prepare(build_run_config(copy.deepcopy(raw)), device="cpu")
     engine = session.engine()
     engine.train_step(0)

@@ -212,7 +212,8 @@ def run_row(raw: dict, out: Path, base_hook: Callable[[nn.Module], Any] | None =
     from rankwise.engine import get_task
     from rankwise.recipes.config import build_run_config
     from rankwise.recipes.model import load_model
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
+    from rankwise.recipes.session import prepare
     cfg = build_run_config(copy.deepcopy(raw))
     task = get_task(cfg.task.name)
     model = tok = None

@@ -95,7 +95,8 @@ def run(out: Path, lr: float = 0.01, steps: int = STEPS) -> dict:
     """Train every (seed, order) with GRPO's AdamW ``lr`` for ``steps`` steps; write
     ``out/results.json`` (after each run) and ``results.md``."""
     from rankwise.recipes.config import load_run_config
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
+    from rankwise.recipes.session import prepare
     out = Path(out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)

@@ -171,7 +171,7 @@ def build_ours(folder: Path, row: str, s: Sizes, fused: bool) -> tuple[nn.Module
     from rankwise.adapters.lora import LoraConfig, apply_lora
     from rankwise.core.quant import model_bytes
     from rankwise.recipes.model import enable_checkpointing
-    from rankwise.recipes.train import set_fused_lora
+    from rankwise.recipes.session import set_fused_lora
     ours = load_base(folder, row, s.device)
     base_bytes = model_bytes(ours)
     torch.manual_seed(s.seed + 1)

@@ -235,7 +235,7 @@ def _run(out: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(get_model_path())
     data = _dataset(tokenizer, texts, labels)
     base, ours, theirs, n_train = _build(k)
-    from rankwise.recipes.train import set_fused_lora
+    from rankwise.recipes.session import set_fused_lora
     fz = copy.deepcopy(ours)
     set_fused_lora(fz, "auto")
     sides = ("rankwise", "peft", "fused")

@@ -113,7 +113,7 @@ def measure_prepared(cfg, steps: int = 2, device: str = "cpu") -> dict:
     not count (it counts the fused kernels): the row shows that gap."""
     from rankwise.core.quant import model_bytes
     from rankwise.memory import PeakMemory, tensor_bytes
-    from rankwise.recipes.train import prepare
+    from rankwise.recipes.session import prepare
     session = prepare(cfg, device=device)
     engine = session.engine()
     for k in range(steps):

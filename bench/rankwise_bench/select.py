@@ -55,7 +55,7 @@ def _select_all(seed: int, out: Path) -> dict:
     selection's seconds = its rule + the features it used, timed when first computed)."""
     from rankwise.recipes.config import build_run_config
     from rankwise.recipes import select as stage
-    from rankwise.recipes.train import prepare
+    from rankwise.recipes.session import prepare
     from rankwise.data.select import budget_count
     cfg = build_run_config(_raw(seed, {"target": "demo:" + ",".join(TARGET), "target_size": TARGET_SIZE,
                                        "seed": seed}))
@@ -92,7 +92,8 @@ def run(out: Path, seeds: int = 1) -> dict:
     """Run the comparison; write ``results.json``, ``results.md`` and ``accuracy.png``."""
     from rich.console import Console
     from rankwise.recipes.config import build_run_config
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
+    from rankwise.recipes.session import prepare
     import tempfile
     out.mkdir(parents=True, exist_ok=True)
     runs = Path(tempfile.mkdtemp(prefix="bench-select-"))  # run folders hold weights: not in out

@@ -92,7 +92,8 @@ def _base(work: Path) -> dict:
     from rankwise.data.instruct import load_function_records
     from rankwise.recipes.config import build_run_config
     from rankwise.recipes.select import record_ids
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
+    from rankwise.recipes.session import prepare
     from rankwise_bench.transfer import train_tokenizer
     text = "".join(r["prompt"] + r["completion"] + "\n" for r in load_function_records() if family(r["id"]) != TARGET)
     tok = train_tokenizer(text, VOCAB)
@@ -124,7 +125,8 @@ def _seed(base: Path, seed: int) -> dict:
     from rankwise.data.select import SelectConfig, budget_count
     from rankwise.recipes import select as stage
     from rankwise.recipes.config import build_run_config
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
+    from rankwise.recipes.session import prepare
     cfg = build_run_config(_raw(str(base), _lora(), STEPS, seed))
     session = prepare(cfg, device="cpu")
     ids = stage.record_ids(cfg.data, session.train_data)
@@ -169,7 +171,8 @@ def _seed(base: Path, seed: int) -> dict:
 def _fit(base: Path, seed: int, folder: Path, run: Path) -> dict:
     import shutil
     from rankwise.recipes.config import build_run_config
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
+    from rankwise.recipes.session import prepare
     cfg = build_run_config(_raw(str(base), _lora(), STEPS, seed, {"from": str(folder)}))
     session = prepare(cfg, device="cpu")
     train(cfg, run, session=session, console=_quiet(), summary=False)

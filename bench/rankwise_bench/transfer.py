@@ -174,7 +174,7 @@ def _train(s: Sizes, base: Path, steps: int, out: Path) -> dict:
 
 def _base_only(s: Sizes, base: Path) -> dict:
     from rankwise.recipes.config import build_run_config
-    from rankwise.recipes.train import prepare
+    from rankwise.recipes.session import prepare
     session = prepare(build_run_config(lora_config(s, base, 1)))  # B = 0: the base's outputs
     return {"eval_loss": round(session.evaluate()["eval_loss"], 6), "steps": 0}
 

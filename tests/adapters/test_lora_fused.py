@@ -193,7 +193,7 @@ def test_shared_product_is_a_compute_path_only(monkeypatch):
 def test_train_key_sets_the_switch_and_keeps_comparison_hashes():
     from rankwise.recipes.config import build_run_config
     from rankwise.recipes.runs import config_hash
-    from rankwise.recipes.train import set_fused_lora
+    from rankwise.recipes.session import set_fused_lora
     plan = {"model": {"path": "tiny-llama", "task": "causal-lm"}, "method": {"name": "lora", "r": 2}}
     auto = {**plan, "train": {"fused_lora": "auto"}}
     assert config_hash(auto) == config_hash(plan) != config_hash({**plan, "train": {"fused_lora": "off"}})

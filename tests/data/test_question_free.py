@@ -14,7 +14,7 @@ import torch
 from rankwise.data.formats import IGNORE, Encoder, end_id, special_prefix
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.model import load_tokenizer
-from rankwise.recipes.train import prepare
+from rankwise.recipes.session import prepare
 from test_cli_errors import assert_user_error, invoke, write_yaml
 
 # Questions and responses written with disjoint words, so "no question token" is a set test.

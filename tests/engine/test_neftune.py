@@ -78,7 +78,7 @@ def test_eval_no_grad_and_generation_see_clean_embeddings():
 def test_the_train_config_checks_alpha_and_prepare_attaches_it(tmp_path):
     from rankwise.configs import from_dict
     from rankwise.recipes.config import TrainConfig, load_run_config
-    from rankwise.recipes.train import prepare
+    from rankwise.recipes.session import prepare
     with pytest.raises(RankwiseError, match="neftune_noise_alpha: got 0"):
         from_dict(TrainConfig, {"neftune_noise_alpha": 0}, "train")
     cfg = load_run_config(None, base={

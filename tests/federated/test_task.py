@@ -115,7 +115,8 @@ def train_run(tmp_path, raw: dict, name: str) -> tuple[dict, dict[str, torch.Ten
     from rich.console import Console
 
     from rankwise.recipes.config import load_run_config
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
+    from rankwise.recipes.session import prepare
     raw = copy.deepcopy(raw)
     raw.pop("federated")
     raw["train"].update(steps=2, warmup_fraction=0.0, progress=False)
@@ -177,7 +178,7 @@ def test_model_settings_reach_every_client_through_prepare(tmp_path, monkeypatch
     """Clients (and the server) are built by rankwise train's ``prepare`` with the run's whole
     ``train:`` section (seed, calibration_batches, compile, fused_lora, gradient_checkpointing,
     loss_chunk_tokens), progress off."""
-    from rankwise.recipes import train as recipe
+    from rankwise.recipes import session as recipe
     seen, real = [], recipe.prepare
     monkeypatch.setattr(recipe, "prepare", lambda cfg, **kw: seen.append(cfg) or real(cfg, **kw))
     path = write(tmp_path, one_client(tmp_path, {"gradient_checkpointing": True, "fused_lora": "off",
@@ -214,7 +215,7 @@ def test_compiled_clients_train_as_eager_ones(tmp_path, monkeypatch):
     from functools import partial
 
     from rankwise.engine.compile import compile_model
-    from rankwise.recipes import train as recipe
+    from rankwise.recipes import session as recipe
     monkeypatch.setattr(recipe, "compile_model", partial(compile_model, backend="aot_eager"))
     compiled = build_client(write(tmp_path, one_client(tmp_path, {"compile": True}), "c.yaml"), 0)
     eager = build_client(write(tmp_path, one_client(tmp_path), "e.yaml"), 0)

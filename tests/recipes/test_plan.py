@@ -255,7 +255,7 @@ def test_nproc_bad_input_is_one_line_and_exit_2(folder, tmp_path):
         assert len(lines) == 1 and needle in lines[0], (args, result.output)
     # the run refuses the same pair before it loads anything (FSDP2 + 8-bit state)
     from rankwise.engine.distributed import Distributed
-    from rankwise.recipes.train import check_distributed
+    from rankwise.recipes.session import check_distributed
     data = P.split_switches(raw(folder, {"name": "full"}, {"name": "adamw", "state_bits": 8},
                                 distributed="fsdp"))[0]
     with pytest.raises(RankwiseError, match="does not run on FSDP2"):

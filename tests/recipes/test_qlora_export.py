@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow  # a module fixture trains a QLoRA run through the
 from rankwise.recipes.config import load_run_config  # noqa: E402
 from rankwise.recipes.export import export_run, load_run  # noqa: E402
 from rankwise.recipes.model import bnb_config, demo_model_path  # noqa: E402
-from rankwise.recipes.train import prepare, train  # noqa: E402
+from rankwise.recipes.train import train  # noqa: E402
+from rankwise.recipes.session import prepare
 from rankwise.testing import tiny_llama64  # noqa: E402
 
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.train import prepare, train
+from rankwise.recipes.train import train
+from rankwise.recipes.session import prepare
 from rankwise.testing import randomize_trainable
 
 # only the quantized bases need bitsandbytes; accumulation, checkpointing, bf16/fp16 resume and the
@@ -166,7 +167,7 @@ def test_optimizer_overflow_stops_the_run_and_keeps_the_last_checkpoint(tmp_path
                                                                        monkeypatch):
     """AdamW at a learning rate beyond float range raises "value cannot be converted ... without
     overflow"; the run stops like a non-finite loss (here the lr jumps after step 2)."""
-    import rankwise.recipes.train as recipe
+    import rankwise.recipes.session as recipe
 
     def jump(optimizer, steps, warmup_fraction):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 if s < 2 else 1e45)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from rankwise.cli import main
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.select import record_ids
-from rankwise.recipes.train import prepare
+from rankwise.recipes.session import prepare
 
 
 def _cfg(tmp: Path, source: Path, **select) -> Path:

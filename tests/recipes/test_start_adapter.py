@@ -23,7 +23,8 @@ from rankwise.errors import RankwiseError
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_model
-from rankwise.recipes.train import prepare, train
+from rankwise.recipes.train import train
+from rankwise.recipes.session import prepare
 from tests.tasks.dpo.test_dpo_run import pair_records
 
 TARGETS = ["q_proj", "v_proj"]

@@ -16,7 +16,8 @@ import torch
 
 from rankwise import registry
 from rankwise.recipes.config import build_run_config
-from rankwise.recipes.train import prepare, train
+from rankwise.recipes.train import train
+from rankwise.recipes.session import prepare
 
 NEEDS = {"memory-decoder": "faiss"}  # a task's optional dependency
 

@@ -1,7 +1,7 @@
 """The ML side of a federated run: each client's model and data, and local training.
 
 Built from the run config with the same blocks as ``rankwise train``
-(:func:`rankwise.recipes.train.prepare`), so any model/data/method the train command accepts
+(:func:`rankwise.recipes.session.prepare`), so any model/data/method the train command accepts
 works here, and trained by the same :class:`rankwise.engine.Engine` with the same settings
 (``recipes.train.engine_settings``); :func:`train_problems` refuses the ``train:`` keys whose
 loop a federation replaces by its own (docs/federated.md). A client's *exchangeable
@@ -174,12 +174,12 @@ def build_session(cfg, fed: FederatedConfig | None = None, device: str = "cpu"):
         device: Where the model goes.
 
     Returns:
-        The prepared :class:`rankwise.recipes.train.Session`.
+        The prepared :class:`rankwise.recipes.session.Session`.
 
     Raises:
         RankwiseError: On any problem preparing the run, or ``head: frozen`` without a head.
     """
-    from rankwise.recipes.train import prepare
+    from rankwise.recipes.session import prepare
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, progress=False))
     session = prepare(cfg, device=device)
     if fed is not None and fed.head == "frozen":
@@ -319,7 +319,7 @@ def local_train(client: Client, cfg_rec: dict) -> tuple[dict[str, torch.Tensor],
     hooks = dict(strategy.loss_hooks(model, client.roles, cfg_rec, first, steps))
     if fed.proximal_mu > 0:
         hooks["proximal"] = proximal_term({n: params[n] for n in names}, fed.proximal_mu)
-    from rankwise.recipes.train import engine_settings
+    from rankwise.recipes.session import engine_settings
     engine = Engine(model, client.task, opt, client.train_data, client.batch_size,
                     seed=cfg.train.seed + 1000 * client.partition_id, device=client.device,
                     loss_hooks=hooks, **engine_settings(cfg))

@@ -32,7 +32,7 @@ def samples_callback(session: Any, out: Path, write: bool = True) -> Samples:
     """The :class:`~rankwise.engine.reporting.Samples` callback of a training session.
 
     Args:
-        session: A :class:`~rankwise.recipes.train.Session` (its ``eval_data`` is unpacked).
+        session: A :class:`~rankwise.recipes.session.Session` (its ``eval_data`` is unpacked).
         out: The run folder (``samples.jsonl`` goes there).
         write: Whether this process writes the file.
     """

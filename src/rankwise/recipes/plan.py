@@ -175,7 +175,7 @@ class _NoCalibration:
 
 def meta_model(cfg) -> nn.Module:
     """The run's model on the meta device with the method applied and trainable weights in
-    float32 (as :func:`rankwise.recipes.train.prepare` leaves them). Nothing is read but the
+    float32 (as :func:`rankwise.recipes.session.prepare` leaves them). Nothing is read but the
     ``config.json`` (and, for the ``tiny-*`` models, the packaged tokenizer's size).
 
     Raises:

@@ -219,7 +219,7 @@ class Planner:
             problem = ("optim.per_layer would step before the gradients are summed across "
                        "processes; set optim.per_layer: false or plan one process (--nproc 1)")
         if problem is None and kind == "fsdp" and sw[("optim", "state_bits")] == 8:
-            from rankwise.recipes.train import FSDP_STATE_BITS
+            from rankwise.recipes.session import FSDP_STATE_BITS
             problem = FSDP_STATE_BITS
         if problem is None and kind == "fsdp" and cfg.model.quantize:
             problem = ("plan: train.distributed fsdp with a quantized base (model.quantize) is not "

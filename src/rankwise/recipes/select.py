@@ -303,7 +303,7 @@ def run_select(config: Path, sets: list[str], out: Path) -> Selection:
     from rankwise.core import atomic
     from rankwise.recipes import folders
     from rankwise.recipes.config import load_run_config
-    from rankwise.recipes.train import prepare
+    from rankwise.recipes.session import prepare
     out = atomic.check_folder(out)
     folders.check_writable(out, "select", "select")  # before any work; never over foreign files
     cfg = load_run_config(config, sets)

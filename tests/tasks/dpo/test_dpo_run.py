@@ -21,7 +21,8 @@ from rankwise.tasks.dpo.task import completion_logps
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_tokenizer
-from rankwise.recipes.train import prepare, train
+from rankwise.recipes.train import train
+from rankwise.recipes.session import prepare
 from test_cli_errors import assert_user_error, invoke, write_yaml
 from tests.recipes.test_train import start_and_wait_for_checkpoint
 
