@@ -176,7 +176,7 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
               help="A PEFT adapter folder to use instead of the run's adapter.")
 @click.option("--config", "config", type=click.Path(path_type=Path), default=None,
-              help="A YAML file whose decode: section sets how to decode (docs/serving.md).")
+              help="A YAML file whose decode: section sets how to decode (README: DecodeConfig).")
 @click.option("--set", "sets", multiple=True, metavar="decode.KEY=VALUE",
               help="Override one decoding setting, e.g. --set decode.top_k=40 (after --config).")
 @click.option("--max-new-tokens", type=int, default=None, help="decode.max_new_tokens (default 64).")
