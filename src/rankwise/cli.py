@@ -175,50 +175,45 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
               help="A JSONL file: one {\"prompt\": ...} (chat: {\"messages\": [...]}) per line.")
 @click.option("--adapter", type=click.Path(path_type=Path), default=None,
               help="A PEFT adapter folder to use instead of the run's adapter.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--kv-cache", default="fp", show_default=True, metavar="fp|nsnquant|kivi",
-              help="KV cache: full precision, or quantized on the fly (docs/compression.md).")
-@click.option("--kv-bits", type=int, default=2, show_default=True,
-              help="Bits per cached element of a quantized KV cache.")
+@click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+              help="A YAML file whose decode: section sets how to decode (README: DecodeConfig).")
+@click.option("--set", "sets", multiple=True, metavar="decode.KEY=VALUE",
+              help="Override one decoding setting, e.g. --set decode.top_k=40 (after --config).")
+@click.option("--max-new-tokens", type=int, default=None, help="decode.max_new_tokens (default 64).")
+@click.option("--temperature", type=float, default=None, help="decode.temperature; 0 = greedy (the default).")
+@click.option("--top-p", type=float, default=None, help="decode.top_p (default 1 = off).")
+@click.option("--seed", type=int, default=None, help="decode.seed (default 0).")
+@click.option("--kv-cache", default=None, metavar="fp|nsnquant|kivi",
+              help="decode.kv_cache.name: full precision (default), or quantized on the fly (docs/compression.md).")
+@click.option("--kv-bits", type=int, default=None,
+              help="decode.kv_cache.bits: bits per cached element of a quantized KV cache (default 2).")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="The base model's folder, if it is no longer at the run's model.path.")
 @click.option("--memory-decoder", type=click.Path(path_type=Path), default=None,
-              help="A Memory Decoder (memory-decoder run folder) mixed in (docs/memory-decoder.md).")
+              help="decode.memory.path: a Memory Decoder (memory-decoder run folder) mixed in (docs/memory-decoder.md).")
 @click.option("--memory-lambda", type=float, default=None,
-              help="The memory decoder's share (default: its run's memory_decoder.lam).")
+              help="decode.memory.lam: the memory decoder's share (default: its run's task.lam).")
 @click.option("--steer", default=None, metavar="svdecode",
-              help="Steer decoding with SVDecode (docs/svdecode.md); needs --steer-from.")
+              help="decode.steer.name: steer decoding with SVDecode (docs/svdecode.md); needs --steer-from.")
 @click.option("--steer-from", type=click.Path(path_type=Path), default=None,
-              help="The warm-start adapter run (same base) giving P_warm (adapters on) and P_pre (off).")
-@click.option("--steer-mask", type=float, default=None, help="SVDecode mask ratio tau (default 0.1).")
-@click.option("--steer-strength", type=float, default=None, help="SVDecode lambda on mu* (default 1; 0 = plain).")
-@click.option("--steer-max-mu", type=float, default=None, help="SVDecode clip of mu* (default 4).")
+              help="decode.steer.from: the warm-start adapter run (same base) giving P_warm (adapters on) and P_pre (off).")
+@click.option("--steer-mask", type=float, default=None, help="decode.steer.mask_ratio: SVDecode mask ratio tau (default 0.1).")
+@click.option("--steer-strength", type=float, default=None, help="decode.steer.strength: lambda on mu* (default 1; 0 = plain).")
+@click.option("--steer-max-mu", type=float, default=None, help="decode.steer.max_mu: the clip of mu* (default 4).")
 @click.option("--steer-mu", type=float, default=None,
-              help="A fixed SVDecode mu* instead of calibrating it on the warm-start run's data.")
+              help="decode.steer.mu: a fixed mu* instead of calibrating it on the warm-start run's data.")
 @click.option("--steer-calib", type=int, default=None,
-              help="Warm-start training examples that calibrate mu* (default 64).")
+              help="decode.steer.calib_examples: warm-start examples that calibrate mu* (default 64).")
 def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path | None,
-             max_new_tokens: int, temperature: float, top_p: float, seed: int, kv_cache: str,
-             kv_bits: int, model_path: Path | None, steer: str | None, steer_from: Path | None,
-             steer_mask: float | None, steer_strength: float | None,
-             steer_max_mu: float | None, steer_mu: float | None, steer_calib: int | None,
-             memory_decoder: Path | None, memory_lambda: float | None) -> None:
+             config: Path | None, sets: tuple[str, ...], model_path: Path | None, **flags) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
+    from rankwise.recipes.decode import decode_config
     from rankwise.recipes.generate import run_generate
-    steer_config = None
-    if steer is not None:
-        from rankwise.engine.svdecode import SVDecodeConfig
-        given = {"mask_ratio": steer_mask, "strength": steer_strength, "max_mu": steer_max_mu,
-                 "mu": steer_mu, "calib_examples": steer_calib}
-        steer_config = SVDecodeConfig(**{k: v for k, v in given.items() if v is not None})
-    run_generate(run_dir, prompt, file, adapter, max_new_tokens, temperature, top_p, seed,
-                 echo=click.echo, stream=lambda text: click.echo(text, nl=False),
-                 kv_cache=kv_cache, kv_bits=kv_bits, model_path=model_path, steer=steer,
-                 steer_from=steer_from, steer_config=steer_config,
-                 memory_decoder=memory_decoder, memory_lambda=memory_lambda,
+    if (prompt is None) == (file is None):
+        raise RankwiseError("pass exactly one of --prompt TEXT or --file PROMPTS.jsonl")
+    decode = decode_config(config, sets, flags)  # every bad setting at once, before any model loads
+    run_generate(run_dir, prompt if file is None else file, decode, adapter=adapter,
+                 model_path=model_path, echo=click.echo, stream=lambda text: click.echo(text, nl=False),
                  note=lambda line: click.echo(line, err=True))
 
 

@@ -175,6 +175,7 @@ def test_generation_keeps_4bit_layers_in_training_layout(tmp_path, claims_avx512
     """``rankwise generate`` of a QLoRA run: the model it decodes with was never repacked, and
     the tokens equal greedy decoding computed by hand from the same model in training layout."""
     from rankwise.recipes import generate as gen
+    from rankwise.recipes.decode import DecodeConfig
     from rankwise.recipes.config import load_run_config
     from rankwise.recipes.train import train
     run = tmp_path / "run"
@@ -195,7 +196,7 @@ def test_generation_keeps_4bit_layers_in_training_layout(tmp_path, claims_avx512
         seen.append((model, args[0], out))
         return out
     monkeypatch.setattr(gen, "generate", spy)
-    gen.run_generate(run, prompt="def f3(x):", max_new_tokens=4, echo=lambda _: None)
+    gen.run_generate(run, "def f3(x):", DecodeConfig(max_new_tokens=4), echo=lambda _: None)
     (model, prompt_ids, new), = seen
     assert len(layers(model)) > 0 and len(new) >= 1
     ids = torch.tensor([prompt_ids])

@@ -210,3 +210,49 @@ def test_cli_bad_steering_input_is_one_line_exit_2(tmp_path, args, needle):
     res = CliRunner().invoke(main, ["generate", a, "--prompt", "x", *args])
     assert res.exit_code == 2, res.output
     assert needle in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def old_steered_loop(model, prompt, n, steer, warm=None):
+    """The loop SVDecode had before it became a hook (three incremental forwards with their own
+    DynamicCache, the steered logits, argmax), kept here as the reference the hook must equal."""
+    from transformers import DynamicCache
+    warm_model = model if warm is None else warm
+    specs = [(model, False)] + ([(warm, False)] if warm is not None else []) + [(warm_model, True)]
+    caches = [DynamicCache(config=m.config) for m, _ in specs]
+    seen = [0] * len(specs)
+    ids, new, logits = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            got = []
+            for k, (m, off) in enumerate(specs):
+                x = torch.tensor([ids[seen[k]:]])
+                ctx = disable_adapters(m) if off else torch.no_grad()
+                with ctx:
+                    out = m(input_ids=x, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            cache=caches[k], use_cache=True)
+                seen[k] = len(ids)
+                got.append(out.logits[0, -1])
+            z = steer.steer(got[0], got[1] if len(got) == 3 else got[0], got[-1])
+            logits.append(z)
+            tok = int(z.argmax())
+            if tok == EOS:
+                break
+            new.append(tok)
+            ids.append(tok)
+    return new, logits
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("separate_warm", [False, True])
+def test_steer_hook_equals_the_old_loop(name, separate_warm):
+    model = warm(name)
+    other = warm(name) if separate_warm else None
+    if other is not None:
+        randomize_trainable(other, seed=11, std=0.5)
+    sv = SVDecode(SVDecodeConfig(mask_ratio=0.05, strength=0.7, max_mu=50.0))
+    sv.calibrate(model, examples(model), warm=other)
+    want, want_logits = old_steered_loop(model, PROMPT, 6, sv, other)
+    seen: list[torch.Tensor] = []
+    assert steered_generate(model, PROMPT, 6, EOS, sv, warm=other, on_step=seen.append) == want
+    assert len(seen) == len(want_logits) and len(want) == 6
+    assert max(float((a - b).abs().max()) for a, b in zip(seen, want_logits)) < 1e-5

@@ -181,6 +181,7 @@ def test_rankwise_generate_decodes_a_trained_t6_run_with_its_cache(tmp_path):
     folder with a bad rank is a one-line error."""
     from rankwise.data.formats import end_id
     from rankwise.recipes.config import load_run_config
+    from rankwise.recipes.decode import DecodeConfig
     from rankwise.recipes.generate import load_for_generation, run_generate
     from rankwise.recipes.train import train
     folder = tpa_folder(tmp_path / "t6")
@@ -204,7 +205,7 @@ def test_rankwise_generate_decodes_a_trained_t6_run_with_its_cache(tmp_path):
                 break
             want.append(t)
     assert len(want) == 6                                   # six real tokens, no early end
-    got = run_generate(tmp_path / "run", prompt="Open a file.", max_new_tokens=6, echo=lambda s: None)
+    got = run_generate(tmp_path / "run", "Open a file.", DecodeConfig(max_new_tokens=6), echo=lambda s: None)
     assert got[0]["completion"] == tok.decode(want, skip_special_tokens=True)
     result = CliRunner().invoke(main, ["generate", str(tmp_path / "run"), "--prompt", "Open a file.",
                                        "--max-new-tokens", "6"])

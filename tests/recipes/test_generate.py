@@ -14,6 +14,7 @@ from rankwise.cli import main
 from rankwise.data.formats import end_id
 from rankwise.engine.generation import generate
 from rankwise.recipes.config import load_run_config
+from rankwise.recipes.decode import DecodeConfig, KVCache, SteerConfig
 from rankwise.recipes.generate import load_for_generation, run_generate
 from rankwise.recipes.train import train
 
@@ -63,7 +64,7 @@ def test_greedy_cli_equals_argmax_loop_and_streams(runs):
     assert result.exit_code == 0, result.output
     assert result.output == want + "\n"
     pieces: list[str] = []  # the streamed pieces arrive one by one and add up to the completion
-    rows = run_generate(runs / "lora", prompt=prompt, max_new_tokens=6, echo=lambda s: None,
+    rows = run_generate(runs / "lora", prompt, DecodeConfig(max_new_tokens=6), echo=lambda s: None,
                         stream=pieces.append)
     assert len(pieces) > 1 and "".join(pieces) == rows[0]["completion"] == want
 
@@ -72,12 +73,12 @@ def test_greedy_cli_equals_argmax_loop_and_streams(runs):
 def test_file_of_prompts_and_a_peft_adapter_agree_with_the_run(runs, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Open a file."}\n"Close the loop."\n')
-    own = run_generate(runs / "lora", file=prompts, max_new_tokens=5, echo=lambda s: None)
+    own = run_generate(runs / "lora", prompts, DecodeConfig(max_new_tokens=5), echo=lambda s: None)
     assert [r["prompt"] for r in own] == ["Open a file.", "Close the loop."]
     result = CliRunner().invoke(main, ["export", str(runs / "lora"), "--format", "peft", "--out",
                                        str(tmp_path / "peft")])
     assert result.exit_code == 0, result.output
-    via_peft = run_generate(runs / "lora", file=prompts, adapter=tmp_path / "peft", max_new_tokens=5,
+    via_peft = run_generate(runs / "lora", prompts, DecodeConfig(max_new_tokens=5), adapter=tmp_path / "peft",
                             echo=lambda s: None)
     assert via_peft == own
     result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--file", str(prompts),
@@ -91,7 +92,7 @@ def test_chat_run_with_a_non_mergeable_adapter_uses_the_template(runs):
     ids = enc.prompt_ids([{"role": "user", "content": "name function 3"}])
     assert ids == tok("<user> name function 3 [SEP] <assistant>", add_special_tokens=False)["input_ids"]
     want = tok.decode(greedy(model, ids, 5, end_id(tok)), skip_special_tokens=True)
-    got = run_generate(runs / "moe", prompt="name function 3", max_new_tokens=5, echo=lambda s: None)
+    got = run_generate(runs / "moe", "name function 3", DecodeConfig(max_new_tokens=5), echo=lambda s: None)
     assert got[0]["completion"] == want
 
 
@@ -117,9 +118,11 @@ def test_temperature_and_top_p_change_what_is_sampled(runs):
 
 @pytest.mark.slow
 def test_the_seed_option_seeds_sampling(runs):
-    kw = dict(prompt="Parse a header.", max_new_tokens=6, temperature=1.0, echo=lambda s: None)
-    a, b = (run_generate(runs / "lora", seed=s, **kw)[0]["completion"] for s in (3, 4))
-    assert run_generate(runs / "lora", seed=3, **kw)[0]["completion"] == a != b
+    def sampled(seed: int) -> str:
+        return run_generate(runs / "lora", "Parse a header.", DecodeConfig(
+            max_new_tokens=6, temperature=1.0, seed=seed), echo=lambda s: None)[0]["completion"]
+    a, b = sampled(3), sampled(4)
+    assert sampled(3) == a != b
 
 
 class VirtualTokens(nn.Module):
@@ -186,9 +189,9 @@ def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
         return made[-1]
     monkeypatch.setattr(kv, "make_cache", spy)
     prompt = "Return the number of items in a container, counting every nested item as well."
-    fp = run_generate(runs / "lora", prompt=prompt, max_new_tokens=6, echo=lambda s: None)
-    q = run_generate(runs / "lora", prompt=prompt, max_new_tokens=6, echo=lambda s: None,
-                     kv_cache="nsnquant", kv_bits=2)
+    fp = run_generate(runs / "lora", prompt, DecodeConfig(max_new_tokens=6), echo=lambda s: None)
+    q = run_generate(runs / "lora", prompt, DecodeConfig(max_new_tokens=6, kv_cache=KVCache("nsnquant", 2)),
+                     echo=lambda s: None)
     assert isinstance(q[0]["completion"], str) and q[0]["prompt"] == fp[0]["prompt"]
     used = made[-1]  # the cache generation decoded with holds the prompt and the new tokens
     assert isinstance(used, kv.QuantizedKVCache) and used.get_seq_length() >= 16
@@ -210,7 +213,7 @@ def test_steer_svdecode_through_the_cli_strength_zero_is_plain_and_default_steer
     from rankwise.engine.svdecode import SVDecode
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Open a file."}\n')
-    plain = run_generate(runs / "lora", file=prompts, max_new_tokens=5, echo=lambda s: None)
+    plain = run_generate(runs / "lora", prompts, DecodeConfig(max_new_tokens=5), echo=lambda s: None)
     result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--file", str(prompts),
                                        "--max-new-tokens", "5", "--steer", "svdecode", "--steer-from",
                                        str(runs / "lora"), "--steer-strength", "0"])
@@ -231,7 +234,8 @@ def test_steer_svdecode_through_the_cli_strength_zero_is_plain_and_default_steer
                 break
             out.append(t)
     lines: list[str] = []
-    steered = run_generate(runs / "lora", file=prompts, max_new_tokens=5, echo=lambda s: None,
-                           steer="svdecode", steer_from=runs / "lora", note=lines.append)
+    steer = SteerConfig(name="svdecode", from_=str(runs / "lora"))
+    steered = run_generate(runs / "lora", prompts, DecodeConfig(max_new_tokens=5, steer=steer),
+                           echo=lambda s: None, note=lines.append)
     assert lines == [sv.fit.line()] and "mu*" in lines[0]
     assert steered[0]["completion"] == tok.decode(out, skip_special_tokens=True)

@@ -1,4 +1,5 @@
-"""Steering-vector decoding (``rankwise generate --steer svdecode --steer-from RUN``).
+"""Steering-vector decoding (``rankwise generate --steer svdecode --steer-from RUN``), a logits
+hook of the one decode loop (:class:`SteerHook`).
 
 Hu, Han et al., "Distribution-Aligned Decoding for Efficient LLM Task Adaptation" (SVDecode,
 arXiv 2509.15888, NeurIPS 2025): a short warm-start PEFT fine-tune gives a warm distribution
@@ -25,13 +26,13 @@ import torch
 from torch import nn
 
 from rankwise.core.ops import disable_adapters
-from rankwise.core.protocol import attach_input_hook, input_adapters
+from rankwise.engine.generation import ModelStream, Step, generate
 from rankwise.errors import RankwiseError
 
 
 @dataclass
 class SVDecodeConfig:
-    """Settings of :class:`SVDecode` (the CLI's ``--steer-*`` flags override them).
+    """Settings of :class:`SVDecode` (``decode.steer.*``; the CLI's ``--steer-*`` flags fill them).
 
     Attributes:
         mask_ratio: τ of the confidence mask: a token is steered only where its warm probability
@@ -53,17 +54,22 @@ class SVDecodeConfig:
     mu: float | None = None
     calib_examples: int = 64
 
-    def check(self) -> None:
-        """Raises RankwiseError on a value outside its range (one line naming the flag)."""
+    def problems(self) -> list[str]:
+        """Every value outside its range, each ``"field: message"`` naming the CLI flag too."""
+        out = []
         if not 0.0 <= self.mask_ratio <= 1.0:
-            raise RankwiseError(f"--steer-mask {self.mask_ratio} is outside [0, 1]; pass the "
-                                "fraction of the warm top-1 probability a token needs to be steered")
-        if self.strength < 0 or self.max_mu < 0 or self.eps <= 0:
-            raise RankwiseError(f"--steer-strength {self.strength} and --steer-max-mu {self.max_mu} "
-                                "must be >= 0 (0 = plain decoding)")
+            out.append(f"mask_ratio: got {self.mask_ratio}; expected a value in [0, 1] (--steer-mask: "
+                       "the fraction of the warm top-1 probability a token needs to be steered)")
+        if self.strength < 0:
+            out.append(f"strength: got {self.strength}; expected >= 0 (--steer-strength; 0 = plain decoding)")
+        if self.max_mu < 0:
+            out.append(f"max_mu: got {self.max_mu}; expected >= 0 (--steer-max-mu)")
+        if self.eps <= 0:
+            out.append(f"eps: got {self.eps}; expected > 0")
         if self.calib_examples < 1:
-            raise RankwiseError(f"--steer-calib {self.calib_examples} must be >= 1 (labelled "
-                                "warm-start examples that calibrate mu)")
+            out.append(f"calib_examples: got {self.calib_examples}; expected >= 1 (--steer-calib: "
+                       "labelled warm-start examples that calibrate mu)")
+        return out
 
 
 @dataclass
@@ -145,8 +151,11 @@ class SVDecode:
     """
 
     def __init__(self, config: SVDecodeConfig | None = None) -> None:
+        """Raises RankwiseError on a config value outside its range (every one, in one line)."""
         self.config = config or SVDecodeConfig()
-        self.config.check()
+        bad = self.config.problems()
+        if bad:
+            raise RankwiseError("svdecode " + "; ".join(bad))
         self.fit: MuFit | None = None
         if self.config.mu is not None:
             self.fit = self._fit(float(self.config.mu), 0, float("nan"), float("nan"), float("nan"),
@@ -269,42 +278,43 @@ def _teacher_logits(model: nn.Module, x: torch.Tensor, adapters_off: bool) -> to
     return out[-x.shape[1]:]
 
 
-class _Stream:
-    """One model's incremental forward with its own KV cache (adapters on or off)."""
+class SteerHook:
+    """SVDecode as a logits hook of the one decode loop (:func:`rankwise.engine.generation.decode`):
+    the loop's logits are ``z``; the hook runs the warm model (adapters on, when it is another
+    model than the one decoded) and the base (the warm model with its adapters off), each a
+    :class:`~rankwise.engine.generation.ModelStream` with its own KV cache, and returns
+    ``steer.steer(z, z_w, z_0)``.
 
-    def __init__(self, model: nn.Module, adapters_off: bool) -> None:
-        from transformers import DynamicCache
-        self.model, self.off = model, adapters_off
-        self.cache = DynamicCache(config=model.config)
-        self.seen = 0
+    Args:
+        steer: The update (calibrated, or with a fixed μ).
+        model: The model decoded.
+        warm: The warm-start model; ``None``: ``model`` itself.
 
-    def logits(self, ids: list[int], device: str) -> torch.Tensor:
-        new = torch.tensor([ids[self.seen:]], dtype=torch.long, device=device)
-        mask = torch.ones(1, len(ids), dtype=torch.long, device=device)  # the real tokens only
-        ctx = disable_adapters(self.model) if self.off else contextlib.nullcontext()
-        with ctx:
-            out = self.model(input_ids=new, attention_mask=mask, cache=self.cache, use_cache=True)
-        self.seen = len(ids)
-        return out.logits[0, -1]
+    Raises:
+        RankwiseError: μ neither calibrated nor fixed (and λ ≠ 0), before any forward.
+    """
 
+    def __init__(self, steer: SVDecode, model: nn.Module, warm: nn.Module | None = None) -> None:
+        steer.mu  # noqa: B018 -- refuses an uncalibrated step before any forward
+        self.steer = steer
+        warm_model = model if warm is None else warm
+        self.warm = ModelStream(warm) if warm is not None and steer.config.strength != 0 else None
+        self.pre = (ModelStream(warm_model, lambda: disable_adapters(warm_model))
+                    if steer.config.strength != 0 else None)
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, -1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1))
+    def __call__(self, step: Step, logits: torch.Tensor) -> torch.Tensor:
+        """The steered ``(B, V)`` logits of this step (``logits`` itself when λ = 0)."""
+        if self.pre is None:
+            return logits
+        z_warm = self.warm.logits(step) if self.warm is not None else logits
+        return self.steer.steer(logits, z_warm, self.pre.logits(step))
 
 
-@torch.no_grad()
 def steered_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
                      steer: SVDecode, warm: nn.Module | None = None, temperature: float = 0.0,
                      top_p: float = 1.0, device: str = "cpu",
                      on_step: Callable[[torch.Tensor], Any] | None = None) -> list[int]:
-    """Decode ``prompt_ids`` with SVDecode: ``z' = steer.steer(z, z_w, z_0)`` at every step.
+    """Decode ``prompt_ids`` with SVDecode: the one decode loop with a :class:`SteerHook`.
 
     Args:
         model: The model decoded (adapters in place).
@@ -317,37 +327,22 @@ def steered_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: in
         temperature: 0 = greedy, else sampling at this temperature.
         top_p: Nucleus mass when sampling.
         device: Where the ids go.
-        on_step: Receives the steered logits of every step (tests, scores).
+        on_step: Receives the steered ``(V,)`` logits of every step (tests, scores).
 
     Returns:
         The new token ids.
+
+    Raises:
+        RankwiseError: μ neither calibrated nor fixed (and λ ≠ 0).
     """
-    steer.mu  # noqa: B018 -- refuses an uncalibrated step before any forward
-    warm_model = model if warm is None else warm
-    for m in {id(model): model, id(warm_model): warm_model}.values():
-        m.eval()
-        if input_adapters(m):
-            attach_input_hook(m)
-    streams = [_Stream(model, False)]
-    if steer.config.strength != 0:
-        if warm is not None:
-            streams.append(_Stream(warm, False))
-        streams.append(_Stream(warm_model, True))
-    ids = list(prompt_ids)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        got = [s.logits(ids, device) for s in streams]
-        z = got[0]
-        z_warm = got[1] if len(got) == 3 else z
-        z = steer.steer(z, z_warm, got[-1]) if len(got) > 1 else z
-        if on_step is not None:
-            on_step(z)
-        tok = _pick(z, temperature, top_p)
-        if tok == eos_id:
-            break
-        new.append(tok)
-        ids.append(tok)
-    return new
+    hooks: list[Any] = [SteerHook(steer, model, warm)]
+    if on_step is not None:
+        def watch(step: Step, z: torch.Tensor) -> torch.Tensor:
+            on_step(z[0])                                           # (V,) of the one prompt
+            return z
+        hooks.append(watch)
+    return generate(model, prompt_ids, max_new_tokens, eos_id, eos_id, temperature, top_p, device,
+                    hooks=hooks)
 
 
-__all__ = ["MuFit", "SVDecode", "SVDecodeConfig", "steered_generate"]
+__all__ = ["MuFit", "SVDecode", "SVDecodeConfig", "SteerHook", "steered_generate"]

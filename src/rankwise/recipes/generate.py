@@ -4,7 +4,9 @@ The base model named by the run's ``config.yaml`` (in its dtype / quantization) 
 adapter (``adapter/``, or ``model/`` for full fine-tuning) or, with ``--adapter``, a PEFT adapter
 folder. Prompts are formatted as the run's ``data.format`` formatted them in training: the chat
 template for ``chat`` runs, ``prefix + prompt`` for ``prompt-completion``. Also builds the
-``samples.jsonl`` callback that training runs at every evaluation.
+``samples.jsonl`` callback that training runs at every evaluation. How it decodes is one
+:class:`~rankwise.recipes.decode.DecodeConfig` (``--set decode.*``, a ``decode:`` section, or
+the flags that fill it).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from rankwise.engine.reporting import Samples
 from rankwise.errors import RankwiseError
 from rankwise.recipes import folders
 from rankwise.recipes.config import RunConfig, load_run_config
+from rankwise.recipes.decode import DecodeConfig, SteerConfig, checked
 from rankwise.recipes.model import base_moved, load_model
 
 
@@ -145,42 +148,26 @@ def read_prompts(path: Path, enc: Encoder) -> Iterator[Any]:
             raise RankwiseError(f"{path} line {n} has no {field!r} field; each line needs one")
 
 
-def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = None,
-                 adapter: Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, echo: Callable[[str], None] = print,
-                 stream: Callable[[str], None] | None = None, kv_cache: str = "fp",
-                 kv_bits: int = 2, model_path: Path | None = None, steer: str | None = None,
-                 steer_from: Path | None = None, steer_config: Any = None, memory_decoder: Path | None = None,
-                 memory_lambda: float | None = None,
+def run_generate(run_dir: Path, prompts: str | Path | list, decode: DecodeConfig | None = None, *,
+                 adapter: Path | None = None, model_path: Path | None = None,
+                 echo: Callable[[str], None] = print, stream: Callable[[str], None] | None = None,
                  note: Callable[[str], None] | None = None) -> list[dict]:
-    """Generate completions for one prompt or a file of prompts.
+    """Generate completions for one prompt, a list of prompts or a file of prompts, through the
+    one decode loop (:func:`rankwise.engine.generation.generate`) with what ``decode`` hands it:
+    a fresh KV cache per prompt, and SVDecode's or a Memory Decoder's logits hook.
 
     Args:
         run_dir: A finished causal-LM run.
-        prompt: One prompt (text; for chat runs, the user message). An empty prompt (here or
-            in ``file``) generates from the BOS token alone (:func:`start_id`).
-        file: A JSONL file of prompts (:func:`read_prompts`).
+        prompts: One prompt (``str``: text; for chat runs, the user message; it streams), a list
+            of prompt values (as a prompts file's lines hold), or a JSONL file (``Path``,
+            :func:`read_prompts`). An empty prompt generates from the BOS token alone
+            (:func:`start_id`).
+        decode: How to decode (:class:`~rankwise.recipes.decode.DecodeConfig`; its defaults if
+            None); checked here like the CLI's.
         adapter: A PEFT adapter folder instead of the run's adapter.
-        max_new_tokens: Tokens per completion.
-        temperature: 0 = greedy; else sampling.
-        top_p: Nucleus mass when sampling.
-        seed: Seeds sampling.
-        echo: Receives one JSON line per completion (``--file``) or the final newline.
-        stream: Receives text pieces as they are generated (single prompt).
-        kv_cache: ``fp`` (transformers' own cache), or ``nsnquant`` / ``kivi``: keys and values
-            quantized on the fly (:func:`rankwise.compress.kv.make_cache`), a fresh cache per prompt.
-        kv_bits: Bits per cached element of a quantized cache.
         model_path: ``--model``: the base model's folder, if it moved since training.
-        steer: ``svdecode``: decode with :class:`rankwise.engine.svdecode.SVDecode` (needs
-            ``steer_from``); ``None``: plain decoding.
-        steer_from: The warm-start run (an adapter run on the same base) whose adapters on / off
-            give P_warm / P_pre.
-        steer_config: A :class:`rankwise.engine.svdecode.SVDecodeConfig` (its defaults if None).
-        memory_decoder: ``--memory-decoder``: a Memory Decoder (a ``task.name: memory-decoder``
-            run folder, or a causal-LM model folder) mixed with the run's model in log space
-            (:mod:`rankwise.tasks.memory_decoder.generation`), each with its own KV cache.
-        memory_lambda: ``--memory-lambda``: its share; default: the memory-decoder run's
-            ``task.lam`` (:class:`~rankwise.tasks.memory_decoder.task.MemoryDecoderConfig`).
+        echo: Receives one JSON line per completion (a list or file) or the final newline.
+        stream: Receives text pieces as they are generated (one ``str`` prompt).
         note: Receives SVDecode's calibration line (μ*, the applied μ, whether it was clipped);
             default: nowhere.
 
@@ -188,78 +175,65 @@ def run_generate(run_dir: Path, prompt: str | None = None, file: Path | None = N
         ``[{"prompt", "completion"}]``.
 
     Raises:
-        RankwiseError: Neither or both of ``prompt`` / ``file``, bad values, or a bad run,
-            adapter or prompts file.
+        RankwiseError: Bad decoding settings (every one at once), or a bad run, adapter,
+            warm-start run, memory decoder or prompts file.
     """
-    if (prompt is None) == (file is None):
-        raise RankwiseError("pass exactly one of --prompt TEXT or --file PROMPTS.jsonl")
-    if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-        raise RankwiseError(f"got --max-new-tokens {max_new_tokens}, --temperature {temperature}, "
-                            f"--top-p {top_p}; expected >= 1, >= 0 and a value in (0, 1]")
+    dc = checked(decode or DecodeConfig())
     from rankwise.compress.kv import find_rotary, make_cache
-    make_cache(kv_cache, kv_bits)  # a bad cache kind or width is refused before loading the model
-    steerer = _steerer(run_dir, steer, steer_from, steer_config, kv_cache)
-    if memory_decoder is not None:
-        check_memory_decoder(Path(memory_decoder))  # before any model is loaded
-    if file is not None and Path(file).is_file() and not Path(file).read_text(errors="replace").strip():
+    steerer = _steerer(run_dir, dc.steer)
+    if dc.memory.path is not None:
+        check_memory_decoder(Path(dc.memory.path))  # before any model is loaded
+    file = Path(prompts) if isinstance(prompts, Path) else None
+    if file is not None and file.is_file() and not file.read_text(errors="replace").strip():
         raise RankwiseError(f"prompts file {file} is empty; write one {{\"prompt\": ...}} object "
                             "per line (or pass --prompt TEXT)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, model, tok, enc = load_for_generation(run_dir, adapter, device, model_path)
-    warm = None
-    if steerer is not None and (adapter is not None or
-                                Path(steer_from).resolve() != Path(run_dir).resolve()):
-        warm = load_for_generation(steer_from, None, device, model_path)[1]
-    if steerer is not None and steerer.config.strength != 0 and steerer.fit is None:
-        _calibrate(steerer, Path(steer_from), model, warm, tok, device, note)
-    memory = None
-    if memory_decoder is not None:
-        if kv_cache != "fp":
-            raise RankwiseError(f"--memory-decoder decodes with transformers' own caches; drop "
-                                f"--kv-cache {kv_cache}")
-        if steer is not None:
-            raise RankwiseError("--memory-decoder and --steer each replace the decoding loop; use one")
-        memory, memory_lambda = load_memory_decoder(Path(memory_decoder), tok, device, memory_lambda)
-    if prompt is not None:
-        items: list[Any] = [[{"role": "user", "content": prompt}] if enc.fmt == "chat" else prompt]
+    hooks = _hooks(run_dir, dc, steerer, adapter, model, tok, device, model_path, note)
+    single = isinstance(prompts, str)
+    if single:
+        items: list[Any] = [[{"role": "user", "content": prompts}] if enc.fmt == "chat" else prompts]
     else:
-        items = list(read_prompts(file, enc))
+        items = list(read_prompts(file, enc)) if file is not None else list(prompts)
     ids = [enc.prompt_ids(v) for v in items]  # every prompt is checked before generating
     if not all(ids):  # an empty prompt: start from BOS, as transformers' generate() without input
         bos = start_id(tok, model)
         ids = [x or [bos] for x in ids]
-    decode = _decoder(tok)
-    torch.manual_seed(seed)
+    decoder = _decoder(tok)
+    torch.manual_seed(dc.seed)
     out = []
     for value, prompt_ids in zip(items, ids):
-        single = prompt is not None and stream is not None
-        cache = None if kv_cache == "fp" else make_cache(
-            kv_cache, kv_bits, config=model.config, rotary=find_rotary(model))  # NSNQuant: keys before RoPE
-        if memory is not None:
-            from rankwise.tasks.memory_decoder.generation import generate_with_memory
-            shown = [""]
-
-            def on_token(ids: list[int], shown=shown) -> None:
-                text = decode(ids)
-                if text.startswith(shown[0]) and len(text) > len(shown[0]):
-                    stream(text[len(shown[0]):])
-                    shown[0] = text
-            new = generate_with_memory(model, memory, prompt_ids, max_new_tokens, end_id(tok), memory_lambda,
-                                       temperature, top_p, device, on_token=on_token if single else None)
-        elif steerer is not None:
-            from rankwise.engine.svdecode import steered_generate
-            new = steered_generate(model, prompt_ids, max_new_tokens, end_id(tok), steerer, warm,
-                                   temperature, top_p, device)
-            if single:
-                stream(decode(new))
-        else:
-            new = generate(model, prompt_ids, max_new_tokens, end_id(tok), tok.pad_token_id,
-                           temperature, top_p, device, decode=decode,
-                           on_text=stream if single else None, cache=cache)
-        row = {"prompt": value, "completion": decode(new)}
+        kv = dc.kv_cache
+        cache = None if kv.name == "fp" else make_cache(  # NSNQuant: keys before RoPE
+            kv.name, kv.bits, kv.chunk, config=model.config, rotary=find_rotary(model))
+        new = generate(model, prompt_ids, dc.max_new_tokens, end_id(tok), tok.pad_token_id,
+                       dc.temperature, dc.top_p, device, decode=decoder,
+                       on_text=stream if single and stream is not None else None, cache=cache,
+                       top_k=dc.top_k, hooks=hooks)
+        row = {"prompt": value, "completion": decoder(new)}
         out.append(row)
-        echo("" if single else json.dumps(row, ensure_ascii=False))
+        echo("" if single and stream is not None else json.dumps(row, ensure_ascii=False))
     return out
+
+
+def _hooks(run_dir: Path, dc: DecodeConfig, steerer: Any, adapter: Path | None, model: Any, tok: Any,
+           device: str, model_path: Path | None, note: Callable[[str], None] | None) -> list[Any]:
+    """The logits hooks ``dc`` asks for: SVDecode's (its warm run loaded, μ calibrated) or a
+    Memory Decoder's mixture (loaded and checked against the base's tokenizer)."""
+    if steerer is not None:
+        from rankwise.engine.svdecode import SteerHook
+        steer_from = Path(dc.steer.from_)
+        warm = None
+        if adapter is not None or steer_from.resolve() != Path(run_dir).resolve():
+            warm = load_for_generation(steer_from, None, device, model_path)[1]
+        if steerer.config.strength != 0 and steerer.fit is None:
+            _calibrate(steerer, steer_from, model, warm, tok, device, note)
+        return [SteerHook(steerer, model, warm)]
+    if dc.memory.path is not None:
+        from rankwise.tasks.memory_decoder.generation import MemoryMixture
+        memory, lam = load_memory_decoder(Path(dc.memory.path), tok, device, dc.memory.lam)
+        return [MemoryMixture(memory, lam)]
+    return []
 
 
 def _calibrate(steerer: Any, steer_from: Path, model: Any, warm: Any, tok: Any, device: str,
@@ -274,30 +248,19 @@ def _calibrate(steerer: Any, steer_from: Path, model: Any, warm: Any, tok: Any, 
         note(fit.line())
 
 
-def _steerer(run_dir: Path, steer: str | None, steer_from: Path | None, steer_config: Any,
-             kv_cache: str) -> Any:
-    """The :class:`~rankwise.engine.svdecode.SVDecode` of ``--steer`` (None without it), checked
-    before any model is loaded.
+def _steerer(run_dir: Path, steer: SteerConfig) -> Any:
+    """The :class:`~rankwise.engine.svdecode.SVDecode` of ``decode.steer`` (None without it),
+    checked before any model is loaded.
 
     Raises:
-        RankwiseError: ``--steer`` without ``--steer-from`` (or the reverse), an unknown kind, a
-            quantized KV cache, a steering run that is not an adapter run, or one of another base.
+        RankwiseError: A steering run that is not a run folder, not an adapter run, or one of
+            another base.
     """
-    if steer is None and steer_from is None:
+    if steer.name is None:
         return None
-    if steer is None:
-        raise RankwiseError("--steer-from needs --steer svdecode (the decoding rule to steer with)")
-    if steer != "svdecode":
-        raise RankwiseError(f"unknown --steer {steer!r}; the one steering rule is svdecode")
-    if steer_from is None:
-        raise RankwiseError("--steer svdecode needs --steer-from RUN: a warm-start adapter run "
-                            "(LoRA, prompt tuning, ...) on the same base model")
-    if kv_cache != "fp":
-        raise RankwiseError("--steer svdecode keeps its own full-precision KV caches; leave out "
-                            f"--kv-cache {kv_cache}")
     from rankwise.engine.svdecode import SVDecode
-    steerer = SVDecode(steer_config)  # bad values are refused here
-    steer_from = Path(steer_from)
+    steerer = SVDecode(steer.rule())
+    steer_from = Path(steer.from_)
     if not (steer_from / "config.yaml").is_file():
         raise RankwiseError(f"--steer-from {steer_from} is not a run folder (no config.yaml); pass "
                             "the --out folder of a warm-start 'rankwise train'")

@@ -3,7 +3,7 @@
 Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language
 Models", eq. 3 (the GRPO objective) with eq. 4 (the k3 estimate of the KL to the reference). For
 each prompt ``q`` the policy samples a group of ``G`` completions ``o_1..o_G`` (through
-:func:`rankwise.engine.generation.sample_groups`: ``model.generate`` with the KV cache), the
+:func:`rankwise.engine.generation.sample_groups`: the one decode loop with the KV cache), the
 reward functions (:mod:`rankwise.tasks.grpo.rewards`) score them, and each completion's advantage is
 its reward relative to its group (``scale_rewards: group``)::
 

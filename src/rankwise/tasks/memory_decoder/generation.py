@@ -1,4 +1,5 @@
-"""Decoding with a base LM and a Memory Decoder mixed in log space, each with its own KV cache.
+"""Decoding with a base LM and a Memory Decoder mixed in log space, each with its own KV cache:
+a logits hook (:class:`MemoryMixture`) of the one decode loop.
 
 Cao et al. 2025, "Memory Decoder" (arXiv 2508.09874), the inference interpolation [I] (the
 authors' ``demo/memDec.py``): at every step
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rankwise.engine.generation import ModelStream, Step, generate
+
 
 def interpolate(logp_base: torch.Tensor, logp_mem: torch.Tensor, lam: float) -> torch.Tensor:
     """``log((1 - lam) p_base + lam p_mem)`` from log-probabilities (the interpolation [I]).
@@ -38,23 +41,34 @@ def interpolate(logp_base: torch.Tensor, logp_mem: torch.Tensor, lam: float) -> 
     return torch.logaddexp(logp_base + math.log1p(-lam), logp_mem + math.log(lam))
 
 
-def _pick(logp: torch.Tensor, temperature: float, top_p: float) -> int:
-    """Greedy (``temperature`` 0) or nucleus sampling from ``logp`` ``(V,)``."""
-    if temperature <= 0:
-        return int(logp.argmax())
-    probs = F.softmax(logp / temperature, dim=-1)
-    sorted_p, order = probs.sort(descending=True)
-    outside = sorted_p.cumsum(-1) - sorted_p >= top_p                  # beyond the nucleus
-    sorted_p = sorted_p.masked_fill(outside, 0.0)
-    return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1)])
+class MemoryMixture:
+    """The interpolation [I] as a logits hook of the one decode loop
+    (:func:`rankwise.engine.generation.decode`): the loop's logits are the base's; the Memory
+    Decoder runs beside it as a :class:`~rankwise.engine.generation.ModelStream` (its own KV
+    cache, fed only the newest token after the prompt), and the hook returns the mixture's
+    log-probabilities ``log((1 − λ) p_base + λ p_mem)`` (the sampler's softmax of them is the
+    mixture itself).
+
+    Args:
+        memory: The Memory Decoder (same tokenizer as the base).
+        lam: Its share λ in [0, 1].
+    """
+
+    def __init__(self, memory: nn.Module, lam: float) -> None:
+        self.stream, self.lam = ModelStream(memory), lam
+
+    def __call__(self, step: Step, logits: torch.Tensor) -> torch.Tensor:
+        """``(B, V)`` mixed log-probabilities of this step from the base's ``logits``."""
+        logp_mem = F.log_softmax(self.stream.logits(step), dim=-1)
+        return interpolate(F.log_softmax(logits, dim=-1), logp_mem, self.lam)
 
 
-@torch.no_grad()
 def generate_with_memory(base: nn.Module, memory: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                          eos_id: int, lam: float, temperature: float = 0.0, top_p: float = 1.0,
                          device: str = "cpu", use_cache: bool = True,
                          on_token: Callable[[list[int]], None] | None = None) -> list[int]:
-    """Continue ``prompt_ids`` from the mixture of ``base`` and ``memory`` (the interpolation [I]).
+    """Continue ``prompt_ids`` from the mixture of ``base`` and ``memory`` (the interpolation [I]):
+    the one decode loop over ``base`` with a :class:`MemoryMixture` hook.
 
     Args:
         base: The base causal LM.
@@ -73,37 +87,12 @@ def generate_with_memory(base: nn.Module, memory: nn.Module, prompt_ids: list[in
     Returns:
         The generated token ids.
     """
-    models = (base, memory)
-    was = [m.training for m in models]
-    for m in models:
-        m.eval()
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)           # (1, T)
-    caches: list = [None, None]
-    import transformers
-    cache_key = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
-    new: list[int] = []
+    was = memory.training
     try:
-        for _ in range(max_new_tokens):
-            logps = []
-            for n, m in enumerate(models):
-                if use_cache:
-                    feed = ids if caches[n] is None else ids[:, -1:]
-                    out = m(input_ids=feed, use_cache=True, **{cache_key: caches[n]})
-                    caches[n] = out.past_key_values  # the model's own cache, grown in place
-                else:
-                    out = m(input_ids=ids, use_cache=False)
-                logps.append(F.log_softmax(out.logits[0, -1].float(), dim=-1))    # (V,)
-            token = _pick(interpolate(logps[0], logps[1], lam), temperature, top_p)
-            if token == eos_id:
-                break
-            new.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
-            if on_token is not None:
-                on_token(new)
+        return generate(base, prompt_ids, max_new_tokens, eos_id, eos_id, temperature, top_p, device,
+                        hooks=[MemoryMixture(memory, lam)], use_cache=use_cache, on_tokens=on_token)
     finally:
-        for m, w in zip(models, was):
-            m.train(w)
-    return new
+        memory.train(was)
 
 
-__all__ = ["interpolate", "generate_with_memory"]
+__all__ = ["MemoryMixture", "interpolate", "generate_with_memory"]

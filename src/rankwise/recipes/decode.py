@@ -1,0 +1,238 @@
+"""``DecodeConfig``: how ``rankwise generate`` decodes, as one typed section (``decode:``).
+
+Every setting of the one decode loop (:func:`rankwise.engine.generation.decode`) and of what it
+is handed (a quantized KV cache, SVDecode steering, a Memory Decoder's mixture) is a field here,
+with its default; nothing else holds a default. The section is filled, in this order, from
+
+1. a ``decode:`` section of a YAML file (``rankwise generate RUN --config FILE``; relative paths
+   are read from the file's folder),
+2. ``--set decode.KEY=VALUE`` (``--set decode.top_p=0.9``, ``--set decode.kv_cache.name=kivi``),
+3. the command's flags (``--max-new-tokens``, ``--kv-cache``, ``--steer-*``, ``--memory-*``: each
+   fills one key, :data:`FLAGS`),
+
+and built by :func:`rankwise.configs.from_dict`: every unknown key and bad value is reported at
+once, in one line (the CLI exits 2), before any model is loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rankwise import configs
+from rankwise.compress.config import KVCacheConfig
+from rankwise.engine.svdecode import SVDecodeConfig
+from rankwise.errors import RankwiseError, closest
+
+KV_CACHES = ("fp", "nsnquant", "kivi")
+
+
+@dataclass
+class KVCache:
+    """``decode.kv_cache``: the cache object the loop decodes with
+    (:func:`rankwise.compress.kv.make_cache`, a fresh one per prompt).
+
+    Attributes:
+        name: ``fp`` (transformers' own cache), ``nsnquant`` (1-2 bits) or ``kivi`` (1-8 bits):
+            keys and values quantized on the fly (``--kv-cache``).
+        bits: Bits per cached element of a quantized cache (``--kv-bits``).
+        chunk: Tokens quantized together; the newest incomplete chunk stays full precision.
+    """
+
+    name: str = "fp"
+    bits: int = 2
+    chunk: int = 16
+
+    def problems(self) -> list[str]:
+        """Every bad value (the ranges of ``compress.kv_cache``)."""
+        if self.name not in KV_CACHES:
+            return [f"name: got {self.name!r}; expected one of {list(KV_CACHES)} (--kv-cache)"
+                    f"{closest(self.name, KV_CACHES)}"]
+        return [p.replace("kind:", "name:", 1)
+                for p in KVCacheConfig(self.name, self.bits, self.chunk).problems()]
+
+
+@dataclass
+class SteerConfig(SVDecodeConfig):
+    """``decode.steer``: steering by a logits hook (:class:`rankwise.engine.svdecode.SteerHook`);
+    the rest of the keys are :class:`~rankwise.engine.svdecode.SVDecodeConfig`'s.
+
+    Attributes:
+        name: ``svdecode`` (``--steer``); ``None``: no steering.
+        from_: The warm-start adapter run on the same base (``from:``, ``--steer-from``) whose
+            adapters on / off give P_warm / P_pre.
+    """
+
+    name: str | None = None
+    from_: str | None = None
+
+    def problems(self) -> list[str]:
+        """The rule's value checks, and a name without a warm-start run (or the reverse)."""
+        if self.name is None and self.from_ is None:
+            return []
+        if self.name is None:
+            return ["from: --steer-from needs --steer svdecode (decode.steer.name: svdecode, the "
+                    "decoding rule to steer with)"]
+        if self.name != "svdecode":
+            return [f"name: unknown --steer {self.name!r} (decode.steer.name); the one steering "
+                    "rule is svdecode"]
+        out = [] if self.from_ is not None else [
+            "from: --steer svdecode needs --steer-from RUN (decode.steer.from): a warm-start "
+            "adapter run (LoRA, prompt tuning, ...) on the same base model"]
+        return out + super().problems()
+
+    def rule(self) -> SVDecodeConfig:
+        """The :class:`~rankwise.engine.svdecode.SVDecodeConfig` part."""
+        return SVDecodeConfig(**{f.name: getattr(self, f.name) for f in fields(SVDecodeConfig)})
+
+
+@dataclass
+class MemoryConfig:
+    """``decode.memory``: a Memory Decoder mixed in by a logits hook
+    (:class:`rankwise.tasks.memory_decoder.generation.MemoryMixture`).
+
+    Attributes:
+        path: A ``task.name: memory-decoder`` run folder, or a causal-LM model folder
+            (``--memory-decoder``); ``None``: none.
+        lam: Its share λ (``--memory-lambda``); ``None``: the memory-decoder run's ``task.lam``.
+    """
+
+    path: str | None = None
+    lam: float | None = None
+
+    def problems(self) -> list[str]:
+        """λ outside [0, 1]."""
+        if self.lam is not None and not 0.0 <= self.lam <= 1.0:
+            return [f"lam: got {self.lam}; expected a value in [0, 1] (--memory-lambda)"]
+        return []
+
+
+@dataclass
+class DecodeConfig:
+    """How ``rankwise generate`` decodes (the ``decode:`` section).
+
+    Attributes:
+        max_new_tokens: Tokens per completion (``--max-new-tokens``).
+        temperature: 0 = greedy; else sampling at this temperature (``--temperature``).
+        top_p: Nucleus mass when sampling (``--top-p``; 1 = off).
+        top_k: Keep the k most likely tokens when sampling (0 = off).
+        seed: Seeds sampling (``--seed``).
+        kv_cache: The KV cache (:class:`KVCache`).
+        steer: Steering (:class:`SteerConfig`).
+        memory: A Memory Decoder (:class:`MemoryConfig`).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    kv_cache: KVCache = field(default_factory=KVCache)
+    steer: SteerConfig = field(default_factory=SteerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def problems(self) -> list[str]:
+        """Every bad value of the sampler, and combinations the loop refuses."""
+        out = []
+        if self.max_new_tokens < 1:
+            out.append(f"max_new_tokens: got {self.max_new_tokens}; expected >= 1 (--max-new-tokens)")
+        if self.temperature < 0:
+            out.append(f"temperature: got {self.temperature}; expected >= 0 (--temperature; 0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p: got {self.top_p}; expected a value in (0, 1] (--top-p)")
+        if self.top_k < 0:
+            out.append(f"top_k: got {self.top_k}; expected >= 0 (0 = off)")
+        kv = self.kv_cache.name
+        if self.steer.name is not None and kv != "fp":
+            out.append(f"steer: --steer svdecode keeps its own full-precision KV caches; leave out "
+                       f"--kv-cache {kv} (decode.kv_cache.name: fp)")
+        if self.memory.path is not None and kv != "fp":
+            out.append(f"memory: --memory-decoder decodes with transformers' own caches; drop "
+                       f"--kv-cache {kv} (decode.kv_cache.name: fp)")
+        if self.memory.path is not None and self.steer.name is not None:
+            out.append("memory: --memory-decoder and --steer are two logits hooks whose order "
+                       "neither paper defines; use one")
+        return out
+
+
+# --flag -> the dotted key of DecodeConfig it fills
+FLAGS = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+         "seed": "seed", "kv_cache": "kv_cache.name", "kv_bits": "kv_cache.bits",
+         "steer": "steer.name", "steer_from": "steer.from", "steer_mask": "steer.mask_ratio",
+         "steer_strength": "steer.strength", "steer_max_mu": "steer.max_mu", "steer_mu": "steer.mu",
+         "steer_calib": "steer.calib_examples", "memory_decoder": "memory.path",
+         "memory_lambda": "memory.lam"}
+DECODE_PATHS = {("decode", "steer", "from"): (), ("decode", "memory", "path"): ()}
+
+
+def decode_config(config: Path | None = None, sets: list[str] | tuple[str, ...] = (),
+                  flags: dict[str, Any] | None = None) -> DecodeConfig:
+    """Build the :class:`DecodeConfig` of a ``generate`` command line.
+
+    Args:
+        config: A YAML file whose ``decode:`` section is read (its other sections are ignored).
+        sets: ``--set decode.KEY=VALUE`` items (each key must start with ``decode.``).
+        flags: The command's flags by :data:`FLAGS` name; ``None`` values were not given.
+
+    Returns:
+        The checked config.
+
+    Raises:
+        RankwiseError: A bad file, a ``--set`` outside ``decode.``, or every unknown key and
+            bad value at once (one line).
+    """
+    from rankwise.recipes.config import apply_sets, read_yaml
+    raw: dict[str, Any] = {}
+    if config is not None:
+        section = read_yaml(config, DECODE_PATHS).get("decode", {})
+        if not isinstance(section, dict):
+            raise RankwiseError(f"config {config}: decode: got {section!r}; expected a mapping")
+        raw = {"decode": section}
+    bad = [s for s in sets if not s.partition("=")[0].strip().startswith("decode.")]
+    if bad:
+        raise RankwiseError(f"--set {bad[0]!r}: generate takes decode.* keys only, e.g. "
+                            "--set decode.temperature=0.7")
+    apply_sets(raw, list(sets))
+    for name, value in (flags or {}).items():
+        if value is not None:
+            node = raw.setdefault("decode", {})
+            *parents, last = FLAGS[name].split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = str(value) if isinstance(value, Path) else value
+    return _from_dict(raw.get("decode") or {})
+
+
+SAMPLER_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def _from_dict(data: dict) -> DecodeConfig:
+    """:func:`rankwise.configs.from_dict`, plus the sampler's value checks when a section had a
+    problem (``from_dict`` skips a parent's ``problems()`` then), so every problem is reported.
+
+    Raises:
+        RankwiseError: Every unknown key and bad value at once (one line).
+    """
+    try:
+        return configs.from_dict(DecodeConfig, data, "decode")
+    except RankwiseError as err:
+        numbers = {k: v for k, v in data.items() if k in SAMPLER_KEYS
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        more = [f"decode.{p}" for p in DecodeConfig(**numbers).problems() if f"decode.{p}" not in str(err)]
+        if not more:
+            raise
+        raise RankwiseError("; ".join([str(err), *more])) from None
+
+
+def checked(config: DecodeConfig) -> DecodeConfig:
+    """``config`` rebuilt through :func:`rankwise.configs.from_dict`, so a config made in Python
+    is checked like one from the command line.
+
+    Raises:
+        RankwiseError: Every bad value at once (one line).
+    """
+    return _from_dict(dataclasses.asdict(config))
+
+
+__all__ = ["checked", "DecodeConfig", "KVCache", "MemoryConfig", "SteerConfig", "decode_config"]
