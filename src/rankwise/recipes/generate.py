@@ -348,7 +348,7 @@ def check_memory_decoder(path: Path) -> None:
             return
         raise RankwiseError(f"--memory-decoder {path} is a {cfg.task.name} run (method "
                             f"{cfg.method.name}), not a memory-decoder run; {fix}")
-    held = folders.WHAT[found] if found else "nothing (missing or empty)"
+    held = folders.what(found) if found else "nothing (missing or empty)"
     raise RankwiseError(f"--memory-decoder {path} holds {held}, not a memory-decoder run; {fix}")
 
 
