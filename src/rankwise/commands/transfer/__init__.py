@@ -1,5 +1,5 @@
 """``rankwise transfer RUN --to NEW_BASE --out DIR``: move a LoRA run onto an upgraded base
-model (LoRASuite; the work: :mod:`rankwise.recipes.transfer`, the maths
+model (LoRASuite; the work: :mod:`rankwise.commands.transfer.run`, the maths
 :mod:`rankwise.core.lorasuite`; docs/transfer.md)."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from rankwise import registry
 def transfer(run_dir: Path, new_base: str, out: Path, finetune_steps: int | None,
              calibration_texts: int | None, paper_maps: bool) -> None:
     """Move a LoRA run onto an upgraded base model (LoRASuite; docs/transfer.md)."""
-    from rankwise.recipes.transfer import TransferConfig, transfer_run
+    from rankwise.commands.transfer.run import TransferConfig, transfer_run
     given = {"finetune_steps": finetune_steps, "calibration_texts": calibration_texts,
              "normalise": False if paper_maps else None}
     record = transfer_run(run_dir, new_base, out, TransferConfig(**{k: v for k, v in given.items() if v is not None}))
