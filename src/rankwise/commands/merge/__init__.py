@@ -1,5 +1,5 @@
 """``rankwise merge INPUTS... --method M --weights W --out DIR``: combine LoRA adapters of one
-base into one PEFT adapter (the work: :mod:`rankwise.recipes.merge`, the maths
+base into one PEFT adapter (the work: :mod:`rankwise.commands.merge.run`, the maths
 :mod:`rankwise.core.combine`; docs/merge.md)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def merge(inputs: tuple[Path, ...], method: str, weights: str, density: float | 
           svd_rank: int | None, majority_sign: str | None, out: Path, merged: bool,
           model_path: Path | None) -> None:
     """Combine LoRA adapters of one base (runs or PEFT folders) into one PEFT adapter."""
-    from rankwise.recipes.merge import MergeConfig, merge_sources, parse_weights
+    from rankwise.commands.merge.run import MergeConfig, merge_sources, parse_weights
     given = {"density": density, "seed": seed, "svd_rank": svd_rank, "majority_sign": majority_sign}
     cfg = MergeConfig(method=method.replace("-", "_"), weights=parse_weights(weights),
                       **{k: v for k, v in given.items() if v is not None})
