@@ -1,5 +1,5 @@
 """``rankwise inspect RUN_OR_MODEL``: gradient rank, Model Shapley and the low-rank inverse bound
-(the work: :mod:`rankwise.recipes.inspect`; docs/inspect.md)."""
+(the work: :mod:`rankwise.commands.inspect.run`; docs/inspect.md)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +16,7 @@ from rankwise import registry
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Output folder (default runs/<name>-inspect).")
 def inspect(target: Path, data: Path | None, out: Path | None) -> None:
     """Gradient rank, Model Shapley and the low-rank inverse bound of a run or model (docs/inspect.md)."""
-    from rankwise.recipes.inspect import run_inspect
+    from rankwise.commands.inspect.run import run_inspect
     out = out or Path("runs") / f"{target.name}-inspect"
     run_inspect(target, data, out)
     click.echo(f"wrote {out}/report.md and {out}/inspect.json")
