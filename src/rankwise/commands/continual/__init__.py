@@ -1,5 +1,5 @@
 """``rankwise continual CONFIG --tasks ...``: tasks learned one after another, one LoRA module per
-task (HRM-PET; the work: :mod:`rankwise.recipes.continual`; docs/continual.md)."""
+task (HRM-PET; the work: :mod:`rankwise.commands.continual.run`; docs/continual.md)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ import click
 
 from rankwise import registry
 from rankwise.commands.options import write_config
-from rankwise.recipes.continual import ContinualConfig
+from rankwise.commands.continual.run import ContinualConfig
 
 
 @click.command()
@@ -18,7 +18,7 @@ from rankwise.recipes.continual import ContinualConfig
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the record here (JSON).")
 def continual(config: Path, tasks: str, method: str | None, out: Path | None) -> None:
     """Learn tasks one after another, one LoRA module per task (HRM-PET; docs/continual.md)."""
-    from rankwise.recipes.continual import continual_command
+    from rankwise.commands.continual.run import continual_command
     continual_command(config, tasks, method, out)
 
 

@@ -19,7 +19,7 @@ exemplars. Methods (``continual.method``):
 
 Evaluation is class-incremental: after each task, the evaluation examples of every task seen so
 far, scored over the classes seen so far. Per-task-module methods report every inference rule
-``<matcher>:<rule>`` on the same modules (:mod:`rankwise.recipes.continual_rules`): matchers
+``<matcher>:<rule>`` on the same modules (:mod:`rankwise.commands.continual.rules`): matchers
 ``tii`` and ``keys``; rules ``match``, ``direct`` re-matching only, ``hrm`` = direct +
 confidence-based at ``tau``, ``hrm-tuned`` = the same with ``tau`` chosen on a validation split
 held out of the training records; and ``oracle`` = the true task's module (task-incremental).
@@ -33,9 +33,9 @@ import torch
 
 from rankwise.core.continual import GATES, TaskIdentity, relation_distillation
 from rankwise.errors import RankwiseError
-from rankwise.recipes.continual_rules import (MATCHERS, STEPS, EvalCache, masked, matchers, rows_of,
+from rankwise.commands.continual.rules import (MATCHERS, STEPS, EvalCache, masked, matchers, rows_of,
                                               score_point)
-from rankwise.recipes.continual_rules import hybrid_rematch  # noqa: F401  (re-exported)
+from rankwise.commands.continual.rules import hybrid_rematch  # noqa: F401  (re-exported)
 
 METHODS = ("hrm-pet", "key-match", "sequential", "joint")
 RULES = tuple(f"{m}:{r}" for m in MATCHERS for r in STEPS) + ("oracle",)

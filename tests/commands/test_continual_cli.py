@@ -5,7 +5,7 @@ from click.testing import CliRunner
 from rankwise.cli import main
 from rankwise.data.demo import PACKAGES
 from rankwise.errors import RankwiseError
-from rankwise.recipes.continual import DEMO_TASKS, ContinualConfig, load_config, parse_tasks
+from rankwise.commands.continual.run import DEMO_TASKS, ContinualConfig, load_config, parse_tasks
 from rankwise.testing import error_lines
 
 
@@ -52,7 +52,7 @@ def test_bad_gate_settings_are_all_reported_in_one_line():
 
 @pytest.mark.slow
 def test_hrm_pet_end_to_end_on_a_tiny_model_keeps_earlier_head_rows():
-    from rankwise.recipes.continual import ContinualConfig, run_continual
+    from rankwise.commands.continual.run import ContinualConfig, run_continual
     tasks = parse_tasks("asyncio,email/http,importlib/logging,xml", PACKAGES)
     rec = run_continual(ContinualConfig(model="tiny-bert", steps_per_task=2, batch_size=4, eval_per_class=2,
                                         key_examples=4), tasks)
