@@ -229,7 +229,7 @@ def test_distill_command_writes_a_plain_student_and_resumes(tmp_path):
 
     from rankwise.compress.clone import DistillConfig
     from rankwise.compress.config import HeldoutConfig, TextConfig
-    from rankwise.recipes.distill import run_distill
+    from rankwise.commands.distill.run import run_distill
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=D_T, intermediate_size=48, num_hidden_layers=1,

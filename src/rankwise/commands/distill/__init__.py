@@ -1,5 +1,5 @@
 """``rankwise distill TEACHER --student-hidden H --out DIR``: Low-Rank Clone distillation (the
-work: :mod:`rankwise.recipes.distill`, the model :mod:`rankwise.compress.clone`; docs/distill.md)."""
+work: :mod:`rankwise.commands.distill.run`, the model :mod:`rankwise.compress.clone`; docs/distill.md)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +22,7 @@ def distill(teacher: Path, student_hidden: int | None, out: Path, config: Path |
     """Low-Rank Clone: distill TEACHER (model or run folder) into a narrower plain Llama (docs/distill.md)."""
     from rich.console import Console
 
-    from rankwise.recipes.distill import read_config, run_distill
+    from rankwise.commands.distill.run import read_config, run_distill
     m = run_distill(teacher, out, read_config(config, list(sets), student_hidden), resume,
                     Console(stderr=True))
     click.echo(f"student {m['student_params']:,} params (teacher {m['teacher_params']:,}): held-out perplexity "
