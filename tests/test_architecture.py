@@ -227,7 +227,7 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.recipes.generate", "rankwise.adapters.lora.peft"),
     ("rankwise.engine.loop", "rankwise.core.ops"),
     ("rankwise.testing", "rankwise.core.quant"),
-    ("rankwise.recipes.obfuscate", "rankwise.obfuscation"),
+    ("rankwise.commands.obfuscate.run", "rankwise.obfuscation"),
     ("rankwise.recipes.model", "rankwise.models"),
     ("rankwise.models.tpa.modeling", "rankwise.models.tpa.cache"),
     ("rankwise.tasks.dpo.task", "rankwise.tasks.common"),

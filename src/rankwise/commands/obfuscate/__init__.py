@@ -1,5 +1,5 @@
 """``rankwise obfuscate MODEL --out DIR``: publish a model under a rank-d additive mask, the
-factors apart (the work: :mod:`rankwise.recipes.obfuscate`, the maths :mod:`rankwise.obfuscation`;
+factors apart (the work: :mod:`rankwise.commands.obfuscate.run`, the maths :mod:`rankwise.obfuscation`;
 docs/loro.md)."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def obfuscate(model: Path, out: Path, rank: int | None, cornerstones: int | None
     separate file. A rank-d SVD of W' minus the public pretrained weights removes this mask
     (bench loro, docs/loro.md): it is not the paper's LoRO, whose construction we could not read."""
     from rankwise.obfuscation import ObfuscateConfig
-    from rankwise.recipes.obfuscate import run_obfuscate
+    from rankwise.commands.obfuscate.run import run_obfuscate
     given = {"rank": rank, "cornerstones": cornerstones, "seed": seed}
     report = run_obfuscate(model, out, ObfuscateConfig(**{k: v for k, v in given.items() if v is not None}), factors)
     click.echo(f"masked {report['layers']} layers at rank {report['rank']} with {report['cornerstones']} "
