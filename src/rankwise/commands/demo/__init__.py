@@ -1,5 +1,5 @@
 """``rankwise demo``: frozen MiniLM + head against LoRA on the packaged docstring topic task
-(the work: :mod:`rankwise.recipes.demo`)."""
+(the work: :mod:`rankwise.commands.demo.run`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,7 @@ from rankwise import registry
 @click.option("--steps", type=int, default=None, help="Training steps per method (default: the demo's).")
 def demo(out: Path, steps: int | None) -> None:
     """Frozen MiniLM + head vs LoRA on the stdlib-docstring topic task."""
-    from rankwise.recipes.demo import run_demo
+    from rankwise.commands.demo.run import run_demo
     run_demo(out, steps=steps)
 
 
