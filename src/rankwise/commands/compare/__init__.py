@@ -1,5 +1,5 @@
 """``rankwise compare CONFIG --methods ...``: several methods on one task at one budget, tabulated
-(the work: :mod:`rankwise.recipes.compare`)."""
+(the work: :mod:`rankwise.commands.compare.run`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +24,7 @@ from rankwise.recipes.config import RunConfig
 def compare(config: Path, methods: str, seeds: int, sets: tuple[str, ...], out: Path, lr_grid: int,
             jobs: int) -> None:
     """Run several methods on one task at the same budget and tabulate the results."""
-    from rankwise.recipes.compare import run_compare
+    from rankwise.commands.compare.run import run_compare
     run_compare(config, [m.strip() for m in methods.split(",") if m.strip()], seeds, list(sets), out,
                 lr_grid=lr_grid, jobs=jobs)
 
