@@ -16,31 +16,15 @@ import torch
 
 from rankwise import registry
 from rankwise.data.files import json_lines
-from rankwise.data.formats import Encoder, end_id, split_example
+from rankwise.data.formats import Encoder, end_id
 from rankwise.data.presets import prompt_key
 from rankwise.data.text import encoder_for
 from rankwise.engine import get_task
 from rankwise.engine.generation import generate
-from rankwise.engine.reporting import Samples
 from rankwise.errors import RankwiseError
 from rankwise.recipes import folders
 from rankwise.recipes.config import RunConfig, load_run_config
 from rankwise.recipes.model import base_moved, load_model
-
-
-def samples_callback(session: Any, out: Path, write: bool = True) -> Samples:
-    """The :class:`~rankwise.engine.reporting.Samples` callback of a training session.
-
-    Args:
-        session: A :class:`~rankwise.recipes.train.Session` (its ``eval_data`` is unpacked).
-        out: The run folder (``samples.jsonl`` goes there).
-        write: Whether this process writes the file.
-    """
-    cfg, tok, data = session.cfg, session.tokenizer, session.eval_data
-    fmt = getattr(data, "fmt", "text")
-    prompts = [split_example(data[i], fmt) for i in range(min(cfg.eval.samples, len(data)))]
-    return Samples(out / "samples.jsonl", prompts, _decoder(tok), cfg.eval.max_new_tokens,
-                   end_id(tok), tok.pad_token_id, write=write)
 
 
 def _decoder(tokenizer) -> Callable[[list[int]], str]:
@@ -378,4 +362,4 @@ def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | No
     return memory, lam
 
 
-__all__ = ["same_tokenizer", "check_memory_decoder", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]
+__all__ = ["same_tokenizer", "check_memory_decoder", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts"]
