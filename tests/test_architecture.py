@@ -224,7 +224,7 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.adapters", "rankwise.adapters.lora"),
     ("rankwise.optim.galore.optimizer", "rankwise.optim.projector"),
     ("rankwise.federated.strategies.fedlease", "rankwise.adapters.mixture"),
-    ("rankwise.recipes.generate", "rankwise.adapters.lora.peft"),
+    ("rankwise.commands.generate.run", "rankwise.adapters.lora.peft"),
     ("rankwise.engine.loop", "rankwise.core.ops"),
     ("rankwise.testing", "rankwise.core.quant"),
     ("rankwise.commands.obfuscate.run", "rankwise.obfuscation"),

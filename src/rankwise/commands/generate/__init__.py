@@ -1,5 +1,5 @@
 """``rankwise generate RUN``: complete prompts with a run's model (the work:
-:mod:`rankwise.recipes.generate`; decoding :mod:`rankwise.engine.generation`)."""
+:mod:`rankwise.commands.generate.run`; decoding :mod:`rankwise.engine.generation`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -48,7 +48,7 @@ def generate(run_dir: Path, prompt: str | None, file: Path | None, adapter: Path
              steer_max_mu: float | None, steer_mu: float | None, steer_calib: int | None,
              memory_decoder: Path | None, memory_lambda: float | None) -> None:
     """Complete prompts with a run's model (base + adapter); streams a single prompt."""
-    from rankwise.recipes.generate import run_generate
+    from rankwise.commands.generate.run import run_generate
     steer_config = None
     if steer is not None:
         from rankwise.engine.svdecode import SVDecodeConfig
