@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from rankwise import registry
-from rankwise.commands.options import config_argument, set_option, write_config
+from rankwise.commands.options import config_argument, default_out, set_option, write_config
 from rankwise.errors import require
 from rankwise.recipes.config import RunConfig
 
@@ -21,7 +21,7 @@ def federated(config: Path, sets: tuple[str, ...], out: Path | None, resume: boo
     """Federated fine-tuning on the Flower simulation engine."""
     require("flwr", "federated", "rankwise federated")
     from rankwise.federated.run import run_federated
-    run_federated(config, list(sets), out or Path("runs") / f"{config.stem}-federated", resume=resume)
+    run_federated(config, list(sets), out or default_out(config, "federated"), resume=resume)
 
 
 def example(folder: Path) -> list[str]:

@@ -6,7 +6,10 @@ Every command that runs from a config takes ``CONFIG`` (a YAML file read by
 :func:`default_out`: ``runs/<stem>-<command>``, where ``stem`` is the config file's name
 without ``.yaml`` (or the name of the folder the command reads). ``train`` writes
 ``runs/<stem>``, ``demo`` (no input) ``runs/demo``; ``export``, ``transfer``, ``merge`` and
-``obfuscate`` write a model or an adapter for other tools and need ``--out``.
+``obfuscate`` write a model or an adapter for other tools and need ``--out``. Four commands
+still keep their older defaults, until a release may change them: ``compress``
+(``runs/<stem>-compressed``), ``compare`` (``runs/compare``) and ``select`` and ``distill``
+(``--out`` required).
 """
 from __future__ import annotations
 
@@ -23,15 +26,14 @@ def default_out(source: Path, command: str) -> Path:
     """``runs/<stem>-<command>``: the default output folder of ``command`` run on ``source``.
 
     Args:
-        source: The config file (its stem) or the folder the command reads (its name).
+        source: The config file (its stem) or the folder or model name the command reads.
         command: The command's name.
 
     Returns:
         The folder under ``runs/``.
     """
     source = Path(source)
-    stem = source.stem if source.suffix in (".yaml", ".yml") else source.name
-    return RUNS / f"{stem}-{command}"
+    return RUNS / f"{source.name if source.is_dir() else source.stem}-{command}"
 
 
 def config_argument(fn: Callable[..., Any]) -> Callable[..., Any]:

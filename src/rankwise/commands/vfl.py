@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from rankwise import registry
-from rankwise.commands.options import config_argument, set_option, write_config
+from rankwise.commands.options import config_argument, default_out, set_option, write_config
 from rankwise.errors import require
 from rankwise.federated.vfl.config import VFLConfig
 
@@ -21,7 +21,7 @@ def vfl(config: Path, sets: tuple[str, ...], out: Path | None) -> None:
     """Two-party vertical federated learning: synchronous split learning or PubSub-VFL."""
     require("flwr", "federated", "rankwise vfl")
     from rankwise.federated.vfl.run import run_vfl
-    m = run_vfl(config, list(sets), out or Path("runs") / f"{config.stem}-vfl")
+    m = run_vfl(config, list(sets), out or default_out(config, "vfl"))
     click.echo(f"final accuracy {m['final_accuracy']:.4f}, {m['train_bytes']} bytes crossed, {m['wall_s']:.2f} s")
 
 

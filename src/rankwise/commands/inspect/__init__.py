@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from rankwise import registry
+from rankwise.commands.options import default_out
 
 
 @click.command()
@@ -17,7 +18,7 @@ from rankwise import registry
 def inspect(target: Path, data: Path | None, out: Path | None) -> None:
     """Gradient rank, Model Shapley and the low-rank inverse bound of a run or model (docs/inspect.md)."""
     from rankwise.commands.inspect.run import run_inspect
-    out = out or Path("runs") / f"{target.name}-inspect"
+    out = out or default_out(target, "inspect")
     run_inspect(target, data, out)
     click.echo(f"wrote {out}/report.md and {out}/inspect.json")
 
