@@ -6,10 +6,10 @@ Every command that runs from a config takes ``CONFIG`` (a YAML file read by
 :func:`default_out`: ``runs/<stem>-<command>``, where ``stem`` is the config file's name
 without ``.yaml`` (or the name of the folder the command reads). ``train`` writes
 ``runs/<stem>``, ``demo`` (no input) ``runs/demo``; ``export``, ``transfer``, ``merge`` and
-``obfuscate`` write a model or an adapter for other tools and need ``--out``. Four commands
+``obfuscate`` write a model or an adapter for other tools and need ``--out``. Three commands
 still keep their older defaults, until a release may change them: ``compress``
-(``runs/<stem>-compressed``), ``compare`` (``runs/compare``) and ``select`` and ``distill``
-(``--out`` required).
+(``runs/<stem>-compressed``), ``compare`` (``runs/compare``) and ``select`` (``--out``
+required); ``distill``'s old spelling needs ``--out`` too.
 """
 from __future__ import annotations
 
