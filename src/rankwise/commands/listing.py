@@ -1,8 +1,6 @@
 """``rankwise list``: what is registered, kind by kind."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from rankwise import registry
