@@ -26,6 +26,12 @@ FAMILY_EXCEPTIONS = {("adapters.gora", "adapters.lora")}
 SHARED_FAMILY = "common"  # adapters/common: what the adapter families share
 # What a task (rankwise/tasks/) may import beside tasks' own shared modules (common, reference).
 TASK_MAY = BASE | {"core", "engine", "data"}
+# Commands (rankwise/commands/): what they share (the CLI grammar), and the one command that
+# reads another's module (LoRASuite's transfer collects the LoRA pairs as merge does).
+COMMANDS_SHARED = {"options"}
+COMMAND_EXCEPTIONS = {("transfer", "merge")}
+# The launcher of the checkout's benchmarks: it names them, holds none (`rankwise bench`).
+BENCH_LAUNCHER = "rankwise.commands.bench"
 
 
 def _module_name(path: Path) -> str:
@@ -93,6 +99,10 @@ def forbidden(importer: str, imported: str) -> str | None:
         return None
     if top_b == "cli":
         return "nothing imports the CLI (only `python -m rankwise`)"
+    if top_b == "commands" and top_a != "commands":
+        return "nothing imports the commands (the CLI finds them through the registry)"
+    if top_a == "commands":
+        return _command_rule(a, b)
     if top_a == "testing" and top_b == "core":
         return None  # test models' helpers may read core (the 4-bit layout of a test model)
     if top_a in BASE:
@@ -144,6 +154,18 @@ def _task_rule(a: list[str], b: list[str]) -> str | None:
     return "task packages never import each other (tasks/common.py is what they share)"
 
 
+def _command_rule(a: list[str], b: list[str]) -> str | None:
+    """Commands import everything below the CLI (the run layer, tasks, engine, methods, ...); a
+    command never imports another (``commands/options.py`` is what they share;
+    ``commands/__init__`` imports each to register it)."""
+    if b[0] != "commands" or len(a) == 1 or len(b) == 1:
+        return None
+    own, other = a[1], b[1]
+    if other == own or other in COMMANDS_SHARED or (own, other) in COMMAND_EXCEPTIONS:
+        return None
+    return "commands never import each other (commands/options.py is what they share)"
+
+
 def test_src_breaks_no_rule_of_the_map():
     arrows = import_arrows()
     assert len(arrows) > 300  # the parse found the tree (about 600 arrows today)
@@ -185,6 +207,12 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.engine.task", "rankwise.tasks.common"),             # engine -> tasks
     ("rankwise.data.text", "rankwise.tasks.dpo.data"),             # data -> tasks
     ("rankwise.adapters.gora.layer", "rankwise.tasks"),            # methods -> tasks
+    ("rankwise.recipes.train", "rankwise.commands.plan"),          # the run layer -> commands
+    ("rankwise.engine.loop", "rankwise.commands"),
+    ("rankwise.registry", "rankwise.commands.export"),
+    ("rankwise.commands.inspect", "rankwise.commands.select"),     # command -> command
+    ("rankwise.commands.merge.run", "rankwise.commands.transfer"), # the exception is one way
+    ("rankwise.commands.plan", "rankwise.cli"),                    # commands -> the CLI
 ])
 def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     assert forbidden(importer, imported) is not None
@@ -196,10 +224,10 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.adapters", "rankwise.adapters.lora"),
     ("rankwise.optim.galore.optimizer", "rankwise.optim.projector"),
     ("rankwise.federated.strategies.fedlease", "rankwise.adapters.mixture"),
-    ("rankwise.recipes.generate", "rankwise.adapters.lora.peft"),
+    ("rankwise.commands.generate.run", "rankwise.adapters.lora.peft"),
     ("rankwise.engine.loop", "rankwise.core.ops"),
     ("rankwise.testing", "rankwise.core.quant"),
-    ("rankwise.recipes.obfuscate", "rankwise.obfuscation"),
+    ("rankwise.commands.obfuscate.run", "rankwise.obfuscation"),
     ("rankwise.recipes.model", "rankwise.models"),
     ("rankwise.models.tpa.modeling", "rankwise.models.tpa.cache"),
     ("rankwise.tasks.dpo.task", "rankwise.tasks.common"),
@@ -208,6 +236,12 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.tasks.grpo.data", "rankwise.data.formats"),
     ("rankwise.tasks", "rankwise.tasks.dpo"),
     ("rankwise.recipes.train", "rankwise.tasks.grpo.gain_rl"),
+    ("rankwise.commands", "rankwise.commands.inspect"),
+    ("rankwise.commands.inspect", "rankwise.recipes.export"),
+    ("rankwise.commands.continual", "rankwise.commands.options"),
+    ("rankwise.commands.transfer.run", "rankwise.commands.merge.run"),
+    ("rankwise.commands.federated", "rankwise.federated.run"),
+    ("rankwise.commands.compress", "rankwise.compress.report"),
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None
@@ -227,13 +261,13 @@ def _imported_tops(path: Path) -> list[tuple[str, int]]:
 def test_nothing_in_the_library_imports_bench():
     """The benchmarks (``bench/rankwise_bench``) use the library; the library never imports them.
     ``rankwise bench`` only finds the checkout's ``bench/`` folder and hands over by name
-    (``cli._bench_folder``), the one place of ``src/`` that names the package."""
+    (``commands/bench._bench_folder``), the one place of ``src/`` that names the package."""
     hits = [f"{path.relative_to(SRC)}:{line}: {mod}" for path in sorted((SRC / "rankwise").rglob("*.py"))
             for mod, line in _imported_tops(path) if mod.split(".")[0] in ("rankwise_bench", "bench")]
     assert hits == []
     named = sorted(str(p.relative_to(SRC)) for p in (SRC / "rankwise").rglob("*.py")
                    if "rankwise_bench" in p.read_text())
-    assert named == ["rankwise/cli.py"]
+    assert named == ["rankwise/commands/bench.py"]
 
 
 def test_the_installed_package_holds_no_benchmark():
@@ -248,7 +282,8 @@ def test_the_installed_package_holds_no_benchmark():
                 yield from walk([str(Path(info.module_finder.path) / info.name.rsplit(".", 1)[-1])], info.name + ".")
     names = list(walk(rankwise.__path__, "rankwise."))
     assert len(names) > 200 and "rankwise.registry" in names   # the walk found the package
-    assert [n for n in names if "bench" in n] == []
+    assert BENCH_LAUNCHER in names   # the launcher holds no benchmark (the test above)
+    assert [n for n in names if "bench" in n and n != BENCH_LAUNCHER] == []
 
 
 def test_the_benchmarks_import_the_library_but_never_its_cli():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rankwise.recipes.compare import row_config
+from rankwise.commands.compare.run import row_config
 from rankwise.recipes.config import build_run_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))

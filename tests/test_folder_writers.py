@@ -129,7 +129,7 @@ def test_folders_written_before_the_record_are_recognised(tmp_path, name, files,
 
 def test_a_recorded_merge_output_is_also_a_merge_input(tmp_path):
     """merge reads its own output as the PEFT folder it is (kind ``merge``, not ``peft``)."""
-    from rankwise.recipes.merge import _source
+    from rankwise.commands.merge.run import _source
     folder = _write(tmp_path / "m", {"adapter_config.json": json.dumps({"base_model_name_or_path": "b"}),
                                      "merge.json": "{}", "rankwise.json": '{"kind": "merge"}'})
     src = _source(folder)

@@ -140,7 +140,7 @@ def test_cli_publishes_a_transformers_folder_and_keeps_factors_outside(tmp_path)
 
 
 def ob_report() -> str:
-    from rankwise.recipes.obfuscate import REPORT
+    from rankwise.commands.obfuscate.run import REPORT
     return REPORT
 
 

@@ -90,7 +90,7 @@ def _as_a_user():
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_out_in_an_unwritable_or_unsearchable_folder(tiny_bert_run, command):
-    for module in ("rankwise.federated.run", "rankwise.recipes.compare", "rankwise.recipes.compress",
+    for module in ("rankwise.federated.run", "rankwise.commands.compare.run", "rankwise.recipes.compress",
                    "rankwise.recipes.export", "rankwise.recipes.train"):
         importlib.import_module(module)  # while every file is readable
     shared = Path(tempfile.mkdtemp())  # pytest's tmp_path is private to its owner (0700)

@@ -50,7 +50,7 @@ def run(out: Path, steps: int = 10, rows: tuple[str, ...] = ROWS, config: Path =
     Returns:
         ``{"rows": {row: {"step_s", "ratio", "trainable"}}, ...}``.
     """
-    from rankwise.recipes.compare import row_config
+    from rankwise.commands.compare.run import row_config
     raw = yaml.safe_load(Path(config).read_text())
     extras = raw.pop("compare", None) or {}
     raw["train"]["steps"] = steps + 1

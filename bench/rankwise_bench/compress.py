@@ -157,7 +157,7 @@ def _minilm(s: Sizes, work: Path, console) -> tuple[torch.nn.Module, torch.Tenso
     from rankwise.compress.config import RUN_DATA, TextConfig
     from rankwise.data.text import build_data
     from rankwise.recipes.config import load_run_config
-    from rankwise.recipes.demo import demo_runs
+    from rankwise.commands.demo.run import demo_runs
     from rankwise.recipes.export import export_run
     from rankwise.recipes.model import load_model
     from rankwise.recipes.train import train

@@ -37,7 +37,7 @@ REPORT = (("hrm-pet", "tii:hrm"), ("hrm-pet", "tii:hrm-tuned"), ("hrm-pet", "tii
 
 
 def _cfg():
-    from rankwise.recipes.continual import ContinualConfig
+    from rankwise.commands.continual.run import ContinualConfig
     return ContinualConfig(eval_per_class=15)
 
 
@@ -45,7 +45,7 @@ def run(out: Path) -> dict:
     """Run the missing pieces (every row's order 0 first, so a cut-short run still compares all
     rows), then :func:`report`."""
     from rankwise.data.demo import PACKAGES
-    from rankwise.recipes.continual import DEMO_TASKS, parse_tasks, run_continual
+    from rankwise.commands.continual.run import DEMO_TASKS, parse_tasks, run_continual
     import torch
     torch.set_num_threads(1)
     out = Path(out)
@@ -65,7 +65,7 @@ def run(out: Path) -> dict:
 def report(out: Path) -> dict:
     """``results.json``, ``results.md`` and ``accuracy.png`` from the pieces present."""
     from rankwise.data.demo import PACKAGES, python_version
-    from rankwise.recipes.continual import DEMO_TASKS, parse_tasks
+    from rankwise.commands.continual.run import DEMO_TASKS, parse_tasks
     import torch
     out = Path(out)
     base = parse_tasks(DEMO_TASKS, PACKAGES)

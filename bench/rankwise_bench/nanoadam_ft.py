@@ -35,7 +35,7 @@ ROWS: dict[str, dict] = {
     "lora": {**DEMO_BASE, "method": {"name": "lora", "r": 8, "alpha": 16}, "optim": {"name": "adamw", "lr": 2e-3}},
 }
 
-# The demo's linear-probe settings (recipes/demo.yaml's frozen run).
+# The demo's linear-probe settings (commands/demo/demo.yaml's frozen run).
 PROBE = {**DEMO_BASE, "method": {"name": "frozen"}, "optim": {"name": "adamw", "lr": 2e-2},
          "train": {**DEMO_BASE["train"], "steps": 90}}
 

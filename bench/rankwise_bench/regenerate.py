@@ -41,9 +41,9 @@ FOLDERS = {
 }
 
 NOT_GENERATED = {
-    "compare-demo": "written by `rankwise compare` (the library's recipes/compare.py), not a benchmark; "
+    "compare-demo": "written by `rankwise compare` (the library's commands/compare/run.py), not a benchmark; "
                     "an older table format than compare writes today",
-    "compare-full": "written by `rankwise compare` (the library's recipes/compare.py), not a benchmark; "
+    "compare-full": "written by `rankwise compare` (the library's commands/compare/run.py), not a benchmark; "
                     "an older table format than compare writes today",
     "federated-demo/alpha-sweep": "a hand summary of single FedIT runs (rankwise federated, the command "
                                   "it names) that chose the example's partition and budget",

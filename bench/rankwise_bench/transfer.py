@@ -180,7 +180,7 @@ def _base_only(s: Sizes, base: Path) -> dict:
 
 
 def _transfer(run: Path, base: Path, out: Path, steps: int, normalise: bool = True) -> dict:
-    from rankwise.recipes.transfer import TransferConfig, transfer_run
+    from rankwise.commands.transfer.run import TransferConfig, transfer_run
     rec = transfer_run(run, str(base), out, TransferConfig(finetune_steps=steps, normalise=normalise))
     m = rec["metrics"]
     return {"eval_loss": m["eval_loss"], "steps": m["steps"], "transfer_s": rec["transfer_s"], "load_s": rec["load_s"],

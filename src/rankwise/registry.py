@@ -15,6 +15,11 @@ Kinds used by rankwise:
 * ``"compressor"`` - post-training compression of linear layers (pruning, low-rank,
   quantization): the builder is a :class:`rankwise.compress.base.Compressor` subclass, called
   with its config (``builder(config) -> Compressor``); :mod:`rankwise.compress` registers them.
+* ``"command"`` - a ``rankwise`` subcommand (every one but ``train``): the builder is its
+  :class:`click.Command`, the config class the dataclass its ``CONFIG`` file is read into
+  (``None`` when it reads none). :mod:`rankwise.commands` registers them, and only when this
+  kind is asked for (``rankwise.cli`` adds each to the group), so the method kinds never
+  import click.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -33,9 +38,10 @@ class Entry:
 
     Attributes:
         kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
-            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"command"``).
         name: The name users write in configs (``method.name: lora``).
-        config_cls: The dataclass holding every default of this entry.
+        config_cls: The dataclass holding every default of this entry (a command: the one
+            its ``CONFIG`` is read into, or ``None``).
         builder: The callable that applies or constructs it (signature depends on ``kind``).
         summary: One line for ``rankwise list``.
         trains: For methods: ``"adapter"`` (only adapter weights train) or ``"full"``.
@@ -70,11 +76,19 @@ class Entry:
             gradient (GoRA's importance): ``layer_score(weight, grad) -> float``, both
             ``(out, in)``, with the method's default settings; ``rankwise inspect`` shows it
             beside the gradient's spectrum.
+        writes: For commands: the folder kind (``rankwise.recipes.folders.WHAT``) of the
+            ``--out`` folder it writes (``None``: it writes no folder); the command refuses a
+            folder of another kind before it reads anything else.
+        example: For commands: ``example(folder) -> argv``, the arguments (after the command's
+            name) of a small invocation: it reads ``folder/config.yaml`` (which ``example``
+            writes) when the command reads a ``CONFIG``, and writes into ``folder/out`` when it
+            writes a folder. The command contract (``tests/commands/test_command_contract.py``)
+            runs it with a bad key and with a ``--out`` of another kind.
     """
 
     kind: str
     name: str
-    config_cls: type
+    config_cls: type | None
     builder: Callable[..., Any]
     summary: str = ""
     trains: str = "adapter"
@@ -88,6 +102,8 @@ class Entry:
     loaded_config: Callable[..., Any] | None = None
     grad_clip: float | None = 1.0
     layer_score: Callable[..., float] | None = None
+    writes: str | None = None
+    example: Callable[..., list[str]] | None = None
 
     def apply(self, model: Any, config: Any, adapter_name: str = "default", batches: Any = None,
               **calibration: Any) -> Any:
@@ -114,23 +130,26 @@ _ENTRIES: dict[tuple[str, str], Entry] = {}
 # (e.g. federated without flwr); they are then simply absent.
 _BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
+# Kinds whose built-in entries load only when the kind is asked for (the commands need click).
+_KIND_PACKAGES = {"command": "rankwise.commands"}
 _loaded = False
+_loaded_kinds: set[str] = set()
 
 
-def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any],
+def register(kind: str, name: str, config_cls: type | None, builder: Callable[..., Any],
              summary: str = "", **capabilities: Any) -> Entry:
     """Register an implementation under ``(kind, name)``.
 
     Args:
         kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
-            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"command"``).
         name: Lower-case name used in configs and on the CLI.
         config_cls: Config dataclass; its field defaults are the only defaults.
         builder: See the module docstring for the signature per kind.
         summary: One-line description.
         **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
             ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``,
-            ``loader``, ``grad_clip``, ``layer_score``).
+            ``loader``, ``grad_clip``, ``layer_score``, ``writes``, ``example``).
 
     Returns:
         The entry.
@@ -149,6 +168,11 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
 
 def _load_builtins(kind: str | None = None) -> None:
     global _loaded
+    if kind in _KIND_PACKAGES:
+        if kind not in _loaded_kinds:  # even when a test module registered one of its own first
+            _loaded_kinds.add(kind)
+            importlib.import_module(_KIND_PACKAGES[kind])
+        return
     if not _loaded:
         _loaded = True
         for pkg in _BUILTIN_PACKAGES:

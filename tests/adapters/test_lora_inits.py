@@ -300,7 +300,7 @@ def test_rankwise_merge_takes_the_whole_delta_of_a_residual_init(tmp_path):
     untouched base: the merge reads [B, -B0][A; A0], not the trainable pair alone."""
     from rankwise.core.io import save_adapter
     from rankwise.engine import get_task
-    from rankwise.recipes.merge import MergeConfig, merge_sources
+    from rankwise.commands.merge.run import MergeConfig, merge_sources
     from rankwise.recipes.model import load_model
 
     def base():

@@ -158,7 +158,7 @@ def test_peft_export_refusal_suggests_only_exports_that_work(name, suggested, tm
 
 @pytest.mark.slow
 def test_every_new_method_is_a_compare_row(tmp_path):
-    from rankwise.recipes.compare import run_compare
+    from rankwise.commands.compare.run import run_compare
     base = raw_config("moe-lora", steps=1)
     base["method"] = {"name": "lora", "r": 2, "targets": ["query", "value"]}
     base["compare"] = {name: {"method": {k: v for k, v in METHODS[name].items() if k != "targets"}}

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from rankwise_bench.continual import report
-from rankwise.recipes.continual import summary
+from rankwise.commands.continual.run import summary
 
 
 def _piece(path, rules, order):

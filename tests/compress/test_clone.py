@@ -202,8 +202,9 @@ def invoke(*args):
 
 def test_student_not_narrower_is_one_line_exit_2(tmp_path):
     teacher().save_pretrained(tmp_path / "teacher")
+    (tmp_path / "d.yaml").write_text("teacher: teacher\n")        # read from the config's folder
     for width in (D_T, D_T + 8):
-        res = invoke("distill", tmp_path / "teacher", "--student-hidden", width, "--out", tmp_path / "out")
+        res = invoke("distill", tmp_path / "d.yaml", "--student-hidden", width, "--out", tmp_path / "out")
         assert res.exit_code == 2 and "Traceback" not in res.output
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert lines == [f"error: --student-hidden {width} is not below the teacher's hidden size {D_T}; "
@@ -214,8 +215,8 @@ def test_student_not_narrower_is_one_line_exit_2(tmp_path):
 def test_a_file_name_as_the_data_section_is_one_line_naming_the_mapping(tmp_path):
     """docs/distill.md: ``data`` is ``{source: FILE, sequences: N, length: L}`` (issue 32, item 11)."""
     cfg = tmp_path / "d.yaml"
-    cfg.write_text("data: corpus.txt\n")
-    res = invoke("distill", tmp_path / "teacher", "--student-hidden", 8, "--config", cfg, "--out", tmp_path / "o")
+    cfg.write_text("teacher: teacher\nstudent_hidden: 8\ndata: corpus.txt\n")
+    res = invoke("distill", cfg, "--out", tmp_path / "o")
     assert res.exit_code == 2, res.output
     assert res.stderr.strip() == ("error: distill.data: got 'corpus.txt'; expected a mapping such as "
                                   "{source: corpus.txt, sequences: 1024, length: 128}")
@@ -229,7 +230,7 @@ def test_distill_command_writes_a_plain_student_and_resumes(tmp_path):
 
     from rankwise.compress.clone import DistillConfig
     from rankwise.compress.config import HeldoutConfig, TextConfig
-    from rankwise.recipes.distill import run_distill
+    from rankwise.commands.distill.run import run_distill
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=D_T, intermediate_size=48, num_hidden_layers=1,

@@ -7,7 +7,7 @@ from rankwise.core.continual import (TaskIdentity, candidate_tasks, confidence, 
                                      direct_rematch, gate_score, generalized_entropy, low_confidence,
                                      match_keys, relation_distillation, relation_matrix, task_keys,
                                      tune_threshold)
-from rankwise.recipes.continual import ContinualConfig, hybrid_rematch, summary
+from rankwise.commands.continual.run import ContinualConfig, hybrid_rematch, summary
 
 
 def test_keys_are_normalised_task_means_and_matching_picks_the_right_module():

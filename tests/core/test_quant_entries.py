@@ -174,8 +174,8 @@ def test_load_model_keeps_4bit_layers_in_training_layout(llama_dir, claims_avx51
 def test_generation_keeps_4bit_layers_in_training_layout(tmp_path, claims_avx512bf16, monkeypatch):
     """``rankwise generate`` of a QLoRA run: the model it decodes with was never repacked, and
     the tokens equal greedy decoding computed by hand from the same model in training layout."""
-    from rankwise.recipes import generate as gen
-    from rankwise.recipes.decode import DecodeConfig
+    from rankwise.commands.generate import run as gen
+    from rankwise.commands.generate.decode import DecodeConfig
     from rankwise.recipes.config import load_run_config
     from rankwise.recipes.train import train
     run = tmp_path / "run"

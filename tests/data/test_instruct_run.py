@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from rankwise.cli import main
 from rankwise.data.formats import IGNORE
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.generate import load_for_generation
+from rankwise.commands.generate.run import load_for_generation
 from rankwise.recipes.train import train
 
 RUN = {

@@ -181,8 +181,8 @@ def test_rankwise_generate_decodes_a_trained_t6_run_with_its_cache(tmp_path):
     folder with a bad rank is a one-line error."""
     from rankwise.data.formats import end_id
     from rankwise.recipes.config import load_run_config
-    from rankwise.recipes.decode import DecodeConfig
-    from rankwise.recipes.generate import load_for_generation, run_generate
+    from rankwise.commands.generate.decode import DecodeConfig
+    from rankwise.commands.generate.run import load_for_generation, run_generate
     from rankwise.recipes.train import train
     folder = tpa_folder(tmp_path / "t6")
     rows = [{"prompt": f"Open file {i}.", "completion": f"open(f{i})"} for i in range(10)]

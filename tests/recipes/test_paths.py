@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.distill import read_config
+from rankwise.commands.distill.run import read_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ module per task on a frozen model, chosen at inference by matching, then correct
 hybrid re-matching; trained with the cross-task instance-relationship distillation (CTIRD).
 
 Method-agnostic tensor functions (``rankwise continual`` wires them to the modules,
-:mod:`rankwise.recipes.continual`; docs/continual.md):
+:mod:`rankwise.commands.continual.run`; docs/continual.md):
 
 * :func:`task_keys` / :func:`match_keys`: initial matching by keys. A task's key is the mean
   of the L2-normalised frozen pooled features of its training examples; an example goes to the

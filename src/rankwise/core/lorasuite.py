@@ -1,7 +1,7 @@
 """LoRASuite (Li et al. 2025, "LoRASuite: Efficient LoRA Adaptation Across Large Language Model
 Upgrades", arXiv 2505.13515): carry a LoRA trained on an old base model over to a new one.
 
-The tensor maths only; :mod:`rankwise.recipes.transfer` reads the models and writes the run.
+The tensor maths only; :mod:`rankwise.commands.transfer.run` reads the models and writes the run.
 Every function takes plain float tensors in ``nn.Linear`` layout (``(out, in)``), hidden states
 as rows, and returns float64 results.
 

@@ -178,7 +178,7 @@ def run_federated(config_path: Path | None, sets: list[str], out: Path, base: di
     from rankwise.recipes import folders
     if folders.kind(out) not in (None, "federated"):
         raise RankwiseError(f"{out} is not empty and holds no federated run (it holds "
-                            f"{folders.WHAT[folders.kind(out)]}); choose another --out")
+                            f"{folders.what(folders.kind(out))}); choose another --out")
     if (out / "metrics.json").exists():
         raise RankwiseError(f"run folder {out} already holds a finished run; choose another --out")
     if resume:

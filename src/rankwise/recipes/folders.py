@@ -45,9 +45,23 @@ WHAT = {
 }
 
 
+def what(kind: str) -> str | None:
+    """How messages name a folder of ``kind``: its :data:`WHAT` line, or for the kind a command
+    registered from outside the package writes (``Entry.writes``), its summary; ``None`` when
+    no command writes ``kind``."""
+    if kind in WHAT:
+        return WHAT[kind]
+    from rankwise import registry
+    for name in registry.names("command"):
+        entry = registry.get("command", name)
+        if entry.writes == kind:
+            return f"{entry.summary} (rankwise {name})"
+    return None
+
+
 def record(folder: str | Path, kind: str, **extra) -> None:
     """Write ``folder/rankwise.json`` saying the folder holds ``kind`` (plus ``extra`` keys)."""
-    assert kind in WHAT, kind
+    assert what(kind) is not None, kind
     atomic.write_json(Path(folder) / RECORD, {"kind": kind, **extra})
 
 
@@ -57,7 +71,9 @@ def read_record(folder: str | Path) -> dict | None:
         data = json.loads((Path(folder) / RECORD).read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and data.get("kind") in WHAT else None
+    if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+        return None
+    return data if what(data["kind"]) is not None else None
 
 
 def entries(folder: str | Path) -> list[str]:
@@ -69,7 +85,8 @@ def entries(folder: str | Path) -> list[str]:
 
 
 def kind(folder: str | Path) -> str | None:
-    """What ``folder`` holds: ``None`` when it is missing or empty, else one of :data:`WHAT`.
+    """What ``folder`` holds: ``None`` when it is missing or empty, else one of :data:`WHAT` (or
+    the recorded kind of a command registered from outside the package, :func:`what`).
 
     The record decides; without one (folders written by older versions) the files do:
     ``rounds.jsonl`` or a ``config.yaml`` with a ``federated`` section and no training files
@@ -152,7 +169,7 @@ def check_kind(folder: str | Path, wanted: str, fix: str, flag: str = "--out") -
     """
     found = kind(folder)
     if found not in (None, wanted):
-        raise RankwiseError(f"{flag} {folder} holds {WHAT[found]}, not {WHAT[wanted]}; {fix}")
+        raise RankwiseError(f"{flag} {folder} holds {what(found)}, not {what(wanted)}; {fix}")
     return found
 
 
@@ -178,8 +195,8 @@ def check_run(run_dir: str | Path, command: str) -> None:
     """
     found = kind(run_dir)
     if found not in ("train", None):
-        raise RankwiseError(f"{run_dir} holds {WHAT[found]}, not {WHAT['train']}; {command} reads "
+        raise RankwiseError(f"{run_dir} holds {what(found)}, not {WHAT['train']}; {command} reads "
                             "the --out folder of a finished 'rankwise train'")
 
 
-__all__ = ["RECORD", "WHAT", "check_kind", "check_run", "check_writable", "entries", "kind", "read_record", "record"]
+__all__ = ["RECORD", "WHAT", "check_kind", "check_run", "check_writable", "entries", "kind", "read_record", "record", "what"]

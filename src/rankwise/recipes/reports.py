@@ -1,13 +1,14 @@
 """What ``rankwise train`` reports besides the step lines: the data summary (examples, packing,
-records dropped for length) in ``events.jsonl`` / ``metrics.json``, ``samples.jsonl`` and
-TensorBoard (``train.log_to``)."""
+records dropped for length) in ``events.jsonl`` / ``metrics.json``, ``samples.jsonl``
+(:func:`samples_callback`) and TensorBoard (``train.log_to``)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 from rankwise.data.packing import PackedData
-from rankwise.engine.reporting import DataReport, TensorBoard, tensorboard_available
+from rankwise.data.formats import end_id, split_example
+from rankwise.engine.reporting import DataReport, Samples, TensorBoard, tensorboard_available
 from rankwise.errors import RankwiseError
 
 
@@ -60,9 +61,27 @@ def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> l
         cbs.append(TensorBoard(out / "tensorboard", cfg.train.log_every))
     cbs += getattr(session.task, "run_callbacks", lambda out, write: [])(out, write)  # grpo's samples
     if cfg.eval.samples:
-        from rankwise.recipes.generate import samples_callback
         cbs.append(samples_callback(session, out, write))
     return cbs
 
 
-__all__ = ["data_info", "check_reporting", "report_callbacks"]
+def samples_callback(session: Any, out: Path, write: bool = True) -> Samples:
+    """The :class:`~rankwise.engine.reporting.Samples` callback of a training session
+    (``eval.samples`` completions of evaluation prompts, greedy, into ``samples.jsonl``).
+
+    Args:
+        session: A :class:`~rankwise.recipes.session.Session` (its ``eval_data`` is unpacked).
+        out: The run folder (``samples.jsonl`` goes there).
+        write: Whether this process writes the file.
+
+    Returns:
+        The callback.
+    """
+    cfg, tok, data = session.cfg, session.tokenizer, session.eval_data
+    fmt = getattr(data, "fmt", "text")
+    prompts = [split_example(data[i], fmt) for i in range(min(cfg.eval.samples, len(data)))]
+    return Samples(out / "samples.jsonl", prompts, lambda ids: tok.decode(ids, skip_special_tokens=True),
+                   cfg.eval.max_new_tokens, end_id(tok), tok.pad_token_id, write=write)
+
+
+__all__ = ["data_info", "check_reporting", "report_callbacks", "samples_callback"]

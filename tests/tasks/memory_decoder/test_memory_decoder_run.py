@@ -15,7 +15,7 @@ pytest.importorskip("faiss")
 from rankwise.data.formats import end_id  # noqa: E402
 from rankwise.tasks.memory_decoder.generation import generate_with_memory  # noqa: E402
 from rankwise.recipes.config import load_run_config  # noqa: E402
-from rankwise.recipes.generate import load_for_generation  # noqa: E402
+from rankwise.commands.generate.run import load_for_generation  # noqa: E402
 from rankwise.recipes.train import train  # noqa: E402
 from test_cli_errors import assert_user_error, invoke, write_yaml  # noqa: E402
 

@@ -253,7 +253,7 @@ def run_inspect(target: Path, data: Path | None, out: Path, n_batches: int = CAL
     out.mkdir(parents=True, exist_ok=True)
     folders.record(out, "inspect")
     atomic.write_json(out / "inspect.json", report)
-    from rankwise.recipes.inspect_report import write_plots, write_report
+    from rankwise.commands.inspect.report import write_plots, write_report
     if plots:
         write_plots(report, out)
     write_report(report, out)

@@ -1,4 +1,4 @@
-"""The inference rules of ``rankwise continual`` (HRM-PET, :mod:`rankwise.recipes.continual`):
+"""The inference rules of ``rankwise continual`` (HRM-PET, :mod:`rankwise.commands.continual.run`):
 initial matching (keys or the trained task-identity classifier), direct re-matching, and the
 confidence-based re-matching at the configured and at a validation-tuned threshold.
 

@@ -19,7 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
-from rankwise.recipes.merge import MergeConfig, merge_sources
+from rankwise.commands.merge.run import MergeConfig, merge_sources
 
 peft = pytest.importorskip("peft")
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

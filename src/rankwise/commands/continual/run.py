@@ -19,23 +19,23 @@ exemplars. Methods (``continual.method``):
 
 Evaluation is class-incremental: after each task, the evaluation examples of every task seen so
 far, scored over the classes seen so far. Per-task-module methods report every inference rule
-``<matcher>:<rule>`` on the same modules (:mod:`rankwise.recipes.continual_rules`): matchers
+``<matcher>:<rule>`` on the same modules (:mod:`rankwise.commands.continual.rules`): matchers
 ``tii`` and ``keys``; rules ``match``, ``direct`` re-matching only, ``hrm`` = direct +
 confidence-based at ``tau``, ``hrm-tuned`` = the same with ``tau`` chosen on a validation split
 held out of the training records; and ``oracle`` = the true task's module (task-incremental).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from rankwise.core.continual import GATES, TaskIdentity, relation_distillation
 from rankwise.errors import RankwiseError
-from rankwise.recipes.continual_rules import (MATCHERS, STEPS, EvalCache, masked, matchers, rows_of,
+from rankwise.commands.continual.rules import (MATCHERS, STEPS, EvalCache, masked, matchers, rows_of,
                                               score_point)
-from rankwise.recipes.continual_rules import hybrid_rematch  # noqa: F401  (re-exported)
+from rankwise.commands.continual.rules import hybrid_rematch  # noqa: F401  (re-exported)
 
 METHODS = ("hrm-pet", "key-match", "sequential", "joint")
 RULES = tuple(f"{m}:{r}" for m in MATCHERS for r in STEPS) + ("oracle",)
@@ -106,46 +106,54 @@ class ContinualConfig:
     distill_modules: int = 5
     seed: int = 0
 
-    def check(self) -> None:
-        """Raise one RankwiseError line naming every bad setting."""
+    def problems(self) -> list[str]:
+        """Every bad setting, each ``"<key> ..."`` (:func:`rankwise.configs.from_dict` puts
+        ``continual.`` before it)."""
         bad = []
         if self.method not in METHODS:
-            bad.append(f"continual.method {self.method!r}: expected one of {list(METHODS)}")
+            bad.append(f"method {self.method!r}: expected one of {list(METHODS)}")
         if self.matcher not in MATCHERS:
-            bad.append(f"continual.matcher {self.matcher!r}: expected one of {list(MATCHERS)}")
+            bad.append(f"matcher {self.matcher!r}: expected one of {list(MATCHERS)}")
         if self.gate not in GATES:
-            bad.append(f"continual.gate {self.gate!r}: expected one of {list(GATES)}")
+            bad.append(f"gate {self.gate!r}: expected one of {list(GATES)}")
         elif self.gate == "msp" and not 0 < self.tau <= 1:
-            bad.append(f"continual.tau {self.tau} with gate msp: give a probability in (0, 1] (e.g. 0.8)")
+            bad.append(f"tau {self.tau} with gate msp: give a probability in (0, 1] (e.g. 0.8)")
         for name in ("steps_per_task", "batch_size", "r", "max_length", "eval_per_class",
                      "key_examples", "candidates", "tii_samples"):
             if getattr(self, name) < 1:
-                bad.append(f"continual.{name} must be >= 1, got {getattr(self, name)}")
+                bad.append(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("tii_steps", "tii_align_steps", "val_per_class"):
             if getattr(self, name) < 0:
-                bad.append(f"continual.{name} must be >= 0, got {getattr(self, name)}")
+                bad.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.eval_fraction < 1:
-            bad.append(f"continual.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+            bad.append(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        return bad
+
+    def check(self) -> None:
+        """Raise one RankwiseError line naming every bad setting (a config built in code)."""
+        bad = self.problems()
         if bad:
-            raise RankwiseError("; ".join(bad))
+            raise RankwiseError("; ".join(f"continual.{p}" for p in bad))
 
 
-def load_config(path: Path | None, overrides: dict | None = None) -> ContinualConfig:
-    """``ContinualConfig`` from a YAML file (keys at top level or under ``continual:``)."""
-    import yaml
-    raw = {}
-    if path is not None:
-        if not Path(path).is_file():
-            raise RankwiseError(f"config {path} not found: give a YAML file of continual keys")
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        raw = raw.get("continual", raw)
-    raw.update(overrides or {})
-    known = {f.name for f in fields(ContinualConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise RankwiseError(f"unknown continual key(s) {unknown}; known: {sorted(known)}")
-    cfg = ContinualConfig(**raw)
-    cfg.check()
+def load_config(path: Path | None, sets: list[str] | tuple[str, ...] = (),
+                overrides: dict | None = None) -> ContinualConfig:
+    """``ContinualConfig`` from a YAML file (keys at top level or under ``continual:``), read as
+    every config is (:func:`rankwise.commands.options.read_config`: YAML 1.2 numbers, so
+    ``lr: 1e-3`` is a number; ``--set KEY=VALUE`` or ``continual.KEY=VALUE``; every unknown key
+    and bad value in one line), then ``overrides`` (``--method``).
+
+    Raises:
+        RankwiseError: A missing file, an unknown key or a bad value, all at once.
+    """
+    from rankwise.configs import from_dict, to_dict
+    if path is None:
+        cfg = from_dict(ContinualConfig, dict(overrides or {}), "continual")
+    else:
+        from rankwise.commands.options import read_config
+        cfg = read_config(ContinualConfig, Path(path), sets, "continual", section="continual")
+        if overrides:
+            cfg = from_dict(ContinualConfig, {**to_dict(cfg), **overrides}, "continual")
     return cfg
 
 
@@ -411,7 +419,8 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
             "primary": f"{cfg.matcher}:hrm" if per_module else "single", "head_drift": drift}
 
 
-def continual_command(config: Path, tasks: str, method: str | None, out: Path | None) -> dict:
+def continual_command(config: Path, tasks: str, method: str | None, out: Path | None,
+                      sets: list[str] | tuple[str, ...] = ()) -> dict:
     """``rankwise continual``: check the tasks before loading anything, run, print, write."""
     import json
 
@@ -420,7 +429,7 @@ def continual_command(config: Path, tasks: str, method: str | None, out: Path | 
     from rankwise.core import atomic
     from rankwise.data.demo import PACKAGES
     parsed = parse_tasks(tasks, PACKAGES)
-    cfg = load_config(config, {"method": method} if method else None)
+    cfg = load_config(config, sets, {"method": method} if method else None)
     console = Console()
     record = run_continual(cfg, parsed, console)
     for rule, r in record["rules"].items():

@@ -9,7 +9,7 @@ import yaml
 
 from rankwise.errors import RankwiseError
 from rankwise.optim.altlora import AltLoraConfig
-from rankwise.recipes.compare import markdown, parse_row, row_config, run_compare
+from rankwise.commands.compare.run import markdown, parse_row, row_config, run_compare
 
 BASE = {
     "model": {"path": "tiny-bert", "task": "classification"},
@@ -53,7 +53,7 @@ def test_named_variant_rows_run_their_method_with_their_overrides():
     """``compare: {rslora: {row: lora, method: {use_rslora: true}}}``: a row of its own name, the
     LoRA row's budget (the shared method keys) and the entry's overrides; an unknown ``row:``
     target is refused naming the entry."""
-    from rankwise.recipes.compare import plan_rows
+    from rankwise.commands.compare.run import plan_rows
     raw = {**BASE, "compare": {"rslora": {"row": "lora", "method": {"use_rslora": True}},
                                "fast-gora": {"row": "gora+altlora", "lr_grid": [0.1, 1.0]}}}
     plans, grids, _ = plan_rows(json.loads(json.dumps(raw)), ["lora", "rslora", "fast-gora"], [])

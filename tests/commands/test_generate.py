@@ -14,8 +14,8 @@ from rankwise.cli import main
 from rankwise.data.formats import end_id
 from rankwise.engine.generation import generate
 from rankwise.recipes.config import load_run_config
-from rankwise.recipes.decode import DecodeConfig, KVCache, SteerConfig
-from rankwise.recipes.generate import load_for_generation, run_generate
+from rankwise.commands.generate.decode import DecodeConfig, KVCache, SteerConfig
+from rankwise.commands.generate.run import load_for_generation, run_generate
 from rankwise.recipes.train import train
 
 # Plain-text role markers (a <|...|> marker is a special token the tokenizer lacks: refused).

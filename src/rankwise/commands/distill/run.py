@@ -1,6 +1,7 @@
-"""``rankwise distill TEACHER --student-hidden H --out DIR``: Low-Rank Clone distillation.
+"""``rankwise distill CONFIG [--set ...] [--out DIR]``: Low-Rank Clone distillation.
 
-TEACHER is a transformers model folder or a finished ``rankwise train`` run (its adapters
+CONFIG holds ``teacher:`` and the :class:`DistillConfig` keys (:func:`read_command`; the old
+spelling ``distill TEACHER --student-hidden H --out DIR`` still works). The teacher is a transformers model folder or a finished ``rankwise train`` run (its adapters
 merged first, as ``export --format merged`` writes them). The student
 (:class:`rankwise.compress.clone.LowRankClone`) trains through the shared engine (its KL and
 clone terms are auxiliary losses beside the causal-LM cross-entropy); DIR then holds
@@ -48,9 +49,13 @@ def read_config(path: Path | None, sets: list[str], student_hidden: int | None) 
     Raises:
         RankwiseError: Every bad key or value at once.
     """
-    from rankwise.recipes.config import apply_sets, read_yaml
+    from rankwise.recipes.config import read_yaml
     from rankwise.recipes.paths import DISTILL_PATHS
-    data = read_yaml(path, DISTILL_PATHS) if path is not None else {}
+    return _build(read_yaml(path, DISTILL_PATHS) if path is not None else {}, sets, student_hidden)
+
+
+def _build(data: dict, sets: list[str], student_hidden: int | None) -> DistillConfig:
+    from rankwise.recipes.config import apply_sets
     data = apply_sets(data or {}, list(sets))
     if student_hidden is not None:
         data["student_hidden"] = student_hidden
@@ -59,6 +64,50 @@ def read_config(path: Path | None, sets: list[str], student_hidden: int | None) 
     if wrong:  # a file name where the windows' section goes
         raise RankwiseError("; ".join(wrong))
     return from_dict(DistillConfig, data, "distill")
+
+
+def is_config(source: Path) -> bool:
+    """Whether ``rankwise distill SOURCE`` names a config file (``CONFIG``, with ``teacher:``)
+    rather than the teacher's folder (the old spelling)."""
+    return Path(source).suffix in (".yaml", ".yml") and not Path(source).is_dir()
+
+
+def read_command(source: Path, config: Path | None, sets: list[str], student_hidden: int | None,
+                 out: Path | None) -> tuple[Path, DistillConfig, Path]:
+    """``(teacher, config, out)`` of ``rankwise distill``, in either spelling.
+
+    ``distill CONFIG [--set ...] [--out DIR]``, as every config command: CONFIG holds
+    ``teacher:`` (a model or run folder, read from CONFIG's folder when relative) and the
+    :class:`DistillConfig` keys, as the ``distill.yaml`` a run writes does; ``--out`` defaults to
+    ``runs/<stem>-distill``. The old spelling, ``distill TEACHER --out DIR [--config FILE]``, is
+    read until the next release with a one-line notice.
+
+    Raises:
+        RankwiseError: No ``teacher:``, ``--config`` beside a CONFIG, no ``--out`` in the old
+            spelling, or the config's problems (all at once).
+    """
+    from rankwise.commands.options import default_out
+    from rankwise.recipes import legacy
+    from rankwise.recipes.config import apply_sets, read_yaml
+    from rankwise.recipes.paths import DISTILL_PATHS
+    source = Path(source)
+    if is_config(source):
+        if config is not None:
+            raise RankwiseError(f"distill {source} reads its keys from that file; drop --config {config} "
+                                "(or merge its keys into it)")
+        data = apply_sets(read_yaml(source, {**DISTILL_PATHS, ("teacher",): ()}), list(sets))
+        teacher = data.pop("teacher", None)
+        cfg = _build(data, [], student_hidden)
+        if not isinstance(teacher, str) or not teacher.strip():
+            raise RankwiseError(f"config {source}: teacher: missing; write teacher: <the model or run "
+                                "folder to distill>")
+        return Path(teacher), cfg, out or default_out(source, "distill")
+    legacy.notice(f"notice: distill TEACHER {'--config FILE ' if config else ''}is the old spelling, read "
+                  "until the next release; write teacher: TEACHER in a config and run rankwise distill CONFIG")
+    if out is None:
+        raise RankwiseError(f"distill {source}: give --out DIR (or write teacher: {source} in a config "
+                            "and run rankwise distill CONFIG)")
+    return source, read_config(config, sets, student_hidden), out
 
 
 def load_teacher(path: Path, student_hidden: int) -> tuple[torch.nn.Module, Any]:

@@ -3,9 +3,9 @@
 The base model named by the run's ``config.yaml`` (in its dtype / quantization) gets the run's
 adapter (``adapter/``, or ``model/`` for full fine-tuning) or, with ``--adapter``, a PEFT adapter
 folder. Prompts are formatted as the run's ``data.format`` formatted them in training: the chat
-template for ``chat`` runs, ``prefix + prompt`` for ``prompt-completion``. Also builds the
-``samples.jsonl`` callback that training runs at every evaluation. How it decodes is one
-:class:`~rankwise.recipes.decode.DecodeConfig` (``--set decode.*``, a ``decode:`` section, or
+template for ``chat`` runs, ``prefix + prompt`` for ``prompt-completion`` (training's
+``samples.jsonl`` callback is :func:`rankwise.recipes.reports.samples_callback`). How it decodes is one
+:class:`~rankwise.commands.generate.decode.DecodeConfig` (``--set decode.*``, a ``decode:`` section, or
 the flags that fill it).
 """
 from __future__ import annotations
@@ -18,32 +18,16 @@ import torch
 
 from rankwise import registry
 from rankwise.data.files import json_lines
-from rankwise.data.formats import Encoder, end_id, split_example
+from rankwise.data.formats import Encoder, end_id
 from rankwise.data.presets import prompt_key
 from rankwise.data.text import encoder_for
 from rankwise.engine import get_task
 from rankwise.engine.generation import generate
-from rankwise.engine.reporting import Samples
 from rankwise.errors import RankwiseError
 from rankwise.recipes import folders
+from rankwise.commands.generate.decode import DecodeConfig, SteerConfig, checked
 from rankwise.recipes.config import RunConfig, load_run_config
-from rankwise.recipes.decode import DecodeConfig, SteerConfig, checked
 from rankwise.recipes.model import base_moved, load_model
-
-
-def samples_callback(session: Any, out: Path, write: bool = True) -> Samples:
-    """The :class:`~rankwise.engine.reporting.Samples` callback of a training session.
-
-    Args:
-        session: A :class:`~rankwise.recipes.session.Session` (its ``eval_data`` is unpacked).
-        out: The run folder (``samples.jsonl`` goes there).
-        write: Whether this process writes the file.
-    """
-    cfg, tok, data = session.cfg, session.tokenizer, session.eval_data
-    fmt = getattr(data, "fmt", "text")
-    prompts = [split_example(data[i], fmt) for i in range(min(cfg.eval.samples, len(data)))]
-    return Samples(out / "samples.jsonl", prompts, _decoder(tok), cfg.eval.max_new_tokens,
-                   end_id(tok), tok.pad_token_id, write=write)
 
 
 def _decoder(tokenizer) -> Callable[[list[int]], str]:
@@ -162,7 +146,7 @@ def run_generate(run_dir: Path, prompts: str | Path | list, decode: DecodeConfig
             of prompt values (as a prompts file's lines hold), or a JSONL file (``Path``,
             :func:`read_prompts`). An empty prompt generates from the BOS token alone
             (:func:`start_id`).
-        decode: How to decode (:class:`~rankwise.recipes.decode.DecodeConfig`; its defaults if
+        decode: How to decode (:class:`~rankwise.commands.generate.decode.DecodeConfig`; its defaults if
             None); checked here like the CLI's.
         adapter: A PEFT adapter folder instead of the run's adapter.
         model_path: ``--model``: the base model's folder, if it moved since training.
@@ -311,7 +295,7 @@ def check_memory_decoder(path: Path) -> None:
             return
         raise RankwiseError(f"--memory-decoder {path} is a {cfg.task.name} run (method "
                             f"{cfg.method.name}), not a memory-decoder run; {fix}")
-    held = folders.WHAT[found] if found else "nothing (missing or empty)"
+    held = folders.what(found) if found else "nothing (missing or empty)"
     raise RankwiseError(f"--memory-decoder {path} holds {held}, not a memory-decoder run; {fix}")
 
 
@@ -341,4 +325,4 @@ def load_memory_decoder(path: Path, base_tokenizer, device: str, lam: float | No
     return memory, lam
 
 
-__all__ = ["same_tokenizer", "check_memory_decoder", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts", "samples_callback"]
+__all__ = ["same_tokenizer", "check_memory_decoder", "load_memory_decoder", "run_generate", "load_for_generation", "read_prompts"]

@@ -11,7 +11,7 @@ import yaml
 
 from rankwise.errors import RankwiseError
 from rankwise.recipes import runs
-from rankwise.recipes.compare import run_compare
+from rankwise.commands.compare.run import run_compare
 
 BASE = {
     "model": {"path": "tiny-bert", "task": "classification"},

@@ -40,7 +40,7 @@ from rankwise.memory import PeakMemory
 from rankwise.recipes import folders, yamlfile
 from rankwise.recipes.config import build_run_config
 from rankwise.recipes.export import load_run
-from rankwise.recipes.merge import collect_pairs
+from rankwise.commands.merge.run import collect_pairs
 
 # transformers model types whose blocks are model.layers.N.self_attn.{q,k,v,o}_proj + mlp
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

@@ -1,4 +1,4 @@
-"""``DecodeConfig`` (``recipes/decode.py``): the flags, ``--set decode.*`` and a ``decode:`` section
+"""``DecodeConfig`` (``commands/generate/decode.py``): the flags, ``--set decode.*`` and a ``decode:`` section
 fill the same typed config; every bad key and value is reported at once in one line (exit 2)
 before any model loads; a config made in Python is checked the same way."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.errors import RankwiseError
-from rankwise.recipes.decode import DecodeConfig, KVCache, SteerConfig, checked, decode_config
+from rankwise.commands.generate.decode import DecodeConfig, KVCache, SteerConfig, checked, decode_config
 
 
 def test_flags_sets_and_a_section_fill_the_same_config(tmp_path):

@@ -12,7 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
-from rankwise.recipes.transfer import TransferConfig, transfer_run
+from rankwise.commands.transfer.run import TransferConfig, transfer_run
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 IDS = torch.tensor([[2, 5, 7, 3, 9, 11, 4, 6], [8, 3, 3, 10, 2, 12, 5, 1]])
@@ -142,7 +142,7 @@ def test_mlp_linears_whose_intermediate_size_changed_get_their_base_weights():
     intermediate size differs (for the code's MLP rule); others keep the W_x-only rule."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rankwise.recipes.transfer import _mlp_weights
+    from rankwise.commands.transfer.run import _mlp_weights
 
     def llama(hidden, inter):
         torch.manual_seed(0)

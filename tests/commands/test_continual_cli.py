@@ -5,7 +5,7 @@ from click.testing import CliRunner
 from rankwise.cli import main
 from rankwise.data.demo import PACKAGES
 from rankwise.errors import RankwiseError
-from rankwise.recipes.continual import DEMO_TASKS, ContinualConfig, load_config, parse_tasks
+from rankwise.commands.continual.run import DEMO_TASKS, ContinualConfig, load_config, parse_tasks
 from rankwise.testing import error_lines
 
 
@@ -28,7 +28,7 @@ def test_bad_config_one_line_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("continual: {stepz: 1}\n")
     result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", DEMO_TASKS])
-    assert result.exit_code == 2 and "unknown continual key(s) ['stepz']" in result.output
+    assert result.exit_code == 2 and "continual.stepz: unknown key" in result.output
     result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", DEMO_TASKS, "--method", "ewc"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
 
@@ -38,9 +38,26 @@ def test_demo_split_is_four_tasks_of_two_packages_and_config_reads_yaml(tmp_path
     assert [len(t) for t in tasks] == [2, 2, 2, 2] and sorted(c for t in tasks for c in t) == sorted(PACKAGES)
     cfg = tmp_path / "c.yaml"
     cfg.write_text("continual: {steps_per_task: 3, tau: 0.5}\n")
-    c = load_config(cfg, {"method": "joint"})
+    c = load_config(cfg, overrides={"method": "joint"})
     assert (c.steps_per_task, c.tau, c.method, c.candidates) == (3, 0.5, "joint", 2)
     assert (c.gate, ContinualConfig().tau, c.matcher) == ("gen", -10.0, "tii")    # the released rule
+
+
+def test_config_is_read_by_the_one_reader_with_set(tmp_path):
+    """``lr: 1e-3`` is a number (YAML 1.2), ``--set`` takes KEY or continual.KEY, and every bad
+    key and value of the file and the overrides is in one line."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("continual: {lr: 1e-3, steps_per_task: 3}\n")
+    c = load_config(cfg, ["head_lr=5e-2", "continual.r=4"], {"method": "joint"})
+    assert (c.lr, c.head_lr, c.r, c.steps_per_task, c.method) == (1e-3, 5e-2, 4, 3, "joint")
+    assert isinstance(c.lr, float)
+    cfg.write_text("lr: 1e-3\nr: 0\n")                                 # keys at the top level
+    result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", DEMO_TASKS, "--set", "lr=fast"])
+    lines = error_lines(result.stderr)
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "continual.lr: got 'fast'; expected a number" in lines[0]
+    result = CliRunner().invoke(main, ["continual", str(cfg), "--tasks", DEMO_TASKS])
+    assert result.exit_code == 2 and "continual.r must be >= 1, got 0" in result.stderr
 
 
 def test_bad_gate_settings_are_all_reported_in_one_line():
@@ -52,7 +69,7 @@ def test_bad_gate_settings_are_all_reported_in_one_line():
 
 @pytest.mark.slow
 def test_hrm_pet_end_to_end_on_a_tiny_model_keeps_earlier_head_rows():
-    from rankwise.recipes.continual import ContinualConfig, run_continual
+    from rankwise.commands.continual.run import ContinualConfig, run_continual
     tasks = parse_tasks("asyncio,email/http,importlib/logging,xml", PACKAGES)
     rec = run_continual(ContinualConfig(model="tiny-bert", steps_per_task=2, batch_size=4, eval_per_class=2,
                                         key_examples=4), tasks)

@@ -13,7 +13,7 @@ from rankwise import registry
 from rankwise.adapters.full import FullConfig
 from rankwise.cli import main
 from rankwise.core.diagnostics import effective_ranks, neuron_scores
-from rankwise.recipes.inspect import gradient_section
+from rankwise.commands.inspect.run import gradient_section
 from rankwise.testing import error_lines
 
 
@@ -90,7 +90,7 @@ def test_inspect_refuses_a_folder_that_is_neither_a_run_nor_a_model(tmp_path):
 
 @pytest.mark.slow
 def test_inspect_writes_report_json_and_plots_for_a_run(tiny_bert_run, tmp_path):
-    from rankwise.recipes.inspect import run_inspect
+    from rankwise.commands.inspect.run import run_inspect
     rep = run_inspect(tiny_bert_run, None, tmp_path / "out", n_batches=1, plots=False)  # plots: the CLI check in docs/inspect.md
     saved = json.loads((tmp_path / "out" / "inspect.json").read_text())
     assert saved["gradients"]["states"].keys() == {"base", "final"}  # a LoRA run: no weight checkpoints

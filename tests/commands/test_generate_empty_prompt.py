@@ -51,7 +51,7 @@ def home_made(folder, arch: str):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_an_empty_prompt_generates_from_bos_like_transformers(tmp_path, arch):
     from rankwise.data.formats import end_id
-    from rankwise.recipes.generate import load_for_generation
+    from rankwise.commands.generate.run import load_for_generation
     torch.manual_seed(0)
     base = home_made(tmp_path / "base", arch)
     data = tmp_path / "text.jsonl"
@@ -86,7 +86,7 @@ def test_an_empty_prompt_generates_from_bos_like_transformers(tmp_path, arch):
 
 def test_an_empty_prompt_without_any_bos_is_one_line(monkeypatch):
     from rankwise.errors import RankwiseError
-    from rankwise.recipes.generate import start_id
+    from rankwise.commands.generate.run import start_id
 
     class NoBos:
         bos_token_id = None
