@@ -1,17 +1,18 @@
 """The PEFT versions rankwise claims, tested: every kind of ``--format peft`` export (LoRA on
 Llama, GPT-2's Conv1D and a BERT classifier with its head, DoRA, a trained ``lm_head``, the
 PiSSA / OLoRA / CorDA rank-2r conversion, EVA's per-layer ranks, new tokens with a tied and an
-untied head, LoRA on fused MoE expert parameters, prompt tuning) is loaded by
-``PeftModel.from_pretrained`` in each PEFT of :data:`peft_versions.PINS` (the oldest that
-``pyproject.toml`` admits, each paired with a transformers of its time) and in the venv's own
-(the newest), one subprocess per version loading them all.
+untied head, LoRA on fused MoE expert parameters, prompt tuning with and without a head) is
+loaded by ``PeftModel.from_pretrained`` in each PEFT of :data:`peft_versions.PINS` (the oldest
+that ``pyproject.toml`` admits and each minor version where a feature starts or stops loading,
+each paired with a transformers of its time) and in the venv's own (the newest), one subprocess
+per version loading them all.
 
 Numbers asserted: where the export's servability line says that PEFT version loads it
-(``servability.peft_needs``), its logits equal rankwise's to 1e-5 (fp32); where it names another
-PEFT, that version refuses it or computes other logits (peft 0.14 drops
-``trainable_token_indices`` with a warning: max difference 2.2). The bases themselves (saved by transformers 5) give the
-same logits in every transformers (1e-5). LoftQ's export is plain LoRA on a 4-bit base (the
-same file as LoRA), so it is not a case of its own.
+(``servability.peft_needs``), its logits equal rankwise's to 1e-5 (fp32; measured at most
+6.9e-7); where it names another PEFT, that version refuses it or computes other logits (peft
+0.14 drops ``trainable_token_indices`` with a warning: max difference 2.2). The bases (saved by
+transformers 5) give the same logits in each paired transformers (1e-5; GPT-OSS from 4.55).
+LoftQ's export is plain LoRA on a 4-bit base (the same file as LoRA): no case of its own.
 """
 from __future__ import annotations
 
@@ -169,10 +170,10 @@ def _loads(version: str, need: tuple[str, tuple[str, ...]] | None) -> bool:
 
 
 @pytest.mark.parametrize("version", [*peft_versions.PINS, NEWEST])
-def test_each_export_loads_in_the_peft_it_names(version, matrix):
+def test_each_export_loads_in_the_peft_it_names(version, request):
     if version != NEWEST and not (peft_versions.site(version) / "peft").is_dir():
         pytest.skip(f"peft {version} is not fetched: run `make setup` (python tests/adapters/peft_versions.py)")
-    manifest, needs = matrix
+    manifest, needs = request.getfixturevalue("matrix")  # built once, only when a version runs
     result = _load_all(manifest, version)
     if version != NEWEST:
         assert result["peft"] == version and result["peft_file"].startswith(str(peft_versions.site(version)))
