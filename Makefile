@@ -19,6 +19,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	# without a package index this fails, and the GGUF tests skip, saying so
 	test -f $(VENV)/llama.cpp/convert_hf_to_gguf.py || $(BIN)/python -m rankwise.core.llama_cpp $(VENV)/llama.cpp \
 		|| echo "no llama.cpp converters: the GGUF export tests will skip (see docs/serving.md)"
+	# the older PEFT + transformers pairs the PEFT version matrix loads exports with (pip --target
+	# folders, never the venv itself); without a package index their tests skip, saying so
+	$(BIN)/python tests/adapters/peft_versions.py \
+		|| echo "no older PEFT versions: the PEFT version matrix will skip them (see docs/serving.md)"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 setup: $(STAMP)

@@ -122,6 +122,7 @@ def test_prompt_tuning_exports_to_peft_with_the_same_logits(tmp_path):
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "PROMPT_TUNING" and cfg["num_virtual_tokens"] == 4
     assert cfg["modules_to_save"] == ["classifier"]
+    assert "PEFT: loads it; peft >= 0.14 (prompt tuning with a trained head" in res.output
     from rankwise.core.protocol import transform_inputs
     from rankwise.recipes.model import load_model
     base, _ = load_model("tiny-bert", "classification", num_labels=ours.config.num_labels, seed=0)

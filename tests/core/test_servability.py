@@ -42,7 +42,10 @@ CASES = [
     ("peft-hotswap", "modules_to_save", HEAD, "refused"),
     ("peft-hotswap", "trainable tokens", TOKENS, "refused"),
     ("peft-hotswap", "same settings", A(), "needs"),
+    ("peft", "versions", TOKENS, "needs"),
 ]
+UNTIED = A({"trainable_token_indices": {"model.embed_tokens": [5], "lm_head": [5]}})
+EXPERTS = A({"target_parameters": ["mlp.experts.gate_up_proj"]})
 
 
 def test_every_rule_has_a_case():
@@ -71,6 +74,21 @@ def test_plain_lora_loads_everywhere_and_vllm_rank_flag_is_the_next_allowed_valu
     assert sv._vllm_rank(A({"r": 16})) is None  # vLLM's default max_lora_rank is 16
     with pytest.raises(RankwiseError, match="expected one of vllm, llama.cpp, peft-hotswap"):
         sv.enforce([], ["vLLM"])
+
+
+@pytest.mark.parametrize("adapter,needs", [
+    (A(), ("0.13", ())), (DORA, ("0.13", ())), (HEAD, ("0.13", ())), (TOKENS, ("0.15", ())),
+    (UNTIED, ("0.15", ("0.16", "0.17"))), (EXPERTS, ("0.17", ())),
+    (A({**UNTIED.config, **EXPERTS.config}), ("0.18", ())),
+    (sv.Adapter({"peft_type": "PROMPT_TUNING"}, ("prompt_embeddings",)), ("0.13", ())),
+    (sv.Adapter({"peft_type": "PROMPT_TUNING", "modules_to_save": ["classifier"]}, ()), ("0.14", ())),
+])
+def test_the_peft_versions_each_feature_needs(adapter, needs):
+    """What tests/adapters/test_peft_versions.py measured, as the export prints it."""
+    assert sv.peft_needs(adapter) == needs
+    line = next(ln for ln in sv.summary(sv.check(adapter)) if ln.startswith("  PEFT:"))
+    assert f"loads it; peft >= {needs[0]}" in line
+    assert (" except " + " and ".join(needs[1]) in line) == bool(needs[1])
 
 
 def _export(tmp_path: Path, name: str, **kw) -> Path:

@@ -18,7 +18,9 @@ Sources (read, not copied):
 * llama.cpp: ``convert_lora_to_gguf.py`` (any tensor but ``lora_A`` / ``lora_B`` and norms exits
   with "Not a lora_A or lora_B tensor"; one ``adapter.lora.alpha`` for the file) and
   ``src/llama-adapter.h`` (``llama_adapter_lora_weight::get_scale``: ``alpha / rank`` per pair).
-* PEFT: ``peft/utils/hotswap.py`` (``check_hotswap_configs_compatible`` compares ``use_rslora``,
+* PEFT's own loader: the versions that load each feature are measured, not read
+  (:data:`PEFT_FLOOR`, :func:`peft_needs`; ``tests/adapters/test_peft_versions.py``).
+* PEFT hotswap: ``peft/utils/hotswap.py`` (``check_hotswap_configs_compatible`` compares ``use_rslora``,
   ``lora_dropout``, ``alpha_pattern``, ``use_dora``; ``hotswap_adapter_from_state_dict`` swaps
   LoRA tensors only; peft 0.21 refuses DoRA, ``modules_to_save`` and trainable-token adapters:
   ``tests/core/test_servability.py`` runs it).
@@ -32,7 +34,7 @@ from typing import Any, Callable
 
 from rankwise.errors import RankwiseError
 
-SERVERS = {"vllm": "vLLM", "llama.cpp": "llama.cpp", "peft-hotswap": "PEFT hotswap"}
+SERVERS = {"vllm": "vLLM", "llama.cpp": "llama.cpp", "peft-hotswap": "PEFT hotswap", "peft": "PEFT"}
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 VLLM_DEFAULT_RANK = 16
 RECORD = "servability.json"  # written beside adapter_config.json
@@ -160,6 +162,56 @@ def _hotswap_keys(a: Adapter) -> str | None:
               f"target_rank={a.max_rank}))")
 
 
+# The PEFT versions that load each feature of an export, measured by
+# tests/adapters/test_peft_versions.py (every export kind loaded in peft 0.13.2, 0.14.0, 0.15.2,
+# 0.16.0, 0.17.1, 0.18.1 and 0.21.2, each with a transformers of its time).
+PEFT_FLOOR = "0.13"  # pyproject.toml's peft>=0.13: LoRA, rsLoRA, patterns, DoRA, heads, residual inits, prompts
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _peft_features(a: Adapter) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``(feature, oldest PEFT that loads it, later minor versions that fail on it)`` of ``a``."""
+    cfg, out = a.config, []
+    tokens = cfg.get("trainable_token_indices")
+    if tokens:  # peft 0.13 refuses the key; 0.14 drops it with a warning and loads another model
+        out.append(("trainable token rows (trainable_token_indices)", "0.15", ()))
+    if isinstance(tokens, dict) and len(tokens) > 1:  # 0.16 / 0.17: 'Linear' has no 'embedding_dim'
+        out.append(("rows of an untied lm_head", "0.15", ("0.16", "0.17")))
+    if cfg.get("target_parameters"):
+        out.append(("LoRA on fused expert parameters (target_parameters)", "0.17", ()))
+    if cfg.get("peft_type") == "PROMPT_TUNING" and cfg.get("modules_to_save"):
+        out.append(("prompt tuning with a trained head (modules_to_save)", "0.14", ()))
+    return out
+
+
+def peft_needs(adapter: Adapter) -> tuple[str, tuple[str, ...]]:
+    """The PEFT versions whose ``PeftModel.from_pretrained`` loads ``adapter`` (any peft_type).
+
+    Returns:
+        ``(oldest, broken)``: the oldest minor version (``"0.15"``) and the later minor versions
+        that fail on one of its features (``("0.16", "0.17")``).
+    """
+    feats = _peft_features(adapter)
+    oldest = max([PEFT_FLOOR, *(f[1] for f in feats)], key=_minor)
+    broken = {b for f in feats for b in f[2]}
+    while oldest in broken:  # e.g. fused experts (0.17) with an untied head's rows (not 0.17)
+        major, minor = _minor(oldest)
+        oldest = f"{major}.{minor + 1}"
+    return oldest, tuple(sorted((b for b in broken if _minor(b) > _minor(oldest)), key=_minor))
+
+
+def peft_line(adapter: Adapter) -> str:
+    """``peft >= 0.15 except 0.16 and 0.17 (the features that need it)``, as the export prints it."""
+    oldest, broken = peft_needs(adapter)
+    feats = [f[0] for f in _peft_features(adapter)]
+    text = f"peft >= {oldest}" + (f" except {' and '.join(broken)}" if broken else "")
+    return text + (f" ({'; '.join(feats)})" if feats else "")
+
+
 GGUF_LORA = "export with --format gguf-lora (rankwise folds the scale into B), or --format gguf"
 RULES: tuple[Rule, ...] = (
     Rule("vllm", "dora", "refused", MERGED, _dora),
@@ -183,6 +235,7 @@ RULES: tuple[Rule, ...] = (
          _modules(heads_ok=False)),
     Rule("peft-hotswap", "trainable tokens", "refused", "load it with PeftModel.from_pretrained instead", _tokens),
     Rule("peft-hotswap", "same settings", "needs", "", _hotswap_keys),
+    Rule("peft", "versions", "needs", "", peft_line),
 )
 
 
@@ -314,6 +367,10 @@ EXAMPLES: tuple[tuple[str, Adapter], ...] = (
     ("LoRA + trainable tokens", _example({"trainable_token_indices": [32000]},
                                          ("base_model.model.model.embed_tokens.token_adapter."
                                           "trainable_tokens_delta",))),
+    ("LoRA + trainable tokens, untied head", _example(
+        {"trainable_token_indices": {"model.embed_tokens": [32000], "lm_head": [32000]}},
+        ("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta",
+         "base_model.model.lm_head.token_adapter.trainable_tokens_delta"))),
 )
 
 
@@ -330,7 +387,7 @@ def _cells(adapter: Adapter) -> list[str]:
            "LoRA GGUF (`--format gguf-lora`" + (", scale folded into B)" if folded else ")")
            + " or merged GGUF")
     swap = {"no": "no", "yes": "yes", "with": "yes, onto an adapter with the same settings"}[v["peft-hotswap"]["loads"]]
-    return ["yes", "yes", vllm, cpp, swap]
+    return [f"yes ({peft_line(adapter).split(' (')[0]})", "yes", vllm, cpp, swap]
 
 
 def table() -> str:
@@ -347,3 +404,4 @@ def table() -> str:
 
 if __name__ == "__main__":  # python -m rankwise.core.servability: print the README table
     print(table())
+

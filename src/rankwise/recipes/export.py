@@ -182,6 +182,9 @@ def _export_peft(cfg, model, tok, out: Path, strict: list[str], echo) -> Path:
         shutil.rmtree(written)
         raise RankwiseError(f"--strict: this is not a LoRA adapter ({cfg.method.name}); no server "
                             "named loads it: export the merged model with --format merged")
+    elif (Path(written) / "adapter_config.json").is_file():  # prompt tuning: PEFT's loader only
+        echo("servers that load this adapter as it is:")
+        echo(f"  PEFT: loads it; {servability.peft_line(servability.read_folder(written))}")
     return written
 
 

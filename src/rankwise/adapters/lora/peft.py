@@ -122,6 +122,20 @@ def _check_dora_base(layers: dict[str, Any], dora: dict[str, bool], adapter_name
             "export_peft(..., allow_4bit_dora=True)")
 
 
+def _pattern_key(path: str, names: list[str]) -> str:
+    """The ``rank_pattern`` / ``alpha_pattern`` key of module ``path``: the path without its first
+    component, escaped, where that still selects ``path`` alone among ``names``; else the path.
+
+    peft 0.13 matches a key by ``re.match(rf".*\\.{key}$", path)`` (a dot before the key), later
+    versions by ``(.*\\.)?{key}$``; a full path from the model's root (``model.layers.0...``)
+    matches only the second, and peft 0.13 would build that layer with the global rank.
+    """
+    rest = path.partition(".")[2]
+    if rest and sum(n == rest or n.endswith("." + rest) for n in names) == 1:
+        return re.escape(rest)
+    return re.escape(path)
+
+
 def _check_exportable(layers: dict[str, Any], adapter_name: str, allow_4bit_dora: bool) -> dict[str, bool]:
     """Refuse what a PEFT LoRA file cannot hold; return ``{path: is DoRA}``."""
     requantized = [p for p, m in layers.items() if adapter_name in m.requantized]
@@ -160,8 +174,9 @@ def _layer_tensors(layers: dict[str, Any], adapter_name: str,
     return settings
 
 
-def _global_settings(settings: dict[str, tuple]) -> dict[str, Any]:
-    """PEFT's global ``r``/``lora_alpha``/``use_rslora`` (most common) and per-path patterns.
+def _global_settings(settings: dict[str, tuple], keys: dict[str, str]) -> dict[str, Any]:
+    """PEFT's global ``r``/``lora_alpha``/``use_rslora`` (most common) and per-path patterns
+    (``keys``: each path's pattern key, :func:`_pattern_key`).
 
     Rewrites ``settings`` in place to the global rsLoRA flag (alpha giving the same scale)."""
     rslora = Counter(s[2] for s in settings.values()).most_common(1)[0][0]
@@ -171,8 +186,8 @@ def _global_settings(settings: dict[str, tuple]) -> dict[str, Any]:
             settings[p] = (r, alpha, rslora)
     r0 = Counter(s[0] for s in settings.values()).most_common(1)[0][0]
     a0 = Counter(s[1] for s in settings.values()).most_common(1)[0][0]
-    rank_pattern = {re.escape(p): r for p, (r, _, _) in settings.items() if r != r0}
-    alpha_pattern = {re.escape(p): a for p, (_, a, _) in settings.items() if a != a0}
+    rank_pattern = {keys[p]: r for p, (r, _, _) in settings.items() if r != r0}
+    alpha_pattern = {keys[p]: a for p, (_, a, _) in settings.items() if a != a0}
     return {"r": r0, "lora_alpha": a0, "use_rslora": rslora,
             "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
 
@@ -184,7 +199,7 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
 
     Per-layer settings become PEFT's single global ``r``/``lora_alpha``/``use_rslora`` (the
     most common values) plus ``rank_pattern``/``alpha_pattern`` entries keyed by the escaped
-    full module path. A layer whose rsLoRA flag differs from the global one gets the alpha
+    module path less its first component (:func:`_pattern_key`). A layer whose rsLoRA flag differs from the global one gets the alpha
     that gives the same scale (alpha' = alpha * sqrt(r) or alpha / sqrt(r)), so PEFT computes
     exactly rankwise's scale. A layer initialised with PiSSA, OLoRA or CorDA (frozen ``A0, B0``)
     is written as PEFT's ``path_initial_model_for_weight_conversion`` does: the rank-2r pair
@@ -219,7 +234,9 @@ def export_peft(model: nn.Module, out_dir: str | Path, adapter_name: str = "defa
     tensors: dict[str, torch.Tensor] = dict(expert_tensors)
     settings = _layer_tensors(layers, adapter_name, tensors)
     settings.update(expert_settings)  # keyed by the parameter's full name, as PEFT matches
-    global_settings = _global_settings(settings)
+    names = [n for n, _ in model.named_modules()]
+    keys = {p: _pattern_key(p, names) if p in layers else re.escape(p) for p in settings}
+    global_settings = _global_settings(settings, keys)
     first = next(iter(layers.values()), None)
     drop = first.lora_dropout[adapter_name] if first is not None else None
     saved = modules_to_save(model)

@@ -73,7 +73,9 @@ def export_prompt_peft(model: nn.Module, out_dir: str | Path, adapter_name: str 
         "num_attention_heads": _config_value(model, "num_attention_heads", "n_head"),
         "num_layers": _config_value(model, "num_hidden_layers", "n_layer"),
         "prompt_tuning_init": "RANDOM", "prompt_tuning_init_text": None,
-        "tokenizer_name_or_path": None, "modules_to_save": saved or None, "inference_mode": True,
+        "tokenizer_name_or_path": None, "inference_mode": True,
     }
+    if saved:  # peft 0.13 has no such key for prompt tuning: written only when a head trains
+        config["modules_to_save"] = saved
     tensors = {"prompt_embeddings": gen.prompt_embeddings.detach().cpu().contiguous()}
     return write_peft_folder(out_dir, config, tensors, model, saved, "base_model.")
