@@ -26,6 +26,8 @@ FAMILY_EXCEPTIONS = {("adapters.gora", "adapters.lora")}
 SHARED_FAMILY = "common"  # adapters/common: what the adapter families share
 # What a task (rankwise/tasks/) may import beside tasks' own shared modules (common, reference).
 TASK_MAY = BASE | {"core", "engine", "data"}
+# What an experiment tracker (rankwise/trackers/) may import: the base and its own package.
+TRACKER_MAY = BASE | {"trackers"}
 
 
 def _module_name(path: Path) -> str:
@@ -104,14 +106,16 @@ def forbidden(importer: str, imported: str) -> str | None:
     if top_a == "models":
         return None if top_b in BASE | {"core", "models"} else "models import only core, the base and models"
     if top_a in {"engine", "data"}:
-        if top_b in METHOD_KINDS | WIRING | {"federated", "tasks"}:
-            return f"{top_a} never imports methods, tasks, federated or recipes"
+        if top_b in METHOD_KINDS | WIRING | {"federated", "tasks", "trackers"}:
+            return f"{top_a} never imports methods, tasks, trackers, federated or recipes"
         return None
+    if top_a == "trackers":
+        return None if top_b in TRACKER_MAY else "trackers import only the base and their own package"
     if top_a == "tasks":
         return _task_rule(a, b)
     if top_a in METHOD_KINDS:
-        if top_b in WIRING | {"engine", "data", "federated", "tasks"}:
-            return "methods never import the engine, data, tasks, federated or recipes"
+        if top_b in WIRING | {"engine", "data", "federated", "tasks", "trackers"}:
+            return "methods never import the engine, data, tasks, trackers, federated or recipes"
         if top_b in METHOD_KINDS and top_b != top_a:
             return "a kind of method never imports another (adapters, optim, compress)"
         fam_a, fam_b = _family(a), _family(b)
@@ -185,6 +189,11 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.engine.task", "rankwise.tasks.common"),             # engine -> tasks
     ("rankwise.data.text", "rankwise.tasks.dpo.data"),             # data -> tasks
     ("rankwise.adapters.gora.layer", "rankwise.tasks"),            # methods -> tasks
+    ("rankwise.trackers.wandb", "rankwise.engine.callbacks"),      # trackers -> the engine
+    ("rankwise.trackers.mlflow", "rankwise.recipes.config"),       # trackers -> the run layer
+    ("rankwise.engine.loop", "rankwise.trackers"),                 # engine -> trackers
+    ("rankwise.tasks.grpo.task", "rankwise.trackers.common"),      # tasks -> trackers
+    ("rankwise.adapters.lora.layer", "rankwise.trackers.wandb"),   # methods -> trackers
 ])
 def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     assert forbidden(importer, imported) is not None
@@ -208,6 +217,9 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.tasks.grpo.data", "rankwise.data.formats"),
     ("rankwise.tasks", "rankwise.tasks.dpo"),
     ("rankwise.recipes.train", "rankwise.tasks.grpo.gain_rl"),
+    ("rankwise.trackers.wandb", "rankwise.trackers.common"),
+    ("rankwise.trackers", "rankwise.registry"),
+    ("rankwise.recipes.reports", "rankwise.trackers"),
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None

@@ -406,9 +406,10 @@ def plan(config: Path, sets: tuple[str, ...], memory: str | None, device: str, f
 
 @main.command(name="list")
 def list_() -> None:
-    """List what is registered: methods, optimizers, compressors, strategies, exporters, tasks."""
+    """List what is registered: methods, optimizers, compressors, strategies, exporters, tasks,
+    trackers."""
     from rankwise import registry
-    for kind in ("method", "optimizer", "compressor", "strategy", "exporter", "task"):
+    for kind in ("method", "optimizer", "compressor", "strategy", "exporter", "task", "tracker"):
         for name in registry.names(kind):
             click.echo(f"{kind:10s} {name:12s} {registry.get(kind, name).summary}")
 

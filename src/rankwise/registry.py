@@ -15,6 +15,10 @@ Kinds used by rankwise:
 * ``"compressor"`` - post-training compression of linear layers (pruning, low-rank,
   quantization): the builder is a :class:`rankwise.compress.base.Compressor` subclass, called
   with its config (``builder(config) -> Compressor``); :mod:`rankwise.compress` registers them.
+* ``"tracker"`` - an experiment tracker of ``train.log_to`` (``tensorboard``, ``wandb``,
+  ``mlflow``): the builder is a :class:`rankwise.trackers.common.Tracker` subclass, called as
+  ``builder(config, run_folder, run_config_dict, log_every, console)``; :mod:`rankwise.trackers`
+  registers them.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -33,7 +37,7 @@ class Entry:
 
     Attributes:
         kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
-            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"tracker"``).
         name: The name users write in configs (``method.name: lora``).
         config_cls: The dataclass holding every default of this entry.
         builder: The callable that applies or constructs it (signature depends on ``kind``).
@@ -112,7 +116,8 @@ class Entry:
 _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import
 # (e.g. federated without flwr); they are then simply absent.
-_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress")
+_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress",
+                     "rankwise.trackers")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 _loaded = False
 
@@ -123,7 +128,7 @@ def register(kind: str, name: str, config_cls: type, builder: Callable[..., Any]
 
     Args:
         kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
-            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``).
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"tracker"``).
         name: Lower-case name used in configs and on the CLI.
         config_cls: Config dataclass; its field defaults are the only defaults.
         builder: See the module docstring for the signature per kind.

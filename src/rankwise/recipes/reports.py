@@ -1,14 +1,14 @@
 """What ``rankwise train`` reports besides the step lines: the data summary (examples, packing,
 records dropped for length) in ``events.jsonl`` / ``metrics.json``, ``samples.jsonl`` and
-TensorBoard (``train.log_to``)."""
+the experiment trackers of ``train.log_to`` (:mod:`rankwise.trackers`)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from rankwise import trackers
 from rankwise.data.packing import PackedData
-from rankwise.engine.reporting import DataReport, TensorBoard, tensorboard_available
-from rankwise.errors import RankwiseError
+from rankwise.engine.reporting import DataReport
 
 
 def data_info(session: Any) -> dict[str, Any]:
@@ -30,24 +30,25 @@ def data_info(session: Any) -> dict[str, Any]:
 
 
 def check_reporting(cfg: Any) -> None:
-    """Check that the configured loggers can run, before anything is written.
+    """Check that the configured trackers can run, before anything is written.
 
     Raises:
-        RankwiseError: ``train.log_to: [tensorboard]`` without the ``tensorboard`` package.
+        RankwiseError: A tracker of ``train.log_to`` without its package (one line naming
+            ``pip install 'rankwise[EXTRA]'``).
     """
-    if "tensorboard" in cfg.train.log_to and not tensorboard_available():
-        raise RankwiseError("train.log_to: tensorboard needs the tensorboard package: pip install "
-                            "'rankwise[tensorboard]' (or remove it from train.log_to)")
+    trackers.check_installed(cfg.train.log_to)
 
 
-def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> list:
+def report_callbacks(session: Any, out: Path, log: Any, write: bool = True, console: Any = None) -> list:
     """Callbacks to append after the evaluation ones (see :mod:`rankwise.engine.reporting`).
 
     Args:
         session: The training session.
         out: The run folder.
         log: The run's :class:`~rankwise.engine.callbacks.EventLog`.
-        write: Whether this process writes files (only the first process under torchrun).
+        write: Whether this process writes files (only the first process under torchrun):
+            the trackers run on that process alone.
+        console: Where each tracker says where it writes.
     """
     cfg = session.cfg
     check_reporting(cfg)
@@ -56,8 +57,8 @@ def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> l
     if write:  # routed adapters' expert load -> router_stats.json + router_load.png (any method)
         from rankwise.engine.adapter_stats import AdapterStatistics
         cbs.append(AdapterStatistics(out))
-    if "tensorboard" in cfg.train.log_to and write:
-        cbs.append(TensorBoard(out / "tensorboard", cfg.train.log_every))
+    if write:
+        cbs += trackers.build(cfg.train.log_to, out, cfg.to_dict(), cfg.train.log_every, console)
     cbs += getattr(session.task, "run_callbacks", lambda out, write: [])(out, write)  # grpo's samples
     if cfg.eval.samples:
         from rankwise.recipes.generate import samples_callback
@@ -65,4 +66,16 @@ def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> l
     return cbs
 
 
-__all__ = ["data_info", "check_reporting", "report_callbacks"]
+def finish_trackers(callbacks: list, metrics: dict[str, Any]) -> None:
+    """Hand the run's final metrics (``metrics.json``) to its trackers, which then close.
+
+    Args:
+        callbacks: The engine's callbacks (the trackers among them).
+        metrics: What ``metrics.json`` holds.
+    """
+    for cb in callbacks:
+        if isinstance(cb, trackers.Tracker):
+            cb.finish(metrics)
+
+
+__all__ = ["data_info", "check_reporting", "report_callbacks", "finish_trackers"]
