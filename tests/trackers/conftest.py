@@ -52,6 +52,7 @@ def wandb_records(path: Path) -> list:
 
 def read_wandb(run: Path) -> dict:
     """The newest offline W&B run in ``RUN/wandb``: history, config, summary and run info."""
+    import time
     [path] = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))[-1:]
     history: dict[str, list] = {}
     config, final, info = {}, {}, {}
@@ -59,7 +60,15 @@ def read_wandb(run: Path) -> dict:
     def key(item):
         return item.key or ".".join(item.nested_key)
 
-    for rec in wandb_records(path):
+    for _ in range(100):  # W&B's service may still be writing the log when finish() returns
+        try:
+            records = wandb_records(path)
+        except Exception:  # a record cut short mid-write
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        time.sleep(0.1)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             row = {key(i): json.loads(i.value_json) for i in rec.history.item}
@@ -116,12 +125,14 @@ def expected() -> dict:
             "eval/loss": [(2, 0.5), (4, 0.25)], "eval/accuracy": [(2, 0.625), (4, 0.75)]}
 
 
-def feed(tracker, total: int = 4, every: int = 2, crash_after: int | None = None) -> None:
+def feed(tracker, total: int = 4, every: int = 2, crash_after: int | None = None) -> SimpleNamespace:
     """Drive ``tracker`` through a fit as the engine does: start, steps (loss ``1/s``, lr
     ``s/10``, an auxiliary loss and a task measurement), two evaluations, the end, the final
-    metrics. ``crash_after``: leave the loop after that step as a failure does."""
+    metrics. ``crash_after``: leave the loop after that step as a failure does. Returns the
+    fit's state."""
     tracker.every = every
-    state = SimpleNamespace(step=0, start_step=0, total_steps=total, last_eval=None, stopped_at=None)
+    state = SimpleNamespace(step=0, start_step=0, total_steps=total, last_eval=None, stopped_at=None,
+                            began=0.0)
     engine = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 0.0}]))
     tracker.on_fit_start(engine, state)
     for s in range(1, total + 1):
@@ -132,11 +143,12 @@ def feed(tracker, total: int = 4, every: int = 2, crash_after: int | None = None
         tracker.on_step_end(engine, state, result)
         if crash_after == s:
             tracker.on_fit_exit(engine, state)
-            return
+            return state
     state.stopped_at = 1.0
     tracker.on_fit_exit(engine, state)
     tracker.on_fit_end(engine, state)
     tracker.finish(dict(FINAL))
+    return state
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 reported at once; a tracker from outside the package is one registration."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -55,6 +56,7 @@ class ListTracker(Tracker):
     logged: list = []
 
     def open(self, start_step):
+        time.sleep(0.05)
         ListTracker.logged = [("config", self.run_config)]
         return "test-memory: in memory"
 
@@ -72,7 +74,8 @@ def test_a_tracker_from_outside_is_one_registration(fed, tmp_path):
     registry.register("tracker", "test-memory", ListConfig, ListTracker, "in memory")
     [cfg] = log_to([{"name": "test-memory", "prefix": "x/"}])
     [tracker] = trackers.build([cfg], tmp_path, fed.config, every=2)
-    fed.feed(tracker)
+    state = fed.feed(tracker)
+    assert state.began >= 0.05                                    # its start-up is not training time
     got = ListTracker.logged
     assert got[0] == ("config", fed.config) and got[-2:] == [("final", fed.final), ("closed", True)]
     steps = {}

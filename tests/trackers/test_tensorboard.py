@@ -29,7 +29,7 @@ def test_events_hold_the_fed_values(fed, tmp_path):
 def test_a_resumed_fit_purges_the_steps_past_its_checkpoint(fed, tmp_path):
     fed.feed(TensorBoard(TensorBoardConfig(), tmp_path, fed.config))
     again = TensorBoard(TensorBoardConfig(), tmp_path, fed.config)
-    state = SimpleNamespace(step=2, start_step=2, total_steps=4, last_eval=None, stopped_at=None)
+    state = SimpleNamespace(step=2, start_step=2, total_steps=4, last_eval=None, stopped_at=None, began=0.0)
     engine = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 0.9}]))
     again.on_fit_start(engine, state)
     state.step = 3

@@ -9,7 +9,9 @@ tracker receives the same values:
 * every ``train.log_every`` steps (and the last), what ``events.jsonl``'s step line holds:
   ``train/loss``, ``train/lr``, each auxiliary loss and task measurement as ``train/<name>``;
 * after each evaluation, ``eval/<metric>`` (``eval_loss`` -> ``eval/loss``) at its step;
-* at the start, the resolved run config (the dict ``config.yaml`` holds);
+* at the start, the resolved run config (the dict ``config.yaml`` holds); the seconds a tracker
+  takes to start (its imports, W&B's service) are not counted as training (``train_time_s``,
+  examples/s);
 * at the end, the run's final metrics (``metrics.json``), through :meth:`Tracker.finish`, which
   the train recipe calls once ``metrics.json`` is written.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -151,7 +154,9 @@ class Tracker:
 
     # --- the engine's callbacks ----------------------------------------------------------
     def on_fit_start(self, engine, state) -> None:
+        t0 = time.perf_counter()
         where = self.open(state.start_step)
+        state.began += time.perf_counter() - t0  # start-up (imports, W&B's service) is not training
         self._open, self._seen = True, state.last_eval
         if self.console is not None and where:
             self.console.print(where, soft_wrap=True)
