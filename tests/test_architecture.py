@@ -32,6 +32,8 @@ COMMANDS_SHARED = {"options"}
 COMMAND_EXCEPTIONS = {("transfer", "merge")}
 # The launcher of the checkout's benchmarks: it names them, holds none (`rankwise bench`).
 BENCH_LAUNCHER = "rankwise.commands.bench"
+# What an experiment tracker (rankwise/trackers/) may import: the base and its own package.
+TRACKER_MAY = BASE | {"trackers"}
 
 
 def _module_name(path: Path) -> str:
@@ -114,14 +116,16 @@ def forbidden(importer: str, imported: str) -> str | None:
     if top_a == "models":
         return None if top_b in BASE | {"core", "models"} else "models import only core, the base and models"
     if top_a in {"engine", "data"}:
-        if top_b in METHOD_KINDS | WIRING | {"federated", "tasks"}:
-            return f"{top_a} never imports methods, tasks, federated or recipes"
+        if top_b in METHOD_KINDS | WIRING | {"federated", "tasks", "trackers"}:
+            return f"{top_a} never imports methods, tasks, trackers, federated or recipes"
         return None
+    if top_a == "trackers":
+        return None if top_b in TRACKER_MAY else "trackers import only the base and their own package"
     if top_a == "tasks":
         return _task_rule(a, b)
     if top_a in METHOD_KINDS:
-        if top_b in WIRING | {"engine", "data", "federated", "tasks"}:
-            return "methods never import the engine, data, tasks, federated or recipes"
+        if top_b in WIRING | {"engine", "data", "federated", "tasks", "trackers"}:
+            return "methods never import the engine, data, tasks, trackers, federated or recipes"
         if top_b in METHOD_KINDS and top_b != top_a:
             return "a kind of method never imports another (adapters, optim, compress)"
         fam_a, fam_b = _family(a), _family(b)
@@ -213,6 +217,11 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.commands.inspect", "rankwise.commands.select"),     # command -> command
     ("rankwise.commands.merge.run", "rankwise.commands.transfer"), # the exception is one way
     ("rankwise.commands.plan", "rankwise.cli"),                    # commands -> the CLI
+    ("rankwise.trackers.wandb", "rankwise.engine.callbacks"),      # trackers -> the engine
+    ("rankwise.trackers.mlflow", "rankwise.recipes.config"),       # trackers -> the run layer
+    ("rankwise.engine.loop", "rankwise.trackers"),                 # engine -> trackers
+    ("rankwise.tasks.grpo.task", "rankwise.trackers.common"),      # tasks -> trackers
+    ("rankwise.adapters.lora.layer", "rankwise.trackers.wandb"),   # methods -> trackers
 ])
 def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     assert forbidden(importer, imported) is not None
@@ -242,6 +251,9 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.commands.transfer.run", "rankwise.commands.merge.run"),
     ("rankwise.commands.federated", "rankwise.federated.run"),
     ("rankwise.commands.compress", "rankwise.compress.report"),
+    ("rankwise.trackers.wandb", "rankwise.trackers.common"),
+    ("rankwise.trackers", "rankwise.registry"),
+    ("rankwise.recipes.reports", "rankwise.trackers"),
 ])
 def test_arrows_the_map_allows_pass(importer, imported):
     assert forbidden(importer, imported) is None

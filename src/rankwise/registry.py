@@ -20,6 +20,10 @@ Kinds used by rankwise:
   (``None`` when it reads none). :mod:`rankwise.commands` registers them, and only when this
   kind is asked for (``rankwise.cli`` adds each to the group), so the method kinds never
   import click.
+* ``"tracker"`` - an experiment tracker of ``train.log_to`` (``tensorboard``, ``wandb``,
+  ``mlflow``): the builder is a :class:`rankwise.trackers.common.Tracker` subclass, called as
+  ``builder(config, run_folder, run_config_dict, log_every, console)``; :mod:`rankwise.trackers`
+  registers them.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -38,7 +42,8 @@ class Entry:
 
     Attributes:
         kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
-            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"command"``).
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"command"``,
+            ``"tracker"``).
         name: The name users write in configs (``method.name: lora``).
         config_cls: The dataclass holding every default of this entry (a command: the one
             its ``CONFIG`` is read into, or ``None``).
@@ -128,7 +133,8 @@ class Entry:
 _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import
 # (e.g. federated without flwr); they are then simply absent.
-_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress")
+_BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress",
+                     "rankwise.trackers")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 # Kinds whose built-in entries load only when the kind is asked for (the commands need click).
 _KIND_PACKAGES = {"command": "rankwise.commands"}
@@ -142,7 +148,8 @@ def register(kind: str, name: str, config_cls: type | None, builder: Callable[..
 
     Args:
         kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
-            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"command"``).
+            ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"command"``,
+            ``"tracker"``).
         name: Lower-case name used in configs and on the CLI.
         config_cls: Config dataclass; its field defaults are the only defaults.
         builder: See the module docstring for the signature per kind.

@@ -19,7 +19,7 @@ def _bench_folder() -> Path:
     Raises:
         RankwiseError: When neither exists (an installed wheel has no benchmarks).
     """
-    here = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parents[3]  # src/rankwise/commands/bench.py -> the checkout
     cwd = Path.cwd().resolve()
     for root in (here, cwd, *cwd.parents):
         if (root / "bench" / "rankwise_bench" / "__init__.py").is_file():

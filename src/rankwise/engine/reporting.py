@@ -1,5 +1,6 @@
 """Callbacks that report a fit outside ``events.jsonl``'s step lines: the data summary, greedy
-samples at every evaluation (``samples.jsonl``), and TensorBoard.
+samples at every evaluation (``samples.jsonl``). The experiment trackers (TensorBoard, W&B,
+MLflow) are :mod:`rankwise.trackers`.
 
 Each reacts to a *new* ``state.last_eval`` (the object an :class:`~rankwise.engine.callbacks.Evaluate`
 just stored), so put them after the evaluation callbacks; one instance covers both the periodic
@@ -86,65 +87,4 @@ class Samples:
         self._run(engine, state)
 
 
-class TensorBoard:
-    """Log step losses, auxiliary losses, learning rate and evaluation metrics to TensorBoard.
-
-    Args:
-        folder: The log folder (``RUN_DIR/tensorboard``).
-        every: Steps between scalar writes (the last step is always written).
-
-    Raises:
-        ImportError: If the ``tensorboard`` package is missing (checked by the caller first).
-    """
-
-    def __init__(self, folder: Path, every: int = 1) -> None:
-        self.folder, self.every = Path(folder), max(1, every)
-        self._writer: Any = None
-        self._seen: Any = None
-
-    def on_fit_start(self, engine, state) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-        self._writer = SummaryWriter(str(self.folder), purge_step=state.start_step + 1 if state.start_step else None)
-        self._seen = state.last_eval
-
-    def on_step_end(self, engine, state, result) -> None:
-        w = self._writer
-        if state.step % self.every == 0 or state.step == state.total_steps:
-            w.add_scalar("train/loss", result.loss, state.step)
-            w.add_scalar("train/lr", float(engine.optimizer.param_groups[0]["lr"]), state.step)
-            for name, value in result.aux.items():
-                w.add_scalar(f"train/{name}", value, state.step)
-        self._eval(state)
-
-    def _eval(self, state) -> None:
-        if state.last_eval and state.last_eval is not self._seen:
-            self._seen = state.last_eval
-            for name, value in state.last_eval.items():
-                self._writer.add_scalar(f"eval/{name.removeprefix('eval_')}", value, state.step)
-
-    def on_fit_exit(self, engine, state) -> None:
-        if state.stopped_at is None:  # the fit failed or was interrupted: no final evaluation
-            self._close()
-        elif self._writer is not None:
-            self._writer.flush()
-
-    def on_fit_end(self, engine, state) -> None:
-        self._eval(state)
-        self._close()
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-def tensorboard_available() -> bool:
-    """Whether ``torch.utils.tensorboard`` can be used (the ``tensorboard`` package is there)."""
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-__all__ = ["DataReport", "Samples", "TensorBoard", "tensorboard_available"]
+__all__ = ["DataReport", "Samples"]

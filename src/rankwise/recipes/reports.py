@@ -1,15 +1,16 @@
 """What ``rankwise train`` reports besides the step lines: the data summary (examples, packing,
 records dropped for length) in ``events.jsonl`` / ``metrics.json``, ``samples.jsonl``
-(:func:`samples_callback`) and TensorBoard (``train.log_to``)."""
+(:func:`samples_callback`) and the experiment trackers of ``train.log_to``
+(:mod:`rankwise.trackers`)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from rankwise import trackers
 from rankwise.data.packing import PackedData
 from rankwise.data.formats import end_id, split_example
-from rankwise.engine.reporting import DataReport, Samples, TensorBoard, tensorboard_available
-from rankwise.errors import RankwiseError
+from rankwise.engine.reporting import DataReport, Samples
 
 
 def data_info(session: Any) -> dict[str, Any]:
@@ -31,24 +32,25 @@ def data_info(session: Any) -> dict[str, Any]:
 
 
 def check_reporting(cfg: Any) -> None:
-    """Check that the configured loggers can run, before anything is written.
+    """Check that the configured trackers can run, before anything is written.
 
     Raises:
-        RankwiseError: ``train.log_to: [tensorboard]`` without the ``tensorboard`` package.
+        RankwiseError: A tracker of ``train.log_to`` without its package (one line naming
+            ``pip install 'rankwise[EXTRA]'``).
     """
-    if "tensorboard" in cfg.train.log_to and not tensorboard_available():
-        raise RankwiseError("train.log_to: tensorboard needs the tensorboard package: pip install "
-                            "'rankwise[tensorboard]' (or remove it from train.log_to)")
+    trackers.check_installed(cfg.train.log_to)
 
 
-def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> list:
+def report_callbacks(session: Any, out: Path, log: Any, write: bool = True, console: Any = None) -> list:
     """Callbacks to append after the evaluation ones (see :mod:`rankwise.engine.reporting`).
 
     Args:
         session: The training session.
         out: The run folder.
         log: The run's :class:`~rankwise.engine.callbacks.EventLog`.
-        write: Whether this process writes files (only the first process under torchrun).
+        write: Whether this process writes files (only the first process under torchrun):
+            the trackers run on that process alone.
+        console: Where each tracker says where it writes.
     """
     cfg = session.cfg
     check_reporting(cfg)
@@ -57,8 +59,8 @@ def report_callbacks(session: Any, out: Path, log: Any, write: bool = True) -> l
     if write:  # routed adapters' expert load -> router_stats.json + router_load.png (any method)
         from rankwise.engine.adapter_stats import AdapterStatistics
         cbs.append(AdapterStatistics(out))
-    if "tensorboard" in cfg.train.log_to and write:
-        cbs.append(TensorBoard(out / "tensorboard", cfg.train.log_every))
+    if write:
+        cbs += trackers.build(cfg.train.log_to, out, cfg.to_dict(), cfg.train.log_every, console)
     cbs += getattr(session.task, "run_callbacks", lambda out, write: [])(out, write)  # grpo's samples
     if cfg.eval.samples:
         cbs.append(samples_callback(session, out, write))
@@ -84,4 +86,16 @@ def samples_callback(session: Any, out: Path, write: bool = True) -> Samples:
                    cfg.eval.max_new_tokens, end_id(tok), tok.pad_token_id, write=write)
 
 
-__all__ = ["data_info", "check_reporting", "report_callbacks", "samples_callback"]
+def finish_trackers(callbacks: list, metrics: dict[str, Any]) -> None:
+    """Hand the run's final metrics (``metrics.json``) to its trackers, which then close.
+
+    Args:
+        callbacks: The engine's callbacks (the trackers among them).
+        metrics: What ``metrics.json`` holds.
+    """
+    for cb in callbacks:
+        if isinstance(cb, trackers.Tracker):
+            cb.finish(metrics)
+
+
+__all__ = ["data_info", "check_reporting", "report_callbacks", "samples_callback", "finish_trackers"]

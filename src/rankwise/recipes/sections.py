@@ -233,8 +233,13 @@ class TrainConfig:
             pass (non-reentrant; transformers models).
         grad_accum: Micro-batches per optimizer step; ``batch_size`` stays the examples per
             step, and the loss is normalised by the targets of the whole step.
-        log_to: Extra loggers besides ``events.jsonl``: ``tensorboard`` (needs the
-            ``tensorboard`` package) writes to ``RUN_DIR/tensorboard``.
+        log_to: Experiment trackers besides ``events.jsonl`` (registry kind ``tracker``,
+            :mod:`rankwise.trackers`), each a name or ``{name: ..., <option>: ...}``:
+            ``tensorboard`` (``RUN_DIR/tensorboard``), ``wandb`` (an offline run in
+            ``RUN_DIR/wandb`` unless ``WANDB_MODE`` / ``mode`` says), ``mlflow`` (the file store
+            ``RUN_DIR/mlruns`` unless ``MLFLOW_TRACKING_URI`` / ``tracking_uri`` says). Each
+            needs its package (``pip install 'rankwise[wandb]'``, ...). Held resolved: the
+            trackers' config dataclasses.
         distributed: Under ``torchrun`` with several processes: ``ddp`` (every process holds
             the model; gradients are summed) or ``fsdp`` (FSDP2 ``fully_shard``: parameters
             sharded across processes). ``batch_size`` is then the global batch.
@@ -298,7 +303,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     gradient_checkpointing: bool = False
     grad_accum: int = 1
-    log_to: list[Literal["tensorboard"]] = field(default_factory=list)
+    log_to: list[Union[str, dict]] = field(default_factory=list)
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = 600.0
     distributed_step_timeout_s: Union[float, None] = None
@@ -309,6 +314,10 @@ class TrainConfig:
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
     neftune_noise_alpha: Union[float, None] = None
 
+    def __post_init__(self) -> None:
+        from rankwise.trackers import resolve
+        self.log_to, self._log_to_problems = resolve(self.log_to)  # names -> typed configs
+
     def loss_chunk_for(self, vocab: int | None) -> int:
         """Target tokens per loss chunk for a model of ``vocab`` entries (0 = unchunked)."""
         if self.loss_chunk_tokens != "auto":
@@ -317,7 +326,7 @@ class TrainConfig:
 
     def problems(self) -> list[str]:
         """Return value errors."""
-        out = []
+        out = list(getattr(self, "_log_to_problems", []))
         for name in ("steps", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
                 out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")

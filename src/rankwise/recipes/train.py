@@ -33,7 +33,7 @@ from rankwise.recipes.checkpoint import list_checkpoints, load_checkpoint, read_
 from rankwise.recipes.checkpoint import clean_incomplete
 from rankwise.recipes.config import RunConfig, build_run_config
 from rankwise.recipes.model import starts_random
-from rankwise.recipes.reports import data_info, report_callbacks
+from rankwise.recipes.reports import check_reporting, data_info, finish_trackers, report_callbacks
 from rankwise.recipes.resume import dotted_diff, schedule_factor, set_schedule
 from rankwise.recipes.session import Session, prepare
 from rankwise.recipes.tokens import TOKENIZER_DIR, adds_tokens, save_tokenizer
@@ -123,6 +123,7 @@ def _check_same_config(out: Path, cfg: RunConfig) -> int | None:
             d.get("train", {}).pop("progress", None)
             d.get("train", {}).pop("threads", None)  # how fast, not what: a resume may change it
             d.get("train", {}).pop("loss_chunk_tokens", None)  # how, not what: same loss
+            d.get("train", {}).pop("log_to", None)  # where it is reported, not what trains
             d.get("task", {}).pop("rewards_dir", None)  # where the config was read: same rewards
             if (now.get("model") or {}).get("adapter"):  # the method is model.adapter's, read
                 d.pop("method", None)                    # again by prepare (config.yaml has it)
@@ -297,6 +298,7 @@ def train(cfg: RunConfig, out: Path, resume: bool = False, session: Session | No
     main = dist.is_main  # under torchrun only rank 0 writes the run folder and talks
     console = console or Console(stderr=True, quiet=not main)
     out = atomic.check_folder(out)  # a file, a path under a file, no permission: before the lock
+    check_reporting(cfg)  # a tracker's missing package: one line before anything loads
     _check_not_the_base(out, cfg)
     # one process per run folder: a second `rankwise train --out` the same folder stops here,
     # before loading anything, instead of interleaving two runs' files
@@ -350,7 +352,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
                   cb.Evaluate(session.eval_data, t.eval_batch_size, log=log, at_end=True,
                               memory=measure),
                   cb.LossPlot(log, out / "loss.png", f"{cfg.method.name} + {cfg.optim.name}") if main else None]
-    callbacks += report_callbacks(session, out, log, write=main)  # data line, samples, TensorBoard
+    callbacks += report_callbacks(session, out, log, write=main, console=console)  # data, samples, trackers
     if t.distributed_step_timeout_s is not None and dist.active:
         from rankwise.engine.distributed import StepTimeout
         callbacks.append(StepTimeout(dist, t.distributed_step_timeout_s))
@@ -404,6 +406,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
                **optim_scope.metrics(session.scope)}
     if main:
         atomic.write_json(out / "metrics.json", metrics)
+        finish_trackers(engine.callbacks, metrics)  # train.log_to: the final metrics, then close
     if main and t.progress and console.is_terminal:  # plan's prediction beside the measurement
         # (docs/plan.md); for a person at a terminal: a meta forward costs ~0.3 s
         from rankwise.recipes.planner import predicted_train_peak_mb
