@@ -302,3 +302,54 @@ def test_the_benchmarks_import_the_library_but_never_its_cli():
     arrows = [(path, mod) for path in sorted(BENCH.rglob("*.py")) for mod, _ in _imported_tops(path)]
     assert any(mod.startswith("rankwise.") for _, mod in arrows)   # the parse found the benchmarks
     assert [f"{p.relative_to(BENCH)}: {m}" for p, m in arrows if m == "rankwise.cli"] == []
+
+
+def import_circles(arrows: list[tuple[str, str, str]]) -> list[list[str]]:
+    """The import circles among ``arrows``: each a strongly connected set of two or more modules
+    (lazy imports inside functions count: they still tie the two modules together)."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in arrows:
+        if a != b:
+            graph.setdefault(a, set()).add(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_two_modules_import_each_other():
+    """No import circle in ``src/`` (issue 33: the last ones were core/quant <-> core/weights,
+    the LoRA package <-> its PEFT reader, and the run layer's train <-> select / planner)."""
+    assert import_circles(import_arrows()) == []
+
+
+def test_the_circle_finder_sees_a_loop_of_three():
+    arrows = [("a", "b", ""), ("b", "c", ""), ("c", "a", ""), ("c", "d", "")]
+    assert import_circles(arrows) == [["a", "b", "c"]]

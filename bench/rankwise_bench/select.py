@@ -54,6 +54,7 @@ def _select_all(seed: int, out: Path) -> dict:
     """Every method at every budget in one session (features shared through one cache; each
     selection's seconds = its rule + the features it used, timed when first computed)."""
     from rankwise.recipes.config import build_run_config
+    from rankwise.commands.select.run import write_selection
     from rankwise.recipes import select as stage
     from rankwise.recipes.session import prepare
     from rankwise.data.select import budget_count
@@ -80,7 +81,7 @@ def _select_all(seed: int, out: Path) -> dict:
                                   sorted(pool[i] for i in chosen), seconds=seconds,
                                   info={"pool": len(pool), "target": len(target), "k": k})
             folder = out / "selections" / f"{method}-{budget}-s{seed}"
-            stage.write_selection(sel, [ids[i] for i in sel.chosen], folder)
+            write_selection(sel, [ids[i] for i in sel.chosen], folder)
             pkgs = [ids[j].split(".")[0] for j in sel.chosen]
             folders[(method, budget)] = {"dir": str(folder), "ids": [ids[i] for i in sel.chosen],
                                          "seconds": seconds, "k": k,

@@ -1,11 +1,11 @@
-"""The selection stage of a run (``data.select``) and ``rankwise select CONFIG --out DIR``.
+"""The selection stage of a run (``data.select``).
 
 :func:`select_training` runs after the data is tokenized and the method is applied (LESS,
 Influence Distillation and the QCS proxy need the adapted model's gradients), before packing and the
 optimizer: it computes the features the rules of :mod:`rankwise.data.select` score, picks the
 budget, and replaces the session's training data by the chosen records (weighted when
-``weights: true``). :func:`write_selection` writes what ``rankwise select`` keeps:
-``scores.jsonl``, ``chosen.json`` (ids, method, seconds) and ``scores.png``.
+``weights: true``). ``rankwise select`` (:mod:`rankwise.commands.select.run`) writes what it
+chose.
 """
 from __future__ import annotations
 
@@ -263,60 +263,3 @@ def _reuse(cfg, ids_all: list[str]) -> Selection:
     weights = None if saved.get("weights") is None else [saved["weights"][j] for j in order]
     tw = None if saved.get("token_weights") is None else [saved["token_weights"][j] for j in order]
     return Selection(f"from:{folder}", [], [], chosen, weights, tw, info={"k": len(chosen)})
-
-
-def write_selection(sel: Selection, ids_all_chosen: list[str], out: Path) -> None:
-    """Write ``scores.jsonl`` (id, score, chosen, weight), ``chosen.json`` and ``scores.png``."""
-    out.mkdir(parents=True, exist_ok=True)
-    chosen_ids = set(ids_all_chosen)
-    wmap = dict(zip(ids_all_chosen, sel.weights)) if sel.weights else {}
-    with open(out / "scores.jsonl", "w") as f:
-        for r, s in zip(sel.ids, sel.scores):
-            rec = {"id": r, "score": s, "chosen": r in chosen_ids}
-            if r in wmap:
-                rec["weight"] = wmap[r]
-            f.write(json.dumps(rec) + "\n")
-    (out / "chosen.json").write_text(json.dumps(
-        {"method": sel.method, "ids": ids_all_chosen, "weights": sel.weights,
-         "token_weights": sel.token_weights, "seconds": sel.seconds, **sel.info}, indent=1))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.hist(sel.scores, bins=40, color="0.6", label="all")
-    ax.hist([s for r, s in zip(sel.ids, sel.scores) if r in chosen_ids], bins=40, color="C0", label="chosen")
-    ax.set_xlabel(f"{sel.method} score")
-    ax.set_ylabel("records")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "scores.png", dpi=100)
-    plt.close(fig)
-
-
-def run_select(config: Path, sets: list[str], out: Path) -> Selection:
-    """``rankwise select``: build the run's model and data, select, write the folder.
-
-    Raises:
-        RankwiseError: A bad config, no ``data.select.method``, or an ``out`` that holds
-            anything but an earlier selection (another command's output, the user's own files).
-    """
-    from rankwise.core import atomic
-    from rankwise.recipes import folders
-    from rankwise.recipes.config import load_run_config
-    from rankwise.recipes.session import prepare
-    out = atomic.check_folder(out)
-    folders.check_writable(out, "select", "select")  # before any work; never over foreign files
-    cfg = load_run_config(config, sets)
-    if not cfg.data.select.method:
-        raise RankwiseError("rankwise select: data.select.method is not set; choose one of "
-                            f"{list(rules.METHODS)}")
-    cfg.data.select.from_ = None
-    holder = {}
-    prepare(cfg, selected=holder)
-    sel = holder["selection"]
-    ids = record_ids(cfg.data, holder["full"])
-    write_selection(sel, [ids[i] for i in sel.chosen], out)
-    folders.record(out, "select")
-    print(f"selected {len(sel.chosen)} of {len(sel.ids)} records with {sel.method} in "
-          f"{sel.seconds:.1f} s -> {out}")
-    return sel

@@ -1,5 +1,6 @@
 """``rankwise select CONFIG``: score the training records by ``data.select`` and write the chosen
-ids (the work: :mod:`rankwise.recipes.select`; docs/select.md)."""
+ids (the work: :mod:`rankwise.commands.select.run`, the stage
+:mod:`rankwise.recipes.select`; docs/select.md)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +19,7 @@ from rankwise.recipes.config import RunConfig
 def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
     """Score the training records by data.select (random, embedding, less, influence, qcs-proxy:
     a proxy of QCS) and write the chosen ids (docs/select.md)."""
-    from rankwise.recipes.select import run_select
+    from rankwise.commands.select.run import run_select
     run_select(config, list(sets), out)
 
 
