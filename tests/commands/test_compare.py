@@ -116,6 +116,19 @@ def test_markdown_perplexity_rows():
     assert "| lora | lora | adamw | - | 12.500 ± 0.000 | 2.5000 ± 0.0000 | 10 |" in markdown(summary, "t")
 
 
+def test_markdown_exact_match_columns_appear_when_the_runs_measured_them():
+    """A causal-LM table gains exact match and token accuracy (percent) when its runs have them;
+    an older table without them renders as before (its committed results.md regenerates)."""
+    summary = {"lora": {"method": "lora", "optim": "adamw", "seeds": 2, "runs": [],
+                        "mean": {"eval_perplexity": 12.5, "eval_loss": 2.5, "trainable_params": 10,
+                                 "eval_exact_match": 0.25, "eval_token_accuracy": 0.625},
+                        "std": {"eval_perplexity": 0.0, "eval_loss": 0.0, "trainable_params": 0,
+                                "eval_exact_match": 0.05, "eval_token_accuracy": 0.0125}}}
+    table = markdown(summary, "t")
+    assert "| eval perplexity | exact match (%) | token accuracy (%) | eval loss |" in table
+    assert "| 12.500 ± 0.000 | 25.0 ± 5.0 | 62.5 ± 1.2 | 2.5000 ± 0.0000 | 10 |" in table
+
+
 @pytest.mark.slow
 def test_lr_sweep_chooses_on_validation_and_trains_seeds_at_the_best(config, tmp_path, monkeypatch):
     from rankwise.recipes import runs, sweep
@@ -161,3 +174,19 @@ def test_validation_split_is_carved_from_training_data(tmp_path):
     assert not set(train) & set(val)
     again = validation_split(rows, 0.1)
     assert (again[1] == val).all()
+
+
+@pytest.mark.parametrize("name", ["compare-tuned", "compare-reference"])
+def test_every_row_of_a_shipped_comparison_resolves(name):
+    """The rows named in the example's own command line build valid run configs (nothing trains);
+    a typo in a row's settings would otherwise surface hours into a long comparison."""
+    import re
+    from pathlib import Path
+
+    from rankwise.commands.compare.run import plan_rows
+    from rankwise.recipes.config import read_yaml
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.yaml"
+    rows = re.search(r"--methods (\S+)", path.read_text()).group(1).split(",")
+    plans, grids, _ = plan_rows(read_yaml(path), rows, [])
+    assert set(plans) == set(rows) and len(rows) >= 22
+    assert all(len(grids[row] or [1, 2, 3]) == 3 for row in rows)

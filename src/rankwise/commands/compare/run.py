@@ -42,8 +42,8 @@ from rankwise.errors import RankwiseError, closest
 
 SHARED_METHOD_KEYS = ("r", "alpha", "targets", "exclude", "dropout", "modules_to_save")
 VARIANT_KEY = "row"  # compare: {NAME: {row: METHOD[+OPTIMIZER], ...}} names a variant row
-METRICS = ("eval_accuracy", "eval_loss", "eval_perplexity", "trainable_params", "train_time_s",
-           "step_time_s", "peak_memory_mb")
+METRICS = ("eval_accuracy", "eval_loss", "eval_perplexity", "eval_exact_match", "eval_token_accuracy",
+           "trainable_params", "train_time_s", "step_time_s", "peak_memory_mb")
 
 
 def parse_row(row: str, base_method: str = "lora") -> tuple[str, str | None]:
@@ -142,20 +142,30 @@ def _pm(s: dict, key: str, fmt: str) -> str:
     return f"{format(s['mean'][key], fmt)} ± {format(s['std'][key], fmt)}"
 
 
+def _percent(s: dict, key: str) -> str:
+    """``mean ± std`` of a share, in percent with one decimal (``-`` when absent)."""
+    if key not in s["mean"]:
+        return "-"
+    return f"{100 * s['mean'][key]:.1f} ± {100 * s['std'][key]:.1f}"
+
+
 def markdown(summary: dict[str, dict], title: str) -> str:
     """Render the comparison table (mean ± std over seeds) as Markdown."""
     lm = any("eval_perplexity" in s["mean"] for s in summary.values())
     score = ("eval perplexity", "eval_perplexity", ".3f") if lm else ("eval accuracy (%)", "eval_accuracy", "")
-    lines = [f"## {title}", "",
-             f"| row | method | optimizer | lr | {score[0]} | eval loss | trainable params | "
-             "step time (s) | peak memory (MiB) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    exact = lm and any("eval_exact_match" in s["mean"] for s in summary.values())  # a causal LM's
+    lines = [f"## {title}", "",                                                       # greedy hits
+             f"| row | method | optimizer | lr | {score[0]} | "
+             + ("exact match (%) | token accuracy (%) | " if exact else "")
+             + "eval loss | trainable params | step time (s) | peak memory (MiB) |",
+             "|---|---|---|---:|---:|" + ("---:|---:|" if exact else "") + "---:|---:|---:|---:|"]
     for row, s in summary.items():
         if lm:
             sc = _pm(s, score[1], score[2])
         else:
-            sc = (f"{100 * s['mean']['eval_accuracy']:.1f} ± {100 * s['std']['eval_accuracy']:.1f}"
-                  if "eval_accuracy" in s["mean"] else "-")
+            sc = _percent(s, "eval_accuracy")
+        if exact:
+            sc += f" | {_percent(s, 'eval_exact_match')} | {_percent(s, 'eval_token_accuracy')}"
         params = s["mean"].get("trainable_params", float("nan"))
         lr = "-" if s.get("lr") is None else f"{s['lr']:.3g}" + (" *" if "sweep" in s else "")
         lines.append(f"| {row} | {s['method']} | {s['optim']} | {lr} | {sc} | {_pm(s, 'eval_loss', '.4f')} | "
