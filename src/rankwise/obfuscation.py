@@ -1,11 +1,11 @@
 """Rank-d additive mask (LoRO-like): low-rank dense masks over a model's weights on an untrusted device.
 
 **Not the paper's LoRO.** Paper: LoRO, TEE-based secure inference with low-rank masks (OpenReview
-de07K7kreI; only the abstract was available: ``shared/seeds/000``, mechanics from a secondary
-summary in ``shared/notes/compression.md`` §5; neither the paper's text nor its code could be
-found in a later search). The construction below follows that summary, and it does not have the
-paper's security property: a rank-d additive term is a rank-d spike in the spectrum of
-``W' − W_pretrained``, so an attacker holding the public pretrained model subtracts its best
+de07K7kreI, NeurIPS 2025; only the paper's abstract was available to us, mechanics from a
+secondary summary; neither the paper's text nor its code could be found in a later search).
+The construction below follows that summary, and it does not have the paper's security
+property: a rank-d additive term is a rank-d spike in the spectrum of ``W' − W_pretrained``, so
+an attacker holding the public pretrained model subtracts its best
 rank-d approximation and recovers the victim (``bench loro``'s adaptive-attack row: 74.6 %
 stolen against the victim's 73.8 %, with no training before the fine-tune). Factor
 multiplexing also puts every mask of one width inside one shared k·d-dimensional subspace.

@@ -6,7 +6,7 @@ Three pieces, each a pure function over tensors so the tests can check it agains
 * **Effective rank** of a matrix from its singular values ``s``: the entropy rank
   ``exp(H(s / sum s))`` (Roy & Vetterli 2007) and the energy ranks, the smallest ``k`` with
   ``sum_{i<=k} s_i^2 >= q * sum s_i^2`` for ``q = 0.9, 0.99``.
-* **Model Shapley** (NeurIPS 2025, notes §8): a parameter is a player and removing it zeroes it.
+* **Model Shapley** (NeurIPS 2025; docs/inspect.md): a parameter is a player and removing it zeroes it.
   Expanding the loss at the trained ``θ`` to second order, the cost of removing a coalition S is
   ``c(S) = -Σ_{i∈S} g_i θ_i + ½ Σ_{i,j∈S} H_ij θ_i θ_j`` (Thm 4.4 with ``w_ij = 1``); the
   Shapley value of that game, each pair's interaction split in halves, is (Thm 4.6 / Eq. 7)

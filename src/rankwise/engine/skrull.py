@@ -1,7 +1,7 @@
 """Skrull-style scheduling of a global step's sequences over processes and micro-batches.
 
 Skrull (Xu et al., 2025, "Skrull: Towards Efficient Long Context Fine-tuning through Dynamic
-Data Scheduling"; seed 001) balances mixed long/short sequences online: a step's work is not
+Data Scheduling", NeurIPS 2025, arXiv 2505.19609) balances mixed long/short sequences online: a step's work is not
 its token count, because attention grows with the square of a sequence's length. rankwise
 implements the paper's *global data scheduling* with its cost model, under its memory cap
 (``bucket``, the paper's BucketSize); the paper's other half, distributing one long sequence

@@ -27,7 +27,7 @@ class FvaeLoraConfig(TargetedConfig):
     Dropout costs no parameters, so the decoder's is the authors' 0.5; the encoders keep 0.1
     (our choice).
 
-    The objective is the authors' (notes §4.1) divided by ``lambda_task`` (the engine weighs the
+    The objective is the authors' (from their released code) divided by ``lambda_task`` (the engine weighs the
     task loss by 1; AdamW is invariant to that common scale up to eps and clipping)::
 
         L = L_task + mean_layers[ l_rec NLL(x|dec(z1,z2)) + l_kl KL(q(z1|x)||N(0,I))

@@ -1,7 +1,7 @@
 """FVAE-LoRA: a factorized VAE in place of LoRA's A (an ``AdapterModule``).
 
 Kumar et al., "Factorized Variational Autoencoder LoRA" (FVAE-LoRA), NeurIPS 2025, arXiv
-2510.19640; the layer follows the authors' ``FVAEPEFTLoraLayerWrapped`` / ``FVAE`` (notes §4.1).
+2510.19640; the layer follows the authors' ``FVAEPEFTLoraLayerWrapped`` / ``FVAE``.
 For one adapted layer with input ``x (in)``::
 
     q(z1|x) = N(mu1(x), diag e^{lv1(x)}),  q(z2|x) = N(mu2(x), diag e^{lv2(x)})   # MLP encoders,

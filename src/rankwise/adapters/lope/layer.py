@@ -2,7 +2,7 @@
 
 Wang et al., "Noise-Robustness Through Noise: Asymmetric LoRA Adaption with Poisoning Expert"
 (LoPE, NeurIPS 2025, arXiv 2505.23868). The code was not found and only the abstract and
-summaries could be read (notes §4.3); this is the reading we chose, for one adapted layer with
+summaries could be read; this is the reading we chose, for one adapted layer with
 normal experts ``i = 0..E-1`` and the poisoning expert ``p``::
 
     g(x) = softmax(R x)                                   # router over E + 1 experts, (..., E+1)

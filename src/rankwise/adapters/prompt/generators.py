@@ -84,7 +84,7 @@ class SoftPrompt(nn.Module):
 class PromptMixture(nn.Module):
     """PT-MoE's routed, decomposed prompts.
 
-    Our reading of the paper (code not released, notes §4.4)::
+    Our reading of the paper (code not released; paper text, abstract, a third-party summary)::
 
         P_i = A_i B,  A_i (n, R) per expert,  B (R, h) shared
         x_bar = mean of the input embeddings over the instance;  l = W x_bar + b
@@ -191,7 +191,7 @@ class _CapsuleHook:
 class CapsulePrompt(nn.Module):
     """CaPT: one capsule at position 0, renewed at every transformer block.
 
-    Our reading of the paper (code not found, notes §4.5): a single virtual token at position 0;
+    Our reading of the paper (code not found; paper text, abstract, a third-party summary): a single virtual token at position 0;
     before block ``i`` runs, its hidden state is replaced by the capsule
     ``S_i = p_i + mean(h_{i-1} over the instance's tokens)``, where ``h_{i-1}`` is the previous
     block's output (the embedding output for block 0) and ``p_i`` is learned (zero at

@@ -2,7 +2,7 @@
 
 Zeng et al., "S'MoRE: Structural Mixture of Residual Experts for LLM Fine-tuning", NeurIPS 2025
 (arXiv 2504.06426); the forward follows the authors' ``SMoREFFN`` (``hier_moe/layer.py``,
-``activation_position="all"``, switch gate, ``w_final_zero`` init), notes §4.2. Per adapted
+``activation_position="all"``, switch gate, ``w_final_zero`` init). Per adapted
 layer and levels ``l = 0..L-1`` with ``s_l`` experts of rank ``r_l``::
 
     d_0 = 0,  d_{l+1} = d_l + s_l r_l                                  # hidden width recursion

@@ -2,7 +2,7 @@
 trained projections, trained side by side with the teacher, then baked into a plain model.
 
 Hao et al., "A Token is Worth over 1,000 Tokens: Efficient Knowledge Distillation through
-Low-Rank Clone", arXiv 2505.12781 (notes: ``shared/notes/compression.md`` §6). With teacher
+Low-Rank Clone", arXiv 2505.12781 (read from the paper's released code; docs/distill.md). With teacher
 hidden size ``d_t`` and student ``d_s < d_t`` (heads, head size, FFN width, depth and
 vocabulary are the teacher's), per layer:
 

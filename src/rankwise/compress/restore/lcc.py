@@ -2,8 +2,8 @@
 single pruned weight.
 
 Zhang et al., "Restoring Pruned Large Language Models via Lost Component Compensation",
-NeurIPS 2025 (arXiv 2510.21834); notes: ``shared/notes/compression.md`` §10 (from the released
-code ``zijian678/restorelcc`` and the abstract; the paper's own equation numbers were not
+NeurIPS 2025 (arXiv 2510.21834), read from the released code ``zijian678/restorelcc`` and the
+abstract (explained in docs/compression.md; the paper's own equation numbers were not
 available, so the formulas are written out here). For head ``h`` of an attention layer, ``a_h``
 is its output at a position: the slice of the ``o_proj`` input that belongs to the head
 (``d = head_dim`` wide).
