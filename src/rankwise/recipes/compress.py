@@ -210,6 +210,40 @@ def _param_bytes(model: nn.Module) -> int:
     return total
 
 
+def _compress_with_bar(model: nn.Module, compressor, batches: list, ccfg, console,
+                       progress: bool) -> Result:
+    """Compress ``model`` layer by layer behind a progress bar."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TextColumn("{task.fields[layer]}"),
+                   console=console or Console(stderr=True), disable=not progress)
+    with bar:
+        job = bar.add_task(f"compress {ccfg.method}", total=None, layer="")
+        return compress_model(model, compressor, batches, ccfg.targets,
+                              on_layer=lambda p, k, n: bar.update(job, completed=k, total=n, layer=p))
+
+
+def _restore(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, restorer) -> tuple[dict, float]:
+    """Evaluate the pruned model, then restore it; ``(report["restore"], seconds restoring)``."""
+    from rankwise.engine import evaluate
+    pruned = evaluate(model, task, heldout, ccfg.batch_size)
+    t2 = time.perf_counter()
+    restored = {**restorer.restore(model, calib, ccfg.batch_size), "seconds": time.perf_counter() - t2,
+                "heldout_pruned": pruned}
+    return restored, time.perf_counter() - t2
+
+
+def _kv_cache(model: nn.Module, task, ccfg, heldout) -> dict | None:
+    """The held-out perplexity under the compressed KV cache (``compress.kv_cache``), if set."""
+    if ccfg.kv_cache.kind == "none" or not task.lm_loss:
+        return None
+    from rankwise.compress.kv import cache_perplexity
+    k = ccfg.kv_cache
+    return {"kind": k.kind, "bits": k.bits, "chunk": k.chunk,
+            **cache_perplexity(model, heldout.ids, k.kind, k.bits, k.chunk, ccfg.batch_size, seed=ccfg.seed)}
+
+
 def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=None,
             progress: bool = True, before: dict | None = None) -> tuple[dict, Result]:
     """Evaluate, compress in place, evaluate again; the report dict (``report.json``'s shape).
@@ -230,9 +264,6 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
     Raises:
         RankwiseError: From the compressor's per-layer checks or the KV-cache settings.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from rankwise.engine import evaluate
     began = time.perf_counter()
     compressor = build(ccfg)
@@ -244,30 +275,16 @@ def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=
     t_eval = time.perf_counter() - t0
     chunks = calib.split(ccfg.batch_size)
     batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in chunks]
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TextColumn("{task.fields[layer]}"),
-                   console=console or Console(stderr=True), disable=not progress)
     if restorer is not None:
         restorer.record_dense(model, calib, ccfg.batch_size)
-    with bar:
-        job = bar.add_task(f"compress {ccfg.method}", total=None, layer="")
-        result = compress_model(model, compressor, batches, ccfg.targets,
-                                on_layer=lambda p, k, n: bar.update(job, completed=k, total=n, layer=p))
+    result = _compress_with_bar(model, compressor, batches, ccfg, console, progress)
     t1 = time.perf_counter()
     restored = None
     if restorer is not None:
-        pruned = evaluate(model, task, heldout, ccfg.batch_size)
-        t2 = time.perf_counter()
-        restored = {**restorer.restore(model, calib, ccfg.batch_size), "seconds": time.perf_counter() - t2,
-                    "heldout_pruned": pruned}
-        t1 += time.perf_counter() - t2
+        restored, spent = _restore(model, task, ccfg, calib, heldout, restorer)
+        t1 += spent
     after = evaluate(model, task, heldout, ccfg.batch_size)
-    kv = None
-    if ccfg.kv_cache.kind != "none" and task.lm_loss:
-        from rankwise.compress.kv import cache_perplexity
-        k = ccfg.kv_cache
-        kv = {"kind": k.kind, "bits": k.bits, "chunk": k.chunk,
-              **cache_perplexity(model, heldout.ids, k.kind, k.bits, k.chunk, ccfg.batch_size, seed=ccfg.seed)}
+    kv = _kv_cache(model, task, ccfg, heldout)
     t_eval += time.perf_counter() - t1
     tb = sum(r["bytes_before"] for r in result.report.values())
     ta = sum(r["bytes_after"] for r in result.report.values())

@@ -129,57 +129,11 @@ class Planner:
         est = P.Estimate(weights=frozen, trainable=trainable_bytes, micro_batch=micro, seq=seq,
                          grad_accum=accum, tokens_per_step=t.batch_size * seq, processes=world,
                          distributed=kind)
-        params = [p for p in model.parameters() if p.requires_grad]
-        est.trainable_params = sum(p.numel() for p in params)
-        grads = 4 * est.trainable_params
-        biggest = 4 * max((p.numel() for p in params), default=0)
-        state = P.optimizer_bytes(model, cfg, sw[("optim", "state_bits")])
-        # 0-dim step counters of torch's AdamW (one per parameter with state)
-        counters = 4 * len(params) if cfg.optim.name == "adamw" else 0
-        est.optimizer_state = state + counters
-        gathered = reduce = 0  # FSDP2: gathered parameters; a block's gradient reduce-scatter
-        if kind == "fsdp":
-            sh = P.fsdp_sharding(model, world)
-            est.weights, est.trainable = sh.frozen, sh.trainable
-            est.optimizer_state = int(state * sh.trainable_elems / max(est.trainable_params, 1)) + counters
-            grads, biggest = 4 * sh.trainable_elems, 4 * sh.biggest
-            # The root stays gathered (with its unsharded gradients) from its forward to the end
-            # of the backward; in the backward a block is gathered while the next one is
-            # prefetched. When a block's backward ends, its gradients are copied into the
-            # reduce-scatter input, the shard output is allocated, and gloo reduces a copy of
-            # the input (NCCL does not copy).
-            gathered = sh.root + sh.root_trainable + 2 * sh.block
-            copy = 0 if self.device.startswith("cuda") else sh.block_trainable
-            reduce = sh.block_trainable + -(-sh.block_trainable // world) + copy
-            est.notes.append(f"one of {world} FSDP2 processes: shards of every parameter, "
-                             "the root and two blocks gathered at a time")
-        elif kind == "ddp":
-            est.notes.append(f"one of {world} processes (ddp): the whole model, "
-                             f"{micro} of the global batch's {t.batch_size} examples per micro-batch")
+        grads, biggest, gathered, reduce = self._shards(model, cfg, sw, est, world, kind)
         if sw[("optim", "per_layer")]:
             grads = biggest
-        # activations
-        s = self.saved(cfg, micro)
-        if sw[("train", "offload_activations")]:
-            acts = s.pre + max(s.layers, default=0) + s.post
-            est.notes.append("offloaded activations counted on the host, not here")
-        elif t.gradient_checkpointing:
-            acts = s.pre + len(s.layers) * s.block_input + max(s.layers, default=0) + s.post
-        else:
-            acts = s.total
-        # logits and loss (causal LM); a classifier's logits are negligible
-        vocab = getattr(model.config, "vocab_size", 0) if not self._uses_labels(cfg) else 0
-        c = 2 if self._compute(cfg) is not None or cfg.model.dtype != "float32" else 4
-        n = micro * max(seq - 1, 1)
-        chunk = sw[("train", "loss_chunk_tokens")]
-        if chunk:
-            held, loss = 0, (c + 12) * min(chunk, n) * vocab
-        else:  # the engine drops the model's output (the logits) before backward: only the
-            held, loss = 0, 12 * n * vocab  # loss's fp32 buffers are alive when the peak comes
-        head_grad = 0  # a trainable output head's gradient arrives first in backward (unsharded)
-        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if out is not None and out.weight.requires_grad:
-            head_grad = 4 * out.weight.numel()
+        s, acts = self._activations(cfg, sw, micro, est)
+        held, loss, head_grad = self._loss_bytes(model, cfg, sw, micro * max(seq - 1, 1))
         step_tmp = grads if self.device.startswith("cuda") and not sw[("optim", "per_layer")] else 2 * biggest
         if sw[("optim", "per_layer")]:
             step_tmp = 2 * biggest
@@ -207,6 +161,66 @@ class Planner:
         else:
             est.logits_loss, est.gradients, est.temporaries = held, grads, step_tmp
         return est
+
+    def _shards(self, model, cfg, sw: dict, est: P.Estimate, world: int, kind: str | None) -> tuple:
+        """Optimizer state and this process's shares; ``(grads, biggest, gathered, reduce)`` bytes."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        est.trainable_params = sum(p.numel() for p in params)
+        grads = 4 * est.trainable_params
+        biggest = 4 * max((p.numel() for p in params), default=0)
+        state = P.optimizer_bytes(model, cfg, sw[("optim", "state_bits")])
+        # 0-dim step counters of torch's AdamW (one per parameter with state)
+        counters = 4 * len(params) if cfg.optim.name == "adamw" else 0
+        est.optimizer_state = state + counters
+        gathered = reduce = 0  # FSDP2: gathered parameters; a block's gradient reduce-scatter
+        if kind == "fsdp":
+            sh = P.fsdp_sharding(model, world)
+            est.weights, est.trainable = sh.frozen, sh.trainable
+            est.optimizer_state = int(state * sh.trainable_elems / max(est.trainable_params, 1)) + counters
+            grads, biggest = 4 * sh.trainable_elems, 4 * sh.biggest
+            # The root stays gathered (with its unsharded gradients) from its forward to the end
+            # of the backward; in the backward a block is gathered while the next one is
+            # prefetched. When a block's backward ends, its gradients are copied into the
+            # reduce-scatter input, the shard output is allocated, and gloo reduces a copy of
+            # the input (NCCL does not copy).
+            gathered = sh.root + sh.root_trainable + 2 * sh.block
+            copy = 0 if self.device.startswith("cuda") else sh.block_trainable
+            reduce = sh.block_trainable + -(-sh.block_trainable // world) + copy
+            est.notes.append(f"one of {world} FSDP2 processes: shards of every parameter, "
+                             "the root and two blocks gathered at a time")
+        elif kind == "ddp":
+            est.notes.append(f"one of {world} processes (ddp): the whole model, "
+                             f"{est.micro_batch} of the global batch's {cfg.train.batch_size} examples "
+                             "per micro-batch")
+        return grads, biggest, gathered, reduce
+
+    def _activations(self, cfg, sw: dict, micro: int, est: P.Estimate) -> tuple:
+        """The saved activations at the start of backward; ``(saved, bytes)``."""
+        s = self.saved(cfg, micro)
+        if sw[("train", "offload_activations")]:
+            acts = s.pre + max(s.layers, default=0) + s.post
+            est.notes.append("offloaded activations counted on the host, not here")
+        elif cfg.train.gradient_checkpointing:
+            acts = s.pre + len(s.layers) * s.block_input + max(s.layers, default=0) + s.post
+        else:
+            acts = s.total
+        return s, acts
+
+    def _loss_bytes(self, model, cfg, sw: dict, n: int) -> tuple:
+        """Logits and loss of ``n`` predicted tokens (causal LM); ``(held, loss, head_grad)`` bytes."""
+        # a classifier's logits are negligible
+        vocab = getattr(model.config, "vocab_size", 0) if not self._uses_labels(cfg) else 0
+        c = 2 if self._compute(cfg) is not None or cfg.model.dtype != "float32" else 4
+        chunk = sw[("train", "loss_chunk_tokens")]
+        if chunk:
+            held, loss = 0, (c + 12) * min(chunk, n) * vocab
+        else:  # the engine drops the model's output (the logits) before backward: only the
+            held, loss = 0, 12 * n * vocab  # loss's fp32 buffers are alive when the peak comes
+        head_grad = 0  # a trainable output head's gradient arrives first in backward (unsharded)
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if out is not None and out.weight.requires_grad:
+            head_grad = 4 * out.weight.numel()
+        return held, loss, head_grad
 
     def _check_processes(self, cfg, sw: dict, world: int, kind: str | None) -> None:
         """Refuse what the run itself refuses under ``world`` processes (one line)."""

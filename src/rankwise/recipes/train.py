@@ -311,6 +311,32 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
            summary: bool, dist) -> dict:
     """:func:`train` once the run folder is this process's."""
     main = dist.is_main
+    resume, old_steps, ckpts, meta, rewrite = _folder_state(cfg, out, resume, console, main)
+    dist.barrier()  # every process has checked the folder before rank 0 writes to it
+    session = _open_session(cfg, out, session, ckpts, meta, console, summary, dist)
+    engine, mem, measure = _build_engine(cfg, out, session, console, dist)
+    start_step, prior_time = _restore_state(out, resume, ckpts, meta, old_steps, session, engine,
+                                            measure, console)
+    if session.scope is not None:
+        console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
+    if cfg.train.offload_activations and engine.offloader is not None and not engine.offloader.active:
+        console.print(f"train.offload_activations: no effect on device {session.device} "
+                      "(activations already live in CPU memory)", soft_wrap=True)
+    if main:
+        _write_first_files(cfg, out, session, ckpts, old_steps)
+    if rewrite:  # a finished run whose adapter/ (model/) is unreadable: write it again, only that
+        with dist.guard(), dist.full_params(session.model):
+            written = save_result(session, out)
+            if main:
+                console.print(f"{out} is finished; wrote {written} again from the checkpoint of "
+                              f"step {start_step}")
+        return json.loads((out / "metrics.json").read_text())
+    state = _fit(cfg, out, engine, mem, measure, start_step, prior_time, console, dist)
+    return _finish(cfg, out, session, engine, state, mem, measure, console, dist)
+
+
+def _folder_state(cfg: RunConfig, out: Path, resume: bool, console, main: bool) -> tuple:
+    """Check the run folder; ``(resume, old_steps, checkpoints, last meta, rewrite)``."""
     is_run = (out / "config.yaml").exists()
     resume = _check_run_folder(out, resume, console, write=main)
     if main and (resume or is_run):
@@ -320,7 +346,12 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     ckpts = list_checkpoints(out) if resume else []
     meta = read_meta(ckpts[-1]) if ckpts else None
     rewrite = _check_extension(out, cfg, resume, old_steps, meta)
-    dist.barrier()  # every process has checked the folder before rank 0 writes to it
+    return resume, old_steps, ckpts, meta, rewrite
+
+
+def _open_session(cfg: RunConfig, out: Path, session: Session | None, ckpts: list, meta: dict | None,
+                  console, summary: bool, dist) -> Session:
+    """The tokenizer and the session (unless given), then the parameter and data lines."""
     tokenizer = run_trained_tokenizer(cfg, out, dist, console) if session is None else None
     if starts_random(cfg.model.path, cfg.model.init) and not ckpts:
         console.print(f"model.path {cfg.model.path}: starting from random weights (seed "
@@ -336,7 +367,12 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if dropped:
         console.print(f"dropped {dropped} records whose completion alone exceeds data.max_length="
                       f"{cfg.data.max_length} (counted in events.jsonl and metrics.json)")
-    t = cfg.train
+    return session
+
+
+def _build_engine(cfg: RunConfig, out: Path, session: Session, console, dist) -> tuple:
+    """The engine with the run's callbacks; ``(engine, peak memory, its MeasureMemory)``."""
+    t, main = cfg.train, dist.is_main
     out.mkdir(parents=True, exist_ok=True)
     log = cb.EventLog(out / "events.jsonl", t.log_every) if main else None
     mem = PeakMemory(session.device)  # the steps' peak; evaluations apart (MeasureMemory)
@@ -356,7 +392,12 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if t.distributed_step_timeout_s is not None and dist.active:
         from rankwise.engine.distributed import StepTimeout
         callbacks.append(StepTimeout(dist, t.distributed_step_timeout_s))
-    engine = session.engine([c for c in callbacks if c is not None])
+    return session.engine([c for c in callbacks if c is not None]), mem, measure
+
+
+def _restore_state(out: Path, resume: bool, ckpts: list, meta: dict | None, old_steps: int | None,
+                   session: Session, engine: Engine, measure: cb.MeasureMemory, console) -> tuple:
+    """Load the last checkpoint, if any; ``(start step, prior training seconds)``."""
     start_step, prior_time = 0, 0.0
     if ckpts:
         _resume(ckpts[-1], meta, session, engine)
@@ -366,36 +407,41 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
         _continue_schedule(session, engine, meta, old_steps, console)
     elif resume:
         console.print(f"no checkpoint in {out}; starting from step 0")
-    if session.scope is not None:
-        console.print(optim_scope.describe(session.scope, cfg.optim.name), soft_wrap=True)
-    if t.offload_activations and engine.offloader is not None and not engine.offloader.active:
-        console.print(f"train.offload_activations: no effect on device {session.device} "
-                      "(activations already live in CPU memory)", soft_wrap=True)
-    if main and folders.read_record(out) is None:
+    return start_step, prior_time
+
+
+def _write_first_files(cfg: RunConfig, out: Path, session: Session, ckpts: list,
+                       old_steps: int | None) -> None:
+    """Rank 0: the folder record, config.yaml, the extended tokenizer and method artifacts."""
+    if folders.read_record(out) is None:
         folders.record(out, "train")
-    if main and (old_steps is not None or not (out / "config.yaml").exists()):
+    if old_steps is not None or not (out / "config.yaml").exists():
         atomic.write_bytes(out / "config.yaml", yamlfile.dump(cfg.to_dict(), sort_keys=False).encode())
-    if main and adds_tokens(cfg.model) and not (out / "tokenizer").is_dir():
+    if adds_tokens(cfg.model) and not (out / "tokenizer").is_dir():
         save_tokenizer(session.tokenizer, out)  # the extended tokenizer: export and generate use it
-    if main and not ckpts and hasattr(session.method_result, "write_artifacts"):
+    if not ckpts and hasattr(session.method_result, "write_artifacts"):
         session.method_result.write_artifacts(out)
-    if rewrite:  # a finished run whose adapter/ (model/) is unreadable: write it again, only that
-        with dist.guard(), dist.full_params(session.model):
-            written = save_result(session, out)
-            if main:
-                console.print(f"{out} is finished; wrote {written} again from the checkpoint of "
-                              f"step {start_step}")
-        return json.loads((out / "metrics.json").read_text())
+
+
+def _fit(cfg: RunConfig, out: Path, engine: Engine, mem: PeakMemory, measure: cb.MeasureMemory,
+         start_step: int, prior_time: float, console, dist):
+    """Run the steps; a non-finite loss names the last good checkpoint, Ctrl-C how to resume."""
     engine.callbacks.append(measure)
     try:
         with mem, dist.guard():
-            state = engine.fit(t.steps, start_step, prior_time)
+            return engine.fit(cfg.train.steps, start_step, prior_time)
     except NonFiniteLoss as err:
         last = list_checkpoints(out)
         raise RankwiseError(f"{err} (last good checkpoint: {last[-1] if last else 'none'})") from None
     except KeyboardInterrupt:
         console.print(f"interrupted; checkpoint saved. Continue with --resume --out {out}")
         raise
+
+
+def _finish(cfg: RunConfig, out: Path, session: Session, engine: Engine, state, mem: PeakMemory,
+            measure: cb.MeasureMemory, console, dist) -> dict:
+    """Save the result, write metrics.json, close the trackers, print plan's prediction."""
+    main = dist.is_main
     with dist.guard(), dist.full_params(session.model):
         save_result(session, out)
         trainable, total = count_parameters(session.model)
@@ -407,7 +453,7 @@ def _train(cfg: RunConfig, out: Path, resume: bool, session: Session | None, con
     if main:
         atomic.write_json(out / "metrics.json", metrics)
         finish_trackers(engine.callbacks, metrics)  # train.log_to: the final metrics, then close
-    if main and t.progress and console.is_terminal:  # plan's prediction beside the measurement
+    if main and cfg.train.progress and console.is_terminal:  # plan's prediction beside the measurement
         # (docs/plan.md); for a person at a terminal: a meta forward costs ~0.3 s
         from rankwise.recipes.planner import predicted_train_peak_mb
         predicted = predicted_train_peak_mb(cfg, session.device, dist.world)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -289,6 +290,112 @@ def summary(matrix: list[list[float]]) -> dict[str, float]:
             "forgetting": sum(forget) / len(forget) if forget else 0.0}
 
 
+def _train_on(cfg: ContinualConfig, net: _Model, batch_of, steps: int, allowed: torch.Tensor,
+              params: list, teachers: list[str], current: str) -> dict:
+    """``steps`` AdamW steps of module ``current`` (CE over ``allowed`` + CTIRD to ``teachers``)."""
+    head = {id(p) for p in net.head.parameters()}
+    opt = torch.optim.AdamW([{"params": [p for p in params if id(p) not in head], "lr": cfg.lr},
+                             {"params": [p for p in params if id(p) in head], "lr": cfg.head_lr}],
+                            weight_decay=0.0)
+    for _ in range(steps):
+        batch, y = batch_of()
+        losses = {}
+        old = []
+        for m in teachers:
+            with torch.no_grad():
+                net.forward(batch, m)
+                old.append(net.feature.detach())
+        logits = net.forward(batch, current)
+        loss = torch.nn.functional.cross_entropy(masked(logits, allowed), y)
+        for f in old:
+            loss = loss + cfg.distill_weight * relation_distillation(net.feature, f)
+        losses["loss"] = float(loss.detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses
+
+
+def _sampler(cfg: ContinualConfig, gen: torch.Generator, pools: list):
+    """A function giving the next shuffled batch of ``pools`` (a new permutation per epoch)."""
+    ids = torch.cat([p[1] for p in pools]) if len(pools) > 1 else pools[0][1]
+    enc = {k: torch.cat([p[0][k] for p in pools]) for k in pools[0][0]}
+    state = {"perm": torch.empty(0, dtype=torch.long), "pos": 0}
+
+    def next_batch():
+        if state["pos"] + cfg.batch_size > len(state["perm"]):
+            state["perm"], state["pos"] = torch.randperm(len(ids), generator=gen), 0
+        idx = state["perm"][state["pos"]:state["pos"] + cfg.batch_size]
+        state["pos"] += cfg.batch_size
+        return rows_of(enc, idx), ids[idx]
+    return next_batch
+
+
+def _module_features(cfg: ContinualConfig, net: _Model, data: _Data, T: int, n_classes: int):
+    """The frozen features and the task-identity classifier of the per-task-module methods."""
+    eval_feats = net.features(data.eval_ids, None)
+    val_feats = net.features(data.val_ids, None) if data.val_ids is not None else None
+    train_feats = [net.features(data.train[t][0], None) for t in range(T)]
+    return SimpleNamespace(eval=eval_feats, val=val_feats, train=train_feats,
+                           keys=[f[:cfg.key_examples] for f in train_feats],
+                           tii=TaskIdentity(eval_feats.shape[1], n_classes, cfg.seed),
+                           val_task=data.class_task[data.val_y])
+
+
+def _run_joint(cfg: ContinualConfig, net: _Model, data: _Data, tasks: list[list[str]],
+               gen: torch.Generator, eval_task: torch.Tensor) -> dict:
+    """``joint``: one adapter on every task at once, evaluated once."""
+    T, n_classes = len(tasks), len(data.class_task)
+    current = "joint"
+    params = net.add(current)
+    allowed = torch.ones(n_classes, dtype=torch.bool)
+    _train_on(cfg, net, _sampler(cfg, gen, [data.train[t] for t in range(T)]), cfg.steps_per_task * T,
+              allowed, params, [], current)
+    logits = torch.cat([net.forward(rows_of(data.eval_ids, torch.arange(i, min(i + 64, len(data.eval_y)))), current)
+                        for i in range(0, len(data.eval_y), 64)]).detach()
+    single = [_per_task(logits.argmax(-1), data.eval_y, eval_task, T)]
+    out = {"single": {"matrix": single, "average_accuracy": sum(single[0]) / T, "forgetting": None}}
+    return {"config": asdict(cfg), "tasks": tasks, "rules": out}
+
+
+def _task_module(cfg: ContinualConfig, net: _Model, t: int) -> tuple[str, list, list[str]]:
+    """Task ``t``'s module name, the parameters it trains, and its CTIRD teachers."""
+    if cfg.method == "sequential":
+        current = "seq"
+        params = net.add(current) if t == 0 else [p for p in net.model.parameters() if p.requires_grad]
+        return current, params, []
+    current = f"task{t}"
+    params = net.add(current)
+    teachers = ([f"task{j}" for j in range(t - 1, -1, -1)][:cfg.distill_modules]
+                if cfg.method == "hrm-pet" and cfg.distill_weight > 0 else [])
+    return current, params, teachers
+
+
+def _score_modules(cfg: ContinualConfig, t: int, net: _Model, data: _Data, feats, mask: torch.Tensor,
+                   batch: dict, rows_y: torch.Tensor, rows_task: torch.Tensor,
+                   matrices: dict, counts: dict) -> None:
+    """After task ``t``: train the matchers, score every rule, append to ``matrices``/``counts``."""
+    allowed_train, seen_classes = data.class_task == t, data.class_task <= t
+    feats.tii.learn_task(feats.train[t], data.train[t][1], allowed_train, cfg.tii_steps, cfg.tii_lr)
+    if t > 0:
+        feats.tii.align(seen_classes, cfg.tii_align_steps, cfg.tii_lr, cfg.tii_samples)
+    vmask = feats.val_task <= t
+    m_eval = matchers(t, feats.keys, feats.tii, feats.eval[mask], data.class_task, seen_classes)
+    m_val = (matchers(t, feats.keys, feats.tii, feats.val[vmask], data.class_task, seen_classes)
+             if feats.val is not None else {m: torch.zeros(0, dtype=torch.long) for m in MATCHERS})
+    cache = EvalCache(net, batch)
+    vcache = EvalCache(net, rows_of(data.val_ids, vmask.nonzero().flatten())) if feats.val is not None else None
+    preds, point = score_point(cfg, t, m_eval, m_val, cache, vcache, rows_y,
+                               data.val_y[vmask], data.class_task, seen_classes)
+    preds["oracle"] = masked(cache.logits(rows_task, torch.arange(len(rows_y))), seen_classes).argmax(-1)
+    for rule in RULES:
+        matrices[rule].append(_per_task(preds[rule], rows_y, rows_task, t + 1))
+    for m in MATCHERS:
+        point[m]["match_task_accuracy"] = float((m_eval[m] == rows_task).float().mean())
+        for k, v in point[m].items():
+            counts[m].setdefault(k, []).append(v)
+
+
 def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) -> dict:
     """Train the tasks in order with ``cfg.method`` and evaluate after each.
 
@@ -310,78 +417,16 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
     eval_task = data.class_task[data.eval_y]
     say = (lambda s: console.print(s)) if console is not None else (lambda s: None)
     per_module = cfg.method in ("hrm-pet", "key-match")
-    if per_module:
-        eval_feats = net.features(data.eval_ids, None)
-        val_feats = net.features(data.val_ids, None) if data.val_ids is not None else None
-        train_feats = [net.features(data.train[t][0], None) for t in range(T)]
-        key_feats = [f[:cfg.key_examples] for f in train_feats]
-        tii = TaskIdentity(eval_feats.shape[1], len(classes), cfg.seed)
-        val_task = data.class_task[data.val_y]
+    feats = _module_features(cfg, net, data, T, len(classes)) if per_module else None
     matrices = {r: [] for r in (RULES if per_module else ("single",))}
     counts = {m: {} for m in MATCHERS}
     head_after = []  # head rows after each task: earlier tasks' rows must not move (masked logits)
-
-    def train_on(batch_of, steps, allowed, params, teachers):
-        head = {id(p) for p in net.head.parameters()}
-        opt = torch.optim.AdamW([{"params": [p for p in params if id(p) not in head], "lr": cfg.lr},
-                                 {"params": [p for p in params if id(p) in head], "lr": cfg.head_lr}],
-                                weight_decay=0.0)
-        for _ in range(steps):
-            batch, y = batch_of()
-            losses = {}
-            old = []
-            for m in teachers:
-                with torch.no_grad():
-                    net.forward(batch, m)
-                    old.append(net.feature.detach())
-            logits = net.forward(batch, current)
-            loss = torch.nn.functional.cross_entropy(masked(logits, allowed), y)
-            for f in old:
-                loss = loss + cfg.distill_weight * relation_distillation(net.feature, f)
-            losses["loss"] = float(loss.detach())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return losses
-
-    def sampler(pools):
-        ids = torch.cat([p[1] for p in pools]) if len(pools) > 1 else pools[0][1]
-        enc = {k: torch.cat([p[0][k] for p in pools]) for k in pools[0][0]}
-        state = {"perm": torch.empty(0, dtype=torch.long), "pos": 0}
-
-        def next_batch():
-            if state["pos"] + cfg.batch_size > len(state["perm"]):
-                state["perm"], state["pos"] = torch.randperm(len(ids), generator=gen), 0
-            idx = state["perm"][state["pos"]:state["pos"] + cfg.batch_size]
-            state["pos"] += cfg.batch_size
-            return rows_of(enc, idx), ids[idx]
-        return next_batch
-
     if cfg.method == "joint":
-        current = "joint"
-        params = net.add(current)
-        allowed = torch.ones(len(classes), dtype=torch.bool)
-        train_on(sampler([data.train[t] for t in range(T)]), cfg.steps_per_task * T, allowed, params, [])
-        logits = torch.cat([net.forward(rows_of(data.eval_ids, torch.arange(i, min(i + 64, len(data.eval_y)))), current)
-                            for i in range(0, len(data.eval_y), 64)]).detach()
-        matrices["single"] = [_per_task(logits.argmax(-1), data.eval_y, eval_task, T)]
-        out = {"single": {"matrix": matrices["single"], "average_accuracy": sum(matrices["single"][0]) / T,
-                          "forgetting": None}}
-        return {"config": asdict(cfg), "tasks": tasks, "rules": out}
-
+        return _run_joint(cfg, net, data, tasks, gen, eval_task)
     for t in range(T):
-        allowed_train = data.class_task == t
-        seen_classes = data.class_task <= t
-        if cfg.method == "sequential":
-            current = "seq"
-            params = net.add(current) if t == 0 else [p for p in net.model.parameters() if p.requires_grad]
-            teachers = []
-        else:
-            current = f"task{t}"
-            params = net.add(current)
-            teachers = ([f"task{j}" for j in range(t - 1, -1, -1)][:cfg.distill_modules]
-                        if cfg.method == "hrm-pet" and cfg.distill_weight > 0 else [])
-        train_on(sampler([data.train[t]]), cfg.steps_per_task, allowed_train, params, teachers)
+        current, params, teachers = _task_module(cfg, net, t)
+        _train_on(cfg, net, _sampler(cfg, gen, [data.train[t]]), cfg.steps_per_task, data.class_task == t,
+                  params, teachers, current)
         head_after.append(torch.cat([net.head.weight, net.head.bias[:, None]], 1).detach().clone())
         mask = eval_task <= t
         rows_y, rows_task = data.eval_y[mask], eval_task[mask]
@@ -390,27 +435,10 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
             with torch.no_grad():
                 logits = torch.cat([net.forward(rows_of(batch, torch.arange(i, min(i + 64, len(rows_y)))), current)
                                     for i in range(0, len(rows_y), 64)])
-            pred = masked(logits, seen_classes).argmax(-1)
+            pred = masked(logits, data.class_task <= t).argmax(-1)
             matrices["single"].append(_per_task(pred, rows_y, rows_task, t + 1))
             continue
-        tii.learn_task(train_feats[t], data.train[t][1], allowed_train, cfg.tii_steps, cfg.tii_lr)
-        if t > 0:
-            tii.align(seen_classes, cfg.tii_align_steps, cfg.tii_lr, cfg.tii_samples)
-        vmask = val_task <= t
-        m_eval = matchers(t, key_feats, tii, eval_feats[mask], data.class_task, seen_classes)
-        m_val = (matchers(t, key_feats, tii, val_feats[vmask], data.class_task, seen_classes)
-                 if val_feats is not None else {m: torch.zeros(0, dtype=torch.long) for m in MATCHERS})
-        cache = EvalCache(net, batch)
-        vcache = EvalCache(net, rows_of(data.val_ids, vmask.nonzero().flatten())) if val_feats is not None else None
-        preds, point = score_point(cfg, t, m_eval, m_val, cache, vcache, rows_y,
-                                   data.val_y[vmask], data.class_task, seen_classes)
-        preds["oracle"] = masked(cache.logits(rows_task, torch.arange(len(rows_y))), seen_classes).argmax(-1)
-        for rule in RULES:
-            matrices[rule].append(_per_task(preds[rule], rows_y, rows_task, t + 1))
-        for m in MATCHERS:
-            point[m]["match_task_accuracy"] = float((m_eval[m] == rows_task).float().mean())
-            for k, v in point[m].items():
-                counts[m].setdefault(k, []).append(v)
+        _score_modules(cfg, t, net, data, feats, mask, batch, rows_y, rows_task, matrices, counts)
         say(f"task {t + 1}/{T}: " + "  ".join(f"{r} {sum(matrices[r][-1]) / (t + 1):.3f}" for r in RULES))
     out = {r: {"matrix": m, **summary(m)} for r, m in matrices.items()}
     drift = max(float((head_after[-1][data.class_task == j] - head_after[j][data.class_task == j]).abs().max())

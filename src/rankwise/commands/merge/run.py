@@ -235,6 +235,55 @@ def merged_rank(pairs: dict[str, list[Pair | None]], cfg: MergeConfig, labels: l
     return new_rank(ranks, cfg.method, cfg.svd_rank)
 
 
+def _check_inputs(paths: list[Path], cfg: MergeConfig, out: Path, model_path: Path | None) -> tuple:
+    """The settings, an empty ``out`` of kind merge and inputs of one base; ``(out, sources)``."""
+    if not paths:
+        raise RankwiseError("merge needs at least one adapter (run folders or PEFT folders)")
+    problems = cfg.problems(len(paths))
+    if problems:
+        raise RankwiseError("; ".join(problems))
+    out = atomic.check_folder(out)
+    folders.check_kind(out, "merge", "merge writes only into a new or empty folder: choose another --out")
+    if folders.entries(out):
+        raise RankwiseError(f"--out {out} already holds {folders.WHAT['merge']}; choose a new --out "
+                            "or delete it first")
+    sources = [_source(Path(p)) for p in paths]
+    check_same_base(sources, model_path)
+    if sum(1 for s in sources if _has_heads(s)) > 1:
+        raise RankwiseError("more than one input trained whole modules (a task head); those "
+                            "cannot be merged (PEFT refuses too): merge adapters of which at most "
+                            "one did")
+    return out, sources
+
+
+def _load_inputs(model, sources: list, names: list[str]) -> list[str]:
+    """Load every input as its own adapter; the whole modules (task heads) one of them trained."""
+    heads: list[str] = []
+    for s, name in zip(sources, names):
+        if s.kind == "peft":  # the format's registered loader (the LoRA package's)
+            registry.get("exporter", "peft").loader(model, s.path, name)
+        else:
+            load_adapter(model, s.path, name)
+        heads = heads or modules_to_save(model)  # the next load resets the list, not the weights
+    return heads
+
+
+def _write_merge(out: Path, model, tok, m, record: dict, merged: bool) -> None:
+    """Write the PEFT folder, the record and (with ``merged``) the folded model, atomically."""
+    with atomic.folder(out) as tmp:
+        registry.get("exporter", "peft").builder(model, tmp / "peft", adapter_name=MERGED,
+                                                 base_model_name_or_path=record["base_model"])
+        for f in (tmp / "peft").iterdir():
+            shutil.move(str(f), str(tmp / f.name))
+        (tmp / "peft").rmdir()
+        atomic.write_json(tmp / RECORD, record)
+        folders.record(tmp, "merge")
+        if merged:
+            from rankwise.core.merged import export_merged
+            dtype = None if m.quantize else torch_dtype(m.dtype)
+            export_merged(model, tmp / MERGED, tokenizer=tok, adapter_name=MERGED, dtype=dtype)
+
+
 def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool = False,
                   model_path: Path | None = None) -> Path:
     """Merge the adapters in ``paths`` into one PEFT LoRA adapter in ``out``.
@@ -253,31 +302,10 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
         RankwiseError: Bad settings (all reported at once), inputs of different bases, unequal
             ranks under a factor-wise method, non-LoRA inputs, or a non-empty ``out``.
     """
-    if not paths:
-        raise RankwiseError("merge needs at least one adapter (run folders or PEFT folders)")
-    problems = cfg.problems(len(paths))
-    if problems:
-        raise RankwiseError("; ".join(problems))
-    out = atomic.check_folder(out)
-    folders.check_kind(out, "merge", "merge writes only into a new or empty folder: choose another --out")
-    if folders.entries(out):
-        raise RankwiseError(f"--out {out} already holds {folders.WHAT['merge']}; choose a new --out "
-                            "or delete it first")
-    sources = [_source(Path(p)) for p in paths]
-    check_same_base(sources, model_path)
-    if sum(1 for s in sources if _has_heads(s)) > 1:
-        raise RankwiseError("more than one input trained whole modules (a task head); those "
-                            "cannot be merged (PEFT refuses too): merge adapters of which at most "
-                            "one did")
+    out, sources = _check_inputs(paths, cfg, out, model_path)
     model, tok, m, base_path = _load_base(sources, model_path)
     names = [f"input{i}" for i in range(len(sources))]
-    heads: list[str] = []
-    for s, name in zip(sources, names):
-        if s.kind == "peft":  # the format's registered loader (the LoRA package's)
-            registry.get("exporter", "peft").loader(model, s.path, name)
-        else:
-            load_adapter(model, s.path, name)
-        heads = heads or modules_to_save(model)  # the next load resets the list, not the weights
+    heads = _load_inputs(model, sources, names)
     labels = [str(p) for p in paths]
     pairs = collect_pairs(model, names, labels)
     method = "linear" if len(sources) == 1 else cfg.method  # PEFT: one adapter is a linear scaling
@@ -304,18 +332,7 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
     base_name = str(demo_model_path()) if base_path == "demo" else base_path
     record = {"inputs": labels, **asdict(cfg), "method": method, "rank": rank,
               "base_model": base_name, "fingerprint": fingerprint(model)}
-    with atomic.folder(out) as tmp:
-        registry.get("exporter", "peft").builder(model, tmp / "peft", adapter_name=MERGED,
-                                                 base_model_name_or_path=base_name)
-        for f in (tmp / "peft").iterdir():
-            shutil.move(str(f), str(tmp / f.name))
-        (tmp / "peft").rmdir()
-        atomic.write_json(tmp / RECORD, record)
-        folders.record(tmp, "merge")
-        if merged:
-            from rankwise.core.merged import export_merged
-            dtype = None if m.quantize else torch_dtype(m.dtype)
-            export_merged(model, tmp / MERGED, tokenizer=tok, adapter_name=MERGED, dtype=dtype)
+    _write_merge(out, model, tok, m, record, merged)
     return out
 
 

@@ -189,6 +189,88 @@ def _deltas(model, prefixes: list[str]) -> list[dict[str, tuple[torch.Tensor, st
     return out
 
 
+def _check_inputs(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig) -> tuple[Path, Path]:
+    """The settings, an empty ``out``, a finished run and a base of a supported family."""
+    problems = cfg.problems()
+    if problems:
+        raise RankwiseError("; ".join(problems))
+    out = atomic.check_folder(out)
+    if folders.entries(out):
+        raise RankwiseError(f"transfer target {out} is not empty; choose a new --out or delete it first")
+    run_dir = Path(run_dir)
+    folders.check_run(run_dir, "transfer")
+    _check_family(model_type(new_base), f"--to {new_base}")
+    return run_dir, out
+
+
+def _load_both(run_dir: Path, new_base: str, cfg: TransferConfig) -> tuple:
+    """The run's trained model and the new base's session; ``(run_cfg, old, tok_old, new_cfg, session)``."""
+    from rankwise.recipes.train import prepare
+    run_cfg, old, tok_old = load_run(run_dir)
+    _check_run(run_cfg)
+    _check_family(old.config.model_type, f"the run's base {run_cfg.model.path}")
+    raw = run_cfg.to_dict()
+    raw["model"]["path"] = str(new_base)
+    if cfg.finetune_steps:
+        raw["train"]["steps"] = cfg.finetune_steps
+    new_cfg = build_run_config(yaml.safe_load(yaml.safe_dump(raw)))
+    session = prepare(new_cfg)
+    _check_family(session.model.config.model_type, f"--to {new_base}")
+    return run_cfg, old, tok_old, new_cfg, session
+
+
+def _copy_block(result: dict, deltas: dict, old_prefix: str, new_prefix: str, new_mods: dict,
+                skipped: list) -> int:
+    """Write one block's transferred deltas into the new LoRA factors; how many were moved."""
+    moved = 0
+    for k, (_, s) in deltas.items():
+        path, dw = new_prefix + s, result.get(k)
+        if dw is None or path not in new_mods:
+            skipped.append(old_prefix + s)
+            continue
+        info = describe(new_mods[path], "default")
+        a, b = refactor(dw / info["scale"], int(info["r"]))
+        fa, fb = factors(new_mods[path], "default")
+        with torch.no_grad():
+            fa.copy_(a.to(fa.dtype))
+            fb.copy_(b.to(fb.dtype))
+        moved += 1
+    return moved
+
+
+def _move(old, new, tok_old, tok_new, session, cfg: TransferConfig) -> dict:
+    """Map the layers (CKA) and heads, transform every block's delta onto ``new``; the record's part."""
+    w_x, wx_info = _w_x(old, new, tok_old, tok_new)
+    n = min(cfg.calibration_texts, len(session.train_data))
+    texts = [tok_new.decode(session.train_data[i]["input_ids"], skip_special_tokens=True)
+             for i in range(n)]
+    p_old, p_new = _blocks(old), _blocks(new)
+    sim = cka_matrix(_states(old, tok_old, texts), _states(new, tok_new, texts))
+    layers = layer_mapping(sim)
+    suite = LoRASuite(w_x, cfg.normalise)
+    deltas = _deltas(old, p_old)
+    new_mods = dict(adapter_modules(new))
+    heads_record, skipped, moved = {}, [], 0
+    for i, j in enumerate(layers):
+        if j is None or not deltas[i]:
+            skipped += [p_old[i] + s for _, s in deltas[i].values()]
+            continue
+        dmap = {k: dw for k, (dw, _) in deltas[i].items()}
+        shapes = {k: (tuple(dw.shape), tuple(dense_weight(new_mods[p_new[j] + s].base_layer).shape))
+                  for k, (dw, s) in deltas[i].items() if k not in ATTENTION and p_new[j] + s in new_mods}
+        attn = any(k in ATTENTION for k in dmap)
+        weights = _mlp_weights(old, new, p_old[i], p_new[j], deltas[i], shapes, w_x.shape)
+        result, heads = suite.block({k: v for k, v in dmap.items() if k in ATTENTION or k in shapes},
+                                    _attention(old, p_old[i]) if attn else None,
+                                    _attention(new, p_new[j]) if attn else None, shapes, weights)
+        if heads is not None:
+            heads_record[str(i)] = heads
+        moved += _copy_block(result, deltas[i], p_old[i], p_new[j], new_mods, skipped)
+    return {"w_x": wx_info, "cka": [[round(float(v), 4) for v in row] for row in sim],
+            "layer_mapping": layers, "head_mapping": heads_record, "layers_moved": moved,
+            "not_transferred": skipped}
+
+
 def transfer_run(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig | None = None,
                  console=None) -> dict:
     """Transfer a finished LoRA run onto ``new_base`` and write a run folder in ``out``.
@@ -209,78 +291,22 @@ def transfer_run(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig | 
     """
     from rich.console import Console
 
-    from rankwise.recipes.train import prepare, train
+    from rankwise.recipes.train import train
     cfg = cfg or TransferConfig()
     console = console or Console(stderr=True)
-    problems = cfg.problems()
-    if problems:
-        raise RankwiseError("; ".join(problems))
-    out = atomic.check_folder(out)
-    if folders.entries(out):
-        raise RankwiseError(f"transfer target {out} is not empty; choose a new --out or delete it first")
-    run_dir = Path(run_dir)
-    folders.check_run(run_dir, "transfer")
-    _check_family(model_type(new_base), f"--to {new_base}")
+    run_dir, out = _check_inputs(run_dir, new_base, out, cfg)
     began = time.perf_counter()
-    run_cfg, old, tok_old = load_run(run_dir)
-    _check_run(run_cfg)
-    _check_family(old.config.model_type, f"the run's base {run_cfg.model.path}")
-    raw = run_cfg.to_dict()
-    raw["model"]["path"] = str(new_base)
-    if cfg.finetune_steps:
-        raw["train"]["steps"] = cfg.finetune_steps
-    new_cfg = build_run_config(yaml.safe_load(yaml.safe_dump(raw)))
-    session = prepare(new_cfg)
-    new, tok_new = session.model, session.tokenizer
-    _check_family(new.config.model_type, f"--to {new_base}")
+    run_cfg, old, tok_old, new_cfg, session = _load_both(run_dir, new_base, cfg)
     load_s = time.perf_counter() - began
     began = time.perf_counter()
     mem = PeakMemory(session.device)
     with mem:
-        w_x, wx_info = _w_x(old, new, tok_old, tok_new)
-        n = min(cfg.calibration_texts, len(session.train_data))
-        texts = [tok_new.decode(session.train_data[i]["input_ids"], skip_special_tokens=True)
-                 for i in range(n)]
-        p_old, p_new = _blocks(old), _blocks(new)
-        sim = cka_matrix(_states(old, tok_old, texts), _states(new, tok_new, texts))
-        layers = layer_mapping(sim)
-        suite = LoRASuite(w_x, cfg.normalise)
-        deltas = _deltas(old, p_old)
-        new_mods = dict(adapter_modules(new))
-        heads_record, skipped, moved = {}, [], 0
-        for i, j in enumerate(layers):
-            if j is None or not deltas[i]:
-                skipped += [p_old[i] + s for _, s in deltas[i].values()]
-                continue
-            dmap = {k: dw for k, (dw, _) in deltas[i].items()}
-            shapes = {k: (tuple(dw.shape), tuple(dense_weight(new_mods[p_new[j] + s].base_layer).shape))
-                      for k, (dw, s) in deltas[i].items() if k not in ATTENTION and p_new[j] + s in new_mods}
-            attn = any(k in ATTENTION for k in dmap)
-            weights = _mlp_weights(old, new, p_old[i], p_new[j], deltas[i], shapes, w_x.shape)
-            result, heads = suite.block({k: v for k, v in dmap.items() if k in ATTENTION or k in shapes},
-                                        _attention(old, p_old[i]) if attn else None,
-                                        _attention(new, p_new[j]) if attn else None, shapes, weights)
-            if heads is not None:
-                heads_record[str(i)] = heads
-            for k, (_, s) in deltas[i].items():
-                path, dw = p_new[j] + s, result.get(k)
-                if dw is None or path not in new_mods:
-                    skipped.append(p_old[i] + s)
-                    continue
-                info = describe(new_mods[path], "default")
-                a, b = refactor(dw / info["scale"], int(info["r"]))
-                fa, fb = factors(new_mods[path], "default")
-                with torch.no_grad():
-                    fa.copy_(a.to(fa.dtype))
-                    fb.copy_(b.to(fb.dtype))
-                moved += 1
+        moved = _move(old, session.model, tok_old, session.tokenizer, session, cfg)
     transfer_s = time.perf_counter() - began
     stage = (f"transfer + {cfg.finetune_steps} fine-tune steps" if cfg.finetune_steps else
              "transfer only (no fine-tune: LoRASuite's last stage needs --finetune-steps N)")
     record = {"run": str(run_dir), "new_base": str(new_base), "stage": stage, "settings": asdict(cfg),
-              "w_x": wx_info, "cka": [[round(float(v), 4) for v in row] for row in sim],
-              "layer_mapping": layers, "head_mapping": heads_record, "layers_moved": moved,
-              "not_transferred": skipped, "transfer_s": round(transfer_s, 3), "load_s": round(load_s, 3),
+              **moved, "transfer_s": round(transfer_s, 3), "load_s": round(load_s, 3),
               "transfer_peak_memory_mb": round(mem.peak_mb, 1), "memory_meter": mem.meter}
     if cfg.finetune_steps:
         metrics = train(new_cfg, out, session=session, console=console, summary=False)
