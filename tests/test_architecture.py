@@ -353,3 +353,19 @@ def test_no_two_modules_import_each_other():
 def test_the_circle_finder_sees_a_loop_of_three():
     arrows = [("a", "b", ""), ("b", "c", ""), ("c", "a", ""), ("c", "d", "")]
     assert import_circles(arrows) == [["a", "b", "c"]]
+
+
+def test_no_source_file_over_500_lines_and_no_function_over_80():
+    """Issue 33's size rule, counted as the ``ast`` sees it (a function from its ``def`` to its
+    last line, docstring included)."""
+    long_files, long_functions = [], []
+    for path in sorted((SRC / "rankwise").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long_files.append(f"{path.relative_to(SRC)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    long_functions.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {n} lines")
+    assert long_files == [] and long_functions == []
