@@ -66,7 +66,7 @@ def test_quantize_without_bitsandbytes_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_fp16_on_a_device_that_cannot_run_it(tmp_path, monkeypatch):
-    import rankwise.engine.loop as loop
+    import rankwise.engine.precision as loop
 
     def no_half(precision, dtype, device):
         raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')

@@ -10,7 +10,6 @@ import pytest
 from click.testing import CliRunner
 
 import rankwise_bench
-from rankwise import cli
 from rankwise.cli import main
 
 
@@ -39,8 +38,9 @@ def test_out_alone_runs_the_committed_size_and_options_go_to_the_benchmarks_own_
 
 
 def test_an_installed_wheel_without_a_checkout_names_the_fix(monkeypatch, tmp_path):
-    wheel = tmp_path / "site-packages" / "rankwise" / "cli.py"
-    monkeypatch.setattr(cli, "__file__", str(wheel))
+    from rankwise.commands import bench as bench_command
+    wheel = tmp_path / "site-packages" / "rankwise" / "commands" / "bench.py"
+    monkeypatch.setattr(bench_command, "__file__", str(wheel))
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["bench", "dpo"])
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1

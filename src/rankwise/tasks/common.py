@@ -233,7 +233,8 @@ class CausalLMTask(Task):
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.stride(-1) == 0:
             return
-        labels = batch["labels"][:, 1:]                   # (B, T-1)
+        logits = logits[:, -batch["labels"].shape[1]:]    # (B, T, V): a prompt method's virtual
+        labels = batch["labels"][:, 1:]                   # tokens come first; (B, T-1)
         target = labels != IGNORE
         hit = logits[:, :-1].argmax(-1) == labels         # (B, T-1)
         scored = target.any(1)                            # (B,): sequences with a target
