@@ -13,7 +13,7 @@ the optimizer state are untouched, and no second model exists.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -80,6 +80,18 @@ def resolve(mode: str, section: str, trains_full: bool, from_adapter: bool, full
     return mode
 
 
+
+def reference_problems(mode: str, run: Any) -> list[str]:
+    """Why ``run`` has no reference under ``task.reference: mode`` (empty: it has one); the
+    run-config check DPO and GRPO share (``run_problems``)."""
+    from rankwise import registry
+    trains_full = registry.get("method", run.method.name).trains == "full"
+    try:
+        resolve(mode, "task", trains_full, bool(run.model.adapter), "adapters-off")
+    except RankwiseError as err:
+        return [str(err)]
+    return []
+
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -111,4 +123,4 @@ def disable_dropout(model: nn.Module) -> int:
     return int(changed)
 
 
-__all__ = ["DROPOUTS", "WeightSnapshot", "disable_dropout", "reference", "resolve"]
+__all__ = ["DROPOUTS", "WeightSnapshot", "disable_dropout", "reference", "reference_problems", "resolve"]

@@ -32,12 +32,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise import registry
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.errors import RankwiseError
 from rankwise.tasks.common import CausalLMTask, lm_example, write_records
 from rankwise.tasks.dpo.data import build_pair_data
-from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, resolve
+from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, reference_problems, resolve
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 
@@ -86,12 +85,7 @@ class DPOConfig(TaskConfig):
     def run_problems(self, run: Any) -> list[str]:
         """The reference must exist (``initial`` needs a start); pairs are scored whole, on their
         completions, so packing, samples, prompt targets and a length schedule are refused."""
-        out = []
-        trains_full = registry.get("method", run.method.name).trains == "full"
-        try:
-            resolve(self.reference, "task", trains_full, bool(run.model.adapter), "adapters-off")
-        except RankwiseError as err:
-            out.append(str(err))
+        out = reference_problems(self.reference, run)
         d = run.data
         if d.packing or run.eval.samples or d.train_on_prompt:
             what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"

@@ -7,11 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from rankwise import registry
 from rankwise.engine.task import TaskConfig
-from rankwise.errors import RankwiseError
 from rankwise.tasks.grpo import rewards as R
-from rankwise.tasks.reference import resolve
+from rankwise.tasks.reference import reference_problems
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
@@ -143,12 +141,7 @@ class GRPOConfig(TaskConfig):
         """The reference must exist (``initial`` needs a start); GRPO trains on its own sampled
         completions and writes ``samples.jsonl`` itself, so packing, samples, prompt targets and
         a length schedule are refused."""
-        out = []
-        trains_full = registry.get("method", run.method.name).trains == "full"
-        try:
-            resolve(self.reference, "task", trains_full, bool(run.model.adapter), "adapters-off")
-        except RankwiseError as err:
-            out.append(str(err))
+        out = reference_problems(self.reference, run)
         d = run.data
         if d.packing or run.eval.samples or d.train_on_prompt or d.schedule != "none":
             what = ("data.packing" if d.packing else "eval.samples" if run.eval.samples
