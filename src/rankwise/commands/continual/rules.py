@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rankwise.core.continual import (candidate_tasks, confidence, direct_rematch, gate_score,
+from rankwise.commands.continual.maths import (candidate_tasks, confidence, direct_rematch, gate_score,
                                      match_keys, task_keys, tune_threshold)
 
 MATCHERS = ("tii", "keys")
@@ -102,7 +102,7 @@ def matchers(t: int, key_feats: list, tii, feats: torch.Tensor, class_task: torc
     Args:
         t: Index of the last task trained.
         key_feats: Frozen features of each task's key examples.
-        tii: The trained :class:`~rankwise.core.continual.TaskIdentity`.
+        tii: The trained :class:`~rankwise.commands.continual.maths.TaskIdentity`.
         feats: Frozen features of the examples to match.
         class_task: Task of each class.
         seen: Mask of the classes seen so far.
@@ -116,7 +116,7 @@ def score_point(cfg, t: int, match_eval: dict, match_val: dict, eval_cache: Eval
                 eval_y: torch.Tensor, val_y: torch.Tensor, class_task: torch.Tensor,
                 seen: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Predictions of every (matcher, rule) on the evaluation rows, with ``tau`` tuned per
-    matcher on the validation rows (:func:`~rankwise.core.continual.tune_threshold`: the
+    matcher on the validation rows (:func:`~rankwise.commands.continual.maths.tune_threshold`: the
     threshold with the best validation accuracy of the ``hrm`` rule; nothing to tune while
     one task is seen, or without validation rows).
 

@@ -1,5 +1,5 @@
 """``rankwise continual CONFIG --tasks ...``: continual learning with one LoRA module per task
-(HRM-PET, Wei et al. 2025; the maths: :mod:`rankwise.core.continual`; docs/continual.md).
+(HRM-PET, Wei et al. 2025; the maths: :mod:`rankwise.commands.continual.maths`; docs/continual.md).
 
 The packaged MiniLM classifier of the demo task (:mod:`rankwise.data.demo`) stays frozen; the
 eight standard-library packages are split into tasks (``--tasks asyncio,email/http,importlib``:
@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rankwise.core.continual import GATES, TaskIdentity, relation_distillation
+from rankwise.commands.continual.maths import GATES, TaskIdentity, relation_distillation
 from rankwise.errors import RankwiseError
 from rankwise.commands.continual.rules import (MATCHERS, STEPS, EvalCache, masked, matchers, rows_of,
                                               score_point)

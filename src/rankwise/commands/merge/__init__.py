@@ -1,6 +1,6 @@
 """``rankwise merge INPUTS... --method M --weights W --out DIR``: combine LoRA adapters of one
 base into one PEFT adapter (the work: :mod:`rankwise.commands.merge.run`, the maths
-:mod:`rankwise.core.combine`; docs/merge.md)."""
+:mod:`rankwise.commands.merge.combine`; docs/merge.md)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """``rankwise merge RUN_OR_ADAPTER... --method M --weights W1,W2,... --out DIR [--merged]``.
 
 Combines LoRA adapters trained on one base model into one adapter, with the semantics of HF
-PEFT's ``add_weighted_adapter`` (the maths and the papers: :mod:`rankwise.core.combine`). The
+PEFT's ``add_weighted_adapter`` (the maths and the papers: :mod:`rankwise.commands.merge.combine`). The
 inputs are finished ``rankwise train`` runs, rankwise adapter folders (``export --format
 rankwise``) or PEFT LoRA folders (``export --format peft``, ``PeftModel.save_pretrained``).
 
@@ -25,7 +25,7 @@ import torch
 
 from rankwise import registry
 from rankwise.core import atomic
-from rankwise.core.combine import FACTORWISE, METHODS, PRUNED, SIGN_METHODS, Pair, combine_pairs, new_rank
+from rankwise.commands.merge.combine import FACTORWISE, METHODS, PRUNED, SIGN_METHODS, Pair, combine_pairs, new_rank
 from rankwise.core.io import CONFIG as RANKWISE_CONFIG
 from rankwise.core.io import fingerprint, load_adapter, rebuild
 from rankwise.core.ops import delete_adapter, modules_to_save

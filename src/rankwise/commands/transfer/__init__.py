@@ -1,6 +1,6 @@
 """``rankwise transfer RUN --to NEW_BASE --out DIR``: move a LoRA run onto an upgraded base
 model (LoRASuite; the work: :mod:`rankwise.commands.transfer.run`, the maths
-:mod:`rankwise.core.lorasuite`; docs/transfer.md)."""
+:mod:`rankwise.commands.transfer.lorasuite`; docs/transfer.md)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """``rankwise transfer RUN --to NEW_BASE --out DIR [--finetune-steps N]``: LoRASuite.
 
 Moves a finished LoRA run onto an upgraded base model (LoRASuite, arXiv 2505.13515; the maths
-and where it departs from the authors' code: :mod:`rankwise.core.lorasuite`):
+and where it departs from the authors' code: :mod:`rankwise.commands.transfer.lorasuite`):
 
 1. ``W_x`` from the tokens both tokenizers hold (least squares between the input-embedding
    rows), the identity when the vocabularies and widths agree;
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from rankwise.core.lorasuite import ATTENTION, Attention, LoRASuite, cka_matrix, layer_mapping
-from rankwise.core.lorasuite import refactor, transfer_matrix
+from rankwise.commands.transfer.lorasuite import ATTENTION, Attention, LoRASuite, cka_matrix, layer_mapping
+from rankwise.commands.transfer.lorasuite import refactor, transfer_matrix
 from rankwise.core import atomic
 from rankwise.core.io import save_adapter
 from rankwise.core.ops import disable_adapters

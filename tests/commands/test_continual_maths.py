@@ -1,9 +1,9 @@
-"""HRM-PET maths (core/continual.py): matching, direct and confidence-based re-matching, CTIRD."""
+"""HRM-PET maths (commands/continual/maths.py): matching, direct and confidence-based re-matching, CTIRD."""
 import math
 
 import torch
 
-from rankwise.core.continual import (TaskIdentity, candidate_tasks, confidence, confidence_rematch,
+from rankwise.commands.continual.maths import (TaskIdentity, candidate_tasks, confidence, confidence_rematch,
                                      direct_rematch, gate_score, generalized_entropy, low_confidence,
                                      match_keys, relation_distillation, relation_matrix, task_keys,
                                      tune_threshold)

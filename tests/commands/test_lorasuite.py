@@ -1,4 +1,4 @@
-"""LoRASuite's maths (rankwise.core.lorasuite): CKA and the layer DP, the head
+"""LoRASuite's maths (rankwise.commands.transfer.lorasuite): CKA and the layer DP, the head
 similarity against its literal h²-sized formula, the Hungarian pairing of permuted heads, the
 per-head ΔW rule (exact on a permuted copy; the paper's formula against the normalised one), and
 the SVD re-factorisation."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rankwise.core.lorasuite import (Attention, LoRASuite, cka_matrix, head_mapping,
+from rankwise.commands.transfer.lorasuite import (Attention, LoRASuite, cka_matrix, head_mapping,
                                              head_similarity, layer_mapping, linear_cka, refactor,
                                              transfer_attention, transfer_dense, transfer_matrix,
                                              transfer_mlp)

@@ -1,10 +1,10 @@
-"""The merge rules of ``core/combine.py`` on hand-computed examples (PEFT parity on real adapters
+"""The merge rules of ``commands/merge/combine.py`` on hand-computed examples (PEFT parity on real adapters
 is in ``tests/recipes/test_merge.py``)."""
 from __future__ import annotations
 
 import torch
 
-from rankwise.core.combine import Pair, combine_pairs, combine_tensors, drop_and_rescale, trim
+from rankwise.commands.merge.combine import Pair, combine_pairs, combine_tensors, drop_and_rescale, trim
 
 
 def test_ties_trims_elects_and_averages_by_hand():
