@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 N_PROMPTS, PROMPT_CHARS = 6, 200
+F32 = 0  # GGML_TYPE_F32: the KV cache kept in float32 (libllama keeps f16 unless told)
 
 
 def build_base(folder: Path) -> Path:
@@ -56,7 +57,7 @@ def train_runs(base: Path, work: Path) -> dict[str, Path]:
     import rankwise
     runs = {}
     for name, extra in (("lora", {}), ("rslora", {"use_rslora": True})):
-        rankwise.train({"model": {"path": str(base), "task": "causal-lm"},
+        rankwise.train({"model": {"path": str(base)}, "task": {"name": "causal-lm"},
                         "data": {"source": "stdlib-source", "max_length": 128},
                         "method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear", **extra},
                         "optim": {"name": "adamw", "lr": 0.01},
@@ -89,20 +90,25 @@ def compare(files: dict, merged: Path, texts: list[str]) -> list[dict]:
     hf = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
     rows = []
     for label, (model, lora) in files.items():
-        llm = Llama(model_path=model, lora_path=lora, n_ctx=512, logits_all=True, verbose=False, n_threads=2)
-        diff, same, scale = 0.0, 0, 0.0
-        for text in texts:
-            ids = tok(text)["input_ids"]
-            same += llm.tokenize(text.encode(), add_bos=True, special=False) == ids
-            llm.reset()
-            llm.eval(ids)
-            got = np.asarray(llm.scores[: len(ids)])
-            with torch.no_grad():
-                ref = hf(torch.tensor([ids])).logits[0].numpy()
-            diff, scale = max(diff, float(np.abs(got - ref).max())), max(scale, float(np.abs(ref).max()))
-        rows.append({"file": label, "max_abs_logit_diff": diff, "max_abs_logit": scale,
-                     "prompts_tokenized_as_transformers": f"{same}/{len(texts)}"})
-        del llm
+        row = {"file": label}
+        for cache, key in (("f32", "max_abs_logit_diff"), ("f16", "max_abs_logit_diff_f16_cache")):
+            kinds = {"type_k": F32, "type_v": F32} if cache == "f32" else {}  # f16: libllama's default
+            llm = Llama(model_path=model, lora_path=lora, n_ctx=512, logits_all=True, verbose=False,
+                        n_threads=2, **kinds)
+            diff, same, scale = 0.0, 0, 0.0
+            for text in texts:
+                ids = tok(text)["input_ids"]
+                same += llm.tokenize(text.encode(), add_bos=True, special=False) == ids
+                llm.reset()
+                llm.eval(ids)
+                got = np.asarray(llm.scores[: len(ids)])
+                with torch.no_grad():
+                    ref = hf(torch.tensor([ids])).logits[0].numpy()
+                diff, scale = max(diff, float(np.abs(got - ref).max())), max(scale, float(np.abs(ref).max()))
+            row.update({key: diff, "max_abs_logit": scale,
+                        "prompts_tokenized_as_transformers": f"{same}/{len(texts)}"})
+            del llm
+        rows.append(row)
     return rows
 
 
@@ -127,11 +133,14 @@ def markdown(result: dict) -> str:
              f"Base: {result['base']}; prompts: {result['prompts']} held-out stdlib snippets of "
              f"{PROMPT_CHARS} characters; llama-cpp-python {result['llama_cpp_python']}.", ""]
     for run, rows in result["runs"].items():
-        lines += [f"## {run} run", "", "| file | max abs logit diff | max abs logit | tokenized as transformers |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['file']} | {r['max_abs_logit_diff']:.2e} | {r['max_abs_logit']:.2f} | "
-                  f"{r['prompts_tokenized_as_transformers']} |" for r in rows]
+        lines += [f"## {run} run", "", "| file | max abs logit diff, f32 KV cache | the same, libllama's default "
+                  "f16 KV cache | max abs logit | tokenized as transformers |", "|---|---|---|---|---|"]
+        lines += [f"| {r['file']} | {r['max_abs_logit_diff']:.2e} | {r['max_abs_logit_diff_f16_cache']:.2e} | "
+                  f"{r['max_abs_logit']:.2f} | {r['prompts_tokenized_as_transformers']} |" for r in rows]
         lines.append("")
+    lines += ["libllama keeps its KV cache in f16 unless told otherwise; the first column sets "
+              "`type_k = type_v = f32` (llama-cpp-python's `Llama(..., type_k=0, type_v=0)`, llama.cpp's "
+              "`--cache-type-k f32 --cache-type-v f32`), the second is libllama's default.", ""]
     lines += [f"Without `tokenizer.model` (a plain `save_pretrained` export), libllama tokenizes "
               f"{result['without_tokenizer_model']} prompts as transformers.", "",
               f"Command: `{result['command']}`."]
