@@ -15,12 +15,11 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from rankwise.core import atomic
-from rankwise.engine.callbacks import EventLog
 from rankwise.data.demo import python_version
-from rankwise.recipes import folders
+from rankwise.engine.callbacks import EventLog
+from rankwise.recipes import folders, yamlfile
 from rankwise.recipes.config import load_run_config
 from rankwise.plots import plot_curves
 
@@ -29,7 +28,7 @@ DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 
 def demo_runs() -> dict[str, dict]:
     """The demo's raw run configs by name (``demo.yaml``: ``base`` merged under each run)."""
-    spec = yaml.safe_load(DEMO_CONFIG.read_text())
+    spec = yamlfile.load(DEMO_CONFIG.read_text())  # the run configs' reader (YAML 1.2 numbers)
     return {name: _merge(spec["base"], extra) for name, extra in spec["runs"].items()}
 
 
