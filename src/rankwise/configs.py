@@ -1,6 +1,15 @@
 """Build config dataclasses from plain dicts (YAML, ``--set``) with helpful errors.
 
 Defaults live only in the dataclasses; this module only validates and overrides them.
+
+A numeric field's range is declared once, where the field is, as metadata::
+
+    r: int = bounded(8, ge=1)                       # "r: got 0; expected an integer >= 1"
+    dropout: float = bounded(0.0, ge=0.0, lt=1.0)   # "dropout: got 1.0; expected a value in [0, 1)"
+
+:func:`problems_of` checks every declared range and then calls the dataclass's own
+``problems()`` (the checks that relate several fields, or need words of their own);
+:func:`from_dict` reports both with the type errors, all at once.
 """
 from __future__ import annotations
 
@@ -12,6 +21,8 @@ from typing import Any, TypeVar
 from rankwise.errors import RankwiseError, closest
 
 T = TypeVar("T")
+
+RANGE = "rankwise.range"  # the dataclass field metadata key that holds a field's Bounds
 
 # Keys users put in the wrong place, by dotted path -> the one-line fix reported instead of
 # "unknown key" (a method package adds the options that only it has, e.g. LoRA's use_dora).
@@ -103,10 +114,107 @@ def _build(cls: type[T], data: dict, where: str, problems: list[str]) -> T:
     except TypeError as err:
         problems.append(f"{where}: {err}")
         return None  # type: ignore[return-value]
-    check = getattr(obj, "problems", None)
-    if callable(check):
-        problems.extend(f"{where}.{p}" for p in check())
+    problems.extend(f"{where}.{p}" for p in problems_of(obj))
     return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range of a numeric config field (``gt``/``ge`` below, ``lt``/``le`` above).
+
+    Attributes:
+        gt, ge, lt, le: Strict and inclusive bounds (``None``: no bound on that side).
+        what: The noun of the message (default: ``an integer`` for an int, else ``a value``),
+            e.g. ``"seconds"`` reads "expected seconds > 0".
+        hint: Words appended to the message (``"(the paper uses 5 to 15)"``).
+    """
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    what: str = ""
+    hint: str = ""
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` is inside the range."""
+        return ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+                and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le))
+
+    def describe(self, integer: bool, nullable: bool) -> str:
+        """``an integer >= 1``, ``a value in [0, 1)``, ``seconds > 0 or null`` ..."""
+        what = self.what or ("an integer" if integer else "a value")
+        lo, hi = _num(self.ge if self.ge is not None else self.gt), _num(self.le if self.le is not None else self.lt)
+        if lo is not None and hi is not None:
+            if integer and self.ge is not None and self.le is not None:
+                text = f"{what} in {lo}..{hi}"
+            else:
+                text = f"{what} in {'[' if self.ge is not None else '('}{lo}, {hi}{']' if self.le is not None else ')'}"
+        elif lo is not None:
+            text = f"{what} {'>=' if self.ge is not None else '>'} {lo}"
+        else:
+            text = f"{what} {'<=' if self.le is not None else '<'} {hi}"
+        return text + (" or null" if nullable else "") + (f" {self.hint}" if self.hint else "")
+
+
+def _num(x: float | None) -> str | None:
+    if x is None:
+        return None
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def bounded(default: Any = dataclasses.MISSING, *, gt: float | None = None, ge: float | None = None,
+            lt: float | None = None, le: float | None = None, what: str = "", hint: str = "") -> Any:
+    """A dataclass field whose numeric value must lie in a range (checked by :func:`problems`).
+
+    A value of another kind (``None`` for an optional field, ``"auto"``) is not range-checked:
+    its type is checked by :func:`from_dict`.
+
+    Args:
+        default: The field's default.
+        gt, ge, lt, le: The bounds (see :class:`Bounds`).
+        what: The noun of the message.
+        hint: Words appended to the message.
+
+    Returns:
+        A ``dataclasses.field`` carrying :class:`Bounds` under :data:`RANGE`.
+    """
+    return dataclasses.field(default=default, metadata={RANGE: Bounds(gt, ge, lt, le, what, hint)})
+
+
+def range_problems(obj: Any) -> list[str]:
+    """``"field: got V; expected ..."`` for every declared range of ``obj`` its value leaves."""
+    out = []
+    hints = None
+    for f in dataclasses.fields(obj):
+        bounds = f.metadata.get(RANGE)
+        value = getattr(obj, f.name, None)
+        if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not bounds.holds(value):
+            hints = hints or typing.get_type_hints(type(obj))
+            nullable = type(None) in typing.get_args(hints.get(f.name))
+            out.append(f"{f.name}: got {value}; expected {bounds.describe(isinstance(value, int), nullable)}")
+    return out
+
+
+def problems_of(obj: Any) -> list[str]:
+    """Every value error of a config dataclass: its declared ranges, then its own ``problems()``.
+
+    Call this (not ``obj.problems()``) where a config built in Python is checked, so the
+    declared ranges are checked too.
+
+    Args:
+        obj: A config dataclass instance.
+
+    Returns:
+        ``"field: message"`` strings (empty when valid).
+    """
+    out = range_problems(obj) if dataclasses.is_dataclass(obj) else []
+    own = getattr(obj, "problems", None)
+    if callable(own):
+        out.extend(p for p in own() if p not in out)
+    return out
 
 
 def from_dict(cls: type[T], data: dict | None, where: str = "config") -> T:

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from rankwise import configs
 from rankwise.core import weights as layer_weights
 from rankwise.core.inject import find_targets, replace_module
 from rankwise.errors import RankwiseError
@@ -155,7 +156,7 @@ def obfuscate(model: nn.Module, config: ObfuscateConfig) -> Factors:
     Raises:
         RankwiseError: On invalid settings or a rank not below some target layer's width.
     """
-    if problems := config.problems():
+    if problems := configs.problems_of(config):
         raise RankwiseError("; ".join(problems))
     paths = find_targets(model, config.targets, what="targets")
     if packed := [p for p in paths if layer_weights.is_quantized(model.get_submodule(p))]:

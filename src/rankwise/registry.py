@@ -137,6 +137,17 @@ _BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "r
                      "rankwise.trackers")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 # Kinds whose built-in entries load only when the kind is asked for (the commands need click).
+# Which optional Entry fields each kind may set: a capability given to another kind (an
+# optimizer's ``state_floats`` on a method) would be ignored without a word, so it is refused.
+CAPABILITIES: dict[str, frozenset[str]] = {
+    "method": frozenset({"trains", "needs_batches", "rebuild", "factorized", "exporters",
+                         "layer_score", "lr_grid"}),
+    "optimizer": frozenset({"state_floats", "lr_grid", "grad_clip"}),
+    "exporter": frozenset({"loader", "loaded_config"}),
+    "command": frozenset({"writes", "example"}),
+    "strategy": frozenset(), "task": frozenset(), "compressor": frozenset(), "tracker": frozenset(),
+}
+
 _KIND_PACKAGES = {"command": "rankwise.commands"}
 _loaded = False
 _loaded_kinds: set[str] = set()
@@ -154,16 +165,24 @@ def register(kind: str, name: str, config_cls: type | None, builder: Callable[..
         config_cls: Config dataclass; its field defaults are the only defaults.
         builder: See the module docstring for the signature per kind.
         summary: One-line description.
-        **capabilities: The optional :class:`Entry` fields (``trains``, ``needs_batches``,
-            ``rebuild``, ``factorized``, ``state_floats``, ``lr_grid``, ``exporters``,
-            ``loader``, ``grad_clip``, ``layer_score``, ``writes``, ``example``).
+        **capabilities: The optional :class:`Entry` fields that ``kind`` has
+            (:data:`CAPABILITIES`: a method's ``trains``, ``needs_batches``, ``rebuild``,
+            ``factorized``, ``exporters``, ``layer_score``, ``lr_grid``; an optimizer's
+            ``state_floats``, ``lr_grid``, ``grad_clip``; an exporter's ``loader``,
+            ``loaded_config``; a command's ``writes``, ``example``).
 
     Returns:
         The entry.
 
     Raises:
-        ValueError: If the name is already taken by a different builder.
+        ValueError: If the name is already taken by a different builder, or a capability is
+            not one of ``kind``'s (:data:`CAPABILITIES`).
     """
+    allowed = CAPABILITIES.get(kind)
+    wrong = sorted(set(capabilities) - allowed) if allowed is not None else []
+    if wrong:
+        raise ValueError(f"{kind} {name!r}: {', '.join(wrong)} is not a capability of kind {kind!r}; "
+                         f"its capabilities: {', '.join(sorted(allowed)) or 'none'}")
     key = (kind, name)
     old = _ENTRIES.get(key)
     if old is not None and old.builder is not builder:
@@ -212,6 +231,11 @@ def get(kind: str, name: str) -> Entry:
         raise RankwiseError(
             f"unknown {kind} {name!r}{closest(name, valid)}; expected one of: {', '.join(valid)}"
         ) from None
+
+
+def kinds() -> list[str]:
+    """Every kind of entry (the keys of :data:`CAPABILITIES`)."""
+    return sorted(CAPABILITIES)
 
 
 def names(kind: str) -> list[str]:

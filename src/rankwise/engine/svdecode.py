@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from rankwise import configs
 from rankwise.core.ops import disable_adapters
 from rankwise.engine.generation import ModelStream, Step, generate
 from rankwise.errors import RankwiseError
@@ -153,7 +154,7 @@ class SVDecode:
     def __init__(self, config: SVDecodeConfig | None = None) -> None:
         """Raises RankwiseError on a config value outside its range (every one, in one line)."""
         self.config = config or SVDecodeConfig()
-        bad = self.config.problems()
+        bad = configs.problems_of(self.config)
         if bad:
             raise RankwiseError("svdecode " + "; ".join(bad))
         self.fit: MuFit | None = None

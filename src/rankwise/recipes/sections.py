@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Union
 
+from rankwise.configs import bounded
 from rankwise.data.select import SelectConfig
 from rankwise.data.tokenizer import TokenizerTrainConfig
 
@@ -148,19 +149,19 @@ class DataConfig:
     train_on_prompt: bool = False
     chat_template: Union[str, None] = None
     packing: bool = False
-    max_length: int = 64
+    max_length: int = bounded(64, ge=2, le=MAX_TOKENS, what="tokens")
     split_long: bool = False
     eval_source: Union[str, None] = None
-    eval_fraction: float = 0.2
-    limit: Union[int, None] = None
+    eval_fraction: float = bounded(0.2, gt=0.0, lt=1.0)
+    limit: Union[int, None] = bounded(None, ge=1, what="a number of records")
     cache_dir: Union[str, None] = None
-    label_noise: float = 0.0
-    label_noise_seed: int = 0
+    label_noise: float = bounded(0.0, ge=0.0, lt=1.0, what="a fraction")
+    label_noise_seed: int = bounded(0, ge=0, le=2**32 - 1)
     holdout: Literal["eval", "validation"] = "eval"
-    validation_fraction: float = 0.1
+    validation_fraction: float = bounded(0.1, gt=0.0, lt=1.0)
     schedule: Literal["none", "skrull"] = "none"
-    schedule_linear: Union[float, None] = None
-    schedule_bucket: Union[int, None] = None
+    schedule_linear: Union[float, None] = bounded(None, gt=0, what="tokens")
+    schedule_bucket: Union[int, None] = bounded(None, gt=0, what="padded tokens")
     select: SelectConfig = field(default_factory=SelectConfig)
     order: Literal["uniform", "gain-rl"] = "uniform"
     question_free: bool = False
@@ -184,24 +185,8 @@ class DataConfig:
         if self.schedule == "skrull" and self.packing:
             out.append("schedule: skrull groups whole sequences by length, and packing already "
                        "makes equal blocks; set one of data.schedule: none or data.packing: false")
-        if self.schedule_linear is not None and not self.schedule_linear > 0:
-            out.append(f"schedule_linear: got {self.schedule_linear}; expected tokens > 0 or null")
-        if self.schedule_bucket is not None and not self.schedule_bucket > 0:
-            out.append(f"schedule_bucket: got {self.schedule_bucket}; expected padded tokens > 0 or null")
         if self.schedule_bucket is not None and self.schedule != "skrull":
             out.append("schedule_bucket caps Skrull's micro-batches; set data.schedule: skrull or remove it")
-        if not 0.0 < self.validation_fraction < 1.0:
-            out.append(f"validation_fraction: got {self.validation_fraction}; expected a value in (0, 1)")
-        if not 0.0 < self.eval_fraction < 1.0:
-            out.append(f"eval_fraction: got {self.eval_fraction}; expected a value in (0, 1)")
-        if not 0.0 <= self.label_noise < 1.0:
-            out.append(f"label_noise: got {self.label_noise}; expected a fraction in [0, 1)")
-        if not 2 <= self.max_length <= MAX_TOKENS:
-            out.append(f"max_length: got {self.max_length}; expected 2..{MAX_TOKENS} tokens")
-        if self.limit is not None and self.limit < 1:
-            out.append(f"limit: got {self.limit}; expected a number of records >= 1, or null for all")
-        if not 0 <= self.label_noise_seed < 2**32:
-            out.append(f"label_noise_seed: got {self.label_noise_seed}; expected 0..2**32-1")
         return out
 
 
@@ -287,32 +272,32 @@ class TrainConfig:
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
     AUTO_CHUNK_TOKENS: ClassVar[int] = 512
 
-    steps: int = 200
-    batch_size: int = 32
-    eval_batch_size: int = 64
-    eval_every: int = 0
-    save_every: int = 50
-    log_every: int = 5
-    seed: int = 0
+    steps: int = bounded(200, ge=1)
+    batch_size: int = bounded(32, ge=1)
+    eval_batch_size: int = bounded(64, ge=1)
+    eval_every: int = bounded(0, ge=0)
+    save_every: int = bounded(50, ge=0)
+    log_every: int = bounded(5, ge=0)
+    seed: int = bounded(0, ge=0, le=2**32 - 1)
     warmup_fraction: float = 0.06
     grad_clip: Union[float, None, Literal["auto"]] = "auto"
-    calibration_batches: int = 8
+    calibration_batches: int = bounded(8, ge=0)
     keep_checkpoints: int = 2
-    early_stopping_patience: int = 0
+    early_stopping_patience: int = bounded(0, ge=0)
     progress: bool = True
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     gradient_checkpointing: bool = False
-    grad_accum: int = 1
+    grad_accum: int = bounded(1, ge=1)
     log_to: list[Union[str, dict]] = field(default_factory=list)
     distributed: Literal["ddp", "fsdp"] = "ddp"
-    distributed_timeout_s: float = 600.0
-    distributed_step_timeout_s: Union[float, None] = None
+    distributed_timeout_s: float = bounded(600.0, gt=0, what="seconds")
+    distributed_step_timeout_s: Union[float, None] = bounded(None, gt=0, what="seconds")
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
     compile: bool = False
     fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
-    neftune_noise_alpha: Union[float, None] = None
+    neftune_noise_alpha: Union[float, None] = bounded(None, gt=0, what="alpha", hint="(the paper uses 5 to 15; null: no noise)")
 
     def __post_init__(self) -> None:
         from rankwise.trackers import resolve
@@ -327,28 +312,12 @@ class TrainConfig:
     def problems(self) -> list[str]:
         """Return value errors."""
         out = list(getattr(self, "_log_to_problems", []))
-        for name in ("steps", "batch_size", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
-        for name in ("eval_every", "save_every", "log_every", "calibration_batches",
-                     "early_stopping_patience"):
-            if getattr(self, name) < 0:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 0")
-        if self.grad_accum < 1:
-            out.append(f"grad_accum: got {self.grad_accum}; expected an integer >= 1")
-        elif self.batch_size >= 1 and self.batch_size % self.grad_accum:
+        if self.grad_accum >= 1 and self.batch_size >= 1 and self.batch_size % self.grad_accum:
             out.append(f"grad_accum: got {self.grad_accum}, which does not divide batch_size "
                        f"{self.batch_size} (examples per optimizer step); choose a divisor such as "
                        f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
-        if not 0 <= self.seed < 2**32:
-            out.append(f"seed: got {self.seed}; expected 0..2**32-1")
         if isinstance(self.grad_clip, float) and self.grad_clip < 0:
             out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
-        if self.distributed_timeout_s <= 0:
-            out.append(f"distributed_timeout_s: got {self.distributed_timeout_s}; expected seconds > 0")
-        if self.distributed_step_timeout_s is not None and self.distributed_step_timeout_s <= 0:
-            out.append(f"distributed_step_timeout_s: got {self.distributed_step_timeout_s}; "
-                       "expected seconds > 0 or null")
         if self.compile and self.gradient_checkpointing:
             out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
                        "set train.compile: false or train.gradient_checkpointing: false")
@@ -357,9 +326,6 @@ class TrainConfig:
         if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             out.append(f"loss_chunk_tokens: got {self.loss_chunk_tokens}; expected auto, 0 (off) "
                        "or a number of tokens per chunk")
-        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha > 0:
-            out.append(f"neftune_noise_alpha: got {self.neftune_noise_alpha}; expected alpha > 0 "
-                       "(the paper uses 5 to 15) or null for no noise")
         return out
 
 
@@ -373,17 +339,9 @@ class EvalConfig:
         max_new_tokens: Tokens generated per sample.
     """
 
-    samples: int = 0
-    max_new_tokens: int = 32
+    samples: int = bounded(0, ge=0)
+    max_new_tokens: int = bounded(32, ge=1)
 
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
-        if self.samples < 0:
-            out.append(f"samples: got {self.samples}; expected an integer >= 0")
-        if self.max_new_tokens < 1:
-            out.append(f"max_new_tokens: got {self.max_new_tokens}; expected an integer >= 1")
-        return out
 
 
 __all__ = ["DataConfig", "EvalConfig", "MAX_TOKENS", "ModelConfig", "TrainConfig"]

@@ -8,6 +8,7 @@ from typing import Iterable
 
 from torch import nn
 
+from rankwise import configs
 from rankwise.adapters.common.build import adapt, parameter_targets, target_paths
 from rankwise.adapters.common.experts import ExpertLoraLayer
 from rankwise.adapters.common.factors import LORA_INITS
@@ -114,7 +115,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, adapter_name: str = "defaul
             is not 3-D), ranks outside [1, min(in, out)], an unknown init, ``eva``/``corda``
             without batches, ``loftq`` without a 4-bit base.
     """
-    problems = [p for p in config.problems()
+    problems = [p for p in configs.problems_of(config)
                 if p.split(":")[0] in ("init", "loftq_iter", "eva_rho", "corda_mode")]
     if problems:
         raise RankwiseError(f"method.{problems[0]}")

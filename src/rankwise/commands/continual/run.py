@@ -32,6 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rankwise import configs
 from rankwise.commands.continual.maths import GATES, TaskIdentity, relation_distillation
 from rankwise.errors import RankwiseError
 from rankwise.commands.continual.rules import (MATCHERS, STEPS, EvalCache, masked, matchers, rows_of,
@@ -130,11 +131,6 @@ class ContinualConfig:
             bad.append(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         return bad
 
-    def check(self) -> None:
-        """Raise one RankwiseError line naming every bad setting (a config built in code)."""
-        bad = self.problems()
-        if bad:
-            raise RankwiseError("; ".join(f"continual.{p}" for p in bad))
 
 
 def load_config(path: Path | None, sets: list[str] | tuple[str, ...] = (),
@@ -405,7 +401,8 @@ def run_continual(cfg: ContinualConfig, tasks: list[list[str]], console=None) ->
         ``primary`` is the method's own rule (``<matcher>:hrm``); ``sequential``/``joint`` have
         the single rule ``single``.
     """
-    cfg.check()
+    if bad := configs.problems_of(cfg):  # a config built in code (files are checked when read)
+        raise RankwiseError("; ".join(f"continual.{p}" for p in bad))
     from rankwise.data.demo import PACKAGES
     parse_tasks(["/".join(",".join(t) for t in tasks)], PACKAGES)
     torch.manual_seed(cfg.seed)

@@ -16,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+from rankwise import configs
 from rankwise.core import atomic
 from rankwise.errors import RankwiseError
 from rankwise.obfuscation import ObfuscateConfig, memory_report, obfuscate, save_factors
@@ -89,7 +90,7 @@ def run_obfuscate(model_dir: Path, out: Path, config: ObfuscateConfig, factors: 
         model_dir = model_folder("demo")
     model_dir, out = Path(model_dir), Path(out)
     factors = Path(factors) if factors is not None else default_factors_path(out)
-    if problems := config.problems():
+    if problems := configs.problems_of(config):
         raise RankwiseError("; ".join(problems))
     check_paths(model_dir, out, factors)
     model = load_folder_model(model_dir)
