@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from rankwise.configs import bounded
+
 STDLIB = "stdlib"                  # the standard library's source, training modules
 STDLIB_HELDOUT = "stdlib-heldout"  # the standard library's source, held-out modules
 RUN_DATA = "data"                  # the run's own data section (its training split)
@@ -34,17 +36,8 @@ class TextConfig:
 
     source: str = STDLIB
     text_field: str = "text"
-    sequences: int = 64
-    length: int = 128
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
-        if self.sequences < 1:
-            out.append(f"sequences: got {self.sequences}; expected an integer >= 1")
-        if self.length < 2:
-            out.append(f"length: got {self.length}; expected an integer >= 2")
-        return out
+    sequences: int = bounded(64, ge=1)
+    length: int = bounded(128, ge=2)
 
 
 @dataclass
@@ -68,7 +61,7 @@ class KVCacheConfig:
 
     kind: str = "none"
     bits: int = 2
-    chunk: int = 16
+    chunk: int = bounded(16, ge=1)
 
     def problems(self) -> list[str]:
         """Return value errors."""
@@ -76,8 +69,6 @@ class KVCacheConfig:
         out = []
         if self.kind not in kinds:
             out.append(f"kind: got {self.kind!r}; expected one of {list(kinds)}")
-        if self.chunk < 1:
-            out.append(f"chunk: got {self.chunk}; expected an integer >= 1")
         if self.kind == "nsnquant" and self.bits not in (1, 2):
             out.append(f"bits: got {self.bits}; nsnquant supports 1 or 2 bits")
         if self.kind == "kivi" and not 1 <= self.bits <= 8:
@@ -114,29 +105,20 @@ class RestoreConfig:
 
     enabled: bool = False
     probes: int = 64
-    heads: float = 0.25
-    steps: int = 100
-    lr: float = 1e-2
-    batch_size: int = 8
-    probe_epochs: int = 200
-    probe_lr: float = 0.01
-    probe_holdout: float = 0.3
+    heads: float = bounded(0.25, gt=0.0, le=1.0, what="a fraction of the heads", hint="such as 0.25")
+    steps: int = bounded(100, ge=1)
+    lr: float = bounded(1e-2, gt=0)
+    batch_size: int = bounded(8, ge=1)
+    probe_epochs: int = bounded(200, ge=1)
+    probe_lr: float = bounded(0.01, gt=0)
+    probe_holdout: float = bounded(0.3, gt=0.0, lt=1.0, what="a fraction", hint="such as 0.3")
     o_proj: str = "o_proj"
 
     def problems(self) -> list[str]:
         """Return value errors (each ``"field: message"``)."""
         out = []
-        for key in ("steps", "batch_size", "probe_epochs"):
-            if getattr(self, key) < 1:
-                out.append(f"{key}: got {getattr(self, key)}; expected an integer >= 1")
         if self.probes < 4:
             out.append(f"probes: got {self.probes}; the contrastive probe needs at least 4 windows")
-        if not 0.0 < self.heads <= 1.0:
-            out.append(f"heads: got {self.heads}; expected a fraction of the heads in (0, 1] such as 0.25")
-        if self.lr <= 0 or self.probe_lr <= 0:
-            out.append(f"lr / probe_lr: got {self.lr} / {self.probe_lr}; expected positive numbers")
-        if not 0.0 < self.probe_holdout < 1.0:
-            out.append(f"probe_holdout: got {self.probe_holdout}; expected a fraction in (0, 1) such as 0.3")
         return out
 
 
@@ -162,12 +144,12 @@ class CompressConfig:
     heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     restore: RestoreConfig = field(default_factory=RestoreConfig)
-    batch_size: int = 8
+    batch_size: int = bounded(8, ge=1)
     seed: int = 0
 
     def problems(self) -> list[str]:
-        """Return value errors (each ``"field: message"``)."""
-        return [] if self.batch_size >= 1 else [f"batch_size: got {self.batch_size}; expected >= 1"]
+        """Value errors beyond the declared ranges (none here; each method's config extends it)."""
+        return []
 
     def layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:
         """Problems of this config on one layer of ``shape`` ``(out, in)`` (a rank larger than
@@ -193,14 +175,12 @@ class Sparsity:
             set it replaces ``sparsity`` (which becomes ``1 - N/M``).
     """
 
-    sparsity: float = 0.5
+    sparsity: float = bounded(0.5, ge=0.0, lt=1.0, what="a fraction", hint="such as 0.5")
     pattern: Union[str, None] = None
 
     def sparsity_problems(self) -> list[str]:
         """Return value errors of the option group."""
         out = []
-        if not 0.0 <= self.sparsity < 1.0:
-            out.append(f"sparsity: got {self.sparsity}; expected a fraction in [0, 1) such as 0.5")
         if self.pattern is not None:
             nm = parse_pattern(self.pattern)
             if nm is None:
@@ -239,13 +219,11 @@ class Quantization:
     """
 
     bits: int = 4
-    group_size: int = 128
+    group_size: int = bounded(128, ge=1, hint="such as 128")
 
     def quant_problems(self, allowed: tuple[int, ...]) -> list[str]:
         """Return value errors of the option group for a method supporting ``allowed`` bits."""
         out = []
         if self.bits not in allowed:
             out.append(f"bits: got {self.bits}; this method supports {list(allowed)} bits")
-        if self.group_size < 1:
-            out.append(f"group_size: got {self.group_size}; expected an integer >= 1 such as 128")
         return out

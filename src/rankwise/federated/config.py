@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from rankwise.configs import bounded
+
 FAULTS = ("nan", "shape", "keys", "crash")
 
 
@@ -41,39 +43,27 @@ class FederatedConfig:
     """
 
     strategy: Union[str, dict] = "fedit"
-    clients: int = 4
-    rounds: int = 5
+    clients: int = bounded(4, ge=1)
+    rounds: int = bounded(5, ge=1)
     partition: Literal["natural", "dirichlet"] = "natural"
-    alpha: float = 0.5
-    fraction: float = 1.0
+    alpha: float = bounded(0.5, gt=0)
+    fraction: float = bounded(1.0, gt=0.0, le=1.0)
     min_clients: int = 2
-    local_steps: int = 10
+    local_steps: int = bounded(10, ge=1)
     lr: Union[float, None] = None
     batch_size: Union[int, None] = None
     round_timeout: float = 600.0
     client_cpus: float = 1.0
     seed: int = 0
     head: Literal["train", "frozen"] = "train"
-    proximal_mu: float = 0.0
+    proximal_mu: float = bounded(0.0, ge=0, hint="(0 = off)")
     faults: dict[str, str] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
         out = []
-        if self.clients < 1:
-            out.append(f"clients: got {self.clients}; expected an integer >= 1")
-        if self.rounds < 1:
-            out.append(f"rounds: got {self.rounds}; expected an integer >= 1")
-        if not 0.0 < self.fraction <= 1.0:
-            out.append(f"fraction: got {self.fraction}; expected a value in (0, 1]")
         if not 1 <= self.min_clients <= max(self.clients, 1):
             out.append(f"min_clients: got {self.min_clients}; expected 1..clients ({self.clients})")
-        if self.alpha <= 0:
-            out.append(f"alpha: got {self.alpha}; expected a positive number")
-        if self.proximal_mu < 0:
-            out.append(f"proximal_mu: got {self.proximal_mu}; expected a number >= 0 (0 = off)")
-        if self.local_steps < 1:
-            out.append(f"local_steps: got {self.local_steps}; expected an integer >= 1")
         for pid, kind in self.faults.items():
             if kind not in FAULTS:
                 out.append(f"faults.{pid}: got {kind!r}; expected one of {list(FAULTS)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rankwise.compress.config import HeldoutConfig, TextConfig
+from rankwise.configs import problems_of
 
 
 @dataclass
@@ -84,6 +85,6 @@ class DistillConfig:
             out.append(f"lr: got {self.lr}; expected a number > 0")
         if not 0.0 <= self.warmup_fraction < 1.0:
             out.append(f"warmup_fraction: got {self.warmup_fraction}; expected a fraction in [0, 1)")
-        out += [f"data.{p}" for p in self.data.problems()]
-        out += [f"heldout.{p}" for p in self.heldout.problems()]
+        out += [f"data.{p}" for p in problems_of(self.data)]
+        out += [f"heldout.{p}" for p in problems_of(self.heldout)]
         return out
