@@ -53,6 +53,7 @@ class Pairs:
         r = self.ratios
         return r[:, 0] - r[:, 1]
 
+    @property
     def per_token_h(self) -> torch.Tensor:
         """``(B,)`` ``r_w / |y_w| - r_l / |y_l|`` (each log-ratio over its completion tokens)."""
         per_token = self.ratios / self.lengths.clamp(min=1.0)      # (B, 2)
@@ -84,7 +85,7 @@ def ipo(p: Pairs) -> torch.Tensor:
     Preferences", eq. 17: ``(h' - 1 / (2 beta))^2`` (``beta`` is the paper's ``tau``), where
     ``h'`` divides each log-ratio by its completion tokens: TRL's normalisation, which the IPO
     authors confirmed to TRL; the paper is silent on it."""
-    return (p.per_token_h() - 1 / (2 * p.beta)) ** 2
+    return (p.per_token_h - 1 / (2 * p.beta)) ** 2
 
 
 def robust(p: Pairs) -> torch.Tensor:
@@ -183,7 +184,7 @@ def sigmoid_norm(p: Pairs) -> torch.Tensor:
     """Length-normalised DPO: Lambert et al. 2024, "Tülu 3: Pushing Frontiers in Open Language
     Model Post-Training", §5 (its DPO objective): ``-log sigma(beta h')`` with each log-ratio
     divided by its completion tokens (``h'`` as in :func:`ipo`). TRL 1.16 names no paper for it."""
-    return -F.logsigmoid(p.beta * p.per_token_h())
+    return -F.logsigmoid(p.beta * p.per_token_h)
 
 
 def sft(p: Pairs) -> torch.Tensor:
