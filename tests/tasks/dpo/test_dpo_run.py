@@ -204,8 +204,9 @@ def test_bad_input_is_one_line(case, tmp_path):
 
 def test_dpo_section_defaults_are_recorded():
     cfg = load_run_config(None, base={"model": {"path": "tiny-llama"}, "task": {"name": "dpo"}})
-    assert cfg.to_dict()["task"] == {"name": "dpo", "loss": "sigmoid", "beta": 0.1,
-                                     "label_smoothing": 0.0, "reference": "auto", "disable_dropout": True}
+    assert cfg.to_dict()["task"] == {"name": "dpo", "loss": "sigmoid", "loss_weights": None, "beta": 0.1,
+                                     "label_smoothing": 0.0, "discopop_tau": 0.05, "reference": "auto",
+                                     "disable_dropout": True}
     assert get_task(cfg.task).config is cfg.task
     old = load_run_config(None, base={"model": {"path": "tiny-llama", "task": "dpo"}})  # old spelling
     assert old.to_dict() == cfg.to_dict()

@@ -3,16 +3,10 @@
 Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a
 Reward Model", eq. 7. With the sequence log-probability ``log pi(y|x)`` summed over the
 *completion* tokens only (the prompt carries no term; the convention of TRL), the implicit
-reward of a completion is ``r(y) = beta * (log pi(y|x) - log pi_ref(y|x))`` and, with
-``h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))`` per pair:
-
-* ``sigmoid`` (DPO, eq. 7; with conservative label smoothing ``eps``, Mitchell 2023):
-  ``-(1 - eps) log sigma(beta h) - eps log sigma(-beta h)``;
-* ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
-  Preferences", eq. 17): ``(h' - 1 / (2 beta))^2`` where ``h'`` uses each completion's
-  log-ratio *divided by its number of completion tokens* (the normalisation TRL applies and
-  the IPO authors confirmed to TRL; the paper itself is silent on it);
-* ``hinge`` (SLiC, Zhao et al. 2023): ``max(0, 1 - beta h)``.
+reward of a completion is ``r(y) = beta * (log pi(y|x) - log pi_ref(y|x))``. The per-pair loss
+is ``task.loss``: DPO's ``sigmoid`` (with conservative label smoothing), ``ipo``, ``hinge`` and
+the rest of TRL 1.16's loss types, or a weighted list of them (``task.loss_weights``); their
+formulas and papers are in :mod:`rankwise.tasks.dpo.losses`.
 
 The reference ``pi_ref`` is the same network with its adapters switched off
 (:func:`rankwise.core.ops.disable_adapters`, no second copy), or, for full fine-tuning,
@@ -24,21 +18,20 @@ rows, then the rejected rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
-from rankwise.errors import RankwiseError
+from rankwise.errors import RankwiseError, closest
 from rankwise.tasks.common import CausalLMTask, lm_example, write_records
 from rankwise.tasks.dpo.data import build_pair_data
+from rankwise.tasks.dpo.losses import LOSSES, SMOOTHED, dpo_losses
 from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, reference_problems, resolve
-
-LOSSES = ("sigmoid", "ipo", "hinge")
 
 
 @dataclass
@@ -47,10 +40,18 @@ class DPOConfig(TaskConfig):
 
     Attributes:
         name: ``dpo``.
-        loss: ``sigmoid`` (DPO), ``ipo`` or ``hinge`` (see :mod:`rankwise.tasks.dpo.task`).
+        loss: A loss of :data:`rankwise.tasks.dpo.losses.LOSSES` (``sigmoid``: DPO; ``ipo``,
+            ``hinge``, ``robust``, ``exo_pair``, ``nca_pair``, ``bco_pair``, ``sppo_hard``,
+            ``aot``, ``aot_unpaired``, ``apo_zero``, ``apo_down``, ``discopop``,
+            ``sigmoid_norm``, ``sft``; formulas and papers in :mod:`rankwise.tasks.dpo.losses`),
+            or a list of them, summed with ``loss_weights`` (TRL's ``loss_type`` list).
+        loss_weights: One weight per entry of ``loss`` (TRL's ``loss_weights``); ``null``: 1
+            each.
         beta: The KL strength ``beta`` (IPO's ``tau``).
-        label_smoothing: Conservative DPO's ``eps`` in [0, 0.5): the share of pairs assumed
-            mislabelled (``sigmoid`` only).
+        label_smoothing: ``eps`` in [0, 0.5): the share of pairs assumed mislabelled, read by
+            ``sigmoid`` (conservative DPO), ``robust`` (the flip rate), ``exo_pair`` (its label
+            smoothing, > 0 required), ``aot`` and ``aot_unpaired``.
+        discopop_tau: DiscoPOP's temperature ``tau`` (``discopop`` only).
         reference: Where ``pi_ref`` comes from: ``adapters-off`` (the model with its adapters
             disabled, at every step: the base), ``precomputed`` (log-probs of the initial
             weights, computed once before training), ``initial`` (the model as the run starts,
@@ -65,21 +66,53 @@ class DPOConfig(TaskConfig):
     """
 
     name: str = "dpo"
-    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    loss: Union[str, list[str]] = "sigmoid"
+    loss_weights: Union[list[float], None] = None
     beta: float = 0.1
     label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
     reference: Literal["auto", "adapters-off", "precomputed", "initial"] = "auto"
     disable_dropout: bool = True
 
+    def losses(self) -> list[str]:
+        """``loss`` as a list of names."""
+        return [self.loss] if isinstance(self.loss, str) else list(self.loss)
+
     def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
+        """Return value errors: unknown or repeated losses, weights that do not match them, and
+        ``label_smoothing`` / ``discopop_tau`` set for losses that do not read them."""
+        names = self.losses()
+        out = [] if names else ["loss: got []; expected a loss or a list of losses, e.g. [sigmoid, sft]"]
+        for n in names:
+            if n == "aot_pair":
+                out.append("loss: aot_pair is TRL 0.x's name of TRL 1.16's aot_unpaired (aot is the "
+                           "paired loss); write aot_unpaired")
+            elif n not in LOSSES:
+                out.append(f"loss: got {n!r}; expected one of {list(LOSSES)}{closest(n, LOSSES)}")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            out.append(f"loss: {', '.join(repeated)} listed more than once; list each loss once and "
+                       "weigh it with loss_weights")
+        weights = self.loss_weights
+        if weights is not None and len(weights) != len(names):
+            out.append(f"loss_weights: got {len(weights)} weights for {len(names)} losses {names}; "
+                       "give one weight per loss, in the same order")
+        if weights is not None and not all(math.isfinite(w) and w >= 0 for w in weights):
+            out.append(f"loss_weights: got {weights}; expected finite values >= 0")
         if not self.beta > 0:
             out.append(f"beta: got {self.beta}; expected a value > 0")
         if not 0.0 <= self.label_smoothing < 0.5:
             out.append(f"label_smoothing: got {self.label_smoothing}; expected a value in [0, 0.5)")
-        if self.label_smoothing and self.loss != "sigmoid":
-            out.append(f"label_smoothing: applies to loss sigmoid only (got loss {self.loss}); set it to 0")
+        if self.label_smoothing and not any(n in SMOOTHED for n in names):
+            out.append(f"label_smoothing: read by loss {', '.join(SMOOTHED)} only (got loss "
+                       f"{self.loss}); set it to 0")
+        if "exo_pair" in names and not self.label_smoothing > 0:
+            out.append("label_smoothing: loss exo_pair needs a value > 0 (log eps is in it; the EXO "
+                       "paper uses 0.001); set task.label_smoothing: 0.001")
+        if not (math.isfinite(self.discopop_tau) and self.discopop_tau > 0):
+            out.append(f"discopop_tau: got {self.discopop_tau}; expected a value > 0")
+        elif self.discopop_tau != _default(type(self), "discopop_tau") and "discopop" not in names:
+            out.append(f"discopop_tau: read by loss discopop only (got loss {self.loss}); remove it")
         return out
 
     def run_problems(self, run: Any) -> list[str]:
@@ -95,6 +128,10 @@ class DPOConfig(TaskConfig):
             out.append("data.schedule: skrull schedules single sequences, and task.name: dpo trains "
                        "pairs; set data.schedule: none")
         return out
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,35 +151,6 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     logp = picked.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, -1)
     sums = torch.zeros(labels.shape[0], device=logits.device).index_add(0, rows, logp)
     return sums, keep.sum(-1).float()
-
-
-def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor, loss: str,
-               beta: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pair losses and implicit rewards.
-
-    Args:
-        policy: ``(B, 2)`` completion log-probs of the trained model (chosen, rejected).
-        reference: ``(B, 2)`` the same under the reference.
-        lengths: ``(B, 2)`` completion tokens (IPO's normalisation).
-        loss: One of :data:`LOSSES`.
-        beta: ``beta``.
-        label_smoothing: Conservative DPO's ``eps`` (``sigmoid``).
-
-    Returns:
-        ``(losses (B,), rewards (B, 2))`` with ``rewards = beta * (policy - reference)``.
-    """
-    ratios = policy - reference                                     # (B, 2) log-ratios
-    h = ratios[:, 0] - ratios[:, 1]
-    if loss == "sigmoid":
-        out = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss == "ipo":
-        per_token = ratios / lengths.clamp(min=1.0)
-        out = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * beta)) ** 2
-    elif loss == "hinge":
-        out = torch.relu(1 - beta * h)
-    else:
-        raise ValueError(f"dpo.loss: got {loss!r}; expected one of {LOSSES}")
-    return out, beta * ratios.detach()
 
 
 @dataclass
@@ -218,8 +226,8 @@ class DPOTask(Task):
             with torch.no_grad(), reference(model, self.snapshot):
                 ref, _, _ = self.sequence_logps(model, batch)
         c = self.config
-        losses, rewards = dpo_losses(policy, ref.to(policy.device), lengths, c.loss, c.beta,
-                                     c.label_smoothing)
+        losses, rewards = dpo_losses(policy, ref.to(policy.device), lengths, c.losses(), c.beta,
+                                     c.label_smoothing, c.loss_weights, c.discopop_tau)
         output = DPOOutput(policy.detach(), rewards)
         if model.training:
             _add(self._sums, output)
