@@ -76,7 +76,7 @@ class RestoreConfig:
     """
 
     enabled: bool = False
-    probes: int = 64
+    probes: int = bounded(64, ge=4, hint="(the contrastive probe needs at least 4 windows)")
     heads: float = bounded(0.25, gt=0.0, le=1.0, what="a fraction of the heads", hint="such as 0.25")
     steps: int = bounded(100, ge=1)
     lr: float = bounded(1e-2, gt=0)
@@ -85,13 +85,6 @@ class RestoreConfig:
     probe_lr: float = bounded(0.01, gt=0)
     probe_holdout: float = bounded(0.3, gt=0.0, lt=1.0, what="a fraction", hint="such as 0.3")
     o_proj: str = "o_proj"
-
-    def problems(self) -> list[str]:
-        """Return value errors (each ``"field: message"``)."""
-        out = []
-        if self.probes < 4:
-            out.append(f"probes: got {self.probes}; the contrastive probe needs at least 4 windows")
-        return out
 
 
 @dataclass

@@ -31,6 +31,8 @@ from typing import Literal, Union
 
 import torch
 
+from rankwise.configs import bounded
+
 METHODS = ("random", "less", "influence", "qcs-proxy", "embedding")
 ALIASES = {"qcs": "qcs-proxy"}   # old name -> method (a notice is printed when an alias is used)
 
@@ -76,24 +78,24 @@ class SelectConfig:
     method: Union[Literal["random", "less", "influence", "qcs-proxy", "qcs", "embedding"], None] = None
     budget: Union[int, float] = 0.1
     target: Union[str, None] = None
-    target_size: int = 64
+    target_size: int = bounded(64, ge=1)
     weights: bool = False
     from_: Union[str, None] = None
     seed: int = 0
-    proj_dim: int = 256
-    landmarks: int = 64
-    jvp_tangents: int = 2
+    proj_dim: int = bounded(256, ge=0, hint="(0 = no projection)")
+    landmarks: int = bounded(64, ge=1)
+    jvp_tangents: int = bounded(2, ge=1)
     ridge: float = 0.01
-    influence_eta: float = 1.0
-    influence_l2: float = 1.0
-    warmup_steps: int = 0
-    warmup_lr: float = 1e-3
-    qcs_steps: int = 200
-    qcs_samples: int = 16
+    influence_eta: float = bounded(1.0, ge=0)
+    influence_l2: float = bounded(1.0, gt=0)
+    warmup_steps: int = bounded(0, ge=0)
+    warmup_lr: float = bounded(1e-3, ge=0)
+    qcs_steps: int = bounded(200, ge=1)
+    qcs_samples: int = bounded(16, ge=1)
     qcs_lr: float = 0.05
     qcs_eta: float = 1.0
-    token_ratio: float = 0.5
-    token_floor: float = 0.1
+    token_ratio: float = bounded(0.5, gt=0, le=1, what="a ratio")
+    token_floor: float = bounded(0.1, ge=0, lt=0.5, what="a floor")
 
     def problems(self) -> list[str]:
         """Return value errors (the budget against the data is checked when the data is known)."""
@@ -106,18 +108,6 @@ class SelectConfig:
         if self.method not in (None, "random", "embedding") and not self.target and not self.from_:
             out.append(f"target: method {self.method!r} needs data standing for the target task; "
                        "set data.select.target (a file, or demo:PKG,PKG)")
-        for name in ("target_size", "landmarks", "jvp_tangents", "qcs_steps", "qcs_samples"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
-        for name in ("influence_eta", "influence_l2", "warmup_steps", "warmup_lr"):
-            if getattr(self, name) < 0 or (name == "influence_l2" and self.influence_l2 == 0):
-                out.append(f"{name}: got {getattr(self, name)}; expected a number >= 0"
-                           + (" (> 0)" if name == "influence_l2" else ""))
-        if self.proj_dim < 0:
-            out.append(f"proj_dim: got {self.proj_dim}; expected >= 0 (0 = no projection)")
-        if not 0 < self.token_ratio <= 1 or not 0 <= self.token_floor < 0.5:
-            out.append(f"token_ratio/token_floor: got {self.token_ratio}/{self.token_floor}; "
-                       "expected a ratio in (0, 1] and a floor in [0, 0.5)")
         return out
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+from rankwise.configs import bounded
 from rankwise.errors import RankwiseError, require
 
 
@@ -45,22 +46,11 @@ class TokenizerTrainConfig:
     """
 
     kind: Literal["sentencepiece", "byte-bpe"] = "sentencepiece"
-    vocab_size: int = 8192
+    vocab_size: int = bounded(8192, ge=300, le=1_000_000,
+                              hint="(the 256 byte tokens and the special tokens need room)")
     model_type: Literal["bpe", "unigram"] = "bpe"
-    character_coverage: float = 0.9995
-    max_lines: int = 2_000_000
-
-    def problems(self) -> list[str]:
-        """Config problems, each one line naming the fix."""
-        out = []
-        if not 300 <= self.vocab_size <= 1_000_000:
-            out.append(f"vocab_size: got {self.vocab_size}; expected 300..1000000 (the 256 byte "
-                       "tokens and the special tokens need room)")
-        if not 0.9 <= self.character_coverage <= 1.0:
-            out.append(f"character_coverage: got {self.character_coverage}; expected 0.9..1.0")
-        if self.max_lines < 1:
-            out.append(f"max_lines: got {self.max_lines}; expected at least 1")
-        return out
+    character_coverage: float = bounded(0.9995, ge=0.9, le=1.0)
+    max_lines: int = bounded(2_000_000, ge=1)
 
 
 def _lines(texts: Iterator[str], max_lines: int) -> list[str]:

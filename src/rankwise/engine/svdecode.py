@@ -48,29 +48,19 @@ class SVDecodeConfig:
             (``--steer-calib``).
     """
 
-    mask_ratio: float = 0.1
-    strength: float = 1.0
-    max_mu: float = 4.0
-    eps: float = 1e-8
+    mask_ratio: float = configs.bounded(0.1, ge=0.0, le=1.0, hint=(
+        "(--steer-mask: the fraction of the warm top-1 probability a token needs to be steered)"))
+    strength: float = configs.bounded(1.0, ge=0, hint="(--steer-strength; 0 = plain decoding)")
+    max_mu: float = configs.bounded(4.0, ge=0, hint="(--steer-max-mu)")
+    eps: float = configs.bounded(1e-8, gt=0)
     mu: float | None = None
-    calib_examples: int = 64
+    calib_examples: int = configs.bounded(64, ge=1, hint=(
+        "(--steer-calib: labelled warm-start examples that calibrate mu)"))
 
     def problems(self) -> list[str]:
-        """Every value outside its range, each ``"field: message"`` naming the CLI flag too."""
-        out = []
-        if not 0.0 <= self.mask_ratio <= 1.0:
-            out.append(f"mask_ratio: got {self.mask_ratio}; expected a value in [0, 1] (--steer-mask: "
-                       "the fraction of the warm top-1 probability a token needs to be steered)")
-        if self.strength < 0:
-            out.append(f"strength: got {self.strength}; expected >= 0 (--steer-strength; 0 = plain decoding)")
-        if self.max_mu < 0:
-            out.append(f"max_mu: got {self.max_mu}; expected >= 0 (--steer-max-mu)")
-        if self.eps <= 0:
-            out.append(f"eps: got {self.eps}; expected > 0")
-        if self.calib_examples < 1:
-            out.append(f"calib_examples: got {self.calib_examples}; expected >= 1 (--steer-calib: "
-                       "labelled warm-start examples that calibrate mu)")
-        return out
+        """None beyond the declared ranges (each naming its CLI flag); :class:`SteerConfig`
+        extends it."""
+        return []
 
 
 @dataclass

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from rankwise import registry
-from rankwise.configs import KEY_HINTS
+from rankwise.configs import KEY_HINTS, bounded
 from rankwise.optim import loraplus
-from rankwise.optim.common import MatrixAdamW, check_common, trainable_parameters
+from rankwise.optim.common import MatrixAdamW, betas_problems, trainable_parameters
 from rankwise.optim.lowbit import bits_problems, moment_floats
 
 
@@ -40,10 +40,10 @@ class AdamWConfig:
     """
 
     name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: float = bounded(1e-8, ge=0)
     per_layer: bool = False
     state_bits: Optional[int] = None
     loraplus_lr_ratio: Optional[float] = None
@@ -51,7 +51,7 @@ class AdamWConfig:
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        return (check_common(self.lr, self.weight_decay, self.betas, self.eps) + bits_problems(self.state_bits)
+        return (betas_problems(self.betas) + bits_problems(self.state_bits)
                 + loraplus.problems(self.loraplus_lr_ratio, self.loraplus_lr_embedding))
 
 

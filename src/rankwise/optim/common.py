@@ -383,20 +383,10 @@ def state_bytes(optimizer: torch.optim.Optimizer,
     return total
 
 
-def check_common(lr: float, weight_decay: float, betas=None, eps: float | None = None,
-                 rank: int | None = None, update_every: int | None = None) -> list[str]:
-    """Return the value problems shared by every optimizer config (empty when valid)."""
-    out = []
-    if not lr > 0:
-        out.append(f"lr: got {lr}; expected a positive number such as 1e-3")
-    if weight_decay < 0:
-        out.append(f"weight_decay: got {weight_decay}; expected 0 or more")
+def betas_problems(betas: list[float] | None) -> list[str]:
+    """Adam's ``betas``: two numbers in [0, 1) (the scalar fields an optimizer config shares,
+    ``lr``, ``weight_decay``, ``eps``, ``rank``, ``update_every``, declare their ranges with
+    :func:`rankwise.configs.bounded`)."""
     if betas is not None and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
-        out.append(f"betas: got {list(betas)}; expected two numbers in [0, 1) such as [0.9, 0.999]")
-    if eps is not None and eps < 0:
-        out.append(f"eps: got {eps}; expected 0 or more")
-    if rank is not None and rank < 1:
-        out.append(f"rank: got {rank}; expected a positive integer such as 64")
-    if update_every is not None and update_every < 1:
-        out.append(f"update_every: got {update_every}; expected a positive integer such as 200")
-    return out
+        return [f"betas: got {list(betas)}; expected two numbers in [0, 1) such as [0.9, 0.999]"]
+    return []

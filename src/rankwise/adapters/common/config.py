@@ -2,13 +2,16 @@
 
 A method's config dataclass subclasses :class:`TargetedConfig` (where the adapters go) or
 :class:`LoraPairConfig` (a LoRA-shaped pair on top: ``r``, ``alpha``, ``dropout``,
-``use_rslora``), re-declares ``name`` and any default of its own (``r: int = 2``), and extends
+``use_rslora``), re-declares ``name`` and any default of its own with its range
+(``r: int = bounded(2, ge=1)``: a plain re-declaration would drop the range), and extends
 ``problems()`` with ``super().problems()``. Defaults stay in the dataclasses, as everywhere.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
+
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -61,9 +64,9 @@ class LoraPairConfig(TargetedConfig):
     # Whether the method builds expert layers at ``target_parameters`` (LoRA does).
     parameter_targets: ClassVar[bool] = False
 
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    r: int = bounded(8, ge=1)
+    alpha: float = bounded(16.0, gt=0)
+    dropout: float = bounded(0.0, ge=0.0, lt=1.0)
     use_rslora: bool = False
     target_parameters: list[str] = field(default_factory=list)
 
@@ -76,10 +79,4 @@ class LoraPairConfig(TargetedConfig):
         if self.target_parameters and self.dropout:
             out.append(f"dropout: got {self.dropout} with target_parameters; expected 0 (an "
                        "expert delta is added to the weight, so it has no input to drop)")
-        if self.r < 1:
-            out.append(f"r: got {self.r}; expected an integer >= 1")
-        if self.alpha <= 0:
-            out.append(f"alpha: got {self.alpha}; expected a positive number")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"dropout: got {self.dropout}; expected a value in [0, 1)")
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwise.adapters.common.config import TargetedConfig
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -58,41 +59,25 @@ class FvaeLoraConfig(TargetedConfig):
     """
 
     name: str = "fvae-lora"
-    r: int = 16
-    alpha: float = 16.0
-    enc_hidden: int = 32
-    enc_layers: int = 1
-    dec_hidden: int = 32
-    dec_layers: int = 1
-    enc_dropout: float = 0.1
-    dec_dropout: float = 0.5
+    r: int = bounded(16, ge=1)
+    alpha: float = bounded(16.0, gt=0)
+    enc_hidden: int = bounded(32, ge=1)
+    enc_layers: int = bounded(1, ge=0)
+    dec_hidden: int = bounded(32, ge=1)
+    dec_layers: int = bounded(1, ge=0)
+    enc_dropout: float = bounded(0.1, ge=0.0, lt=1.0)
+    dec_dropout: float = bounded(0.5, ge=0.0, lt=1.0)
     latent_fusion: str = "concat"
     z2_prior_mean: float = 1.5
-    lambda_task: float = 1000.0
-    lambda_reconstruction: float = 1.0
-    lambda_kl: float = 1.0
-    lambda_z2: float = 1.0
-    lambda_z1: float = 1.0
+    lambda_task: float = bounded(1000.0, gt=0)
+    lambda_reconstruction: float = bounded(1.0, ge=0)
+    lambda_kl: float = bounded(1.0, ge=0)
+    lambda_z2: float = bounded(1.0, ge=0)
+    lambda_z1: float = bounded(1.0, ge=0)
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
         out = super().problems()
-        for key in ("r", "enc_hidden", "dec_hidden"):
-            if getattr(self, key) < 1:
-                out.append(f"{key}: got {getattr(self, key)}; expected an integer >= 1")
-        for key in ("enc_layers", "dec_layers"):
-            if getattr(self, key) < 0:
-                out.append(f"{key}: got {getattr(self, key)}; expected an integer >= 0")
-        for key in ("enc_dropout", "dec_dropout"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                out.append(f"{key}: got {getattr(self, key)}; expected a value in [0, 1)")
         if self.latent_fusion not in ("concat", "average"):
             out.append(f"latent_fusion: got {self.latent_fusion!r}; expected 'concat' or 'average'")
-        if self.alpha <= 0:
-            out.append(f"alpha: got {self.alpha}; expected a positive number")
-        if self.lambda_task <= 0:
-            out.append(f"lambda_task: got {self.lambda_task}; expected a positive number")
-        for key in ("lambda_reconstruction", "lambda_kl", "lambda_z2", "lambda_z1"):
-            if getattr(self, key) < 0:
-                out.append(f"{key}: got {getattr(self, key)}; expected a number >= 0")
         return out

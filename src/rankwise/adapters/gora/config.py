@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from rankwise.adapters.common.config import LoraPairConfig
+from rankwise.configs import bounded
 
 IMPORTANCES = ("union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv", "union_log_sv")
 
@@ -57,18 +58,18 @@ class GoraConfig(LoraPairConfig):
 
     name: str = "gora"
     use_rslora: bool = True
-    r_min: Optional[int] = None
+    r_min: Optional[int] = bounded(None, ge=0, hint="(null: r / 2)")
     r_max: Optional[int] = None
     importance: Literal["union_mean", "union_frobenius", "grad_nuclear", "grad_log_sv",
                         "union_log_sv"] = "union_mean"
     sqrt_importance: bool = False
-    softmax_temperature: Optional[float] = None
+    softmax_temperature: Optional[float] = bounded(None, gt=0)
     allocation: Literal["largest_remainder", "round"] = "largest_remainder"
-    n_batches: int = 8
+    n_batches: int = bounded(8, ge=1)
     early_stop: bool = False
-    stop_tolerance: float = 0.1
-    min_batches: int = 3
-    init_lr: float = 5e-2
+    stop_tolerance: float = bounded(0.1, gt=0)
+    min_batches: int = bounded(3, ge=1)
+    init_lr: float = bounded(5e-2, ge=0, hint="(0 gives B = 0)")
     scale_init_by_dim: bool = True
     init_sign: Literal["descent", "ascent"] = "descent"
 
@@ -85,20 +86,7 @@ class GoraConfig(LoraPairConfig):
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
         out = super().problems()
-        if self.min_rank < 0:
-            out.append(f"r_min: got {self.r_min}; expected an integer >= 0 or null")
         if self.max_rank < max(1, self.min_rank):
             out.append(f"r_max: got {self.r_max}; expected an integer >= max(1, r_min={self.min_rank}) "
                        "or null (4 r)")
-        if self.n_batches < 1:
-            out.append(f"n_batches: got {self.n_batches}; expected an integer >= 1")
-        if self.min_batches < 1:
-            out.append(f"min_batches: got {self.min_batches}; expected an integer >= 1")
-        if self.stop_tolerance <= 0:
-            out.append(f"stop_tolerance: got {self.stop_tolerance}; expected a positive number")
-        if self.softmax_temperature is not None and self.softmax_temperature <= 0:
-            out.append(f"softmax_temperature: got {self.softmax_temperature}; expected a positive "
-                       "number or null")
-        if self.init_lr < 0:
-            out.append(f"init_lr: got {self.init_lr}; expected a number >= 0 (0 gives B = 0)")
         return out

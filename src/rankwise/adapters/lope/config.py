@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwise.adapters.common.config import LoraPairConfig
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -45,22 +46,8 @@ class LopeConfig(LoraPairConfig):
     """
 
     name: str = "lope"
-    num_experts: int = 3
-    poison_steps: int = 20
-    noise_rate: float = 0.3
+    num_experts: int = bounded(3, ge=1, hint="(normal experts; the poisoning expert is added on top)")
+    poison_steps: int = bounded(20, ge=0)
+    noise_rate: float = bounded(0.3, ge=0.0, le=1.0, what="a probability")
     renormalize: bool = True
-    noise_std: float = 0.0
-
-    def problems(self) -> list[str]:
-        """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = super().problems()
-        if self.num_experts < 1:
-            out.append(f"num_experts: got {self.num_experts}; expected an integer >= 1 (normal "
-                       "experts; the poisoning expert is added on top)")
-        if self.poison_steps < 0:
-            out.append(f"poison_steps: got {self.poison_steps}; expected an integer >= 0")
-        if not 0.0 <= self.noise_rate <= 1.0:
-            out.append(f"noise_rate: got {self.noise_rate}; expected a probability in [0, 1]")
-        if self.noise_std < 0:
-            out.append(f"noise_std: got {self.noise_std}; expected a number >= 0")
-        return out
+    noise_std: float = bounded(0.0, ge=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwise.adapters.common.config import TargetedConfig
+from rankwise.configs import bounded
 
 SUPPORTED_BITS = (2, 4, 8)  # codes are packed 8 / bits per byte
 
@@ -33,10 +34,10 @@ class LotaConfig(TargetedConfig):
     """
 
     name: str = "lota-qaf"
-    r: int = 64
+    r: int = bounded(64, ge=1)
     bits: int = 4
-    group_size: int = 128
-    threshold_ratio: float = 0.75
+    group_size: int = bounded(128, ge=1, hint="such as 128")
+    threshold_ratio: float = bounded(0.75, gt=0, lt=1, hint="such as 0.75")
     fold_offsets: bool = True
 
     def problems(self) -> list[str]:
@@ -45,11 +46,4 @@ class LotaConfig(TargetedConfig):
         if self.bits not in SUPPORTED_BITS:
             out.append(f"bits: got {self.bits}; expected one of {list(SUPPORTED_BITS)} (the integer "
                        "grid packs 8/bits codes per byte)")
-        if self.r < 1:
-            out.append(f"r: got {self.r}; expected an integer >= 1")
-        if self.group_size < 1:
-            out.append(f"group_size: got {self.group_size}; expected a positive integer such as 128")
-        if not 0 < self.threshold_ratio < 1:
-            out.append(f"threshold_ratio: got {self.threshold_ratio}; expected a number in (0, 1) "
-                       "such as 0.75")
         return out

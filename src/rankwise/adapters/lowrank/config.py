@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rankwise.adapters.common.config import TargetedConfig
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -26,12 +27,5 @@ class LowRankConfig(TargetedConfig):
     """
 
     name: str = "lowrank"
-    rank: int = 8
+    rank: int = bounded(8, ge=1)
     mode: Literal["adapter", "factorized"] = "adapter"
-
-    def problems(self) -> list[str]:
-        """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = super().problems()
-        if self.rank < 1:
-            out.append(f"rank: got {self.rank}; expected an integer >= 1")
-        return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwise.adapters.common.config import LoraPairConfig
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -50,32 +51,21 @@ class MoeLoraConfig(LoraPairConfig):
     """
 
     name: str = "moe-lora"
-    num_experts: int = 4
-    top_k: int = 2
-    mass_threshold: float = 0.0
-    r: int = 2
-    alpha: float = 4.0
-    balance_weight: float = 0.01
-    entropy_weight: float = 1e-4
+    num_experts: int = bounded(4, ge=1)
+    top_k: int = bounded(2, ge=1)
+    mass_threshold: float = bounded(0.0, ge=0.0, le=1.0, hint="(0: fixed top-k)")
+    r: int = bounded(2, ge=1)
+    alpha: float = bounded(4.0, gt=0)
+    balance_weight: float = bounded(0.01, ge=0)
+    entropy_weight: float = bounded(1e-4, ge=0)
     router_init: str = "kaiming"
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
         out = super().problems()
-        if self.num_experts < 1:
-            out.append(f"num_experts: got {self.num_experts}; expected an integer >= 1")
-        if self.top_k < 1:
-            out.append(f"top_k: got {self.top_k}; expected an integer >= 1")
-        elif self.num_experts >= 1 and self.top_k > self.num_experts:
+        if 1 <= self.num_experts < self.top_k:
             out.append(f"top_k: got {self.top_k}, more than num_experts={self.num_experts}; "
                        f"choose top_k <= {self.num_experts}")
-        if not 0.0 <= self.mass_threshold <= 1.0:
-            out.append(f"mass_threshold: got {self.mass_threshold}; expected 0 (fixed top-k) or "
-                       "a value in (0, 1]")
-        if self.balance_weight < 0:
-            out.append(f"balance_weight: got {self.balance_weight}; expected a number >= 0")
-        if self.entropy_weight < 0:
-            out.append(f"entropy_weight: got {self.entropy_weight}; expected a number >= 0")
         if self.router_init not in ("kaiming", "zeros"):
             out.append(f"router_init: got {self.router_init!r}; expected 'kaiming' or 'zeros'")
         return out

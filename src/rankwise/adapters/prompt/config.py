@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-
-def _tokens_problem(n: int) -> list[str]:
-    return [] if n >= 1 else [f"num_virtual_tokens: got {n}; expected an integer >= 1"]
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -31,13 +29,13 @@ class PromptTuningConfig:
     """
 
     name: str = "prompt-tuning"
-    num_virtual_tokens: int = 20
+    num_virtual_tokens: int = bounded(20, ge=1)
     init: str = "vocab"
     modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = _tokens_problem(self.num_virtual_tokens)
+        out = []
         if self.init not in ("vocab", "random"):
             out.append(f"init: got {self.init!r}; expected 'vocab' or 'random'")
         return out
@@ -66,27 +64,19 @@ class PtMoeConfig:
     """
 
     name: str = "pt-moe"
-    num_virtual_tokens: int = 20
-    num_experts: int = 4
-    rank: int = 8
-    top_k: int = 1
-    noise_std: float = 0.1
+    num_virtual_tokens: int = bounded(20, ge=1)
+    num_experts: int = bounded(4, ge=1)
+    rank: int = bounded(8, ge=1)
+    top_k: int = bounded(1, ge=1)
+    noise_std: float = bounded(0.1, ge=0)
     modules_to_save: Union[list[str], None] = None
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = _tokens_problem(self.num_virtual_tokens)
-        if self.num_experts < 1:
-            out.append(f"num_experts: got {self.num_experts}; expected an integer >= 1")
-        if self.rank < 1:
-            out.append(f"rank: got {self.rank}; expected an integer >= 1")
-        if self.top_k < 1:
-            out.append(f"top_k: got {self.top_k}; expected an integer >= 1")
-        elif self.num_experts >= 1 and self.top_k > self.num_experts:
+        out = []
+        if 1 <= self.num_experts < self.top_k:
             out.append(f"top_k: got {self.top_k}, more than num_experts={self.num_experts}; "
                        f"choose top_k <= {self.num_experts}")
-        if self.noise_std < 0:
-            out.append(f"noise_std: got {self.noise_std}; expected a number >= 0")
         return out
 
 

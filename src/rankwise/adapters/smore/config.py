@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from rankwise.adapters.common.config import TargetedConfig
+from rankwise.configs import bounded
 
 EXPERT_ACTS = ("tanh", "relu", "identity")
 GATE_ACTS = ("relu", "tanh", "identity")
@@ -50,11 +51,11 @@ class SmoreConfig(TargetedConfig):
     experts: list[int] = field(default_factory=lambda: [4])
     fanout: list[int] = field(default_factory=lambda: [2])
     gate_dims: list[int] = field(default_factory=lambda: [32])
-    down_dim: int = 32
+    down_dim: int = bounded(32, ge=1)
     alpha: Union[list[float], None] = None
     expert_act: str = "tanh"
     gate_act: str = "relu"
-    balance_weight: float = 0.01
+    balance_weight: float = bounded(0.01, ge=0)
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
@@ -73,12 +74,8 @@ class SmoreConfig(TargetedConfig):
         for lvl, (f, s) in enumerate(zip(self.fanout, self.experts)):
             if s >= 1 and f > s:
                 out.append(f"fanout: level {lvl} picks {f} of {s} experts; choose fanout <= experts")
-        if self.down_dim < 1:
-            out.append(f"down_dim: got {self.down_dim}; expected an integer >= 1")
         if self.expert_act not in EXPERT_ACTS:
             out.append(f"expert_act: got {self.expert_act!r}; expected one of {list(EXPERT_ACTS)}")
         if self.gate_act not in GATE_ACTS:
             out.append(f"gate_act: got {self.gate_act!r}; expected one of {list(GATE_ACTS)}")
-        if self.balance_weight < 0:
-            out.append(f"balance_weight: got {self.balance_weight}; expected a number >= 0")
         return out

@@ -78,13 +78,7 @@ class MemoryConfig:
     """
 
     path: str | None = None
-    lam: float | None = None
-
-    def problems(self) -> list[str]:
-        """λ outside [0, 1]."""
-        if self.lam is not None and not 0.0 <= self.lam <= 1.0:
-            return [f"lam: got {self.lam}; expected a value in [0, 1] (--memory-lambda)"]
-        return []
+    lam: float | None = configs.bounded(None, ge=0.0, le=1.0, hint="(--memory-lambda)")
 
 
 @dataclass
@@ -105,26 +99,18 @@ class DecodeConfig:
         memory: A Memory Decoder (:class:`MemoryConfig`).
     """
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = configs.bounded(64, ge=1, hint="(--max-new-tokens)")
+    temperature: float = configs.bounded(0.0, ge=0, hint="(--temperature; 0 = greedy)")
+    top_p: float = configs.bounded(1.0, gt=0, le=1, hint="(--top-p)")
+    top_k: int = configs.bounded(0, ge=0, hint="(0 = off)")
     seed: int = 0
     kv_cache: KVCacheConfig = configs.chosen("kv-cache", FPCacheConfig, hint="(--kv-cache)")
     steer: SteerConfig = field(default_factory=SteerConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def problems(self) -> list[str]:
-        """Every bad value of the sampler, and combinations the loop refuses."""
+        """The combinations the loop refuses (the sampler's ranges are declared on its fields)."""
         out = []
-        if self.max_new_tokens < 1:
-            out.append(f"max_new_tokens: got {self.max_new_tokens}; expected >= 1 (--max-new-tokens)")
-        if self.temperature < 0:
-            out.append(f"temperature: got {self.temperature}; expected >= 0 (--temperature; 0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p: got {self.top_p}; expected a value in (0, 1] (--top-p)")
-        if self.top_k < 0:
-            out.append(f"top_k: got {self.top_k}; expected >= 0 (0 = off)")
         kv = self.kv_cache.name
         if self.steer.name is not None and kv != "fp":
             out.append(f"steer: --steer svdecode keeps its own full-precision KV caches; leave out "
@@ -201,7 +187,8 @@ def _from_dict(data: dict) -> DecodeConfig:
     except RankwiseError as err:
         numbers = {k: v for k, v in data.items() if k in SAMPLER_KEYS
                    and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        more = [f"decode.{p}" for p in DecodeConfig(**numbers).problems() if f"decode.{p}" not in str(err)]
+        more = [f"decode.{p}" for p in configs.problems_of(DecodeConfig(**numbers))
+                if f"decode.{p}" not in str(err)]
         if not more:
             raise
         raise RankwiseError("; ".join([str(err), *more])) from None

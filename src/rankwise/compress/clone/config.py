@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rankwise.compress.config import HeldoutConfig, TextConfig
-from rankwise.configs import problems_of
+from rankwise.configs import bounded, problems_of
 
 
 @dataclass
@@ -45,18 +45,18 @@ class DistillConfig:
     """
 
     student_hidden: int = 0
-    temperature: float = 40.0
-    kl_weight: float = 1.0
+    temperature: float = bounded(40.0, gt=0)
+    kl_weight: float = bounded(1.0, ge=0)
     kl_reduction: str = "sequence"
     init: str = "svd"
-    clone_weight: float = 0.2
+    clone_weight: float = bounded(0.2, ge=0)
     tie_head_projection: bool = True
-    steps: int = 200
-    batch: int = 8
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_fraction: float = 0.1
-    grad_clip: float = 1.0
+    steps: int = bounded(200, ge=1)
+    batch: int = bounded(8, ge=1)
+    lr: float = bounded(1e-3, gt=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    warmup_fraction: float = bounded(0.1, ge=0.0, lt=1.0, what="a fraction")
+    grad_clip: float = bounded(1.0, ge=0)
     seed: int = 0
     eval_every: int = 0
     checkpoint_every: int = 50
@@ -69,22 +69,10 @@ class DistillConfig:
         if self.student_hidden < 1:
             out.append(f"student_hidden: got {self.student_hidden}; expected a positive width below "
                        "the teacher's hidden size (--student-hidden H)")
-        if self.temperature <= 0:
-            out.append(f"temperature: got {self.temperature}; expected a number > 0")
         if self.kl_reduction not in ("sequence", "token"):
             out.append(f"kl_reduction: got {self.kl_reduction!r}; expected 'sequence' or 'token'")
         if self.init not in ("svd", "normal"):
             out.append(f"init: got {self.init!r}; expected 'svd' or 'normal'")
-        for name in ("kl_weight", "clone_weight", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                out.append(f"{name}: got {getattr(self, name)}; expected a number >= 0")
-        for name in ("steps", "batch"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
-        if self.lr <= 0:
-            out.append(f"lr: got {self.lr}; expected a number > 0")
-        if not 0.0 <= self.warmup_fraction < 1.0:
-            out.append(f"warmup_fraction: got {self.warmup_fraction}; expected a fraction in [0, 1)")
         out += [f"data.{p}" for p in problems_of(self.data)]
         out += [f"heldout.{p}" for p in problems_of(self.heldout)]
         return out

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from rankwise.compress.config import CompressConfig, Quantization
+from rankwise.configs import bounded
 
 BITS = (1, 2, 3, 4)
 ALLOCATIONS = ("salience", "uniform")
@@ -32,34 +33,23 @@ class GLVQConfig(Quantization, CompressConfig):
     """
 
     bits: int = 4
-    group_size: int = 128
-    group_rows: Union[int, None] = None
-    dim: int = 8
-    rounds: int = 6
-    steps: int = 10
-    lr: float = 0.02
+    group_size: int = bounded(128, ge=1, hint="such as 128")
+    group_rows: Union[int, None] = bounded(None, ge=1)
+    dim: int = bounded(8, ge=1)
+    rounds: int = bounded(6, ge=1)
+    steps: int = bounded(10, ge=0)
+    lr: float = bounded(0.02, gt=0)
     companding: bool = True
     allocation: str = "salience"
-    regularization: float = 0.1
+    regularization: float = bounded(0.1, ge=0)
 
     def problems(self) -> list[str]:
         """Return value errors."""
         out = CompressConfig.problems(self) + self.quant_problems(BITS)
-        for name in ("dim", "rounds"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
-        if self.steps < 0:
-            out.append(f"steps: got {self.steps}; expected an integer >= 0")
-        if self.group_rows is not None and self.group_rows < 1:
-            out.append(f"group_rows: got {self.group_rows}; expected an integer >= 1 or null")
-        if self.dim >= 1 and self.group_size % self.dim:
+        if self.dim >= 1 and self.group_size >= 1 and self.group_size % self.dim:
             out.append(f"group_size: got {self.group_size}; expected a multiple of dim={self.dim}")
-        if self.lr <= 0:
-            out.append(f"lr: got {self.lr}; expected a positive number")
         if self.allocation not in ALLOCATIONS:
             out.append(f"allocation: got {self.allocation!r}; expected one of {list(ALLOCATIONS)}")
-        if self.regularization < 0:
-            out.append(f"regularization: got {self.regularization}; expected a number >= 0")
         return out
 
     def layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from rankwise.compress.config import CompressConfig
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -20,19 +21,10 @@ class SVDConfig(CompressConfig):
         damp: ``H += damp · mean(diag H) · I`` before whitening.
     """
 
-    rank: Union[int, None] = None
-    energy: float = 0.9
+    rank: Union[int, None] = bounded(None, ge=1, hint="(null: use energy)")
+    energy: float = bounded(0.9, gt=0.0, le=1.0, what="a fraction")
     whiten: bool = False
     damp: float = 0.01
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = super().problems()
-        if self.rank is not None and self.rank < 1:
-            out.append(f"rank: got {self.rank}; expected an integer >= 1 (or null to use energy)")
-        if not 0.0 < self.energy <= 1.0:
-            out.append(f"energy: got {self.energy}; expected a fraction in (0, 1]")
-        return out
 
     def layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:
         """The rank must fit the layer."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwise.compress.config import CompressConfig, Sparsity
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -34,16 +35,12 @@ class SparseGPTConfig(MagnitudeConfig):
         damp: ``H += damp · mean(diag H) · I`` before inverting.
     """
 
-    block_size: int = 128
-    damp: float = 0.01
+    block_size: int = bounded(128, ge=1)
+    damp: float = bounded(0.01, gt=0, hint="such as 0.01")
 
     def problems(self) -> list[str]:
         """Return value errors."""
         out = super().problems()
-        if self.block_size < 1:
-            out.append(f"block_size: got {self.block_size}; expected an integer >= 1")
-        if self.damp <= 0:
-            out.append(f"damp: got {self.damp}; expected a positive number such as 0.01")
         nm = self.nm if not any(p.startswith("pattern") for p in out) else None
         if nm and self.block_size % nm[1]:
             out.append(f"block_size: got {self.block_size}; with pattern {self.pattern} it must be "

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwise.compress.config import CompressConfig, Quantization
+from rankwise.configs import bounded
 
 BITS = (2, 3, 4, 8)
 
@@ -26,14 +27,5 @@ class GPTQConfig(RTNConfig):
         damp: ``H += damp · mean(diag H) · I`` before inverting.
     """
 
-    block_size: int = 128
-    damp: float = 0.01
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        out = super().problems()
-        if self.block_size < 1:
-            out.append(f"block_size: got {self.block_size}; expected an integer >= 1")
-        if self.damp <= 0:
-            out.append(f"damp: got {self.damp}; expected a positive number such as 0.01")
-        return out
+    block_size: int = bounded(128, ge=1)
+    damp: float = bounded(0.01, gt=0, hint="such as 0.01")

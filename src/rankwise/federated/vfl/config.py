@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from rankwise.configs import bounded
+
 # Feature columns of each dataset (the docstrings case: token positions).
 WIDTHS = {"breast_cancer": 30, "digits": 64, "wine": 13, "docstrings": 32}
 CLASSES = {"breast_cancer": 2, "digits": 10, "wine": 3, "docstrings": 8}
@@ -58,27 +60,27 @@ class VFLConfig:
     labels: list[str] = field(default_factory=lambda: ["active"])
     mode: Literal["sync", "pubsub"] = "sync"
     engine: Literal["flower", "direct"] = "flower"
-    workers_passive: int = 2
-    workers_active: int = 2
-    staleness: int = 4
-    buffer: int = 8
+    workers_passive: int = bounded(2, ge=1)
+    workers_active: int = bounded(2, ge=1)
+    staleness: int = bounded(4, ge=0)
+    buffer: int = bounded(8, ge=1)
     auto: bool = False
     batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64])
-    max_workers: int = 3
+    max_workers: int = bounded(3, ge=1)
     cores: Union[list[int], None] = None
-    batch_size: int = 32
-    epochs: int = 20
-    lr: float = 0.05
+    batch_size: int = bounded(32, ge=1)
+    epochs: int = bounded(20, ge=1)
+    lr: float = bounded(0.05, gt=0)
     momentum: float = 0.0
-    hidden: int = 64
-    embed: int = 16
-    top_hidden: int = 32
+    hidden: int = bounded(64, ge=1)
+    embed: int = bounded(16, ge=1)
+    top_hidden: int = bounded(32, ge=1)
     vocab: int = 512
-    test_fraction: float = 0.2
+    test_fraction: float = bounded(0.2, gt=0.0, lt=1.0)
     target_accuracy: float = 0.95
     slow_party: Literal["none", "passive", "active"] = "none"
-    slow_factor: float = 1.0
-    latency_ms: float = 0.0
+    slow_factor: float = bounded(1.0, ge=1.0)
+    latency_ms: float = bounded(0.0, ge=0)
     seed: int = 0
 
     def columns(self) -> tuple[list[int], list[int]]:
@@ -119,20 +121,6 @@ class VFLConfig:
                        "the active party holds them: labels: [active]")
         if self.cores is not None and (len(self.cores) != 2 or min(self.cores) < 1):
             out.append(f"cores: got {self.cores!r}; expected [passive, active], each >= 1")
-        for name in ("workers_passive", "workers_active", "buffer", "batch_size", "epochs",
-                     "max_workers", "hidden", "embed", "top_hidden"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: got {getattr(self, name)}; expected an integer >= 1")
-        if self.staleness < 0:
-            out.append(f"staleness: got {self.staleness}; expected an integer >= 0")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             out.append(f"batch_sizes: got {self.batch_sizes!r}; expected positive integers")
-        if not 0.0 < self.test_fraction < 1.0:
-            out.append(f"test_fraction: got {self.test_fraction}; expected a value in (0, 1)")
-        if self.slow_factor < 1.0:
-            out.append(f"slow_factor: got {self.slow_factor}; expected a number >= 1")
-        if self.latency_ms < 0:
-            out.append(f"latency_ms: got {self.latency_ms}; expected a number >= 0")
-        if self.lr <= 0:
-            out.append(f"lr: got {self.lr}; expected a positive number")
         return out

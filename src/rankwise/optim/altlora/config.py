@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 
 
 @dataclass
@@ -35,28 +36,19 @@ class AltLoraConfig:
     """
 
     name: str = "altlora"
-    lr: float = 1.0
+    lr: float = bounded(1.0, gt=0, hint="such as 1e-3")
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-4
-    weight_decay: float = 1e-5
-    reg: float = 1e-5
+    eps: float = bounded(1e-4, gt=0, hint="such as 1e-4")
+    weight_decay: float = bounded(1e-5, ge=0)
+    reg: float = bounded(1e-5, ge=0, hint="(lambda of (BᵀB + lambda I)⁻¹)")
     mode: Literal["joint", "alternate"] = "joint"
-    alternate_every: int = 10
-    head_lr: Optional[float] = None
+    alternate_every: int = bounded(10, ge=1)
+    head_lr: Optional[float] = bounded(None, gt=0)
     head_eps: float = 1e-8
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas)
-        if not self.eps > 0:
-            out.append(f"eps: got {self.eps}; expected a positive number such as 1e-4")
-        if self.reg < 0:
-            out.append(f"reg: got {self.reg}; expected a number >= 0 (lambda of (BᵀB + lambda I)⁻¹)")
-        if self.alternate_every < 1:
-            out.append(f"alternate_every: got {self.alternate_every}; expected an integer >= 1")
-        if self.head_lr is not None and self.head_lr <= 0:
-            out.append(f"head_lr: got {self.head_lr}; expected a positive number or null")
-        return out
+        return betas_problems(self.betas)
 
 
 @dataclass
@@ -71,4 +63,4 @@ class AltLoraPlusConfig(AltLoraConfig):
     """
 
     name: str = "altlora-plus"
-    lr: float = 5e-4
+    lr: float = bounded(5e-4, gt=0, hint="such as 1e-3")

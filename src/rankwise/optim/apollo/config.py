@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 from rankwise.optim.lowbit import bits_problems
 
 
@@ -40,29 +41,24 @@ class ApolloConfig:
     """
 
     name: str = "apollo"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    rank: int = 256
-    update_every: int = 200
-    scale: float = 1.0
+    eps: float = bounded(1e-8, ge=0)
+    rank: int = bounded(256, ge=1, hint="such as 64")
+    update_every: int = bounded(200, ge=1, hint="such as 200")
+    scale: float = bounded(1.0, gt=0, hint="such as 1 (apollo) or 128 (apollo-mini)")
     scale_type: Literal["channel", "tensor"] = "channel"
-    norm_growth: Optional[float] = 1.01
+    norm_growth: Optional[float] = bounded(1.01, ge=1, what="a factor", hint="such as 1.01")
     targets: Union[list[str], str] = "block-linear"
     seed: int = 0
     state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
-                           self.update_every)
-        if not self.scale > 0:
-            out.append(f"scale: got {self.scale}; expected a positive number such as 1 (apollo) or 128 (apollo-mini)")
+        out = betas_problems(self.betas)
         if self.scale_type not in ("channel", "tensor"):
             out.append(f"scale_type: got {self.scale_type!r}; expected 'channel' or 'tensor'")
-        if self.norm_growth is not None and not self.norm_growth >= 1:
-            out.append(f"norm_growth: got {self.norm_growth}; expected a factor >= 1 such as 1.01, or null")
         if self.name == "apollo-mini" and (self.rank != 1 or self.scale_type != "tensor"):
             out.append(f"apollo-mini is rank 1 with tensor-wise scaling: got rank {self.rank}, scale_type "
                        f"{self.scale_type!r}; remove them or use optim.name: apollo")
@@ -75,6 +71,6 @@ class ApolloMiniConfig(ApolloConfig):
     Sec. 4.2), ``scale`` 128 as the authors' scripts. Same fields as :class:`ApolloConfig`."""
 
     name: str = "apollo-mini"
-    rank: int = 1
-    scale: float = 128.0
+    rank: int = bounded(1, ge=1, hint="such as 64")
+    scale: float = bounded(128.0, gt=0, hint="such as 1 (apollo) or 128 (apollo-mini)")
     scale_type: Literal["channel", "tensor"] = "tensor"

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 from rankwise.optim.lowbit import bits_problems
 from rankwise.optim.oja import projector_problems
 
@@ -53,13 +54,13 @@ class GaLoreConfig:
     """
 
     name: str = "galore"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    rank: int = 128
-    update_every: int = 200
-    scale: float = 0.25
+    eps: float = bounded(1e-8, ge=0)
+    rank: int = bounded(128, ge=1, hint="such as 64")
+    update_every: int = bounded(200, ge=1, hint="such as 200")
+    scale: float = bounded(0.25, gt=0, hint="such as 0.25")
     targets: Union[list[str], str] = "block-linear"
     svd: Literal["svd", "eigh"] = "svd"
     stagger: bool = False
@@ -73,10 +74,7 @@ class GaLoreConfig:
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
-                           self.update_every)
-        if not self.scale > 0:
-            out.append(f"scale: got {self.scale}; expected a positive number such as 0.25")
+        out = betas_problems(self.betas)
         out += projector_problems(self.projector, self.oja_lr, self.oja_bits)
         out += bits_problems(self.state_bits)
         if self.projector == "oja" and self.select == "sampled":

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 
 
 @dataclass
@@ -26,21 +27,16 @@ class LowRankHBConfig:
     """
 
     name: str = "lowrank-hb"
-    lr: float = 3e-3
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    head_lr: float = 1e-3
+    lr: float = bounded(3e-3, gt=0, hint="such as 1e-3")
+    momentum: float = bounded(0.9, ge=0, lt=1, hint="such as 0.9")
+    weight_decay: float = bounded(0.0, ge=0)
+    head_lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: float = bounded(1e-8, ge=0)
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps)
-        if not 0 <= self.momentum < 1:
-            out.append(f"momentum: got {self.momentum}; expected a number in [0, 1) such as 0.9")
-        if not self.head_lr > 0:
-            out.append(f"head_lr: got {self.head_lr}; expected a positive number such as 1e-3")
-        return out
+        return betas_problems(self.betas)
 
 
 @dataclass
@@ -59,15 +55,12 @@ class LowRankAdamConfig:
     """
 
     name: str = "lowrank-adam"
-    lr: float = 1e-3
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    head_lr: Optional[float] = None
+    eps: float = bounded(1e-8, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    head_lr: Optional[float] = bounded(None, gt=0)
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps)
-        if self.head_lr is not None and not self.head_lr > 0:
-            out.append(f"head_lr: got {self.head_lr}; expected a positive number or null")
-        return out
+        return betas_problems(self.betas)

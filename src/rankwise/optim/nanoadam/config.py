@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 
 
 @dataclass
@@ -32,24 +33,16 @@ class NanoAdamConfig:
     """
 
     name: str = "nanoadam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    density: float = 0.1
-    final_density: Optional[float] = None
-    mask_interval: int = 100
-    density_interval: int = 100
-    total_steps: int = 1000
+    eps: float = bounded(1e-8, ge=0)
+    density: float = bounded(0.1, gt=0, le=1, what="a fraction", hint="such as 0.1")
+    final_density: Optional[float] = bounded(None, gt=0, le=1, what="a fraction", hint="such as 0.1")
+    mask_interval: int = bounded(100, ge=1, hint="such as 100")
+    density_interval: int = bounded(100, ge=1, hint="such as 100")
+    total_steps: int = bounded(1000, ge=1, hint="such as 100")
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps)
-        for key in ("density", "final_density"):
-            value = getattr(self, key)
-            if value is not None and not 0 < value <= 1:
-                out.append(f"{key}: got {value}; expected a fraction in (0, 1] such as 0.1")
-        for key in ("mask_interval", "density_interval", "total_steps"):
-            if getattr(self, key) < 1:
-                out.append(f"{key}: got {getattr(self, key)}; expected a positive integer such as 100")
-        return out
+        return betas_problems(self.betas)

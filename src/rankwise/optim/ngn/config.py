@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -18,13 +18,6 @@ class NGNMConfig:
     """
 
     name: str = "ngn-m"
-    lr: float = 1e-2
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-
-    def problems(self) -> list[str]:
-        """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay)
-        if not 0 <= self.momentum < 1:
-            out.append(f"momentum: got {self.momentum}; expected a number in [0, 1) such as 0.9")
-        return out
+    lr: float = bounded(1e-2, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
+    momentum: float = bounded(0.9, ge=0, lt=1, hint="such as 0.9")

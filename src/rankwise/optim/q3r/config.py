@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 
 
 @dataclass
@@ -44,26 +45,22 @@ class Q3RConfig:
     """
 
     name: str = "q3r"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: float = bounded(1e-8, ge=0)
     rank: Union[int, float] = 32
     scale_rank: bool = True
-    update_every: int = 5
-    lam: float = 0.1
+    update_every: int = bounded(5, ge=1, hint="such as 200")
+    lam: float = bounded(0.1, ge=0, hint="such as 0.1")
     targets: Union[list[str], str] = "block-linear"
     reweight: Literal["subspace", "eigh"] = "subspace"
-    power_iters: int = 1
+    power_iters: int = bounded(1, ge=1, hint="such as 2")
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, None, self.update_every)
+        out = betas_problems(self.betas)
         if not (self.rank >= 1 and float(self.rank).is_integer()) and not 0 < self.rank < 1:
             out.append(f"rank: got {self.rank}; expected a positive integer such as 32 or a "
                        "fraction of max(m, n) in (0, 1) such as 0.05")
-        if self.lam < 0:
-            out.append(f"lam: got {self.lam}; expected 0 or more such as 0.1")
-        if self.power_iters < 1:
-            out.append(f"power_iters: got {self.power_iters}; expected a positive integer such as 2")
         return out

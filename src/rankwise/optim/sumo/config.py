@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 from rankwise.optim.lowbit import bits_problems
 from rankwise.optim.oja import projector_problems
 
@@ -59,17 +60,17 @@ class SumoConfig:
     """
 
     name: str = "sumo"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-    rank: int = 128
-    update_every: int = 200
-    scale: float = 5.0
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
+    momentum: float = bounded(0.9, ge=0, lt=1, hint="such as 0.9")
+    rank: int = bounded(128, ge=1, hint="such as 64")
+    update_every: int = bounded(200, ge=1, hint="such as 200")
+    scale: float = bounded(5.0, gt=0, hint="such as 5.0")
     scale_rule: Literal["uniform", "rms"] = "uniform"
     residual: bool = False
-    norm_growth: Optional[float] = None
+    norm_growth: Optional[float] = bounded(None, ge=1, what="a factor", hint="such as 1.01")
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: float = bounded(1e-8, ge=0)
     targets: Union[list[str], str] = "block-linear"
     svd: Literal["svd", "eigh"] = "eigh"
     projector: Literal["svd", "oja"] = "svd"
@@ -81,14 +82,7 @@ class SumoConfig:
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps, self.rank,
-                           self.update_every)
-        if not 0 <= self.momentum < 1:
-            out.append(f"momentum: got {self.momentum}; expected a number in [0, 1) such as 0.9")
-        if not self.scale > 0:
-            out.append(f"scale: got {self.scale}; expected a positive number such as 5.0")
-        if self.norm_growth is not None and not self.norm_growth >= 1:
-            out.append(f"norm_growth: got {self.norm_growth}; expected a factor >= 1 such as 1.01, or null")
+        out = betas_problems(self.betas)
         if self.norm_growth is not None and not self.residual:
             out.append("norm_growth: limits the residual term; set residual: true or norm_growth: null")
         return out + projector_problems(self.projector, self.oja_lr, self.oja_bits) + bits_problems(self.state_bits)

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rankwise.optim.common import check_common
+from rankwise.configs import bounded
+from rankwise.optim.common import betas_problems
 
 
 @dataclass
@@ -34,26 +35,18 @@ class TSignSGDConfig:
     """
 
     name: str = "t-signsgd"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = bounded(1e-3, gt=0, hint="such as 1e-3")
+    weight_decay: float = bounded(0.0, ge=0)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    total_steps: Optional[int] = None
-    start_quantile: float = 0.95
-    mid_quantile: float = 0.999
-    end_quantile: float = 0.9999
-    phase_split: float = 0.8
+    eps: float = bounded(1e-8, ge=0)
+    total_steps: Optional[int] = bounded(None, ge=1, hint="(train.steps)")
+    start_quantile: float = bounded(0.95, ge=0, lt=1, what="a quantile", hint="such as 0.999")
+    mid_quantile: float = bounded(0.999, ge=0, lt=1, what="a quantile", hint="such as 0.999")
+    end_quantile: float = bounded(0.9999, ge=0, lt=1, what="a quantile", hint="such as 0.999")
+    phase_split: float = bounded(0.8, gt=0, le=1, what="a fraction", hint="such as 0.8")
     spike_norm: float = 10.0
-    spike_quantile: float = 0.99995
+    spike_quantile: float = bounded(0.99995, ge=0, lt=1, what="a quantile", hint="such as 0.999")
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        out = check_common(self.lr, self.weight_decay, self.betas, self.eps)
-        for key in ("start_quantile", "mid_quantile", "end_quantile", "spike_quantile"):
-            if not 0 <= getattr(self, key) < 1:
-                out.append(f"{key}: got {getattr(self, key)}; expected a quantile in [0, 1) such as 0.999")
-        if not 0 < self.phase_split <= 1:
-            out.append(f"phase_split: got {self.phase_split}; expected a fraction in (0, 1] such as 0.8")
-        if self.total_steps is not None and self.total_steps < 1:
-            out.append(f"total_steps: got {self.total_steps}; expected a positive integer (train.steps)")
-        return out
+        return betas_problems(self.betas)
