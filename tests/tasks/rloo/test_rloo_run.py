@@ -78,6 +78,34 @@ def test_rloo_run_logs_leave_one_out_advantages_and_resumes_exactly(prompts, tmp
     assert resumed["eval_reward_mean"] == metrics["eval_reward_mean"]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_two_processes_normalise_over_the_whole_step(prompts, tmp_path):
+    """Two gloo processes x 1 micro-batch = one process x ``grad_accum: 2``: the same groups are
+    sampled (GRPO's seeding), and ``normalize_advantages`` spans both processes' micro-batches
+    (an all-reduce), so the step losses, the adapter and ``eval_reward_mean`` agree; beta > 0
+    (the KL penalty in the reward)."""
+    from tests.recipes.torchrun_helpers import losses, torchrun
+    raw = raw_config(prompts, normalize_advantages=True, beta=0.1)
+    raw["train"].update(batch_size=4, grad_accum=2, save_every=0)   # 4 prompts x k=3 per step
+    one = run(raw, tmp_path / "one")
+    proc = torchrun(tmp_path, tmp_path / "two", "train.grad_accum=1", raw=raw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two["eval_reward_mean"] == pytest.approx(one["eval_reward_mean"], rel=1e-6, abs=1e-6)
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5, abs=1e-7)
+    a, b = (load_file(str(tmp_path / p / "adapter" / "adapter.safetensors")) for p in ("one", "two"))
+    assert sorted(a) == sorted(b) and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+    assert all(a[k].abs().max() > 0 for k in a if "lora_B" in k)    # the adapters moved (B starts at 0)
+    # the logged step-1 advantages are standardised over both micro-batches (12 completions),
+    # not over each
+    lines = [json.loads(x) for x in (tmp_path / "one" / "samples.jsonl").read_text().splitlines()]
+    first = torch.tensor([x["advantage"] for x in lines if x["step"] == 1])
+    assert len(first) == 12 and abs(float(first.mean())) < 1e-5
+    assert float(first.std()) == pytest.approx(1.0, abs=0.01)        # std / (std + 1e-4), rewards ~0.05 apart
+    assert abs(float(first[:6].std()) - 1.0) > 0.05                  # micro-batch 1 alone is not std 1
+
+
 @pytest.mark.parametrize("task, data, needles", [
     ({"num_generations": 1}, {}, ["num_generations: got 1", "other k - 1", ">= 2"]),
     ({"reward_clip_range": [1.0, 0.0]}, {}, ["reward_clip_range", "low <= high"]),
