@@ -78,6 +78,25 @@ def test_rloo_run_logs_leave_one_out_advantages_and_resumes_exactly(prompts, tmp
     assert resumed["eval_reward_mean"] == metrics["eval_reward_mean"]
 
 
+@pytest.mark.slow
+def test_rloo_trains_dora_on_an_nf4_base(prompts, tmp_path):
+    """QLoRA: the rollout samples from, and the reference disables the adapters of, a 4-bit base
+    (bf16 compute) with DoRA; the KL penalty is logged and the adapter moves."""
+    pytest.importorskip("bitsandbytes")
+    raw = raw_config(prompts, steps=2)
+    raw["model"].update(quantize="nf4", dtype="bfloat16")
+    raw["method"].update(use_dora=True)
+    raw["train"].update(precision="bf16", save_every=0)
+    metrics = run(raw, tmp_path / "q")
+    events = [json.loads(x) for x in (tmp_path / "q" / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if "loss" in e]
+    assert len(steps) == 2 and all(abs(e["loss"]) < 1e-2 and "kl" in e for e in steps)  # loss 0 in value
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] != 0.0   # B starts at 0
+    adapter = load_file(str(tmp_path / "q" / "adapter" / "adapter.safetensors"))
+    assert any("lora_B" in k and adapter[k].abs().max() > 0 for k in adapter)
+    assert "eval_reward_mean" in metrics
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_two_processes_normalise_over_the_whole_step(prompts, tmp_path):
