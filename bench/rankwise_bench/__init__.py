@@ -62,6 +62,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "plan": Benchmark("plan", cli="main"),
     "preference": Benchmark("preference"),
     "restore": Benchmark("restore"),
+    "rloo": Benchmark("rloo"),
     "select": Benchmark("select", cli="main"),
     "select-functions": Benchmark("select_functions", cli="main"),
     "shapley": Benchmark("shapley", cli="main"),

@@ -36,6 +36,7 @@ FOLDERS = {
     **{f"lowrank-pretrain-8bit-seeds/{row}-seed{k}": "lowrank-pretrain" for row in ("adamw", "galore")
        for k in range(3)},
     "memory-decoder": "memory-decoder", "plan": "plan", "preference": "preference", "restore": "restore",
+    "rloo": "rloo",
     "select": "select", "select-functions": "select-functions", "shapley": "shapley", "skrull": "skrull",
     "svdecode": "svdecode", "tpa": "tpa", "transfer": "transfer", "vfl": "vfl",
 }

@@ -241,15 +241,29 @@ class GRPOTask(Task):
             completions = sample_groups(_unwrap(model), prompts, g, c.max_completion_length, eos, pad,
                                         c.temperature, c.top_p, str(device))
         rewards, values, texts = self.score(data, rows, completions, g)
-        adv = group_advantages(rewards, g, c.scale_rewards)
         out = rows_of(prompts, completions, g, pad, device)
-        out.update(advantages=adv.to(device), rewards=rewards.to(device))
         if c.beta != 0.0:
             with reference(model, self.snapshot):
                 out["ref_logps"] = token_logps(model, out, c.temperature)
+        adv = self.advantages(model, out, rewards)
+        out.update(advantages=adv.to(device), rewards=rewards.to(device))
         if model.training:
             self._log(data, rows, texts, values, rewards, adv, out["completion_mask"])
         return out
+
+    def advantages(self, model: nn.Module, rows: dict[str, torch.Tensor], rewards: torch.Tensor) -> torch.Tensor:
+        """Each completion's advantage from its reward: GRPO's group-relative one
+        (:func:`group_advantages`, ``task.scale_rewards``). The hook ``rloo`` replaces.
+
+        Args:
+            model: The policy (no gradient: called inside :meth:`rollout`).
+            rows: The prompt + completion rows (:func:`rows_of`; ``ref_logps`` when ``beta > 0``).
+            rewards: ``(B * G,)`` weighted rewards, in group order.
+
+        Returns:
+            ``(B * G,)`` advantages.
+        """
+        return group_advantages(rewards, self.config.num_generations, self.config.scale_rewards)
 
     def before_step(self, model: nn.Module, batches: list[dict], step: int, seed: int) -> list[dict]:
         """Roll out every micro-batch of step ``step``. Each micro-batch samples from its own
