@@ -126,7 +126,7 @@ def test_full_fine_tuning_precomputes_the_reference_with_fixed_partners(unpaired
         model = session.model.eval()
         own, other = logp(model, ex["prompt_ids"], ex["completion_ids"]), logp(model, ex["prompt_ids"],
                                                                              ex["kl_completion_ids"])
-    assert data.ref_logps[0] == pytest.approx([own, other], abs=1e-5)
+    assert data.ref_logps[0] == pytest.approx([own, other], rel=1e-6)   # float32 sums of ~100-300
     engine = session.engine()
     k = int(sum(b["desirable"].sum() for b in engine.step_batches(0)))
     first = engine.train_step(0)
@@ -219,3 +219,45 @@ def test_chat_examples_label_only_the_answer_and_kl_rows_keep_their_prompt(tmp_p
     assert kl_answers == answers[-1:] + answers[:-1]                 # rotated by one
     k = int((batch["labels"][0] != -100).nonzero()[0])                # the prompt's length
     assert batch["kl_input_ids"][0, :k].tolist() == batch["input_ids"][0, :k].tolist()   # same prompt
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_two_processes_average_the_kl_estimate_before_the_clamp(tmp_path):
+    """``torchrun --nproc-per-node 2``, batch 8: each process holds 4 examples and estimates its
+    KL term on them; as TRL, the two means are averaged before the clamp. Step 1's logged loss
+    equals that computed by hand from the model after step 0 (a one-process, one-step run: the
+    same update, as z = 0 at step 0 on both) over the step's two halves with the averaged z. Three
+    in four examples are desirable, so the policy's mismatched completions (def lines too) gain
+    probability and both halves' estimates are positive, and different."""
+    from rankwise.engine.loop import draw_batches
+    from rankwise.tasks.kto.task import KTOConfig, KTOTask, kto_losses
+    from tests.recipes.torchrun_helpers import losses, torchrun
+    recs = [dict(r, label=i % 4 != 3) for i, r in enumerate(unpaired_records(32))]
+    raw = raw_config(write(tmp_path / "mostly-good.jsonl", recs), steps=2)
+    raw["train"].update(batch_size=8, save_every=0, eval_every=0)
+    proc = torchrun(tmp_path, tmp_path / "two", raw=raw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = dict(raw, train=dict(raw["train"], steps=1))
+    run(one, tmp_path / "one")
+    cfg, model, tok = load_run(tmp_path / "one")
+    train_data, _ = build_unpaired_data(cfg.data, tok)
+    task = KTOTask(KTOConfig(beta=0.2, undesirable_weight=1.2, reference="adapters-off"))
+    halves = draw_batches(train_data, task, 1, 8, cfg.train.seed, "cpu", grad_accum=2)
+    assert [len(b["input_ids"]) for b in halves] == [4, 4]
+    with torch.no_grad():
+        model.eval()
+        parts = [(task.sequence_logps(model, b), task.sequence_logps(model, b, "kl_"), b["desirable"])
+                 for b in halves]
+        with disable_adapters(model):
+            refs = [(task.sequence_logps(model, b), task.sequence_logps(model, b, "kl_")) for b in halves]
+    means = [float((kl - ref_kl).mean()) for (_, kl, _), (_, ref_kl) in zip(parts, refs)]
+    z = max(0.0, sum(means) / 2)
+    total = sum(float(kto_losses(pol, ref, torch.tensor(z), good, 0.2, 1.0, 1.2)[0].sum())
+                for (pol, _, good), (ref, _) in zip(parts, refs))
+    alone = sum(float(kto_losses(pol, ref, torch.tensor(max(0.0, m)), good, 0.2, 1.0, 1.2)[0].sum())
+                for (pol, _, good), (ref, _), m in zip(parts, refs, means))
+    logged = losses(tmp_path / "two")
+    assert len(logged) == 2 and logged[0] in [pytest.approx((k + 1.2 * (8 - k)) / 16, abs=1e-6) for k in range(9)]
+    assert logged[1] == pytest.approx(total / 8, abs=1e-5)
+    assert abs(alone - total) / 8 > 1e-4, (means, "each process's own z would give the same loss")
