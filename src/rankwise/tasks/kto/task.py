@@ -306,6 +306,8 @@ class KTOTask(Task):
         """``eval_loss`` (eq. 8, mean per example) with ``eval_kl``, one ``z`` over every
         evaluation example's mismatched row; the mean rewards and log-probs of each kind."""
         c = self.config
+        if not stats.get("ratios"):
+            return {"eval_loss": 0.0}
         kl = torch.tensor(stats["kl_ratios"], dtype=torch.float64)
         z = kl.mean().clamp(min=0)
         ratios = torch.tensor(stats["ratios"], dtype=torch.float64)
