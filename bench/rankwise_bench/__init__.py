@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "gguf-parity": Benchmark("gguf_parity", cli="main"),
     "grpo": Benchmark("grpo"),
     "grpo-gain": Benchmark("grpo_gain", cli="main"),
+    "kto": Benchmark("kto"),
     "llm-finetune": Benchmark("llm_finetune", cli="main"),
     "llm-finetune-dora": Benchmark("llm_finetune", run="run_dora"),
     "llm-finetune-fused": Benchmark("llm_finetune", run="run_fused"),

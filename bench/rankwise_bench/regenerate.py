@@ -29,7 +29,7 @@ FOLDERS = {
     "federated-demo/issue27": "federated-demo", "federated-demo/issue34": "federated-demo",
     "federated-demo/long": "federated-demo", "federated-demo/natural": "federated-demo",
     "gguf-parity": "gguf-parity", "grpo": "grpo",
-    "grpo-gain": "grpo-gain", "grpo-gain-lr3e-3": "grpo-gain", "llm-finetune": "llm-finetune",
+    "grpo-gain": "grpo-gain", "grpo-gain-lr3e-3": "grpo-gain", "kto": "kto", "llm-finetune": "llm-finetune",
     "llm-finetune-dora": "llm-finetune", "llm-finetune-fused": "llm-finetune",
     "llm-finetune-fused/seq1024": "llm-finetune", "lora-vs-peft": "lora-vs-peft", "loro": "loro",
     "lota-qaf": "lota-qaf", "lowrank-pretrain": "lowrank-pretrain", "lowrank-pretrain-issue21": "lowrank-pretrain",
