@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rankwise import registry
+from rankwise.core import shared_inputs
 from rankwise.core.io import rebuild
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
@@ -257,8 +258,25 @@ def _ready_for_training(session: Session, entry: registry.Entry, selected: dict 
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
 
 
-def set_fused_lora(model: nn.Module, setting) -> None:
-    """Apply ``train.fused_lora`` to every layer that carries the switch (LoRA's layers)."""
-    for layer in model.modules():
-        if isinstance(getattr(type(layer), "fused_lora", None), bool):
-            layer.fused_lora = setting in ("auto", True)
+def set_fused_lora(model: nn.Module, setting) -> list[tuple[str, ...]]:
+    """Apply ``train.fused_lora`` to every layer that carries the switch (LoRA's layers).
+
+    ``auto`` (or ``True``) also fixes, before any step, which of them read one input and share
+    one down-projection product (:func:`rankwise.core.shared_inputs.fix_groups`: one probe
+    forward), so a fresh run, a resumed one and a rebuilt federated client compute the same
+    products from their first micro-batch; ``unshared`` and ``off`` drop such groups.
+
+    Args:
+        model: The adapted model, before any distributed wrapper.
+        setting: ``"auto"``, ``"unshared"``, ``"off"``, ``True`` or ``False``.
+
+    Returns:
+        The groups that share a product, as module paths (leader first).
+    """
+    layers = [m for m in model.modules() if isinstance(getattr(type(m), "fused_lora", None), bool)]
+    for layer in layers:
+        layer.fused_lora = setting in ("auto", "unshared", True)
+    if setting in ("auto", True):
+        return shared_inputs.fix_groups(model, layers)
+    shared_inputs.forget(layers)
+    return []
