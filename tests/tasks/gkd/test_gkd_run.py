@@ -135,3 +135,26 @@ def test_a_teacher_with_another_vocabulary_is_one_line(files, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: task.teacher") and sum(x.startswith("error") for x in lines) == 1
     assert "has a vocabulary of" in lines[-1] and "shares the student's tokenizer" in lines[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_processes_give_the_single_process_run(files, teachers, tmp_path):
+    """torchrun, 2 gloo processes x 1 micro-batch against 1 process x 2 (grad_accum 2): each
+    micro-batch draws its source and samples from a seed of (train.seed, step, its place among
+    the step's micro-batches over all processes), and the loss divides by the step's completion
+    tokens over both processes: the same step losses, adapter and eval_loss."""
+    from safetensors.torch import load_file
+    from tests.recipes.torchrun_helpers import losses, torchrun
+    raw = raw_config(files, steps=2, lmbda=0.5, seq_kd=True)
+    raw["task"]["teacher"] = str(teachers["folder"])
+    raw["train"].update(batch_size=2, grad_accum=2, save_every=0)
+    one = train(load_run_config(None, base=json.loads(json.dumps(raw))), tmp_path / "one")
+    proc = torchrun(tmp_path, tmp_path / "two", "train.grad_accum=1", raw=raw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5, abs=1e-8)
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5, abs=1e-8)
+    a, b = (load_file(str(tmp_path / p / "adapter" / "adapter.safetensors")) for p in ("one", "two"))
+    assert sorted(a) == sorted(b) and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+    assert all(a[k].abs().max() > 0 for k in a if "lora_B" in k)    # the adapters moved (B starts at 0)
