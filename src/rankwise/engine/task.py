@@ -103,6 +103,11 @@ class Task:
         model_loader: Set by the train recipe: ``model_loader(path, device)`` loads another
             causal LM folder as the run loads ``model.path`` (the memory decoder's base);
             ``None`` outside a run.
+        teacher_loader: Set by the train recipe: ``teacher_loader(path, device, dtype)`` loads
+            a frozen teacher (a model folder, a finished run folder with its adapters merged,
+            or a ``tiny-*`` test model) as ``(model in eval mode, tokenizer or None)``
+            (:func:`rankwise.recipes.teacher.load_teacher`; the ``gkd`` task's teacher);
+            ``None`` outside a run.
     """
 
     name: ClassVar[str] = ""
@@ -111,6 +116,7 @@ class Task:
     lm_loss: ClassVar[bool] = False
     from_adapter: bool = False
     model_loader: Callable[[str, str], nn.Module] | None = None
+    teacher_loader: Callable[[str, str, str], tuple[nn.Module, Any]] | None = None
 
     def __init__(self, config: TaskConfig | None = None) -> None:
         self.config = config

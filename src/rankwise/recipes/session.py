@@ -33,6 +33,7 @@ from rankwise.recipes import optim_scope
 from rankwise.recipes.config import RunConfig
 from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer
 from rankwise.recipes.start import check_method, load_start
+from rankwise.recipes.teacher import load_teacher
 from rankwise.recipes.tokens import apply_trainable_tokens
 
 
@@ -156,6 +157,8 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     task = get_task(cfg.task)
     task.model_loader = lambda path, dev: load_model(path, "causal-lm", seed=cfg.train.seed,  # as model.path
                                                      device=dev)[0].to(dev).eval()  # (memory decoder's base)
+    task.teacher_loader = lambda path, dev, dtype: load_teacher(path, dev, dtype, seed=cfg.train.seed,
+                                                                what="task.teacher")  # (gkd's teacher)
     session = _load(cfg, task, device, dist, model, tokenizer)
     entry = _apply_method(session, saved)
     _ready_for_training(session, entry, selected)
