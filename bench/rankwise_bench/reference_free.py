@@ -172,7 +172,10 @@ def markdown(res: dict) -> str:
         "row's norms and head to fp32). Where the difference comes from (read from TRL 1.16's code, "
         "not profiled): TRL takes a log-softmax over the whole vocabulary at every position of both "
         "rows, and a second cross-entropy over the chosen rows for the NLL; rankwise normalises "
-        "the vocabulary only at the target positions, once. The machine is shared with other jobs: "
+        "the vocabulary only at the target positions, once. With a bf16 or NF4 base TRL's "
+        "cross-entropy (the NLL, a bf16 number) and log-softmax of the bf16 logits stay in bf16, "
+        "rankwise's are taken in fp32: that, not the model, is the bf16 / NF4 rows' loss "
+        "difference; the 1e-5 parity claim is the fp32 test's. The machine is shared with other jobs: "
         "the ratio of the two, measured in the same process and interleaved, is the figure to read. "
         "NF4 runs bitsandbytes' CPU path.", "",
         f"Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "
