@@ -83,3 +83,35 @@ def test_full_fine_tuning_needs_no_reference(pairs_jsonl):
     assert all(math.isfinite(x) for x in losses) and losses[1] < losses[0]
     assert all(p.requires_grad for p in session.model.parameters())
     assert torch.isfinite(torch.tensor(engine.evaluate(session.eval_data, 16)["eval_loss"]))
+
+
+def step_losses(folder: Path) -> list[float]:
+    return [e["loss"] for e in map(json.loads, (folder / "events.jsonl").read_text().splitlines()) if "loss" in e]
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_gives_the_same_steps(pairs_jsonl, tmp_path):
+    raw = raw_config(pairs_jsonl, steps=3)
+    plain = train(load_run_config(None, base=raw), tmp_path / "plain")
+    raw["train"]["gradient_checkpointing"] = True
+    ckpt = train(load_run_config(None, base=json.loads(json.dumps(raw))), tmp_path / "ckpt")
+    assert step_losses(tmp_path / "ckpt") == pytest.approx(step_losses(tmp_path / "plain"), rel=1e-6)
+    assert ckpt["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_two_processes_give_one_process_with_two_micro_batches(pairs_jsonl, tmp_path):
+    """ORPO's NLL is a token mean per micro-batch (TRL's), so 2 gloo processes x 1 micro-batch of 4
+    pairs equal 1 process x 2 micro-batches of 4 (``grad_accum: 2``): the step losses and the
+    evaluation metrics (every process evaluates the whole set)."""
+    from tests.recipes.torchrun_helpers import torchrun
+    raw = raw_config(pairs_jsonl, steps=3)
+    raw["train"].update(batch_size=8, grad_accum=2, save_every=0)
+    one = train(load_run_config(None, base=json.loads(json.dumps(raw))), tmp_path / "one")
+    proc = torchrun(tmp_path, tmp_path / "two", "train.grad_accum=1", raw=raw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    for key in ("eval_loss", "eval_nll_loss", "eval_log_odds_chosen", "eval_reward_margin"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-5), key
+    assert step_losses(tmp_path / "two") == pytest.approx(step_losses(tmp_path / "one"), rel=1e-5)
