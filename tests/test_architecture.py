@@ -26,9 +26,11 @@ FAMILY_EXCEPTIONS = {("adapters.gora", "adapters.lora")}
 SHARED_FAMILY = "common"  # adapters/common: what the adapter families share
 # What a task (rankwise/tasks/) may import beside tasks' own shared modules (common, reference).
 TASK_MAY = BASE | {"core", "engine", "data"}
-# a task defined as another's variant: RLOO is GRPO's rollout (sampling, rewards, prompts,
-# samples.jsonl) with its own advantage and loss, as GoRA builds LoRA layers
-TASK_EXCEPTIONS = {("rloo", "grpo")}
+# Tasks allowed to build on one other task package: a task defined as another's variant
+# (RLOO is GRPO's rollout - sampling, rewards, prompts, samples.jsonl - with its own advantage
+# and loss, as GoRA builds LoRA layers), and the reference-free pair tasks' shared body
+# (tasks/reference_free.py, for orpo and simpo: DPO's pair task without its reference).
+TASK_EXCEPTIONS = {("rloo", "grpo"), ("reference_free", "dpo")}
 # Commands (rankwise/commands/): what they share (the CLI grammar), and the one command that
 # reads another's module (LoRASuite's transfer collects the LoRA pairs as merge does).
 COMMANDS_SHARED = {"options"}
@@ -156,9 +158,9 @@ def _task_rule(a: list[str], b: list[str]) -> str | None:
         return None if b[0] in TASK_MAY else "tasks import only the engine, data, core and the base"
     own = a[1] if len(a) > 1 and (SRC / "rankwise" / "tasks" / a[1]).is_dir() else None
     other = b[1] if len(b) > 1 and (SRC / "rankwise" / "tasks" / b[1]).is_dir() else None
-    if other is None or other == own or len(a) == 1 or (own, other) in TASK_EXCEPTIONS:
+    if other is None or other == own or len(a) == 1 or (a[1], other) in TASK_EXCEPTIONS:
         return None
-    return "task packages never import each other (tasks/common.py is what they share; rloo -> grpo the one exception)"
+    return "task packages never import each other (tasks/common.py is what they share; TASK_EXCEPTIONS)"
 
 
 def _command_rule(a: list[str], b: list[str]) -> str | None:
@@ -212,6 +214,8 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.tasks.common", "rankwise.federated.config"),
     ("rankwise.tasks.dpo.task", "rankwise.tasks.grpo.rewards"),    # task -> task
     ("rankwise.tasks.grpo.task", "rankwise.tasks.rloo.task"),      # the exception is one way
+    ("rankwise.tasks.orpo.task", "rankwise.tasks.dpo.task"),       # (the shared body may; a task may not)
+    ("rankwise.tasks.reference_free", "rankwise.tasks.grpo.task"),
     ("rankwise.engine.task", "rankwise.tasks.common"),             # engine -> tasks
     ("rankwise.data.text", "rankwise.tasks.dpo.data"),             # data -> tasks
     ("rankwise.adapters.gora.layer", "rankwise.tasks"),            # methods -> tasks
@@ -246,6 +250,8 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.tasks.dpo.task", "rankwise.tasks.common"),
     ("rankwise.tasks.grpo.task", "rankwise.tasks.reference"),
     ("rankwise.tasks.rloo.task", "rankwise.tasks.grpo.task"),
+    ("rankwise.tasks.simpo.task", "rankwise.tasks.reference_free"),
+    ("rankwise.tasks.reference_free", "rankwise.tasks.dpo.task"),
     ("rankwise.tasks.memory_decoder.task", "rankwise.engine.task"),
     ("rankwise.tasks.grpo.data", "rankwise.data.formats"),
     ("rankwise.tasks", "rankwise.tasks.dpo"),

@@ -35,9 +35,9 @@ FOLDERS = {
     "lota-qaf": "lota-qaf", "lowrank-pretrain": "lowrank-pretrain", "lowrank-pretrain-issue21": "lowrank-pretrain",
     **{f"lowrank-pretrain-8bit-seeds/{row}-seed{k}": "lowrank-pretrain" for row in ("adamw", "galore")
        for k in range(3)},
-    "memory-decoder": "memory-decoder", "plan": "plan", "preference": "preference", "restore": "restore",
+    "memory-decoder": "memory-decoder", "orpo": "orpo", "plan": "plan", "preference": "preference", "restore": "restore",
     "rloo": "rloo",
-    "select": "select", "select-functions": "select-functions", "shapley": "shapley", "skrull": "skrull",
+    "select": "select", "select-functions": "select-functions", "shapley": "shapley", "simpo": "simpo", "skrull": "skrull",
     "svdecode": "svdecode", "tpa": "tpa", "transfer": "transfer", "vfl": "vfl",
 }
 
