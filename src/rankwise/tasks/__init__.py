@@ -1,7 +1,7 @@
 """Training objectives, one package each, registered as kind ``task`` (``task: {name: ...}``).
 
 Importing this package registers every built-in task: ``classification`` and ``causal-lm``
-(:mod:`rankwise.tasks.common`), ``dpo``, ``grpo`` and ``memory-decoder``. A new task is one
+(:mod:`rankwise.tasks.common`), ``dpo``, ``grpo``, ``memory-decoder`` and ``reward``. A new task is one
 package here (its config, its task, its records) with ONE ``registry.register("task", ...)``,
 imported below (``docs/architecture.md``, "How to add a task").
 """
@@ -9,6 +9,7 @@ from rankwise.tasks import common  # noqa: F401  (registers "classification", "c
 from rankwise.tasks import dpo  # noqa: F401  (registers "dpo")
 from rankwise.tasks import grpo  # noqa: F401  (registers "grpo")
 from rankwise.tasks import memory_decoder  # noqa: F401  (registers "memory-decoder")
+from rankwise.tasks import reward  # noqa: F401  (registers "reward")
 from rankwise.tasks.common import CausalLMConfig, CausalLMTask, ClassificationConfig, ClassificationTask
 
 __all__ = ["CausalLMConfig", "CausalLMTask", "ClassificationConfig", "ClassificationTask"]
