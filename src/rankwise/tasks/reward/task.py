@@ -247,20 +247,20 @@ def _take_margins(data: PairData, field: str, source: str) -> None:
     if not any(field in p for p in data.pairs):
         return
     bad = []
-    for i, pair in enumerate(data.pairs):
+    for pair in data.pairs:
         value = pair.pop(field, None)
         try:
             number = float(value)
         except (TypeError, ValueError):
             number = math.nan
         if not math.isfinite(number) or isinstance(value, bool):
-            bad.append((i, value))
+            bad.append(value)
             continue
         pair[MARGIN] = number
     if bad:
-        raise RankwiseError(f"{source}: {len(bad)} of {len(data.pairs)} pairs have no numeric "
-                            f"{field!r} (pair {bad[0][0] + 1}: {bad[0][1]!r}); give every record a "
-                            f"number there, or set task.margin_field: null")
+        raise RankwiseError(f"{source}: {len(bad)} of {len(data.pairs)} pairs of a split have no "
+                            f"numeric {field!r} (e.g. {bad[0]!r}); give every record a number there, "
+                            f"or set task.margin_field: null")
 
 
 def _add(stats: dict[str, float], output: RewardOutput) -> None:
