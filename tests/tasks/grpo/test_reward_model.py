@@ -139,3 +139,14 @@ def test_grpo_with_a_reward_run_folder_writes_the_run_models_direct_scores(tmp_p
         assert s["reward"] == s["rewards"][str(rm)]
     assert len({round(s["reward"], 5) for s in samples}) > 1
     assert "eval_reward_mean" in metrics
+
+
+def test_the_cli_refuses_a_classifier_with_three_labels_as_a_reward_in_one_line(tmp_path):
+    from tests.tasks.grpo.test_grpo_run import raw_config as grpo_config, records
+    from test_cli_errors import assert_user_error, invoke, write_yaml
+    save_classifier(tmp_path / "clf", num_labels=3)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(4)))
+    raw = grpo_config((data, data), steps=1, rewards=["./clf"])
+    res = invoke("train", write_yaml(tmp_path / "run.yaml", raw), "--out", tmp_path / "out")
+    assert_user_error(res, "classifier with 3 labels", "num_labels=1")
