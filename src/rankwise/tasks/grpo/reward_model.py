@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import yaml
 from torch import nn
 
 from rankwise.data.formats import end_id, special_prefix
@@ -69,6 +68,7 @@ def folder_kind(folder: Path, name: str) -> str:
             with more than one output, or a folder that is neither.
     """
     if (folder / "config.yaml").is_file():
+        import yaml  # where used: importing rankwise stays light (tests/test_imports.py)
         try:
             raw = yaml.safe_load((folder / "config.yaml").read_text()) or {}
         except (OSError, yaml.YAMLError) as err:
