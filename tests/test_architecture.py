@@ -31,6 +31,9 @@ TASK_MAY = BASE | {"core", "engine", "data"}
 # and loss, as GoRA builds LoRA layers), and the reference-free pair tasks' shared body
 # (tasks/reference_free.py, for orpo and simpo: DPO's pair task without its reference).
 TASK_EXCEPTIONS = {("rloo", "grpo"), ("reference_free", "dpo")}
+# Task modules every task may read: the preference pairs' records (``dpo``'s), which the other
+# pair tasks (``reward``) encode the same way.
+TASK_SHARED = {"tasks.dpo.data"}
 # Commands (rankwise/commands/): what they share (the CLI grammar), and the one command that
 # reads another's module (LoRASuite's transfer collects the LoRA pairs as merge does).
 COMMANDS_SHARED = {"options"}
@@ -158,7 +161,8 @@ def _task_rule(a: list[str], b: list[str]) -> str | None:
         return None if b[0] in TASK_MAY else "tasks import only the engine, data, core and the base"
     own = a[1] if len(a) > 1 and (SRC / "rankwise" / "tasks" / a[1]).is_dir() else None
     other = b[1] if len(b) > 1 and (SRC / "rankwise" / "tasks" / b[1]).is_dir() else None
-    if other is None or other == own or len(a) == 1 or (a[1], other) in TASK_EXCEPTIONS:
+    if (other is None or other == own or len(a) == 1 or (a[1], other) in TASK_EXCEPTIONS
+            or ".".join(b) in TASK_SHARED):
         return None
     return "task packages never import each other (tasks/common.py is what they share; TASK_EXCEPTIONS)"
 
@@ -216,6 +220,7 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.tasks.grpo.task", "rankwise.tasks.rloo.task"),      # the exception is one way
     ("rankwise.tasks.orpo.task", "rankwise.tasks.dpo.task"),       # (the shared body may; a task may not)
     ("rankwise.tasks.reference_free", "rankwise.tasks.grpo.task"),
+    ("rankwise.tasks.reward.task", "rankwise.tasks.dpo.task"),     # (only dpo's records are shared)
     ("rankwise.engine.task", "rankwise.tasks.common"),             # engine -> tasks
     ("rankwise.data.text", "rankwise.tasks.dpo.data"),             # data -> tasks
     ("rankwise.adapters.gora.layer", "rankwise.tasks"),            # methods -> tasks

@@ -10,6 +10,7 @@ clients, ``select``, ``transfer`` and the benchmarks all start from a :class:`Se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from rankwise.engine.skrull import Skrull
 from rankwise.errors import RankwiseError
 from rankwise.recipes import optim_scope
 from rankwise.recipes.config import RunConfig
+from rankwise.recipes.export import load_run
 from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer
 from rankwise.recipes.start import check_method, load_start
 from rankwise.recipes.teacher import load_teacher
@@ -159,10 +161,20 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
                                                      device=dev)[0].to(dev).eval()  # (memory decoder's base)
     task.teacher_loader = lambda path, dev, dtype: load_teacher(path, dev, dtype, seed=cfg.train.seed,
                                                                 what="task.teacher")  # (gkd's teacher)
+    task.run_loader = _run_loader  # a finished run's model (GRPO's reward model)
     session = _load(cfg, task, device, dist, model, tokenizer)
     entry = _apply_method(session, saved)
     _ready_for_training(session, entry, selected)
     return session
+
+
+def _run_loader(run_dir: str, device: str) -> tuple[Any, nn.Module, Any]:
+    """``(config, model, tokenizer)`` of the finished run ``run_dir``, the model on ``device`` in
+    eval mode (:attr:`~rankwise.engine.task.Task.run_loader`)."""
+    cfg, model, tok = load_run(Path(run_dir))
+    if not cfg.model.quantize:  # a quantized base was loaded where it computes
+        model.to(device)
+    return cfg, model.eval(), tok
 
 
 def _load(cfg: RunConfig, task: Task, device: str, dist: Distributed, model, tokenizer) -> Session:

@@ -54,8 +54,10 @@ class RolloutConfig(TaskConfig):
     Attributes:
         name: The task.
         rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
-            ``length-penalty``), ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), or Python
-            callables given to ``rankwise.train`` (recorded as names).
+            ``length-penalty``), ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), a
+            reward model's folder spelled as a path (a ``task.name: reward`` run or a one-output
+            sequence classifier: :mod:`rankwise.tasks.grpo.reward_model`), or Python callables
+            given to ``rankwise.train`` (recorded as names).
         reward_weights: One weight per reward (``null``: all 1); the reward is their weighted sum.
         num_generations: Completions per prompt (>= 2).
         max_completion_length: New tokens per completion, at most.
@@ -124,8 +126,9 @@ class RolloutConfig(TaskConfig):
         if self.length_target < 1:
             out.append(f"length_target: got {self.length_target}; expected characters >= 1")
         for name in self.rewards:
-            if name not in R.BUILTINS and ":" not in name:
-                out.append(f"rewards: got {name!r}; expected one of {R.BUILTINS} or 'module:function'")
+            if name not in R.BUILTINS and ":" not in name and not R.is_model_spelling(name):
+                out.append(f"rewards: got {name!r}; expected one of {R.BUILTINS}, 'module:function' "
+                           "or a reward model's folder (a path: ./runs/rm)")
         return out
 
     def run_problems(self, run: Any) -> list[str]:

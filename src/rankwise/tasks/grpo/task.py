@@ -51,6 +51,7 @@ from rankwise.engine.task import Task
 from rankwise.tasks.common import lm_example, write_records
 from rankwise.errors import RankwiseError
 from rankwise.tasks.grpo import gain_rl as G
+from rankwise.tasks.grpo import reward_model as RM
 from rankwise.tasks.grpo import rewards as R
 from rankwise.tasks.grpo.config import LOSS_TYPES, GainRLConfig, GRPOConfig  # noqa: F401  (re-exported)
 from rankwise.tasks.grpo.data import build_prompt_data
@@ -164,7 +165,8 @@ class GRPOTask(Task):
     def prepare(self, model, datasets, trains_full, batch_size, device):
         """Switch dropout off (``task.disable_dropout``); remember the datasets (their texts and
         fields feed the rewards) and the EOS token; resolve ``task.reference`` (``initial``: copy
-        the trainable tensors now)."""
+        the trainable tensors now); load the reward models onto ``device``
+        (:func:`rankwise.tasks.grpo.reward_model.load_models`)."""
         mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "adapters-off")
         if self.config.disable_dropout:
             disable_dropout(model)
@@ -176,6 +178,8 @@ class GRPOTask(Task):
             if tok is not None and self.eos_id is None:
                 from rankwise.data.formats import end_id
                 self.eos_id = end_id(tok)
+        tok = next((d.tokenizer for d in datasets if getattr(d, "tokenizer", None) is not None), None)
+        RM.load_models(self.fns, device, self.run_loader, tok)
         return None
 
     def schedule(self, run, model, train_data, device, distributed=False):
