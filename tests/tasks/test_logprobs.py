@@ -1,5 +1,6 @@
 """Chunked completion log-probs (:mod:`rankwise.tasks.logprobs`) against the plain path from the
-model's logits: DPO's loss (policy and adapters-off reference) and GRPO's loss, reference and
+model's logits: DPO's loss (policy and adapters-off reference), its precomputed reference log-probs
+and GRPO's loss, reference and
 per-token log-probs, and every trainable gradient, equal to 1e-5 (fp32) on a tiny Llama (LoRA on
 the blocks and on ``lm_head``) and a tiny GPT-2 (tied embeddings, full fine-tuning); Gemma 2's
 soft-capping, Cohere's logit scale and Granite's logit scaling applied in each chunk; a model
@@ -15,7 +16,8 @@ import torch
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.core.protocol import adapter_modules, factors
-from rankwise.tasks.dpo.task import DPOConfig, DPOTask
+from rankwise.tasks.dpo.data import PairData
+from rankwise.tasks.dpo.task import DPOConfig, DPOTask, reference_logps
 from rankwise.tasks.grpo.data import PromptData
 from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, rows_of, token_logps
 from rankwise.tasks.logprobs import logits_logps, target_logps
@@ -83,10 +85,12 @@ def test_dpo_loss_reference_and_gradients_equal_the_unchunked_path(family, loss)
         total.backward()
         with torch.no_grad():
             logps, counts, output = task.sequence_logps(model, batch)
-        runs[chunk] = float(total.detach()), out, grads(model), counts, output
-    ref_total, ref_out, ref_grads, ref_counts, _ = runs[0]
+        stored = torch.tensor(reference_logps(task, model, PairData(pairs(), 0), 3, "cpu"))  # precomputed
+        runs[chunk] = float(total.detach()), out, grads(model), counts, output, stored
+    ref_total, ref_out, ref_grads, ref_counts, _, ref_stored = runs[0]
     for chunk in (1, 3, 1000):
-        total, out, got, counts, output = runs[chunk]
+        total, out, got, counts, output, stored = runs[chunk]
+        torch.testing.assert_close(stored, ref_stored, rtol=1e-5, atol=1e-5)
         assert total == pytest.approx(ref_total, abs=1e-5, rel=1e-5), chunk
         torch.testing.assert_close(out.logps, ref_out.logps, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.rewards, ref_out.rewards, rtol=1e-5, atol=1e-5)  # the reference too
