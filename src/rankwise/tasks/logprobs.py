@@ -194,10 +194,11 @@ def _captured(model: nn.Module, forward: Callable[[], tuple[Any, dict]]) -> tupl
         out, batch = forward()
     changed = getattr(out, "logits", None) is not cap.placeholder
     post = logit_transform(inner) if changed else None
-    why = ("calls its output head other than once" if cap.calls != 1 else
-           "changes its logits after the output head in a way rankwise.tasks.logprobs does not know"
-           if changed and (post is None or not _matches(inner, head, post)) else None)
-    if why is None:
+    if cap.calls != 1:
+        why = "calls its output head other than once"
+    elif changed and (post is None or not _matches(inner, head, post)):
+        why = "changes its logits after the output head in a way rankwise.tasks.logprobs does not know"
+    else:
         return head, cap.hidden, post, out, batch
     _PLAIN.add(inner)
     warnings.warn(f"{type(inner).__name__} {why}; its log-probs are computed unchunked "
