@@ -251,3 +251,30 @@ def test_train_loss_chunk_tokens_reaches_dpo_and_grpo(tmp_path):
         assert session.task.loss_chunk_tokens == 4
         auto = prepare(example_config(name, tmp_path / f"{name}-auto"), device="cpu")
         assert auto.task.loss_chunk_tokens == 0              # auto: a small vocabulary stays plain
+
+
+@pytest.mark.slow  # three 2-step runs per task through rankwise train's recipe
+@pytest.mark.parametrize("name", ["dpo", "grpo"])
+def test_a_chunked_run_resumes_exactly_and_follows_the_unchunked_run(name, tmp_path, monkeypatch):
+    """The task contract's run + exact resume with every model chunked (4 positions a chunk),
+    and its metrics equal an unchunked run's."""
+    from rankwise.recipes.sections import TrainConfig
+    from rankwise.recipes.train import train
+    from rankwise.tasks import logprobs
+    from tests.tasks.test_task_contract import check_run, example_config
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    plain = train(example_config(name, plain_dir, steps=2, save_every=1), plain_dir / "run")
+    calls = []
+    real = logprobs.chunked_logps
+    monkeypatch.setattr(logprobs, "chunked_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(TrainConfig, "AUTO_CHUNK_VOCAB", 1)
+    monkeypatch.setattr(TrainConfig, "AUTO_CHUNK_TOKENS", 4)
+    (tmp_path / "chunked").mkdir()
+    chunked = check_run(name, tmp_path / "chunked")
+    assert calls                                            # the chunked path ran
+    evals = [k for k in plain if k.startswith("eval_") and "memory" not in k]
+    off = {k: (plain[k], chunked[k]) for k in evals if chunked[k] != pytest.approx(plain[k], rel=1e-5, abs=2e-6)}
+    assert evals and not off, off                           # metrics.json rounds to 6 decimals
+    if "eval_peak_memory_mb" in plain:                      # the evaluation forms no logits either
+        assert chunked["eval_peak_memory_mb"] <= plain["eval_peak_memory_mb"]
