@@ -155,8 +155,8 @@ def forbidden(importer: str, imported: str) -> str | None:
 
 def _task_rule(a: list[str], b: list[str]) -> str | None:
     """Tasks import the engine, data, core and the base (never methods, federated or the run
-    layer); a task package (``tasks/dpo/``) never imports another (``tasks/common.py`` and
-    ``tasks/reference.py`` are what they share; ``tasks/__init__`` imports each to register it)."""
+    layer); a task package (``tasks/dpo/``) never imports another (``tasks/common.py``,
+    ``tasks/reference.py`` and ``tasks/logprobs.py`` are what they share; ``tasks/__init__`` imports each to register it)."""
     if b[0] != "tasks":
         return None if b[0] in TASK_MAY else "tasks import only the engine, data, core and the base"
     own = a[1] if len(a) > 1 and (SRC / "rankwise" / "tasks" / a[1]).is_dir() else None

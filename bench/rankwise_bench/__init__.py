@@ -39,6 +39,7 @@ class Benchmark:
 
 BENCHMARKS: dict[str, Benchmark] = {
     "adapter-steps": Benchmark("adapter_steps"),
+    "chunked-logprobs": Benchmark("chunked_logprobs"),
     "compress": Benchmark("compress"),
     "continual": Benchmark("continual"),
     "data-pipeline": Benchmark("data_pipeline"),

@@ -23,7 +23,8 @@ from rankwise_bench.common import RESULTS, ROOT
 
 # results folder (relative to bench/results) -> the benchmark (rankwise bench NAME) that wrote it
 FOLDERS = {
-    "adapter-steps": "adapter-steps", "chunked-loss": "memory-features", "compress": "compress",
+    "adapter-steps": "adapter-steps", "chunked-logprobs": "chunked-logprobs",
+    "chunked-loss": "memory-features", "compress": "compress",
     "continual": "continual", "data-pipeline": "data-pipeline", "distill": "distill", "dpo": "dpo",
     "federated-demo": "federated-demo", "federated-demo/iid-check": "federated-demo",
     "federated-demo/issue27": "federated-demo", "federated-demo/issue34": "federated-demo",
