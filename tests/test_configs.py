@@ -3,12 +3,14 @@ the types and the dataclass's own ``problems()``, all reported at once."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Union
 
 import pytest
 
 from rankwise import configs, registry
+from rankwise.compress.kv.config import KIVICacheConfig, NSNQuantCacheConfig
 from rankwise.errors import RankwiseError
 from rankwise.recipes.sections import DataConfig, EvalConfig, ModelConfig, TrainConfig
 
@@ -78,3 +80,27 @@ def test_the_train_section_declares_its_ranges():
             "neftune_noise_alpha"} <= names
     assert configs.problems_of(TrainConfig(steps=0, seed=-1)) == [
         "steps: got 0; expected an integer >= 1", "seed: got -1; expected an integer in 0..4294967295"]
+
+
+@dataclass
+class Chooser:
+    cache: typing.Any = configs.chosen("kv-cache", None)
+    decode: typing.Any = configs.chosen("kv-cache", KIVICacheConfig, hint="(--kv-cache)")
+
+
+def test_a_chosen_field_builds_the_config_of_the_entry_its_name_names():
+    got = configs.from_dict(Chooser, {"cache": {"name": "nsnquant", "bits": 1}, "decode": {"bits": 3}})
+    assert got.cache == NSNQuantCacheConfig(bits=1) and got.decode == KIVICacheConfig(bits=3)  # default name
+    assert configs.from_dict(Chooser, {}) == Chooser(None, KIVICacheConfig())
+    with pytest.raises(RankwiseError) as err:
+        configs.from_dict(Chooser, {"cache": {"name": "kiv"}, "decode": {"name": "fp", "bits": 4}}, "x")
+    assert str(err.value) == ("x.cache.name: got 'kiv'; expected one of ['fp', 'kivi', 'nsnquant'] "
+                              "(did you mean 'kivi'?); x.decode.bits: unknown key; valid keys: name")
+    with pytest.raises(RankwiseError, match=r"x.decode: got 3; expected a mapping such as \{name: fp\}$"):
+        configs.from_dict(Chooser, {"decode": 3}, "x")
+
+
+def test_problems_of_checks_the_chosen_entries_of_a_config_made_in_python():
+    assert configs.problems_of(Chooser(NSNQuantCacheConfig(bits=3), KIVICacheConfig(chunk=0))) == [
+        "cache.bits: got 3; expected an integer in 1..2 (NSNQuant has 1- and 2-bit codebooks)",
+        "decode.chunk: got 0; expected an integer >= 1"]

@@ -22,7 +22,8 @@ def test_every_capability_belongs_to_some_kind_and_every_kind_is_listed():
     optional = {f.name for f in dataclasses.fields(registry.Entry)} - {
         "kind", "name", "config_cls", "builder", "summary"}
     assert set().union(*registry.CAPABILITIES.values()) == optional
-    for kind in ("method", "optimizer", "task", "command", "tracker", "compressor", "strategy", "exporter"):
+    for kind in ("method", "optimizer", "task", "command", "tracker", "compressor", "strategy", "exporter",
+                 "kv-cache", "merge-rule"):
         assert kind in registry.kinds() and registry.names(kind), kind
 
 

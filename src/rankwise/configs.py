@@ -7,6 +7,12 @@ A numeric field's range is declared once, where the field is, as metadata::
     r: int = bounded(8, ge=1)                       # "r: got 0; expected an integer >= 1"
     dropout: float = bounded(0.0, ge=0.0, lt=1.0)   # "dropout: got 1.0; expected a value in [0, 1)"
 
+A pluggable part is one registered entry of a registry kind, written ``{name: ..., its keys}``
+and declared with :func:`chosen`: ``from_dict`` builds the config class of the entry that
+``name`` names (an unknown name is reported with "did you mean")::
+
+    kv_cache: KVCacheConfig = chosen("kv-cache", FPCacheConfig)   # kv_cache: {name: kivi, bits: 4}
+
 :func:`problems_of` checks every declared range and then calls the dataclass's own
 ``problems()`` (the checks that relate several fields, or need words of their own);
 :func:`from_dict` reports both with the type errors, all at once.
@@ -23,6 +29,7 @@ from rankwise.errors import RankwiseError, closest
 T = TypeVar("T")
 
 RANGE = "rankwise.range"  # the dataclass field metadata key that holds a field's Bounds
+CHOICE = "rankwise.choice"  # ... and the one that holds a chosen field's Choice
 
 # Keys users put in the wrong place, by dotted path -> the one-line fix reported instead of
 # "unknown key" (a method package adds the options that only it has, e.g. LoRA's use_dora).
@@ -103,7 +110,9 @@ def _build(cls: type[T], data: dict, where: str, problems: list[str]) -> T:
             problems.append(f"{where}.{key}: {hint}" if hint else
                             f"{where}.{key}: unknown key{closest(key, fields)}; valid keys: {', '.join(fields)}")
             continue
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}", problems)
+        choice = fields[key].metadata.get(CHOICE)
+        kwargs[key] = (choice.build(value, f"{where}.{key}", problems) if choice is not None else
+                       _coerce(value, hints[key], f"{where}.{key}", problems))
     if any(p.startswith(f"{where}.") and "unknown key" not in p for p in problems):
         return None  # type: ignore[return-value]
     try:
@@ -182,6 +191,65 @@ def bounded(default: Any = dataclasses.MISSING, *, gt: float | None = None, ge: 
     return dataclasses.field(default=default, metadata={RANGE: Bounds(gt, ge, lt, le, what, hint)})
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A field that holds the config of one registered entry of ``kind`` (see :func:`chosen`).
+
+    Attributes:
+        kind: The registry kind (``"kv-cache"``, ``"merge-rule"``).
+        default: The entry name a mapping without ``name`` takes (``None``: ``name`` is required).
+        nullable: Whether ``null`` (no entry at all) is a valid value.
+        hint: Words appended to the message of an unknown name (``"(--kv-cache)"``).
+    """
+
+    kind: str
+    default: str | None = None
+    nullable: bool = False
+    hint: str = ""
+
+    def build(self, value: Any, where: str, problems: list[str]) -> Any:
+        """The chosen entry's config built from ``value`` (``{name: ..., its keys}``), its
+        problems appended to ``problems`` (prefixed ``where``)."""
+        from rankwise import registry
+        if value is None and self.nullable:
+            return None
+        names = registry.names(self.kind)
+        if not isinstance(value, dict):
+            problems.append(f"{where}: got {value!r}; expected a mapping such as {{name: {names[0]}}}"
+                            f"{' or null' if self.nullable else ''}")
+            return value
+        name = value.get("name", self.default)
+        if name is None:
+            problems.append(f"{where}.name: missing; expected one of {names}")
+            return None
+        if name not in names:
+            hint = f" {self.hint}" if self.hint else ""
+            problems.append(f"{where}.name: got {name!r}; expected one of {names}{hint}{closest(name, names)}")
+            return None
+        return _build(registry.get(self.kind, name).config_cls, {**value, "name": name}, where, problems)
+
+
+def chosen(kind: str, default: type | None = None, *, nullable: bool = False, hint: str = "") -> Any:
+    """A dataclass field holding the config of one registered entry of ``kind``, written
+    ``{name: ..., its keys}`` (:class:`Choice`); every entry's config class has a ``name`` field.
+
+    Args:
+        kind: The registry kind.
+        default: The config class of the default entry (``None``: the field defaults to
+            ``None``, which then means "none").
+        nullable: Whether ``null`` is valid (always when ``default`` is ``None``).
+        hint: Words appended to the message of an unknown name.
+
+    Returns:
+        A ``dataclasses.field`` carrying the :class:`Choice` under :data:`CHOICE`.
+    """
+    choice = Choice(kind, getattr(default, "name", None) if default is not None else None,
+                    nullable or default is None, hint)
+    if default is None:
+        return dataclasses.field(default=None, metadata={CHOICE: choice})
+    return dataclasses.field(default_factory=default, metadata={CHOICE: choice})
+
+
 def range_problems(obj: Any) -> list[str]:
     """``"field: got V; expected ..."`` for every declared range of ``obj`` its value leaves."""
     out = []
@@ -199,7 +267,8 @@ def range_problems(obj: Any) -> list[str]:
 
 
 def problems_of(obj: Any) -> list[str]:
-    """Every value error of a config dataclass: its declared ranges, then its own ``problems()``.
+    """Every value error of a config dataclass: its declared ranges, those of the entries its
+    :func:`chosen` fields hold (``kv_cache.bits: ...``), then its own ``problems()``.
 
     Call this (not ``obj.problems()``) where a config built in Python is checked, so the
     declared ranges are checked too.
@@ -211,6 +280,10 @@ def problems_of(obj: Any) -> list[str]:
         ``"field: message"`` strings (empty when valid).
     """
     out = range_problems(obj) if dataclasses.is_dataclass(obj) else []
+    for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else ():
+        part = getattr(obj, f.name, None)
+        if CHOICE in f.metadata and dataclasses.is_dataclass(part):  # the chosen entry's own checks
+            out.extend(f"{f.name}.{p}" for p in problems_of(part))
     own = getattr(obj, "problems", None)
     if callable(own):
         out.extend(p for p in own() if p not in out)

@@ -20,6 +20,13 @@ Kinds used by rankwise:
   (``None`` when it reads none). :mod:`rankwise.commands` registers them, and only when this
   kind is asked for (``rankwise.cli`` adds each to the group), so the method kinds never
   import click.
+* ``"kv-cache"`` - a KV cache for decoding and perplexity (``fp``, ``nsnquant``, ``kivi``):
+  ``builder(config, model_config=None, rotary=None, seed=0) -> transformers Cache``;
+  :mod:`rankwise.compress.kv` registers them.
+* ``"merge-rule"`` - how ``rankwise merge`` combines LoRA pairs (``linear``, ``cat``, ``svd``,
+  ``ties``, ``dare-linear``, ``dare-ties``): the builder is a
+  :class:`rankwise.commands.merge.combine.MergeRule` subclass, called with its config;
+  :mod:`rankwise.commands.merge.rules` registers them (loaded when this kind is asked for).
 * ``"tracker"`` - an experiment tracker of ``train.log_to`` (``tensorboard``, ``wandb``,
   ``mlflow``): the builder is a :class:`rankwise.trackers.common.Tracker` subclass, called as
   ``builder(config, run_folder, run_config_dict, log_every, console)``; :mod:`rankwise.trackers`
@@ -43,7 +50,7 @@ class Entry:
     Attributes:
         kind: One of the kinds in the module docstring (``"method"``, ``"optimizer"``,
             ``"strategy"``, ``"exporter"``, ``"task"``, ``"compressor"``, ``"command"``,
-            ``"tracker"``).
+            ``"tracker"``, ``"kv-cache"``, ``"merge-rule"``).
         name: The name users write in configs (``method.name: lora``).
         config_cls: The dataclass holding every default of this entry (a command: the one
             its ``CONFIG`` is read into, or ``None``).
@@ -146,9 +153,10 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "exporter": frozenset({"loader", "loaded_config"}),
     "command": frozenset({"writes", "example"}),
     "strategy": frozenset(), "task": frozenset(), "compressor": frozenset(), "tracker": frozenset(),
+    "kv-cache": frozenset(), "merge-rule": frozenset(),
 }
 
-_KIND_PACKAGES = {"command": "rankwise.commands"}
+_KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules"}
 _loaded = False
 _loaded_kinds: set[str] = set()
 

@@ -1,10 +1,16 @@
 """The merge rules of ``commands/merge/combine.py`` on hand-computed examples (PEFT parity on real adapters
-is in ``tests/recipes/test_merge.py``)."""
+is in ``tests/commands/test_merge.py``)."""
 from __future__ import annotations
 
 import torch
 
-from rankwise.commands.merge.combine import Pair, combine_pairs, combine_tensors, drop_and_rescale, trim
+from rankwise.commands.merge.combine import Pair, drop_and_rescale, trim
+from rankwise.commands.merge.rules import build_rule, rule_config
+
+
+def rule(name: str, **settings):
+    """The registered merge rule ``name`` made from its config."""
+    return build_rule(rule_config(name, **settings))
 
 
 def test_ties_trims_elects_and_averages_by_hand():
@@ -12,15 +18,15 @@ def test_ties_trims_elects_and_averages_by_hand():
     t2 = torch.tensor([-2.0, -4.0, 1.0, 0.1])
     # trim at density 0.5: t1 -> [3, 0, 2, 0], t2 -> [-2, -4, 0, 0]; votes (sum) [1, -4, 2, 0]
     # -> signs [+, -, +, +]; weighted [3, 0, 2, 0] and 0.5 * [-2, -4, 0, 0]; agreeing entries only
-    got = combine_tensors([t1, t2], [1.0, 0.5], "ties", density=0.5)
+    got = rule("ties", density=0.5).combine_tensors([t1, t2], [1.0, 0.5])
     torch.testing.assert_close(got, torch.tensor([3.0, -2.0, 2.0, 0.0]), atol=0, rtol=0)
 
 
 def test_ties_sign_election_total_versus_frequency():
     ts = [torch.tensor([5.0]), torch.tensor([-1.0]), torch.tensor([-1.0])]
     # total: 5 - 1 - 1 > 0 -> +, only the 5 agrees; frequency: one + and two - -> -, mean of -1, -1
-    assert combine_tensors(ts, [1.0, 1.0, 1.0], "ties", 1.0, "total").item() == 5.0
-    assert combine_tensors(ts, [1.0, 1.0, 1.0], "ties", 1.0, "frequency").item() == -1.0
+    assert rule("ties", density=1.0).combine_tensors(ts, [1.0, 1.0, 1.0]).item() == 5.0
+    assert rule("ties", density=1.0, sign_method="frequency").combine_tensors(ts, [1.0, 1.0, 1.0]).item() == -1.0
 
 
 def test_trim_keeps_the_largest_magnitudes():
@@ -48,7 +54,7 @@ def _pairs(seed: int, ranks=(2, 3), out=6, inp=5):
 
 def test_cat_is_the_exact_weighted_sum_of_deltas():
     pairs = _pairs(0)
-    a, b = combine_pairs(pairs, [0.7, -0.4], "cat", rank=6)  # one zero-padded row
+    a, b = rule("cat").combine(pairs, [0.7, -0.4], rank=6)  # one zero-padded row
     want = sum(w * p.scale * p.b @ p.a for p, w in zip(pairs, [0.7, -0.4]))
     torch.testing.assert_close(b @ a, want, atol=1e-6, rtol=0)
     assert a.shape == (6, 5) and b.shape == (6, 6) and not a[5].any()
@@ -57,7 +63,7 @@ def test_cat_is_the_exact_weighted_sum_of_deltas():
 def test_linear_keeps_the_cross_terms():
     pairs = _pairs(1, ranks=(3, 3))
     w = [0.7, -0.4]
-    a, b = combine_pairs(pairs, w, "linear", rank=3)
+    a, b = rule("linear").combine(pairs, w, rank=3)
     c = [wi * p.scale for wi, p in zip(w, pairs)]
     a_want = sum((1 if ci >= 0 else -1) * abs(ci) ** 0.5 * p.a for ci, p in zip(c, pairs))
     b_want = sum(abs(ci) ** 0.5 * p.b for ci, p in zip(c, pairs))
@@ -69,14 +75,14 @@ def test_svd_is_the_best_rank_k_approximation():
     pairs = _pairs(2)
     full = sum(w * p.scale * p.b @ p.a for p, w in zip(pairs, [1.0, 0.5]))  # rank 5
     s = torch.linalg.svdvals(full)
-    a, b = combine_pairs(pairs, [1.0, 0.5], "svd", rank=3)
+    a, b = rule("svd").combine(pairs, [1.0, 0.5], rank=3)
     err = torch.linalg.matrix_norm(full - b @ a) ** 2
     torch.testing.assert_close(err, (s[3:] ** 2).sum(), atol=1e-5, rtol=1e-5)  # Eckart-Young
-    a, b = combine_pairs(pairs, [1.0, 0.5], "svd", rank=5)
+    a, b = rule("svd").combine(pairs, [1.0, 0.5], rank=5)
     torch.testing.assert_close(b @ a, full, atol=1e-5, rtol=0)
 
 
 def test_a_layer_missing_from_one_adapter_takes_the_others_only():
     p = _pairs(3, ranks=(2, 2))
-    a, b = combine_pairs([None, p[1]], [0.3, 0.5], "cat", rank=4)
+    a, b = rule("cat").combine([None, p[1]], [0.3, 0.5], rank=4)
     torch.testing.assert_close(b @ a, 0.5 * p[1].scale * p[1].b @ p[1].a, atol=1e-6, rtol=0)

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.errors import RankwiseError
-from rankwise.commands.generate.decode import DecodeConfig, KVCache, SteerConfig, checked, decode_config
+from rankwise.commands.generate.decode import DecodeConfig, SteerConfig, checked, decode_config
+from rankwise.compress.kv.config import KIVICacheConfig, NSNQuantCacheConfig
 
 
 def test_flags_sets_and_a_section_fill_the_same_config(tmp_path):
@@ -18,7 +19,7 @@ def test_flags_sets_and_a_section_fill_the_same_config(tmp_path):
              "kv_bits": 4, "steer": None, "steer_from": None, "memory_lambda": None}
     sets = ["decode.max_new_tokens=5", "decode.temperature=0.7", "decode.top_p=0.9", "decode.seed=3",
             "decode.kv_cache.name=kivi", "decode.kv_cache.bits=4"]
-    want = DecodeConfig(max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3, kv_cache=KVCache("kivi", 4))
+    want = DecodeConfig(max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3, kv_cache=KIVICacheConfig(bits=4))
     assert decode_config(flags=flags) == decode_config(sets=sets) == want
     (tmp_path / "warm").mkdir()
     (tmp_path / "d.yaml").write_text("model: {path: ignored}\ndecode:\n  top_k: 40\n  steer:\n"
@@ -42,8 +43,8 @@ def test_every_problem_at_once_in_one_line():
                    "decode.steer.from: --steer svdecode needs --steer-from",
                    "decode.steer.mask_ratio: got 2"):
         assert needle in text, (needle, text)
-    with pytest.raises(RankwiseError, match="supports 1 or 2 bits"):
-        checked(DecodeConfig(kv_cache=KVCache("nsnquant", 3)))   # made in Python: checked too
+    with pytest.raises(RankwiseError, match=r"decode.kv_cache.bits: got 3; expected an integer in 1\.\.2"):
+        checked(DecodeConfig(kv_cache=NSNQuantCacheConfig(bits=3)))   # made in Python: checked too
     with pytest.raises(RankwiseError, match="generate takes decode"):
         decode_config(sets=["train.steps=3"])
     with pytest.raises(RankwiseError, match="full-precision KV caches"):
@@ -56,6 +57,7 @@ def test_cli_reports_bad_decoding_settings_in_one_line_exit_2(tmp_path):
                                     "--set", "decode.bogus=1"])
     assert res.exit_code == 2, res.output
     line, = res.output.strip().splitlines()
-    assert "decode.top_p" in line and "kivi supports 1 to 8 bits" in line and "decode.bogus" in line
+    assert "decode.top_p" in line and "decode.bogus" in line
+    assert "decode.kv_cache.bits: got 9; expected an integer in 1..8" in line
     res = CliRunner().invoke(main, ["generate", str(tmp_path), "--prompt", "x", "--set", "decode.top_k=-1"])
     assert res.exit_code == 2 and "decode.top_k: got -1" in res.output

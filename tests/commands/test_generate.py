@@ -14,7 +14,8 @@ from rankwise.cli import main
 from rankwise.data.formats import end_id
 from rankwise.engine.generation import generate
 from rankwise.recipes.config import load_run_config
-from rankwise.commands.generate.decode import DecodeConfig, KVCache, SteerConfig
+from rankwise.commands.generate.decode import DecodeConfig, SteerConfig
+from rankwise.compress.kv.config import NSNQuantCacheConfig
 from rankwise.commands.generate.run import load_for_generation, run_generate
 from rankwise.recipes.train import train
 
@@ -185,12 +186,12 @@ def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
     made = []
 
     def spy(*args, **kwargs):
-        made.append(kv.cache.make_cache(*args, **kwargs))
+        made.append(kv.caches.build_cache(*args, **kwargs))
         return made[-1]
-    monkeypatch.setattr(kv, "make_cache", spy)
+    monkeypatch.setattr(kv, "build_cache", spy)
     prompt = "Return the number of items in a container, counting every nested item as well."
     fp = run_generate(runs / "lora", prompt, DecodeConfig(max_new_tokens=6), echo=lambda s: None)
-    q = run_generate(runs / "lora", prompt, DecodeConfig(max_new_tokens=6, kv_cache=KVCache("nsnquant", 2)),
+    q = run_generate(runs / "lora", prompt, DecodeConfig(max_new_tokens=6, kv_cache=NSNQuantCacheConfig(bits=2)),
                      echo=lambda s: None)
     assert isinstance(q[0]["completion"], str) and q[0]["prompt"] == fp[0]["prompt"]
     used = made[-1]  # the cache generation decoded with holds the prompt and the new tokens
@@ -199,7 +200,7 @@ def test_generate_with_a_quantized_kv_cache(runs, monkeypatch):
     assert all(layer.rotary is not None for layer in used.layers)
     result = CliRunner().invoke(main, ["generate", str(runs / "lora"), "--prompt", prompt,
                                        "--kv-cache", "nsnquant", "--kv-bits", "3"])
-    assert result.exit_code == 2 and "supports 1 or 2" in result.output
+    assert result.exit_code == 2 and "decode.kv_cache.bits: got 3; expected an integer in 1..2" in result.output
 
 
 @pytest.mark.slow

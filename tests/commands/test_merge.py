@@ -19,7 +19,9 @@ import yaml
 from click.testing import CliRunner
 
 from rankwise.cli import main
-from rankwise.commands.merge.run import MergeConfig, merge_sources
+from rankwise.commands.merge.config import MergeConfig
+from rankwise.commands.merge.rules import rule_config
+from rankwise.commands.merge.run import merge_sources
 
 peft = pytest.importorskip("peft")
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -97,9 +99,10 @@ def _peft_reference(world, names, weights, method, seed=None, **kw):
     return model.eval()
 
 
-def _ours(world, names, weights, method, tag, **kw):
+def _ours(world, names, weights, method, tag, seed=0, **kw):
     out = world["root"] / tag
-    merge_sources([world[n] for n in names], MergeConfig(method=method, weights=weights, **kw), out)
+    rule = rule_config(method.replace("_", "-"), **kw)  # PEFT's dare_ties is our dare-ties
+    merge_sources([world[n] for n in names], MergeConfig(rule=rule, weights=weights, seed=seed), out)
     from safetensors.torch import load_file
     return out, load_file(str(out / "adapter_model.safetensors"))
 
@@ -214,7 +217,7 @@ def test_a_run_folder_merges_like_its_peft_export(world):
     export_run(run, "peft", world["root"] / "run-peft")
     one = world["root"] / "from-run"
     two = world["root"] / "from-export"
-    cfg = MergeConfig(method="cat", weights=[0.5, 1.0])
+    cfg = MergeConfig(rule=rule_config("cat"), weights=[0.5, 1.0])
     merge_sources([run, world["a"]], cfg, one)
     merge_sources([world["root"] / "run-peft", world["a"]], cfg, two)
     three = world["root"] / "from-adapter-folder"  # a rankwise adapter folder on its own
@@ -232,8 +235,9 @@ def test_bad_input_is_one_line(world, tmp_path):
         ((a, b, "--method", "ties", "--weights", "1,1,1", "--density", "0.5"), "3 weights for 2 adapters"),
         ((a, b, "--method", "dare-ties", "--weights", "1,1", "--density", "1.5"), "a fraction in (0, 1]"),
         ((a, b, "--method", "dare-linear", "--weights", "1,1", "--density", "0"), "a fraction in (0, 1]"),
-        ((a, b, "--method", "ties", "--weights", "1,1"), "--density: ties needs it"),
-        ((a, b, "--method", "mean", "--weights", "1,1"), "expected one of linear, cat, svd"),
+        ((a, b, "--method", "ties", "--weights", "1,1"), "merge.rule.density: ties needs it (--density"),
+        ((a, b, "--method", "mean", "--weights", "1,1"), "merge.rule.name: got 'mean'; expected one of"),
+        ((a, b, "--method", "cat", "--weights", "1,1", "--density", "0.5"), "only ties, dare-ties or dare-linear prune"),
         ((a, b, "--method", "svd", "--rank", "40", "--weights", "1,1"), "takes at most rank 16"),
     ]
     for args, words in cases:
@@ -327,7 +331,7 @@ def test_a_classification_run_with_its_head(tiny_bert_run, tmp_path):
     head included; two inputs that both trained the head are refused."""
     from rankwise.recipes.export import load_run
     from rankwise.recipes.model import load_model
-    merge_sources([tiny_bert_run], MergeConfig(method="ties", weights=[1.0], density=0.5), tmp_path / "m")
+    merge_sources([tiny_bert_run], MergeConfig(rule=rule_config("ties", density=0.5), weights=[1.0]), tmp_path / "m")
     config = json.loads((tmp_path / "m" / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS" and "classifier" in config["modules_to_save"]
     cfg, run_model, tok = load_run(tiny_bert_run)

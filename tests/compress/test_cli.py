@@ -101,7 +101,9 @@ def test_a_run_folder_is_merged_and_scored_by_accuracy(tmp_path, tiny_bert_run):
     ({"method": "wanda", "bits": 4}, "unknown key"),
     ({"method": "wandaa"}, "did you mean 'wanda'"),
     ({}, "compress.method is required"),
-    ({"method": "none", "kv_cache": {"kind": "nsnquant", "bits": 3}}, "1 or 2 bits"),
+    ({"method": "none", "kv_cache": {"name": "nsnquant", "bits": 3}}, "kv_cache.bits: got 3; expected an integer in 1..2"),
+    ({"method": "none", "kv_cache": {"kind": "nsnquant", "bits": 3}}, "expected an integer in 1..2"),
+    ({"method": "none", "kv_cache": {"name": "kivvi"}}, "did you mean 'kivi'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, compress, needle):
     cfg = tmp_path / "c.yaml"
@@ -134,3 +136,20 @@ def test_non_empty_output_folder_is_one_line(tmp_path):
         one_line_error(invoke("compress", cfg, "--out", tmp_path / "out", *flags),
                        "holds files that no rankwise command wrote")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_the_kv_cache_section_names_a_registered_cache_and_the_report_records_it(tmp_path):
+    """``compress.kv_cache: {name: kivi, ...}``: the report holds the cache's own keys beside
+    what it stores (``method: none`` keeps the model)."""
+    from rankwise.compress.kv import bits_per_element
+    cfg = write(tmp_path, {"method": "none", "kv_cache": {"name": "kivi", "bits": 3, "chunk": 4}})
+    result = invoke("compress", cfg, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    kv = json.loads((tmp_path / "out" / "report.json").read_text())["heldout"]["kv_cache"]
+    assert {k: kv[k] for k in ("name", "bits", "chunk")} == {"name": "kivi", "bits": 3, "chunk": 4}
+    assert "KV cache `kivi` at 3 bits (chunk 4)" in (tmp_path / "out" / "report.md").read_text()
+    model = json.loads((tmp_path / "out" / "config.json").read_text())
+    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    # keys 3 + 32/chunk, values 3 + 32/head_dim bits per element, what KIVI stores with its minima
+    want = (3 + 32 / 4 + 3 + 32 / head_dim) / 2
+    assert kv["bits_per_element"] == pytest.approx(bits_per_element("kivi", 3, head_dim, 4)) == pytest.approx(want)

@@ -83,8 +83,9 @@ def test_generate_runs_with_the_nsnquant_cache():
     assert out.shape == (1, 11)
 
 
-@pytest.mark.parametrize("kind,bits,msg", [("nsn", 2, "unknown KV cache"), ("nsnquant", 3, "1 or 2"),
-                                           ("kivi", 9, "1 to 8")])
+@pytest.mark.parametrize("kind,bits,msg", [("nsn", 2, "unknown kv-cache 'nsn' \\(did you mean 'nsnquant'"),
+                                           ("nsnquant", 3, r"kv_cache.bits: got 3; expected an integer in 1\.\.2"),
+                                           ("kivi", 9, r"kv_cache.bits: got 9; expected an integer in 1\.\.8")])
 def test_make_cache_rejects_bad_settings(kind, bits, msg):
     with pytest.raises(RankwiseError, match=msg):
         make_cache(kind, bits)
@@ -119,7 +120,7 @@ def test_bits_per_element_by_hand_at_head_dim_128():
 @pytest.mark.parametrize("kind,bits", [("nsnquant", 1), ("nsnquant", 2), ("kivi", 2), ("kivi", 3)])
 def test_bits_per_element_is_what_the_quantizers_store(kind, bits):
     from rankwise.compress.kv import bits_per_element
-    from rankwise.compress.kv.cache import quantizers
+    from rankwise.compress.kv import quantizers
     x = _keys()                                                         # (2, 3, 16, 32)
     kq, vq = quantizers(kind, bits)
     stored = 8 * (kq.nbytes(kq.encode(x)) + vq.nbytes(vq.encode(x)))

@@ -73,3 +73,29 @@ def test_a_task_path_is_read_from_the_config_folder_in_both_spellings(tmp_path):
         path = tmp_path / f"c{i}.yaml"
         path.write_text(yaml.safe_dump(raw))
         assert load_run_config(path, notice=False).task.base == str((tmp_path / "base").resolve())
+
+
+@pytest.mark.parametrize("old, new", [
+    ({"kind": "nsnquant", "bits": 1, "chunk": 8}, {"name": "nsnquant", "bits": 1, "chunk": 8}),
+    ({"kind": "kivi", "bits": 4}, {"name": "kivi", "bits": 4}),
+    ({"kind": "fp", "bits": 2, "chunk": 16}, {"name": "fp"}),      # fp ignored them: left out
+    ({"kind": "none", "bits": 2, "chunk": 16}, None),              # the old default: no cache
+])
+def test_the_old_kv_cache_spelling_reads_as_the_new_one_with_a_one_line_notice(old, new, capsys, monkeypatch):
+    monkeypatch.setattr(legacy, "_SHOWN", set())
+    raw = lambda kv: {"model": LLAMA, "compress": {"method": "none", "kv_cache": kv}}  # noqa: E731
+    assert build_run_config(raw(old)).to_dict() == build_run_config(raw(new)).to_dict()
+    err = capsys.readouterr().err.splitlines()
+    text = "null (or leave it out)" if new is None else yaml.safe_dump(new, default_flow_style=True,
+                                                                        sort_keys=False).strip()
+    assert err == ["notice: compress.kv_cache.kind is the old spelling, read until the next release; "
+                   f"write compress.kv_cache: {text}"]
+    build_run_config(raw(new))
+    assert capsys.readouterr().err == ""
+
+
+def test_an_unknown_kv_cache_name_in_either_spelling_says_did_you_mean():
+    for kv in ({"name": "nsnqant"}, {"kind": "nsnqant"}):
+        with pytest.raises(RankwiseError, match=r"compress.kv_cache.name: got 'nsnqant'; expected one of "
+                                                r"\['fp', 'kivi', 'nsnquant'\] \(did you mean 'nsnquant'\?\)"):
+            build_run_config({"model": LLAMA, "compress": {"method": "none", "kv_cache": kv}}, notice=False)

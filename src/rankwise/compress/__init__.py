@@ -5,14 +5,15 @@
 * ``scalar/``: ``rtn``, ``gptq`` (baselines);
 * ``basil/``: ``3basil`` (3BASiL-TM, sparse + low-rank);
 * ``glvq/``: ``glvq`` (grouped lattice vector quantization);
-* ``identity``: ``none`` (the dense reference).
+* ``identity``: ``none`` (the dense reference);
+* ``kv/``: the KV caches, kind ``kv-cache`` (``fp``, ``nsnquant``, ``kivi``).
 
 :func:`rankwise.compress.pipeline.compress_model` runs any of them over a model;
-:mod:`rankwise.compress.kv` holds the KV-cache quantizers (imported on use: it needs
-transformers). Importing this package needs only torch.
+:mod:`rankwise.compress.kv` holds the KV-cache quantizers (its caches load transformers on
+use). Importing this package needs only torch.
 """
 from rankwise import registry
-from rankwise.compress import basil, glvq, lowrank, prune, scalar  # noqa: F401  (registration)
+from rankwise.compress import basil, glvq, kv, lowrank, prune, scalar  # noqa: F401  (registration)
 from rankwise.compress.base import Compressed, Compressor, relative_error
 from rankwise.compress.identity import Identity, NoneConfig
 

@@ -10,9 +10,9 @@ configs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
-from rankwise.configs import bounded
+from rankwise.configs import bounded, chosen
 
 STDLIB = "stdlib"                  # the standard library's source, training modules
 STDLIB_HELDOUT = "stdlib-heldout"  # the standard library's source, held-out modules
@@ -46,34 +46,6 @@ class HeldoutConfig(TextConfig):
     split instead). Same keys as :class:`TextConfig`; the source defaults to held-out modules."""
 
     source: str = STDLIB_HELDOUT
-
-
-@dataclass
-class KVCacheConfig:
-    """Optionally also measure held-out perplexity with a quantized KV cache (causal LMs).
-
-    Attributes:
-        kind: ``none`` (skip), ``fp`` (full-precision cache, the reference), ``nsnquant`` or
-            ``kivi`` (see :mod:`rankwise.compress.kv`).
-        bits: Bits per cached element (NSNQuant: 1 or 2; KIVI: 1-8).
-        chunk: Tokens quantized together; the newest incomplete chunk stays full precision.
-    """
-
-    kind: str = "none"
-    bits: int = 2
-    chunk: int = bounded(16, ge=1)
-
-    def problems(self) -> list[str]:
-        """Return value errors."""
-        kinds = ("none", "fp", "nsnquant", "kivi")
-        out = []
-        if self.kind not in kinds:
-            out.append(f"kind: got {self.kind!r}; expected one of {list(kinds)}")
-        if self.kind == "nsnquant" and self.bits not in (1, 2):
-            out.append(f"bits: got {self.bits}; nsnquant supports 1 or 2 bits")
-        if self.kind == "kivi" and not 1 <= self.bits <= 8:
-            out.append(f"bits: got {self.bits}; kivi supports 1 to 8 bits")
-        return out
 
 
 @dataclass
@@ -132,7 +104,10 @@ class CompressConfig:
             linear layer but output heads; a regex; or a list of name suffixes).
         calibration: Text whose activations drive the layer objectives.
         heldout: Held-out text for a causal LM's perplexity.
-        kv_cache: Also measure perplexity with a quantized KV cache.
+        kv_cache: Also measure held-out perplexity (causal LMs) with this KV cache, a
+            registered ``kv-cache`` written ``{name: nsnquant, bits: 2}`` (its config class is
+            in :mod:`rankwise.compress.kv.config`; ``fp`` is the full-precision reference);
+            ``None``: skip.
         restore: RestoreLCC recovery after pruning (off by default).
         batch_size: Windows per calibration / evaluation forward.
         seed: Seeds every random choice (randomized SVD starts, codebooks).
@@ -142,7 +117,7 @@ class CompressConfig:
     targets: Union[str, list[str]] = "all-linear"
     calibration: TextConfig = field(default_factory=TextConfig)
     heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
-    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    kv_cache: Any = chosen("kv-cache")
     restore: RestoreConfig = field(default_factory=RestoreConfig)
     batch_size: int = bounded(8, ge=1)
     seed: int = 0

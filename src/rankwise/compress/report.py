@@ -48,7 +48,8 @@ def to_markdown(report: dict[str, Any]) -> str:
              f"matrices).", ""]
     kv = h.get("kv_cache")
     if kv:
-        lines += [f"KV cache `{kv['kind']}` at {kv['bits']} bits (chunk {kv['chunk']}): held-out perplexity "
+        how = f" at {kv['bits']} bits (chunk {kv['chunk']})" if "bits" in kv else ""  # fp: none
+        lines += [f"KV cache `{kv['name']}`{how}: held-out perplexity "
                   f"{kv['eval_perplexity']:.4f}, {kv['bytes_per_token']:.1f} bytes per token "
                   f"(float16 cache: {kv['fp16_bytes_per_token']}).", ""]
     r = report.get("restore")

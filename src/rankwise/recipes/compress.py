@@ -235,13 +235,13 @@ def _restore(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, restore
 
 
 def _kv_cache(model: nn.Module, task, ccfg, heldout) -> dict | None:
-    """The held-out perplexity under the compressed KV cache (``compress.kv_cache``), if set."""
-    if ccfg.kv_cache.kind == "none" or not task.lm_loss:
+    """The held-out perplexity under the KV cache ``compress.kv_cache`` names, if set: its
+    settings (``name``, ``bits``, ``chunk``) beside the measurement."""
+    if ccfg.kv_cache is None or not task.lm_loss:
         return None
     from rankwise.compress.kv import cache_perplexity
-    k = ccfg.kv_cache
-    return {"kind": k.kind, "bits": k.bits, "chunk": k.chunk,
-            **cache_perplexity(model, heldout.ids, k.kind, k.bits, k.chunk, ccfg.batch_size, seed=ccfg.seed)}
+    return {**to_dict(ccfg.kv_cache),
+            **cache_perplexity(model, heldout.ids, ccfg.kv_cache, batch_size=ccfg.batch_size, seed=ccfg.seed)}
 
 
 def measure(model: nn.Module, task, ccfg, calib: torch.Tensor, heldout, console=None,

@@ -148,7 +148,8 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     """Validate a raw dict into a :class:`RunConfig`, reporting every problem at once.
 
     The old spelling of the task (``model.task`` plus a ``dpo:`` / ``grpo:`` / ``memory_decoder:``
-    section) is read for one release (:mod:`rankwise.recipes.legacy`).
+    section) and of the KV cache (``compress.kv_cache.kind``) are read for one release
+    (:mod:`rankwise.recipes.legacy`).
 
     Args:
         data: The raw config.
@@ -159,7 +160,7 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
         RankwiseError: Listing unknown sections/keys (with suggestions) and bad values.
     """
     spelling = legacy.translate(data)
-    data = spelling.data
+    data, kv_notice = legacy.kv_cache_spelling(spelling.data)
     problems: list[str] = list(spelling.problems)
     for key in data:
         if key not in SECTIONS:
@@ -203,6 +204,7 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     _resolve_optimizer_defaults(cfg)
     if notice:
         legacy.notice(spelling.notice)
+        legacy.notice(kv_notice)
     return cfg
 
 

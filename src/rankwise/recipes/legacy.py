@@ -7,9 +7,14 @@ registered task's config class as ``method:`` is: ``task: {name: dpo, beta: 0.1}
 one-line notice naming the new spelling (:func:`notice` prints it once per process);
 :func:`old_shape` turns a resolved config back into the old layout, so the hash of a comparison
 run recorded before the change (``rankwise.recipes.runs.config_hash``) still matches.
+
+Likewise ``compress.kv_cache: {kind: nsnquant, bits: 2}``, from before the KV caches were
+registry entries, reads as ``{name: nsnquant, bits: 2}`` (``kind: none`` as ``null``), with its
+notice (:func:`kv_cache_spelling`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import NamedTuple
@@ -81,6 +86,36 @@ def translate(data: dict) -> Spelling:
                     "model.task" if has_name else "task.name")
 
 
+def kv_cache_spelling(data: dict) -> tuple[dict, str | None]:
+    """``compress.kv_cache`` in the new spelling: ``kind`` becomes ``name``; ``kind: none``
+    becomes ``null``; keys the named cache does not have (``fp``'s ``bits``, which the old
+    spelling ignored) are left out.
+
+    Args:
+        data: The raw config (not changed).
+
+    Returns:
+        ``(data in the new spelling, the one-line notice or None)``.
+    """
+    from rankwise import registry
+    compress = data.get("compress")
+    kv = compress.get("kv_cache") if isinstance(compress, dict) else None
+    if not isinstance(kv, dict) or "kind" not in kv or "name" in kv:
+        return data, None
+    name = kv["kind"]
+    new: dict | None = None
+    if name != "none":
+        new = {"name": name, **{k: v for k, v in kv.items() if k != "kind"}}
+        if name in registry.names("kv-cache"):
+            keys = {f.name for f in dataclasses.fields(registry.get("kv-cache", name).config_cls)}
+            new = {k: v for k, v in new.items() if k in keys}
+    text = "null (or leave it out)" if new is None else yaml.safe_dump(
+        new, default_flow_style=True, sort_keys=False, width=10**6).strip()
+    return ({**data, "compress": {**compress, "kv_cache": new}},
+            f"notice: compress.kv_cache.kind is the old spelling, read until the next release; "
+            f"write compress.kv_cache: {text}")
+
+
 def _flow(task: dict, side: str) -> str:
     """``task: {name: dpo, beta: 0.2}`` (its keys elided past one short line)."""
     text = "task: " + yaml.safe_dump(task, default_flow_style=True, sort_keys=False, width=10**6).strip()
@@ -122,4 +157,4 @@ def old_shape(resolved: dict) -> dict:
     return out
 
 
-__all__ = ["SECTION_TASKS", "Spelling", "notice", "old_shape", "translate"]
+__all__ = ["SECTION_TASKS", "Spelling", "kv_cache_spelling", "notice", "old_shape", "translate"]

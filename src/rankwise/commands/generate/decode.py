@@ -21,36 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from rankwise import configs
-from rankwise.compress.config import KVCacheConfig
+from rankwise.compress.kv.config import FPCacheConfig, KVCacheConfig
 from rankwise.engine.svdecode import SVDecodeConfig
-from rankwise.errors import RankwiseError, closest
+from rankwise.errors import RankwiseError
 
-KV_CACHES = ("fp", "nsnquant", "kivi")
-
-
-@dataclass
-class KVCache:
-    """``decode.kv_cache``: the cache object the loop decodes with
-    (:func:`rankwise.compress.kv.make_cache`, a fresh one per prompt).
-
-    Attributes:
-        name: ``fp`` (transformers' own cache), ``nsnquant`` (1-2 bits) or ``kivi`` (1-8 bits):
-            keys and values quantized on the fly (``--kv-cache``).
-        bits: Bits per cached element of a quantized cache (``--kv-bits``).
-        chunk: Tokens quantized together; the newest incomplete chunk stays full precision.
-    """
-
-    name: str = "fp"
-    bits: int = 2
-    chunk: int = 16
-
-    def problems(self) -> list[str]:
-        """Every bad value (the ranges of ``compress.kv_cache``)."""
-        if self.name not in KV_CACHES:
-            return [f"name: got {self.name!r}; expected one of {list(KV_CACHES)} (--kv-cache)"
-                    f"{closest(self.name, KV_CACHES)}"]
-        return [p.replace("kind:", "name:", 1)
-                for p in KVCacheConfig(self.name, self.bits, self.chunk).problems()]
+# a quantizer's key on the float cache: the fix instead of "unknown key"
+for _key in ("bits", "chunk"):
+    configs.KEY_HINTS[f"decode.kv_cache.{_key}"] = (
+        f"the fp cache stores floats and has no {_key}; quantize it with --kv-cache nsnquant or "
+        "kivi (decode.kv_cache.name)")
 
 
 @dataclass
@@ -118,7 +97,10 @@ class DecodeConfig:
         top_p: Nucleus mass when sampling (``--top-p``; 1 = off).
         top_k: Keep the k most likely tokens when sampling (0 = off).
         seed: Seeds sampling (``--seed``).
-        kv_cache: The KV cache (:class:`KVCache`).
+        kv_cache: The KV cache, a registered ``kv-cache`` written ``{name: kivi, bits: 4}``
+            (``--kv-cache``, ``--kv-bits``; :mod:`rankwise.compress.kv.config`): ``fp``
+            (transformers' own cache, the default), ``nsnquant`` (1-2 bits) or ``kivi`` (1-8
+            bits), keys and values quantized on the fly, a fresh cache per prompt.
         steer: Steering (:class:`SteerConfig`).
         memory: A Memory Decoder (:class:`MemoryConfig`).
     """
@@ -128,7 +110,7 @@ class DecodeConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    kv_cache: KVCache = field(default_factory=KVCache)
+    kv_cache: KVCacheConfig = configs.chosen("kv-cache", FPCacheConfig, hint="(--kv-cache)")
     steer: SteerConfig = field(default_factory=SteerConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
@@ -235,4 +217,4 @@ def checked(config: DecodeConfig) -> DecodeConfig:
     return _from_dict(dataclasses.asdict(config))
 
 
-__all__ = ["checked", "DecodeConfig", "KVCache", "MemoryConfig", "SteerConfig", "decode_config"]
+__all__ = ["checked", "DecodeConfig", "MemoryConfig", "SteerConfig", "decode_config"]

@@ -163,7 +163,7 @@ def run_generate(run_dir: Path, prompts: str | Path | list, decode: DecodeConfig
             warm-start run, memory decoder or prompts file.
     """
     dc = checked(decode or DecodeConfig())
-    from rankwise.compress.kv import find_rotary, make_cache
+    from rankwise.compress.kv import build_cache, find_rotary
     steerer = _steerer(run_dir, dc.steer)
     if dc.memory.path is not None:
         check_memory_decoder(Path(dc.memory.path))  # before any model is loaded
@@ -187,9 +187,9 @@ def run_generate(run_dir: Path, prompts: str | Path | list, decode: DecodeConfig
     torch.manual_seed(dc.seed)
     out = []
     for value, prompt_ids in zip(items, ids):
-        kv = dc.kv_cache
-        cache = None if kv.name == "fp" else make_cache(  # NSNQuant: keys before RoPE
-            kv.name, kv.bits, kv.chunk, config=model.config, rotary=find_rotary(model))
+        # a float cache: the model's own (TPA keeps its factor cache); NSNQuant: keys before RoPE
+        cache = None if dc.kv_cache.quantizers() is None else build_cache(
+            dc.kv_cache, model.config, rotary=find_rotary(model))
         new = generate(model, prompt_ids, dc.max_new_tokens, end_id(tok), tok.pad_token_id,
                        dc.temperature, dc.top_p, device, decode=decoder,
                        on_text=stream if single and stream is not None else None, cache=cache,

@@ -28,17 +28,20 @@ gets the same adapter here; the papers behind the methods:
   the same masks).
 
 A ``density`` of 1 prunes nothing (and draws no random numbers), as in PEFT.
+
+Each rule is a :class:`MergeRule` subclass, the builder of its entry of registry kind
+``merge-rule`` (``rules.py`` registers them with their configs): it is made from its config and
+says its rank (:meth:`MergeRule.rank`), whether it needs one common rank (``factorwise``) and
+how it combines a layer (:meth:`MergeRule.combine`), so nothing branches on a rule's name.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-METHODS = ("linear", "cat", "svd", "ties", "dare_ties", "dare_linear")
-FACTORWISE = ("linear", "ties", "dare_ties", "dare_linear")  # combine the A's and the B's apart
-PRUNED = ("ties", "dare_ties", "dare_linear")  # take a density
 SIGN_METHODS = ("total", "frequency")
 
 
@@ -95,57 +98,125 @@ def elect_and_merge(stack: torch.Tensor, coeffs: torch.Tensor, sign_method: str)
     return (weighted * agree).sum(0) / agree.sum(0).clamp(min=1.0)
 
 
-def combine_tensors(tensors: list[torch.Tensor], coeffs: list[float], method: str,
-                    density: float = 1.0, sign_method: str = "total",
-                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """Combine same-shaped tensors with one of the :data:`FACTORWISE` rules or ``svd``'s sum.
+def weighted_sum(stack: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+    """``sum_i coeffs_i * stack_i`` of the stacked tensors ``stack`` (n, ...)."""
+    return (stack * coeffs.view(-1, *([1] * (stack.dim() - 1)))).sum(0)
+
+
+class MergeRule:
+    """A rule that combines one layer's LoRA pairs into one pair with scale 1; this base is
+    ``linear``: each factor list summed with ``A``'s coefficients ``sgn(c_i) sqrt|c_i|`` and
+    ``B``'s ``sqrt|c_i|``. A factor-wise rule changes :meth:`prune` and :meth:`merge`; a rule of
+    whole deltas (``cat``, ``svd``) overrides :meth:`combine_present` and :meth:`rank`.
 
     Args:
-        tensors: The tensors (all of one shape).
-        coeffs: One coefficient each.
-        method: ``linear`` / ``svd`` (the weighted sum), ``ties``, ``dare_linear``, ``dare_ties``.
-        density: Fraction kept by the pruning methods, in (0, 1].
-        sign_method: ``total`` or ``frequency`` (the ties methods' sign election).
-        generator: The random generator of the DARE masks.
+        config: The rule's config (:mod:`rankwise.commands.merge.rules`).
 
-    Returns:
-        The combined tensor, in float32 for float32 inputs.
+    Attributes:
+        factorwise: Combines the ``A`` s and the ``B`` s apart, so every input needs one rank.
     """
-    if method in ("ties",):
-        tensors = [trim(t, density) for t in tensors]
-    elif method in ("dare_linear", "dare_ties"):
-        tensors = [drop_and_rescale(t, density, generator) for t in tensors]
-    stack = torch.stack(tensors)  # (n, ...)
-    c = torch.tensor(coeffs, dtype=stack.dtype, device=stack.device)
-    if method in ("ties", "dare_ties"):
-        return elect_and_merge(stack, c, sign_method)
-    return (stack * c.view(-1, *([1] * (stack.dim() - 1)))).sum(0)
+
+    factorwise = True
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def rank(self, ranks: list[int]) -> int:
+        """The merged rank from each input's (largest layer) rank: the common one."""
+        return ranks[0]
+
+    def prune(self, tensors: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
+        """What each factor keeps before the merge (all of it)."""
+        return tensors
+
+    def merge(self, stack: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+        """The stacked (pruned) factors ``(n, ...)`` combined: their weighted sum."""
+        return weighted_sum(stack, coeffs)
+
+    def combine_tensors(self, tensors: list[torch.Tensor], coeffs: list[float],
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+        """Same-shaped tensors combined: :meth:`prune`, then :meth:`merge`.
+
+        Args:
+            tensors: The tensors (all of one shape).
+            coeffs: One coefficient each.
+            generator: The random generator of the DARE masks.
+
+        Returns:
+            The combined tensor, in float32 for float32 inputs.
+        """
+        stack = torch.stack(self.prune(tensors, generator))  # (n, ...)
+        return self.merge(stack, torch.tensor(coeffs, dtype=stack.dtype, device=stack.device))
+
+    def combine(self, pairs: list[Pair | None], weights: list[float], rank: int,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Combine one layer's LoRA pairs into one pair ``(A (rank, in), B (out, rank))``, scale 1.
+
+        Args:
+            pairs: One entry per input adapter, ``None`` where that adapter leaves the layer alone
+                (it then takes no part, as in PEFT).
+            weights: One user weight per input adapter (negative subtracts).
+            rank: The new rank (:meth:`rank`; ``cat``: a layer with fewer ranks stays
+                zero-padded).
+            generator: The random generator of the DARE masks.
+
+        Returns:
+            ``(A, B)`` in float32 with ``B @ A`` the combined delta.
+        """
+        present = [(p, w) for p, w in zip(pairs, weights) if p is not None]
+        assert present, "a layer that no input adapter touches"
+        return self.combine_present(present, rank, generator)
+
+    def combine_present(self, present: list[tuple[Pair, float]], rank: int,
+                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`combine` on the ``(pair, weight)`` of the inputs that adapt the layer."""
+        coeffs = [w * p.scale for p, w in present]  # c_i = w_i * s_i
+        roots = [math.sqrt(abs(c)) for c in coeffs]
+        coeffs_a = [r if c >= 0 else -r for r, c in zip(roots, coeffs)]  # the sign on A only
+        a = self.combine_tensors([p.a.float() for p, _ in present], coeffs_a, generator)
+        b = self.combine_tensors([p.b.float() for p, _ in present], roots, generator)
+        return a, b
 
 
-def combine_pairs(pairs: list[Pair | None], weights: list[float], method: str, rank: int,
-                  density: float = 1.0, sign_method: str = "total",
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine one layer's LoRA pairs into one pair ``(A (rank, in), B (out, rank))``, scale 1.
+class Ties(MergeRule):
+    """``ties``: trim each factor to its top ``density``, elect signs, disjoint merge."""
 
-    Args:
-        pairs: One entry per input adapter, ``None`` where that adapter leaves the layer alone
-            (it then takes no part, as in PEFT).
-        weights: One user weight per input adapter (negative subtracts).
-        method: One of :data:`METHODS`.
-        rank: The new rank: the common rank (factor-wise methods), the total of the inputs'
-            ranks (``cat``: a layer with fewer stays zero-padded) or the truncation (``svd``).
-        density: Fraction kept by the pruning methods, in (0, 1].
-        sign_method: The ties methods' sign election, ``total`` or ``frequency``.
-        generator: The random generator of the DARE masks.
+    def prune(self, tensors: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
+        """TIES' trim of every tensor."""
+        return [trim(t, self.config.density) for t in tensors]
 
-    Returns:
-        ``(A, B)`` in float32 with ``B @ A`` the combined delta.
-    """
-    present = [(p, w) for p, w in zip(pairs, weights) if p is not None]
-    assert present, "a layer that no input adapter touches"
-    coeffs = [w * p.scale for p, w in present]  # c_i = w_i * s_i
-    a0, b0 = present[0][0].a, present[0][0].b
-    if method == "cat":
+    def merge(self, stack: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+        """TIES' elect + disjoint merge (``sign_method``)."""
+        return elect_and_merge(stack, coeffs, self.config.sign_method)
+
+
+class DareLinear(MergeRule):
+    """``dare-linear``: DARE's drop-and-rescale of every factor, then ``linear``'s sum."""
+
+    def prune(self, tensors: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
+        """DARE's Bernoulli mask and ``1 / density`` rescale of every tensor."""
+        return [drop_and_rescale(t, self.config.density, generator) for t in tensors]
+
+
+class DareTies(Ties):
+    """``dare-ties``: DARE's drop-and-rescale, then TIES' elect and disjoint merge."""
+
+    prune = DareLinear.prune
+
+
+class Cat(MergeRule):
+    """``cat``: the pairs side by side, ``B A = sum_i c_i B_i A_i`` exactly at rank ``sum_i r_i``."""
+
+    factorwise = False
+
+    def rank(self, ranks: list[int]) -> int:
+        """The sum of the inputs' ranks."""
+        return sum(ranks)
+
+    def combine_present(self, present: list[tuple[Pair, float]], rank: int,
+                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A = [c_1 A_1; c_2 A_2; ...]`` (zero rows past the layer's ranks), ``B = [B_1, B_2, ...]``."""
+        a0, b0 = present[0][0].a, present[0][0].b
         a = torch.zeros(rank, a0.shape[1], dtype=torch.float32, device=a0.device)
         b = torch.zeros(b0.shape[0], rank, dtype=torch.float32, device=b0.device)
         at = 0
@@ -154,32 +225,25 @@ def combine_pairs(pairs: list[Pair | None], weights: list[float], method: str, r
             b[:, at:at + p.rank] = p.b.float()
             at += p.rank
         return a, b
-    if method == "svd":
+
+
+class SVD(MergeRule):
+    """``svd``: the weighted sum of the deltas truncated to ``rank`` by its SVD."""
+
+    factorwise = False
+
+    def rank(self, ranks: list[int]) -> int:
+        """The config's ``rank``, or the largest input rank."""
+        return self.config.rank or max(ranks)
+
+    def combine_present(self, present: list[tuple[Pair, float]], rank: int,
+                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``D = sum_i w_i s_i B_i A_i ~ U_k S_k V_k^T``: ``B = U_k S_k``, ``A = V_k^T``."""
         deltas = [(p.b.float() @ p.a.float()) * p.scale for p, _ in present]  # (out, in) each
-        delta = combine_tensors(deltas, [w for _, w in present], "svd")
+        delta = self.combine_tensors(deltas, [w for _, w in present])  # the weighted sum
         u, s, vh = torch.linalg.svd(delta, full_matrices=False)  # delta (out, in)
         return vh[:rank].contiguous(), (u[:, :rank] * s[:rank]).contiguous()
-    roots = [math.sqrt(abs(c)) for c in coeffs]
-    coeffs_a = [r if c >= 0 else -r for r, c in zip(roots, coeffs)]  # the sign on A only
-    a = combine_tensors([p.a.float() for p, _ in present], coeffs_a, method, density, sign_method,
-                        generator)
-    b = combine_tensors([p.b.float() for p, _ in present], roots, method, density, sign_method,
-                        generator)
-    return a, b
 
 
-def new_rank(ranks: list[int], method: str, svd_rank: int | None = None) -> int:
-    """The merged adapter's rank from each input's rank (its largest layer rank).
-
-    ``cat``: their sum; ``svd``: ``svd_rank`` or the largest; the factor-wise methods: the
-    common rank (the caller checks that they are equal).
-    """
-    if method == "cat":
-        return sum(ranks)
-    if method == "svd":
-        return svd_rank or max(ranks)
-    return ranks[0]
-
-
-__all__ = ["FACTORWISE", "METHODS", "PRUNED", "Pair", "SIGN_METHODS", "combine_pairs",
-           "combine_tensors", "drop_and_rescale", "elect_and_merge", "new_rank", "trim"]
+__all__ = ["Cat", "DareLinear", "DareTies", "MergeRule", "Pair", "SIGN_METHODS", "SVD", "Ties",
+           "drop_and_rescale", "elect_and_merge", "trim", "weighted_sum"]

@@ -1,7 +1,9 @@
-"""``rankwise merge RUN_OR_ADAPTER... --method M --weights W1,W2,... --out DIR [--merged]``.
+"""``rankwise merge RUN_OR_ADAPTER... --method M --weights W1,W2,... --out DIR [--merged]``
+(or ``--config FILE`` with ``rule: {name: ties, density: 0.5}``).
 
 Combines LoRA adapters trained on one base model into one adapter, with the semantics of HF
-PEFT's ``add_weighted_adapter`` (the maths and the papers: :mod:`rankwise.commands.merge.combine`). The
+PEFT's ``add_weighted_adapter`` (the maths and the papers: :mod:`rankwise.commands.merge.combine`;
+the rules, registry kind ``merge-rule``: :mod:`rankwise.commands.merge.rules`). The
 inputs are finished ``rankwise train`` runs, rankwise adapter folders (``export --format
 rankwise``) or PEFT LoRA folders (``export --format peft``, ``PeftModel.save_pretrained``).
 
@@ -18,14 +20,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from rankwise import registry
+from rankwise import configs, registry
+from rankwise.commands.merge.combine import MergeRule, Pair
+from rankwise.commands.merge.config import MergeConfig
+from rankwise.commands.merge.rules import LinearConfig, SVDConfig, build_rule
 from rankwise.core import atomic
-from rankwise.commands.merge.combine import FACTORWISE, METHODS, PRUNED, SIGN_METHODS, Pair, combine_pairs, new_rank
 from rankwise.core.io import CONFIG as RANKWISE_CONFIG
 from rankwise.core.io import fingerprint, load_adapter, rebuild
 from rankwise.core.ops import delete_adapter, modules_to_save
@@ -44,52 +48,6 @@ RECORD = "merge.json"  # what was merged, beside the PEFT files
 DORA = ("{label} adapts {path!r} with DoRA (method.use_dora: true: a trained magnitude beside the "
         "LoRA pair); merge combines plain LoRA adapters only (use_dora: false): export the run "
         "with --format merged instead, or train it without use_dora")
-
-
-@dataclass
-class MergeConfig:
-    """How ``rankwise merge`` combines its inputs (the one place its defaults live).
-
-    Attributes:
-        method: ``linear``, ``cat``, ``svd``, ``ties``, ``dare_ties`` or ``dare_linear`` (the CLI
-            also accepts ``dare-ties`` / ``dare-linear``).
-        weights: One weight per input adapter (negative subtracts).
-        density: Fraction of entries kept by ``ties`` / ``dare_*``, in (0, 1]; required there.
-        seed: Seeds the DARE masks.
-        svd_rank: Rank of the ``svd`` result (``None``: the largest input rank).
-        majority_sign: ``total`` or ``frequency``: the sign election of ``ties`` / ``dare_ties``.
-    """
-
-    method: str = "svd"
-    weights: list[float] = field(default_factory=list)
-    density: float | None = None
-    seed: int = 0
-    svd_rank: int | None = None
-    majority_sign: str = "total"
-
-    def problems(self, n_inputs: int) -> list[str]:
-        """Every value error at once, for ``n_inputs`` adapters."""
-        out = []
-        if self.method not in METHODS:
-            out.append(f"--method: got {self.method!r}; expected one of "
-                       f"{', '.join(m.replace('_', '-') for m in METHODS)}")
-        if len(self.weights) != n_inputs:
-            out.append(f"--weights: got {len(self.weights)} weights for {n_inputs} adapters; "
-                       "give one per adapter, comma-separated")
-        if self.method in PRUNED and self.density is None:
-            out.append(f"--density: {self.method.replace('_', '-')} needs it (the fraction of "
-                       "entries kept, in (0, 1])")
-        if self.density is not None and not 0 < self.density <= 1:
-            out.append(f"--density: got {self.density}; expected a fraction in (0, 1]")
-        if self.density is not None and self.method in METHODS and self.method not in PRUNED:
-            out.append(f"--density: {self.method} prunes nothing; leave it out or use ties, "
-                       "dare-ties or dare-linear")
-        if self.svd_rank is not None and (self.method != "svd" or self.svd_rank < 1):
-            out.append(f"--rank: got {self.svd_rank} with --method {self.method}; it is the "
-                       "positive rank of an svd merge")
-        if self.majority_sign not in SIGN_METHODS:
-            out.append(f"--majority-sign: got {self.majority_sign!r}; expected total or frequency")
-        return out
 
 
 @dataclass
@@ -220,26 +178,26 @@ def collect_pairs(model: torch.nn.Module, names: list[str],
     return out
 
 
-def merged_rank(pairs: dict[str, list[Pair | None]], cfg: MergeConfig, labels: list[str]) -> int:
-    """The new adapter's rank (PEFT's rule); refuses unequal ranks under the factor-wise methods."""
+def merged_rank(pairs: dict[str, list[Pair | None]], rule: MergeRule, labels: list[str]) -> int:
+    """The new adapter's rank (PEFT's rule); refuses unequal ranks under the factor-wise rules."""
     ranks = [max((row[i].rank for row in pairs.values() if row[i] is not None), default=0)
              for i in range(len(labels))]
     for i, label in enumerate(labels):
         if not ranks[i]:
             raise RankwiseError(f"{label} holds no LoRA layer; merge combines LoRA adapters")
-    if cfg.method in FACTORWISE:
+    if rule.factorwise:
         every = sorted({p.rank for row in pairs.values() for p in row if p is not None})
         if len(every) > 1:
-            raise RankwiseError(f"--method {cfg.method.replace('_', '-')} needs adapters of one rank, "
+            raise RankwiseError(f"--method {rule.config.name} needs adapters of one rank, "
                                 f"got ranks {every}; use --method cat or svd for different ranks")
-    return new_rank(ranks, cfg.method, cfg.svd_rank)
+    return rule.rank(ranks)
 
 
 def _check_inputs(paths: list[Path], cfg: MergeConfig, out: Path, model_path: Path | None) -> tuple:
     """The settings, an empty ``out`` of kind merge and inputs of one base; ``(out, sources)``."""
     if not paths:
         raise RankwiseError("merge needs at least one adapter (run folders or PEFT folders)")
-    problems = cfg.problems(len(paths))
+    problems = configs.problems_of(cfg) + cfg.input_problems(len(paths))
     if problems:
         raise RankwiseError("; ".join(problems))
     out = atomic.check_folder(out)
@@ -290,7 +248,7 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
 
     Args:
         paths: Run folders, rankwise adapter folders or PEFT LoRA folders of one base model.
-        cfg: The method and its settings.
+        cfg: The rule and its settings (checked here, as from a file).
         out: Target folder; must be missing or empty.
         merged: Also write the base with the combined adapter folded in, ``out/merged``.
         model_path: The base model's folder (instead of what the inputs record).
@@ -308,16 +266,16 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
     heads = _load_inputs(model, sources, names)
     labels = [str(p) for p in paths]
     pairs = collect_pairs(model, names, labels)
-    method = "linear" if len(sources) == 1 else cfg.method  # PEFT: one adapter is a linear scaling
-    rank = merged_rank(pairs, MergeConfig(**{**asdict(cfg), "method": method}), labels)
+    # PEFT: one adapter is a linear scaling
+    rule = build_rule(LinearConfig() if len(sources) == 1 else cfg.rule)
+    rank = merged_rank(pairs, rule, labels)
     path, row = min(pairs.items(), key=lambda kv: _room(kv[1]))
     if rank > _room(row):
-        fix = "choose a smaller --rank" if method == "svd" else "use --method svd with --rank"
-        raise RankwiseError(f"the merged rank {rank} ({method}) does not fit layer {path!r}, which "
-                            f"takes at most rank {_room(row)}; {fix}")
+        fix = "choose a smaller --rank" if isinstance(rule.config, SVDConfig) else "use --method svd with --rank"
+        raise RankwiseError(f"the merged rank {rank} ({rule.config.name}) does not fit layer {path!r}, "
+                            f"which takes at most rank {_room(row)}; {fix}")
     gen = torch.Generator().manual_seed(cfg.seed)
-    combined = {path: combine_pairs(row, cfg.weights, method, rank, cfg.density or 1.0,
-                                    cfg.majority_sign, gen) for path, row in pairs.items()}
+    combined = {path: rule.combine(row, cfg.weights, rank, gen) for path, row in pairs.items()}
     for name in names:
         delete_adapter(model, name)
     rebuild(model, {"name": "lora"}, MERGED, {p: {"r": rank, "alpha": float(rank), "use_rslora": False}
@@ -330,7 +288,7 @@ def merge_sources(paths: list[Path], cfg: MergeConfig, out: Path, merged: bool =
             fb.copy_(b)
     model.eval()
     base_name = str(demo_model_path()) if base_path == "demo" else base_path
-    record = {"inputs": labels, **asdict(cfg), "method": method, "rank": rank,
+    record = {"inputs": labels, **asdict(cfg), "rule": asdict(rule.config), "rank": rank,
               "base_model": base_name, "fingerprint": fingerprint(model)}
     _write_merge(out, model, tok, m, record, merged)
     return out
@@ -347,18 +305,4 @@ def _has_heads(source: Source) -> bool:
     return bool(meta.get("modules_to_save"))
 
 
-def parse_weights(text: str) -> list[float]:
-    """``"0.5,0.5"`` -> ``[0.5, 0.5]``.
-
-    Raises:
-        RankwiseError: A value that is not a number.
-    """
-    try:
-        return [float(w) for w in text.split(",") if w.strip()]
-    except ValueError:
-        raise RankwiseError(f"--weights: got {text!r}; expected comma-separated numbers, "
-                            "one per adapter (e.g. 0.7,0.3)") from None
-
-
-__all__ = ["MergeConfig", "check_same_base", "collect_pairs", "merge_sources",
-                      "merged_rank", "parse_weights"]
+__all__ = ["MergeConfig", "check_same_base", "collect_pairs", "merge_sources", "merged_rank"]

@@ -6,16 +6,6 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from rankwise.compress.kv.quantizers import KIVI, NSNQuant
-
-
-def quantizers(kind: str, bits: int, seed: int = 0) -> tuple[Any, Any]:
-    """``(key quantizer, value quantizer)`` of a cache kind (``nsnquant`` or ``kivi``)."""
-    if kind == "nsnquant":
-        q = NSNQuant(bits, seed)
-        return q, q
-    return KIVI(bits, per_channel=True), KIVI(bits, per_channel=False)
-
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``J x`` with ``J`` the RoPE pairing of channel ``i`` with ``i + d/2`` (Llama's
@@ -148,21 +138,23 @@ class QuantizedKVLayer(DynamicLayer):
 
 
 class QuantizedKVCache(Cache):
-    """A ``Cache`` of :class:`QuantizedKVLayer`, one per attention layer (created lazily).
+    """A ``Cache`` of :class:`QuantizedKVLayer`, one per attention layer (created lazily); made
+    by the ``nsnquant`` and ``kivi`` entries of kind ``kv-cache``
+    (:func:`rankwise.compress.kv.make_cache`).
 
     Args:
-        kind: ``nsnquant`` or ``kivi``.
-        bits: Bits per element (NSNQuant 1 or 2; KIVI 1-8).
+        key_quantizer: Encodes/decodes chunks of keys (:class:`~rankwise.compress.kv.NSNQuant`,
+            :class:`~rankwise.compress.kv.KIVI`).
+        value_quantizer: The same for values.
         chunk: Tokens quantized together.
-        seed: Seed of NSNQuant's synthetic codebook.
         rotary: The model's rotary embedding, for pre-RoPE key quantization (NSNQuant).
     """
 
-    def __init__(self, kind: str, bits: int, chunk: int = 16, seed: int = 0,
+    def __init__(self, key_quantizer: Any, value_quantizer: Any, chunk: int = 16,
                  rotary: torch.nn.Module | None = None) -> None:
-        kq, vq = quantizers(kind, bits, seed)
-        super().__init__(layer_class_to_replicate=lambda: QuantizedKVLayer(kq, vq, chunk, rotary))
-        self.kind, self.bits, self.chunk = kind, bits, chunk
+        super().__init__(layer_class_to_replicate=lambda: QuantizedKVLayer(key_quantizer, value_quantizer,
+                                                                           chunk, rotary))
+        self.chunk = chunk
 
     def bytes_per_token(self) -> float:
         """Stored bytes per quantized token, keys and values of every layer, per sequence."""
@@ -172,44 +164,6 @@ class QuantizedKVCache(Cache):
                 batch = layer._deq_k.shape[0]
                 per_layer.append(layer.stored_bytes / (layer.quantized_tokens * batch))
         return float(sum(per_layer))
-
-
-def make_cache(kind: str, bits: int = 2, chunk: int = 16, config: Any = None, seed: int = 0,
-               rotary: torch.nn.Module | None = None) -> Cache:
-    """A KV cache for ``model(..., cache=...)`` / ``model.generate(..., past_key_values=...)``.
-
-    This is the hook ``rankwise generate --kv-cache KIND --kv-bits BITS`` calls.
-
-    Args:
-        kind: ``fp`` (transformers' full-precision ``DynamicCache``), ``nsnquant`` (1-2 bits)
-            or ``kivi`` (1-8 bits).
-        bits: Bits per cached element (ignored by ``fp``).
-        chunk: Tokens quantized together; the newest incomplete chunk stays full precision.
-        config: The model's config (``fp`` uses it to lay out its layers).
-        seed: Seed of NSNQuant's synthetic codebook.
-        rotary: The model's rotary embedding (:func:`find_rotary`); NSNQuant then quantizes
-            keys before RoPE, as its paper does (without it: after RoPE, as received).
-
-    Returns:
-        A fresh ``transformers.cache_utils.Cache``.
-
-    Raises:
-        RankwiseError: An unknown kind, or bits the kind does not support.
-    """
-    from rankwise.errors import RankwiseError
-    kinds = ("fp", "nsnquant", "kivi")
-    if kind not in kinds:
-        raise RankwiseError(f"unknown KV cache {kind!r}; expected one of {list(kinds)}")
-    if kind == "nsnquant" and bits not in (1, 2):
-        raise RankwiseError(f"nsnquant KV cache: got {bits} bits; it supports 1 or 2")
-    if kind == "kivi" and not 1 <= bits <= 8:
-        raise RankwiseError(f"kivi KV cache: got {bits} bits; it supports 1 to 8")
-    if chunk < 1:
-        raise RankwiseError(f"KV cache chunk: got {chunk}; expected an integer >= 1")
-    if kind == "fp":
-        from transformers import DynamicCache
-        return DynamicCache(config=config) if config is not None else DynamicCache()
-    return QuantizedKVCache(kind, bits, chunk, seed, rotary)
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.compress.kv.cache import cache_kwarg, find_rotary, make_cache
+from rankwise.compress.kv.cache import cache_kwarg, find_rotary
+from rankwise.compress.kv.caches import build_cache, cache_config
+from rankwise.compress.kv.config import KVCacheConfig
 
 
 def fp16_bytes_per_token(config) -> int:
@@ -17,7 +19,7 @@ def fp16_bytes_per_token(config) -> int:
     return 2 * 2 * config.num_hidden_layers * heads * head_dim
 
 
-def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str, bits: int = 2,
+def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str | KVCacheConfig, bits: int = 2,
                      chunk: int = 16, batch_size: int = 16, step: int = 1, seed: int = 0) -> dict:
     """Feed each window through ``model`` ``step`` tokens at a time with a fresh cache of
     ``kind``, so every prediction attends to the cached (quantized) keys and values of the
@@ -28,9 +30,10 @@ def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str, bits: i
     Args:
         model: A causal LM (``AutoModelForCausalLM``).
         windows: ``(N, T)`` token ids.
-        kind: ``fp``, ``nsnquant`` or ``kivi`` (see :func:`make_cache`).
-        bits: Bits per cached element.
-        chunk: Tokens quantized together.
+        kind: ``fp``, ``nsnquant``, ``kivi`` (see :func:`~rankwise.compress.kv.make_cache`), or a
+            cache config (``compress.kv_cache``; ``bits`` and ``chunk`` are then its own).
+        bits: Bits per cached element (with a name).
+        chunk: Tokens quantized together (with a name).
         batch_size: Windows per forward.
         step: Tokens per forward (1 = token-by-token decoding).
         seed: NSNQuant's codebook seed.
@@ -42,8 +45,9 @@ def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str, bits: i
         fp16_bytes_per_token``, metadata included (compare it with the nominal ``bits``).
 
     Raises:
-        RankwiseError: See :func:`make_cache`.
+        RankwiseError: See :func:`~rankwise.compress.kv.make_cache`.
     """
+    cfg = cache_config(kind, bits=bits, chunk=chunk)  # a bad setting fails before any forward
     was_training = model.training
     model.eval()
     arg = cache_kwarg(model)
@@ -52,7 +56,7 @@ def cache_perplexity(model: nn.Module, windows: torch.Tensor, kind: str, bits: i
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             ids = windows[start: start + batch_size]
-            cache = make_cache(kind, bits, chunk, config=model.config, seed=seed, rotary=rotary)
+            cache = build_cache(cfg, model.config, rotary, seed)
             for t in range(0, ids.shape[1] - 1, step):
                 piece = ids[:, t: min(t + step, ids.shape[1] - 1)]
                 logits = model(input_ids=piece, use_cache=True, **{arg: cache}).logits
