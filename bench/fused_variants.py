@@ -4,11 +4,12 @@
 1. variants of the fused side on the ``nf4`` and ``nf4+ckpt`` rows: the dequantized 4-bit weight
    kept from forward to backward or dequantized again (``KEEP_DEQUANTIZED``), and ``A x`` kept or
    recomputed (``KEEP_AX``) - median step time (process time) and peak memory, interleaved;
-2. the shared down-projection product (``STACK``: one ``x [A_q; A_k; A_v]`` and one
-   ``x [A_gate; A_up]`` per block) against one product per layer, on the ``fp32``, ``bf16`` and
-   ``nf4`` rows - median step time and peak memory, interleaved;
+2. the shared down-projection product (``train.fused_lora: auto``: one ``x [A_q; A_k; A_v]`` and
+   one ``x [A_gate; A_up]`` per block) against one product per layer (``unshared``), on the
+   ``fp32``, ``bf16`` and ``nf4`` rows - median step time and peak memory, interleaved;
 3. a per-operator CPU profile (torch.profiler) of one step of the plain path, the fused path and
-   PEFT on the rows given (the fused step profiled after one step, so its products are shared).
+   PEFT on the rows given (each profiled after one warm-up step; the fused products are shared
+   from the first).
 
 Run: ``flock /tmp/bench.lock env OMP_NUM_THREADS=1 PYTHONPATH=src python bench/fused_variants.py
 OUT_DIR [row ...]``; writes ``OUT_DIR/variants.json`` and ``OUT_DIR/profile.md``.
@@ -29,14 +30,17 @@ from rankwise_bench import llm_finetune as lf
 
 
 def _set(flags):
-    fused.KEEP_DEQUANTIZED, fused.KEEP_AX, fused.STACK = flags
+    fused.KEEP_DEQUANTIZED, fused.KEEP_AX = flags[:2]
 
 
 def measure(folder, row, s, data, variants):
-    """``variants``: name -> (KEEP_DEQUANTIZED, KEEP_AX, STACK), each its own model."""
+    """``variants``: name -> (KEEP_DEQUANTIZED, KEEP_AX, shared products), each its own model."""
+    from rankwise.recipes.session import set_fused_lora
     sides = {}
     for name, flags in variants.items():
         model, _ = lf.build_ours(folder, row, s, fused=True)
+        if not flags[2]:  # one x A_i product per layer
+            set_fused_lora(model, "unshared")
         sides[name] = (lf._Side(model, data, s, lf.ROWS[row][2]), flags)
     times = {n: [] for n in sides}
     for k in range(s.warmup + s.steps):

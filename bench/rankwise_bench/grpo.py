@@ -32,19 +32,20 @@ PROMPTS, G, MAX_NEW, BETA, LR = 4, 8, 32, 0.04, 1e-4
 WARMUP, REPS = 2, 6
 
 
-def _batches(tok, steps: int):
-    """Per step: prompt ids, completion ids (half real def lines, half random), texts."""
+def _batches(tok, steps: int, per_step: int = PROMPTS, group: int = G):
+    """Per step: ``per_step`` prompt ids, ``group`` completion ids each (half real def lines, half
+    random), texts (``bench rloo`` draws the same)."""
     from rankwise.data.instruct import load_function_records
     recs = load_function_records()
     g = torch.Generator().manual_seed(0)
     out = []
     for s in range(steps):
-        chosen = recs[s * PROMPTS:(s + 1) * PROMPTS]
+        chosen = recs[s * per_step:(s + 1) * per_step]
         prompts = [tok(" ".join(r["prompt"].split()[:40]), add_special_tokens=False)["input_ids"] for r in chosen]
         comps = []
         for r in chosen:
             real = tok(r["completion"], add_special_tokens=False)["input_ids"][: MAX_NEW - 1] + [tok.eos_token_id]
-            for k in range(G):
+            for k in range(group):
                 n = int(torch.randint(4, MAX_NEW, (1,), generator=g))
                 comps.append(real if k % 2 == 0 else torch.randint(1000, len(tok), (n,), generator=g).tolist())
         out.append((prompts, comps, [r["prompt"] for r in chosen]))

@@ -23,20 +23,22 @@ from rankwise_bench.common import RESULTS, ROOT
 
 # results folder (relative to bench/results) -> the benchmark (rankwise bench NAME) that wrote it
 FOLDERS = {
-    "adapter-steps": "adapter-steps", "chunked-loss": "memory-features", "compress": "compress",
+    "adapter-steps": "adapter-steps", "chunked-logprobs": "chunked-logprobs",
+    "chunked-loss": "memory-features", "compress": "compress",
     "continual": "continual", "data-pipeline": "data-pipeline", "distill": "distill", "dpo": "dpo",
     "federated-demo": "federated-demo", "federated-demo/iid-check": "federated-demo",
     "federated-demo/issue27": "federated-demo", "federated-demo/issue34": "federated-demo",
     "federated-demo/long": "federated-demo", "federated-demo/natural": "federated-demo",
     "gguf-parity": "gguf-parity", "grpo": "grpo",
-    "grpo-gain": "grpo-gain", "grpo-gain-lr3e-3": "grpo-gain", "llm-finetune": "llm-finetune",
+    "grpo-gain": "grpo-gain", "grpo-gain-lr3e-3": "grpo-gain", "kto": "kto", "llm-finetune": "llm-finetune",
     "llm-finetune-dora": "llm-finetune", "llm-finetune-fused": "llm-finetune",
     "llm-finetune-fused/seq1024": "llm-finetune", "lora-vs-peft": "lora-vs-peft", "loro": "loro",
     "lota-qaf": "lota-qaf", "lowrank-pretrain": "lowrank-pretrain", "lowrank-pretrain-issue21": "lowrank-pretrain",
     **{f"lowrank-pretrain-8bit-seeds/{row}-seed{k}": "lowrank-pretrain" for row in ("adamw", "galore")
        for k in range(3)},
-    "memory-decoder": "memory-decoder", "plan": "plan", "preference": "preference", "restore": "restore",
-    "select": "select", "select-functions": "select-functions", "shapley": "shapley", "skrull": "skrull",
+    "memory-decoder": "memory-decoder", "orpo": "orpo", "plan": "plan", "preference": "preference", "restore": "restore",
+    "rloo": "rloo",
+    "select": "select", "select-functions": "select-functions", "shapley": "shapley", "simpo": "simpo", "skrull": "skrull",
     "svdecode": "svdecode", "tpa": "tpa", "transfer": "transfer", "vfl": "vfl",
 }
 

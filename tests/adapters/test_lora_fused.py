@@ -1,6 +1,8 @@
 """The fused LoRA path (``train.fused_lora: auto``) gives the plain path's losses and gradients:
 float32 to 1e-6, bf16 and NF4 (bf16 compute) to a tolerance of a few bf16 roundings, with
-activation checkpointing and gradient accumulation, and PEFT's loss on the same weights."""
+activation checkpointing and gradient accumulation, and PEFT's loss on the same weights. The
+shared q/k/v and gate/up products run from the first micro-batch (their groups are fixed by
+``set_fused_lora`` before any step)."""
 from __future__ import annotations
 
 
@@ -9,7 +11,9 @@ import torch
 
 from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
 from rankwise.adapters.lora import fused
+from rankwise.core import shared_inputs
 from rankwise.recipes.model import enable_checkpointing
+from rankwise.recipes.session import set_fused_lora
 from rankwise.testing import randomize_trainable, tiny_llama64
 
 VOCAB = 128
@@ -52,9 +56,10 @@ def lora_model(dtype=torch.float32, ckpt=False, nf4=False, tmp=None, rslora=Fals
     return model.train()
 
 
-def run(model, fused_on: bool, bf16: bool, accum: int = 2):
-    """Sum of the micro-batch losses and the accumulated gradients of ``accum`` micro-batches."""
-    set_fused(model, fused_on)
+def run(model, fused_on: bool | str, bf16: bool, accum: int = 2):
+    """The micro-batch losses and the accumulated gradients of ``accum`` micro-batches, with
+    ``train.fused_lora`` set to ``fused_on`` (``True``: ``auto``) just before."""
+    set_fused_lora(model, fused_on)
     model.zero_grad(set_to_none=True)
     losses = []
     for b in batches(accum):
@@ -81,14 +86,11 @@ class Spy:
 
 
 def check(model, bf16: bool, atol: float, rtol: float, monkeypatch, stack: bool = True):
-    """The fused path (products shared after one learning step, or one node per layer)
-    against the plain path: losses, every factor's gradient, and which nodes ran."""
-    monkeypatch.setattr(fused, "STACK", stack)
+    """The fused path (products shared, or one node per layer) against the plain path from
+    the first micro-batch on: losses, every factor's gradient, and which nodes ran."""
     loss_p, grad_p = run(model, False, bf16)
-    if stack:
-        run(model, True, bf16)  # learns which layers read one input (q/k/v, gate/up)
     spy = Spy(monkeypatch)
-    loss_f, grad_f = run(model, True, bf16)
+    loss_f, grad_f = run(model, "auto" if stack else "unshared", bf16)
     torch.testing.assert_close(loss_f, loss_p, atol=atol, rtol=rtol)
     assert grad_f.keys() == grad_p.keys() and len(grad_f) == 2 * 14
     scale = max(g.abs().max() for g in grad_p.values())
@@ -96,7 +98,7 @@ def check(model, bf16: bool, atol: float, rtol: float, monkeypatch, stack: bool 
         assert grad_p[n].abs().sum() > 0, n
         torch.testing.assert_close(grad_f[n], grad_p[n], atol=atol * scale, rtol=rtol, msg=n)
     passes = 2 * (2 if model.is_activation_checkpointing else 1)  # micro-batches x recompute
-    if stack:  # per block: one product for q, k, v (GQA: k, v narrower) and one for gate, up
+    if stack:  # per block, every pass: one product for q, k, v (GQA: k, v narrower), one for gate, up
         assert spy.down == [3, 2] * 2 * passes and len(spy.up) == 5 * 2 * passes
         assert len(spy.whole) == 2 * 2 * passes  # o and down read their own inputs
     else:  # every wrapped layer took the fused node, each micro-batch
@@ -145,10 +147,8 @@ def test_fused_loss_equals_peft():
             if p.requires_grad:
                 path, kind = n.split(".lora_")
                 dst[f"base_model.model.{path}.lora_{kind[0]}.default.weight"].copy_(p)
-    set_fused(ours, True)
+    assert len(set_fused_lora(ours, "auto")) == 4  # the first step stacks q/k/v and gate/up
     b = batches(1)[0]
-    ours(**b).loss.backward()  # learns the shared inputs: the compared step stacks q/k/v, gate/up
-    ours.zero_grad(set_to_none=True)
     loss_o = ours(**b).loss
     loss_t = theirs.train()(**b).loss
     torch.testing.assert_close(loss_o, loss_t, atol=1e-6, rtol=0)
@@ -161,18 +161,19 @@ def test_fused_loss_equals_peft():
 
 
 def test_shared_product_is_a_compute_path_only(monkeypatch):
-    """The layers that read one tensor are found by running; the stacked product changes no
-    parameter or state-dict key, and a projection called on another tensor (or on the same
-    tensor changed in place) computes its own ``A x``."""
-    monkeypatch.setattr(fused, "STACK", True)
+    """The groups are fixed before any step (q -> k, v; gate -> up; nothing else); the stacked
+    product changes no parameter or state-dict key, and a projection called on another tensor
+    (or on the same tensor changed in place) computes its own ``A x``."""
     model = lora_model()
     keys = list(model.state_dict())
-    run(model, True, False)
+    groups = set_fused_lora(model, "auto")
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert [r() for r in fused._GROUPS[attn.q_proj][1]] == [attn.k_proj, attn.v_proj]
-    assert [r() for r in fused._GROUPS[mlp.gate_proj][1]] == [mlp.up_proj]
-    assert fused._GROUPS[attn.q_proj][0] == "active"
-    assert attn.o_proj not in fused._GROUPS and mlp.down_proj not in fused._GROUPS
+    assert groups[:2] == [tuple(f"model.layers.0.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                 "self_attn.v_proj")),
+                          ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")]
+    assert shared_inputs.partners(attn.q_proj) == (attn.k_proj, attn.v_proj)
+    assert shared_inputs.partners(mlp.gate_proj) == (mlp.up_proj,)
+    assert not shared_inputs.partners(attn.o_proj) and not shared_inputs.partners(mlp.down_proj)
     assert list(model.state_dict()) == keys
     x, other = torch.randn(2, 5, 64, requires_grad=True), torch.randn(2, 5, 64)
     spy = Spy(monkeypatch)
@@ -180,6 +181,10 @@ def test_shared_product_is_a_compute_path_only(monkeypatch):
     x2 = x.detach().clone().requires_grad_()
     k_alone = attn.k_proj(other)            # another input: not q's product
     assert spy.down == [3] and len(spy.up) == 1 and len(spy.whole) == 1
+    q.sum().backward()                      # k's and v's untaken products: no gradient at all
+    assert attn.q_proj.lora_A["default"].weight.grad.abs().sum() > 0
+    assert attn.k_proj.lora_A["default"].weight.grad is None
+    assert attn.v_proj.lora_A["default"].weight.grad is None
     with torch.no_grad():
         x.mul_(1)                           # bumps the version: the entry no longer matches
     v = attn.v_proj(x)
@@ -188,6 +193,27 @@ def test_shared_product_is_a_compute_path_only(monkeypatch):
     torch.testing.assert_close(q, attn.q_proj(x2), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_alone, attn.k_proj(other), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v, attn.v_proj(x2), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_rebuilt_model_shares_from_its_first_micro_batch(bf16, monkeypatch):
+    """A model rebuilt from the same weights (a resume, a federated client in another process)
+    fixes the same groups and gives the same loss and gradients bit for bit on its first
+    micro-batches as the model that has already run them; a deep copy (a DPO reference) has no
+    groups. (With groups learned while running, the first model shared and the rebuilt one did
+    not: bf16 resume ended 6e-6 apart.)"""
+    import copy
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    first = lora_model(dtype, ckpt=True)
+    run(first, "auto", bf16)                    # micro-batches already run in this process
+    spy = Spy(monkeypatch)
+    loss_a, grad_a = run(first, "auto", bf16)
+    rebuilt = lora_model(dtype, ckpt=True)
+    loss_b, grad_b = run(rebuilt, "auto", bf16)
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(grad_a[n], grad_b[n]) for n in grad_a)
+    assert spy.down == [3, 2] * 2 * 2 * 2 * 2   # both models, 2 micro-batches, forward + recompute
+    twin = copy.deepcopy(rebuilt)
+    assert not shared_inputs.partners(twin.model.layers[0].self_attn.q_proj)
 
 
 def test_train_key_sets_the_switch_and_keeps_comparison_hashes():
@@ -200,6 +226,10 @@ def test_train_key_sets_the_switch_and_keeps_comparison_hashes():
     assert build_run_config({**plan, "train": {"fused_lora": False}}).train.fused_lora is False
     model = tiny_llama64(VOCAB)
     apply_lora(model, LoraConfig(r=2, alpha=4, targets="all-linear"))
-    for key, on in (("auto", True), ("off", False), (True, True), (False, False)):
-        set_fused_lora(model, key)
+    q = model.model.layers[0].self_attn.q_proj
+    for key, on, shared in (("auto", True, 4), ("off", False, 0), (True, True, 4),
+                            ("unshared", True, 0), (False, False, 0)):
+        assert len(set_fused_lora(model, key)) == shared
         assert {m.fused_lora for m in model.modules() if isinstance(m, LoraLayer)} == {on}
+        assert len(shared_inputs.partners(q)) == (2 if shared else 0)
+    assert build_run_config({**plan, "train": {"fused_lora": "unshared"}}).train.fused_lora == "unshared"

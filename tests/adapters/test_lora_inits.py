@@ -301,7 +301,7 @@ def test_rankwise_merge_takes_the_whole_delta_of_a_residual_init(tmp_path):
     from rankwise.core.io import save_adapter
     from rankwise.engine import get_task
     from rankwise.commands.merge.config import MergeConfig
-    from rankwise.commands.merge.rules import LinearConfig
+    from rankwise.commands.merge.rules import rule_config
     from rankwise.commands.merge.run import merge_sources
     from rankwise.recipes.model import load_model
 
@@ -316,7 +316,7 @@ def test_rankwise_merge_takes_the_whole_delta_of_a_residual_init(tmp_path):
     with torch.no_grad():
         trained = model(**batch).logits
     save_adapter(model, tmp_path / "adapter", cfg)
-    merge_sources([tmp_path / "adapter"], MergeConfig(rule=LinearConfig(), weights=[1.0]), tmp_path / "m")
+    merge_sources([tmp_path / "adapter"], MergeConfig(rule=rule_config("linear"), weights=[1.0]), tmp_path / "m")
     theirs = peft.PeftModel.from_pretrained(base(), tmp_path / "m").eval()
     with torch.no_grad():
         torch.testing.assert_close(theirs(**batch).logits, trained, atol=1e-5, rtol=0)

@@ -65,6 +65,9 @@ def test_ctrl_c_during_a_profiler_fold_is_raised_after_it_not_inside_it(monkeypa
 
     import rankwise.memory as memory
 
+    # Ctrl-C as Python delivers it by default, whatever an earlier test in this worker left as
+    # the SIGINT handler (the full suite of 2026-12-02 left another one in place: not yet found)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     stops = []
     real_fold = memory._fold
 
@@ -84,6 +87,7 @@ def test_ctrl_c_during_a_profiler_fold_is_raised_after_it_not_inside_it(monkeypa
             keep = torch.ones(1000, 1000)
             monkeypatch.setattr(memory, "_fold", fold_with_ctrl_c)
             meter.flush()  # raises once the fold is whole: stopped, counted, restarted
+    signal.signal(signal.SIGINT, previous)
     assert stops == [None] and memory._PROFILER == []  # and stopped by the meter's exit
     assert meter.peak_bytes == MB4  # the events up to the interrupt were still counted
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -116,6 +116,6 @@ def test_smoke_run_and_exact_resume(name, tmp_path):
 
 
 def test_every_built_in_task_has_a_typed_section():
-    for name in ("classification", "causal-lm", "dpo", "grpo", "memory-decoder"):
+    for name in ("classification", "causal-lm", "dpo", "grpo", "memory-decoder", "orpo", "simpo", "reward"):
         entry = registry.get("task", name)
         assert entry.config_cls().name == name and entry.builder.name == name

@@ -94,7 +94,10 @@ class Task:
     Attributes:
         name: The ``task.name`` value.
         auto_class: The transformers ``AutoModel*`` class that loads a model for the task.
-        uses_labels: Records need a label field (``data.label_field``).
+        uses_labels: The model is a sequence classifier with a new head (``score``,
+            ``classifier``: trained beside any adapter, never quantized): text records need a
+            label field (``data.label_field``); a task with its own records sets the head's
+            outputs through its data's ``label_names`` (the reward model: one).
         lm_loss: The loss is next-token cross-entropy on the data's token sequences, so
             perplexity measures it (``rankwise compress``'s evaluation, ``compress.restore``,
             ``rankwise transfer`` and ``data.question_free`` need such a task; a subclass of
@@ -102,6 +105,15 @@ class Task:
         from_adapter: Set by the train recipe when the run starts from ``model.adapter``.
         model_loader: Set by the train recipe: ``model_loader(path, device)`` loads another
             causal LM folder as the run loads ``model.path`` (the memory decoder's base);
+            ``None`` outside a run.
+        teacher_loader: Set by the train recipe: ``teacher_loader(path, device, dtype)`` loads
+            a frozen teacher (a model folder, a finished run folder with its adapters merged,
+            or a ``tiny-*`` test model) as ``(model in eval mode, tokenizer or None)``
+            (:func:`rankwise.recipes.teacher.load_teacher`; the ``gkd`` task's teacher);
+        run_loader: Set by the train recipe: ``run_loader(run_dir, device)`` rebuilds a
+            finished run's trained model as ``rankwise export`` does
+            (:func:`rankwise.recipes.export.load_run`) and returns ``(config, model, tokenizer)``,
+            the model on ``device`` in eval mode (GRPO's reward model from a reward run);
             ``None`` outside a run.
     """
 
@@ -111,6 +123,8 @@ class Task:
     lm_loss: ClassVar[bool] = False
     from_adapter: bool = False
     model_loader: Callable[[str, str], nn.Module] | None = None
+    teacher_loader: Callable[[str, str, str], tuple[nn.Module, Any]] | None = None
+    run_loader: Callable[[str, str], tuple[Any, nn.Module, Any]] | None = None
 
     def __init__(self, config: TaskConfig | None = None) -> None:
         self.config = config

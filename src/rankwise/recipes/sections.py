@@ -240,7 +240,8 @@ class TrainConfig:
         loss_chunk_tokens: Causal LM: compute the loss from the final hidden states through
             the output head in chunks of this many target tokens, each chunk's logits
             recomputed in the backward (:mod:`rankwise.engine.chunked_loss`; same loss and
-            gradients up to float rounding); 0 = off; ``auto`` = :attr:`AUTO_CHUNK_TOKENS` when
+            gradients up to float rounding); DPO and GRPO: their completion log-probs the same
+            way (:mod:`rankwise.tasks.logprobs`); 0 = off; ``auto`` = :attr:`AUTO_CHUNK_TOKENS` when
             the model's vocabulary has at least :attr:`AUTO_CHUNK_VOCAB` entries, else off.
             Why 32,000 and 512: the unchunked loss keeps about four fp32 copies of the
             ``(tokens x vocab)`` logits alive (logits, log-softmax, both gradients), 16 V bytes
@@ -261,8 +262,11 @@ class TrainConfig:
             training. The first steps pay the compilation.
         fused_lora: ``auto``: LoRA-wrapped linear layers (LoRA, rsLoRA, GoRA ranks; one active
             adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
-            backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``);
-            same losses and gradients. ``off`` (or ``false``): the plain path.
+            backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``),
+            and the layers that read one input (q/k/v, gate/up; found by one probe forward
+            before the first step, ``rankwise.core.shared_inputs``) share one
+            ``x [A_1; ...; A_k]`` product; same losses and gradients. ``unshared``: the fused
+            node, one product per layer. ``off`` (or ``false``): the plain path.
         neftune_noise_alpha: NEFTune (Jain et al. 2024): uniform noise of scale
             ``alpha / sqrt(L d)`` on the input embeddings of the training forwards only, ``L``
             each example's real tokens (:mod:`rankwise.engine.neftune`; the paper uses 5-15);
@@ -295,7 +299,7 @@ class TrainConfig:
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
     compile: bool = False
-    fused_lora: Union[Literal["auto", "off"], bool] = "auto"  # YAML reads a bare off as false
+    fused_lora: Union[Literal["auto", "unshared", "off"], bool] = "auto"  # YAML reads a bare off as false
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
     neftune_noise_alpha: Union[float, None] = bounded(None, gt=0, what="alpha", hint="(the paper uses 5 to 15; null: no noise)")
 

@@ -10,12 +10,14 @@ clients, ``select``, ``transfer`` and the benchmarks all start from a :class:`Se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from rankwise import registry
+from rankwise.core import shared_inputs
 from rankwise.core.io import rebuild
 from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
@@ -30,8 +32,10 @@ from rankwise.engine.skrull import Skrull
 from rankwise.errors import RankwiseError
 from rankwise.recipes import optim_scope
 from rankwise.recipes.config import RunConfig
+from rankwise.recipes.export import load_run
 from rankwise.recipes.model import enable_checkpointing, load_model, load_tokenizer
 from rankwise.recipes.start import check_method, load_start
+from rankwise.recipes.teacher import load_teacher
 from rankwise.recipes.tokens import apply_trainable_tokens
 
 
@@ -155,10 +159,22 @@ def prepare(cfg: RunConfig, device: str | None = None, model=None, tokenizer=Non
     task = get_task(cfg.task)
     task.model_loader = lambda path, dev: load_model(path, "causal-lm", seed=cfg.train.seed,  # as model.path
                                                      device=dev)[0].to(dev).eval()  # (memory decoder's base)
+    task.teacher_loader = lambda path, dev, dtype: load_teacher(path, dev, dtype, seed=cfg.train.seed,
+                                                                what="task.teacher")  # (gkd's teacher)
+    task.run_loader = _run_loader  # a finished run's model (GRPO's reward model)
     session = _load(cfg, task, device, dist, model, tokenizer)
     entry = _apply_method(session, saved)
     _ready_for_training(session, entry, selected)
     return session
+
+
+def _run_loader(run_dir: str, device: str) -> tuple[Any, nn.Module, Any]:
+    """``(config, model, tokenizer)`` of the finished run ``run_dir``, the model on ``device`` in
+    eval mode (:attr:`~rankwise.engine.task.Task.run_loader`)."""
+    cfg, model, tok = load_run(Path(run_dir))
+    if not cfg.model.quantize:  # a quantized base was loaded where it computes
+        model.to(device)
+    return cfg, model.eval(), tok
 
 
 def _load(cfg: RunConfig, task: Task, device: str, dist: Distributed, model, tokenizer) -> Session:
@@ -257,8 +273,25 @@ def _ready_for_training(session: Session, entry: registry.Entry, selected: dict 
     session.scheduler = linear_schedule(session.optimizer, cfg.train.steps, cfg.train.warmup_fraction)
 
 
-def set_fused_lora(model: nn.Module, setting) -> None:
-    """Apply ``train.fused_lora`` to every layer that carries the switch (LoRA's layers)."""
-    for layer in model.modules():
-        if isinstance(getattr(type(layer), "fused_lora", None), bool):
-            layer.fused_lora = setting in ("auto", True)
+def set_fused_lora(model: nn.Module, setting) -> list[tuple[str, ...]]:
+    """Apply ``train.fused_lora`` to every layer that carries the switch (LoRA's layers).
+
+    ``auto`` (or ``True``) also fixes, before any step, which of them read one input and share
+    one down-projection product (:func:`rankwise.core.shared_inputs.fix_groups`: one probe
+    forward), so a fresh run, a resumed one and a rebuilt federated client compute the same
+    products from their first micro-batch; ``unshared`` and ``off`` drop such groups.
+
+    Args:
+        model: The adapted model, before any distributed wrapper.
+        setting: ``"auto"``, ``"unshared"``, ``"off"``, ``True`` or ``False``.
+
+    Returns:
+        The groups that share a product, as module paths (leader first).
+    """
+    layers = [m for m in model.modules() if isinstance(getattr(type(m), "fused_lora", None), bool)]
+    for layer in layers:
+        layer.fused_lora = setting in ("auto", "unshared", True)
+    if setting in ("auto", True):
+        return shared_inputs.fix_groups(model, layers)
+    shared_inputs.forget(layers)
+    return []

@@ -11,8 +11,9 @@ that equals the plain path's (:meth:`LoraLayer.forward`: the base layer, then tw
   its cast to the factors' dtype made (under bf16 autocast: ``x`` -> float32 -> bf16, one new
   bf16 tensor per projection, so q/k/v hold three copies of one input; PEFT does the same);
 * no dropout mask: the fused path is taken only while dropout is inactive (``p = 0`` or eval);
-* one product for the layers that read one input (:data:`STACK`, off by default): q, k, v (and gate, up) are
-  found by running - consecutive calls on the same tensor object - and then share
+* one product for the layers that read one input (``train.fused_lora: auto``; ``unshared``
+  keeps one node per layer): q, k, v (and gate, up), whose groups
+  :func:`rankwise.core.shared_inputs.fix_groups` fixed before the first step, share
   ``[u_q | u_k | u_v] = x [A_q; A_k; A_v]ᵀ`` and its backward (:class:`_SharedDown`), each
   finishing with :class:`_FusedLoraUp`; only ``A`` is stacked (GQA's narrower k/v and GoRA's
   ranks are fine), at run time, from the parameters as the forward sees them (no new
@@ -39,17 +40,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rankwise.core import shared_inputs
 from rankwise.core import weights as layer_weights
 from rankwise.core.inject import is_conv1d
 
 KEEP_DEQUANTIZED = False  # keep a 4-bit base's dense weight from forward to backward
 KEEP_AX = True            # keep A x (r columns) instead of recomputing it in the backward
-# one x [A_1; ...; A_k] product for the layers that read the same input. Off: the groups are
-# learned while running, so a resumed run (or a client rebuilt in another process) computes its
-# first micro-batch unshared where the uninterrupted one shares, and a stacked GEMM rounds
-# differently from separate ones (bf16 resume differed by 6e-6) - exact resume wins, and on CPU
-# the shared product saved no time (docs/fused-lora.md)
-STACK = False
 
 
 def _four_bit(layer: nn.Module) -> bool:
@@ -156,8 +152,6 @@ class _FusedLora(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        global BACKWARDS
-        BACKWARDS += 1
         x, ax, a, b, weight = ctx.saved_tensors
         base_dt, lora_dt, out_dt = ctx.dts
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
@@ -193,7 +187,9 @@ class _SharedDown(torch.autograd.Function):
         d[A_1; ...; A_k] = [du_1 | ... | du_k]ᵀ x,     dx = [du_1 | ... | du_k] [A_1; ...; A_k]
 
     - one GEMM each instead of ``k``. The ``A_i`` are stacked at run time (``torch.cat`` of the
-    parameters as they are in this forward: FSDP2's unsharded ones); nothing is stored."""
+    parameters as they are in this forward: FSDP2's unsharded ones); nothing is stored. A ``u_i``
+    no layer took (its partner was called on another tensor, or not at all) has no gradient and
+    is left out of the backward, so its ``A_i`` gets nothing from this node, not a zero."""
 
     @staticmethod
     def forward(ctx, x, lora_dt, *a):
@@ -202,6 +198,7 @@ class _SharedDown(torch.autograd.Function):
             u = F.linear(x.to(lora_dt), stacked)
         ctx.save_for_backward(x, *a)
         ctx.lora_dt, ctx.ranks = lora_dt, [t.shape[0] for t in a]
+        ctx.set_materialize_grads(False)  # an unused u_i's gradient stays None
         return tuple(p.contiguous() for p in u.split(ctx.ranks, dim=-1))
 
     @staticmethod
@@ -209,13 +206,17 @@ class _SharedDown(torch.autograd.Function):
         x, *a = ctx.saved_tensors
         lora_dt = ctx.lora_dt
         da, dx = [None] * len(a), None
+        used = [i for i, t in enumerate(gu) if t is not None]
+        if not used:
+            return (dx, None, *da)
         with torch.autocast(x.device.type, enabled=False):
-            du = torch.cat([t.to(lora_dt).reshape(-1, t.shape[-1]) for t in gu], dim=1)
-            if any(ctx.needs_input_grad[2:]):
-                dstack = torch.mm(du.t(), x.to(lora_dt).reshape(-1, x.shape[-1]))
-                da = [d.to(t.dtype) for d, t in zip(dstack.split(ctx.ranks), a)]
+            du = torch.cat([gu[i].to(lora_dt).reshape(-1, gu[i].shape[-1]) for i in used], dim=1)
+            if any(ctx.needs_input_grad[2 + i] for i in used):
+                dstack = torch.mm(du.t(), x.to(lora_dt).reshape(-1, x.shape[-1]))  # (sum r_i, in)
+                for i, d in zip(used, dstack.split([ctx.ranks[i] for i in used])):
+                    da[i] = d.to(a[i].dtype)
             if ctx.needs_input_grad[0]:
-                stacked = torch.cat([t.to(lora_dt) for t in a])
+                stacked = torch.cat([a[i].to(lora_dt) for i in used])
                 dx = torch.mm(du, stacked).to(x.dtype).view(x.shape)
         return (dx, None, *da)
 
@@ -238,8 +239,6 @@ class _FusedLoraUp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        global BACKWARDS
-        BACKWARDS += 1
         u, b, weight = ctx.saved_tensors
         lora_dt = ctx.dts[1]
         dx = du = db = None
@@ -257,34 +256,23 @@ class _FusedLoraUp(torch.autograd.Function):
 
 
 # ----- which layers share one product ------------------------------------------------------
-# Learned, not declared: the layers called one after another on the *same tensor object* (q, k,
-# v on the attention's normed input; gate and up) form a run; at the end of a run of two or more
-# its first layer becomes a group's leader ("pending"). A pending group is taken ("active") at the
-# leader's next call made outside any backward and after a fused backward has run since it was
-# learned - so a forward and its checkpointing recompute always make the same choice, and a
-# layer used twice in one forward (tied blocks) decides once per step. An active leader computes
-# the stacked product for its partners and leaves their ``u`` in ``_STATE.entry``, keyed by the
-# input tensor (weak reference, version counter, autocast state); a partner takes its ``u`` only
-# from an entry of the very tensor it was called with, else it computes its own. A caller that
-# runs one projection alone, a hook that replaces an input, a recompute (a new tensor) therefore
-# never sees another call's product.
-BACKWARDS = 0                                      # fused backward calls so far (all threads)
-_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # leader -> [state, partners, seen]
+# Fixed before the first step, not learned while running: rankwise.core.shared_inputs.fix_groups
+# (called by train.fused_lora: auto) probes the model once and holds, per leader, the layers
+# called right after it on the same tensor (q -> k, v; gate -> up). Every forward - the first
+# micro-batch of a run or of a resume, a checkpointing recompute, a rebuilt federated client -
+# therefore makes the same choice. An eligible leader computes the stacked product for its
+# eligible partners and leaves their ``u`` in ``_STATE.entry``, keyed by the input tensor (weak
+# reference, version counter, autocast state); a partner takes its ``u`` only from an entry of
+# the very tensor it was called with, else it computes its own. A caller that runs one
+# projection alone, a hook that replaces an input, or a tensor changed in place therefore never
+# sees another call's product (and a product its partner did not take gives it no gradient).
 
 
 class _State(threading.local):
-    run = None     # (weakref x, key, [weakref layer]): layers called on one input so far
     entry = None   # (weakref x, key, {id(layer): (u, A, A._version)}): partners' products
 
 
 _STATE = _State()
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward now (a checkpointing recompute is one); ``True``
-    where torch cannot tell, so a pending group then never turns active (per-layer products)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is None or task() != -1
 
 
 def _key(x: torch.Tensor):
@@ -292,31 +280,11 @@ def _key(x: torch.Tensor):
     return (x._version, x.device, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
 
 
-def _observe(layer, x, key) -> None:
-    run = _STATE.run
-    if run is not None and run[0]() is x and run[1] == key and all(r() is not layer for r in run[2]):
-        run[2].append(weakref.ref(layer))
-        return
-    if run is not None and len(run[2]) > 1:
-        members = [r() for r in run[2]]
-        if all(m is not None for m in members) and members[0] not in _GROUPS:
-            _GROUPS[members[0]] = ["pending", tuple(run[2][1:]), BACKWARDS]
-    _STATE.run = (weakref.ref(x), key, [weakref.ref(layer)])
-
-
 def _partners(layer, x, a) -> list | None:
-    """The active group of leader ``layer`` on ``x``: ``[(layer, adapter name), ...]``."""
-    group = _GROUPS.get(layer)
-    if group is None:
-        return None
-    if group[0] == "pending":
-        if BACKWARDS == group[2] or _in_backward():
-            return None
-        group[0] = "active"
+    """The eligible partners of leader ``layer`` on ``x``: ``[(layer, adapter name), ...]``."""
     out = []
-    for ref in group[1]:
-        p = ref()
-        name = eligible(p, x) if p is not None and getattr(p, "fused_lora", False) else None
+    for p in shared_inputs.partners(layer):
+        name = eligible(p, x) if getattr(p, "fused_lora", False) else None
         if name is None:
             continue
         pa = p.lora_A[name].weight
@@ -327,7 +295,7 @@ def _partners(layer, x, a) -> list | None:
 
 def _shared_u(layer, x: torch.Tensor, name: str):
     """``u = A x`` of ``layer`` from a shared product, or ``None`` (then the layer computes it)."""
-    if not STACK or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return None
     a = layer.lora_A[name].weight
     key = _key(x)
@@ -338,7 +306,6 @@ def _shared_u(layer, x: torch.Tensor, name: str):
             _STATE.entry = None
         if got is not None and got[1] is a and got[2] == a._version:
             return got[0]
-    _observe(layer, x, key)
     partners = _partners(layer, x, a)
     if partners is None:
         return None

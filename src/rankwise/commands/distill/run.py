@@ -111,7 +111,8 @@ def read_command(source: Path, config: Path | None, sets: list[str], student_hid
 
 
 def load_teacher(path: Path, student_hidden: int) -> tuple[torch.nn.Module, Any]:
-    """The teacher model (float32, eval) and its tokenizer (:class:`ByteTokenizer` if none).
+    """The teacher model (float32, eval) and its tokenizer (:class:`ByteTokenizer` if none),
+    through the shared loader (:func:`rankwise.recipes.teacher.load_teacher`).
 
     A model folder's config is checked (:func:`check_student`) before its weights are read.
 
@@ -119,25 +120,9 @@ def load_teacher(path: Path, student_hidden: int) -> tuple[torch.nn.Module, Any]
         RankwiseError: A missing folder, a run that is not finished, or a teacher/width that
             Low-Rank Clone cannot map.
     """
-    path = Path(path)
-    if (path / "config.yaml").is_file() and not (path / "config.json").is_file():
-        from rankwise.core.merged import merge_plain
-        from rankwise.recipes.export import load_run
-        _, model, tok = load_run(path)
-        model = merge_plain(model, dtype=torch.float32)
-        check_student(model.config, student_hidden)
-        return model.float().eval(), tok
-    if not (path / "config.json").is_file():
-        raise RankwiseError(f"distill: TEACHER {path} is neither a transformers model folder (config.json) "
-                            "nor a rankwise run folder (config.yaml)")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    check_student(AutoConfig.from_pretrained(path), student_hidden)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        tok = ByteTokenizer()
-    return model.eval(), tok
+    from rankwise.recipes.teacher import load_teacher as load
+    model, tok = load(path, what="distill: TEACHER", check=lambda config: check_student(config, student_hidden))
+    return model, tok if tok is not None else ByteTokenizer()
 
 
 def _check_out(out: Path, resume: bool) -> bool:

@@ -12,7 +12,8 @@ are ``-100`` on the prompt (the DPO log-probability sums the completion tokens o
 
 The prompt is cut from the left to fit ``data.max_length`` (by the same amount on both sides, so
 the pair shares its prompt); a pair whose longer completion alone does not fit is dropped and
-counted (``dropped``). A record with a missing or empty field, or
+counted (``dropped``). Fields named in ``keep`` (the reward model's per-pair ``margin``) are
+copied from the record into its pair as they are. A record with a missing or empty field, or
 with ``chosen == rejected`` (nothing to prefer), is dropped with a warning that counts them; if
 no pair is left the data is refused. The pairs are held as Python lists (preference sets are
 thousands of records, not millions), with the reference log-probs when they are precomputed.
@@ -62,7 +63,7 @@ class PairData:
     def subset(self, index: list[int]) -> "PairData":
         """The pairs ``index``."""
         ref = None if self.ref_logps is None else [self.ref_logps[i] for i in index]
-        return PairData([self.pairs[i] for i in index], self.pad_id, 0, ref)
+        return PairData([self.pairs[i] for i in index], self.pad_id, 0, ref, list(self.label_names))
 
 
 def _text(value: Any) -> str | None:
@@ -123,7 +124,8 @@ class PairEncoder:
         return [(head + t, [IGNORE] * len(head) + t) for t in tails]
 
 
-def build_pair_data(data_cfg, tokenizer, progress: bool = False) -> tuple[PairData, PairData]:
+def build_pair_data(data_cfg, tokenizer, progress: bool = False,
+                    keep: tuple[str, ...] = ()) -> tuple[PairData, PairData]:
     """Build ``(train, eval)`` preference pairs from the ``data:`` section.
 
     Args:
@@ -132,6 +134,8 @@ def build_pair_data(data_cfg, tokenizer, progress: bool = False) -> tuple[PairDa
             ``format``, ``max_length``, ``limit``).
         tokenizer: A transformers tokenizer.
         progress: Show ``datasets``' progress bars while reading.
+        keep: Record fields copied into each pair under their own name, as they are (``None``
+            where a record lacks one), when the source has them; absent fields are skipped.
 
     Returns:
         The training and evaluation pairs.
@@ -141,7 +145,7 @@ def build_pair_data(data_cfg, tokenizer, progress: bool = False) -> tuple[PairDa
     """
     quiet_datasets(progress)
     if data_cfg.source in ("demo", "stdlib-functions"):
-        raise RankwiseError(f"data.source {data_cfg.source} has no preference pairs; task.name dpo "
+        raise RankwiseError(f"data.source {data_cfg.source} has no preference pairs; a preference task "
                             "needs a file of {prompt, chosen, rejected} records")
     template = resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.format == "chat" else None
     enc = Encoder(tokenizer, "chat" if data_cfg.format == "chat" else "prompt-completion",
@@ -149,10 +153,10 @@ def build_pair_data(data_cfg, tokenizer, progress: bool = False) -> tuple[PairDa
     pe = PairEncoder(enc)
     pad = tokenizer.pad_token_id
     if data_cfg.eval_source:
-        train, _ = _read(data_cfg.source, data_cfg, pe, None)
-        evals, _ = _read(data_cfg.eval_source, data_cfg, pe, None)
+        train, _ = _read(data_cfg.source, data_cfg, pe, None, keep)
+        evals, _ = _read(data_cfg.eval_source, data_cfg, pe, None, keep)
     else:
-        train, evals = _read(data_cfg.source, data_cfg, pe, data_cfg.eval_fraction)
+        train, evals = _read(data_cfg.source, data_cfg, pe, data_cfg.eval_fraction, keep)
     if data_cfg.limit:
         train = (train[0][: data_cfg.limit], train[1])
     if not train[0] or not evals[0]:
@@ -162,9 +166,9 @@ def build_pair_data(data_cfg, tokenizer, progress: bool = False) -> tuple[PairDa
     return PairData(train[0], pad, train[1]), PairData(evals[0], pad, evals[1])
 
 
-def _read(source: str, data_cfg, pe: PairEncoder, eval_fraction: float | None):
+def _read(source: str, data_cfg, pe: PairEncoder, eval_fraction: float | None, keep: tuple[str, ...] = ()):
     """Encode every record of ``source``; ``((train pairs, dropped), (eval pairs, dropped))``
-    (everything in the first when ``eval_fraction`` is ``None``)."""
+    (everything in the first when ``eval_fraction`` is ``None``); ``keep``'s fields are copied."""
     raw = read_dataset(source, data_cfg.cache_dir)
     fields = [data_cfg.prompt_field, data_cfg.chosen_field, data_cfg.rejected_field]
     have = list(raw.column_names)
@@ -172,9 +176,10 @@ def _read(source: str, data_cfg, pe: PairEncoder, eval_fraction: float | None):
         if name not in have:
             raise RankwiseError(f"{source}: no {name!r} field in any record (fields: {', '.join(have)}); "
                                 "set data.prompt_field / data.chosen_field / data.rejected_field")
+    extra = [name for name in dict.fromkeys(keep) if name in have and name not in fields]
     parts: list[tuple[list, int]] = [([], 0), ([], 0)]
     missing = same = 0
-    for row, rec in enumerate(raw.select_columns(fields)):
+    for row, rec in enumerate(raw.select_columns(fields + extra)):
         record = row + 1
         prompt_v, chosen_v, rejected_v = (rec[f] for f in fields)
         prompt = pe.prompt(prompt_v, record)
@@ -195,7 +200,8 @@ def _read(source: str, data_cfg, pe: PairEncoder, eval_fraction: float | None):
             continue
         chosen, rejected = fitted
         pairs.append({"chosen_ids": chosen[0], "chosen_labels": chosen[1],
-                      "rejected_ids": rejected[0], "rejected_labels": rejected[1]})
+                      "rejected_ids": rejected[0], "rejected_labels": rejected[1],
+                      **{name: rec[name] for name in extra}})
     bad = missing + same
     if bad == len(raw):
         raise RankwiseError(f"{source}: none of its {len(raw)} records is a usable preference pair "

@@ -31,6 +31,7 @@ from rankwise.errors import RankwiseError, closest
 from rankwise.tasks.common import CausalLMTask, lm_example, write_records
 from rankwise.tasks.dpo.data import build_pair_data
 from rankwise.tasks.dpo.losses import LOSSES, SMOOTHED, dpo_losses
+from rankwise.tasks.logprobs import logits_logps, target_logps
 from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, reference_problems, resolve
 
 
@@ -135,7 +136,9 @@ def _default(cls: type, name: str) -> Any:
 
 
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row sum of the log-probabilities of the target tokens (labels ``!= -100``).
+    """Per-row sum of the log-probabilities of the target tokens (labels ``!= -100``), from
+    formed logits (:func:`rankwise.tasks.logprobs.logits_logps`; the task itself goes through
+    :func:`rankwise.tasks.logprobs.target_logps`, in chunks).
 
     Args:
         logits: ``(R, T, V)`` model output.
@@ -144,13 +147,8 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     Returns:
         ``(log-prob sums (R,), target counts (R,))`` in float32.
     """
-    targets = labels[:, 1:]                                         # (R, T-1): tokens 1..T-1
-    keep = targets != IGNORE
-    rows = keep.nonzero()[:, 0]                                     # (N,) row of each target
-    picked = logits[:, :-1][keep].float()                           # (N, V): target positions only
-    logp = picked.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, -1)
-    sums = torch.zeros(labels.shape[0], device=logits.device).index_add(0, rows, logp)
-    return sums, keep.sum(-1).float()
+    got = logits_logps(logits, labels)
+    return got.sums(), got.counts()
 
 
 @dataclass
@@ -175,6 +173,9 @@ class DPOTask(Task):
     name = "dpo"
     auto_class = "AutoModelForCausalLM"
     eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
+    # Completion positions per chunk of the log-probs (:mod:`rankwise.tasks.logprobs`); 0 = the
+    # whole logits at once. ``rankwise train`` sets it from ``train.loss_chunk_tokens``.
+    loss_chunk_tokens: int = 0
 
     def __init__(self, config: DPOConfig | None = None) -> None:
         super().__init__(config or DPOConfig())
@@ -211,11 +212,12 @@ class DPOTask(Task):
 
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]
                        ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """``(completion log-probs (B, 2), completion tokens (B, 2), output)`` of ``model``."""
+        """``(completion log-probs (B, 2), completion tokens (B, 2), output)`` of ``model``, in
+        chunks of ``loss_chunk_tokens`` completion positions when set (the full logits are never
+        formed; the output's ``logits`` is then a zero-width placeholder)."""
         inputs = {k: v for k, v in batch.items() if k != "ref_logps"}
-        out, inputs = self._forward(model, inputs)
-        logps, counts = completion_logps(out.logits, inputs["labels"])
-        return logps.view(2, -1).T, counts.view(2, -1).T, out      # (2B,) -> (B, 2)
+        got = target_logps(model, lambda: self._forward(model, inputs), self.loss_chunk_tokens)
+        return got.sums().view(2, -1).T, got.counts().view(2, -1).T, got.output  # (2B,) -> (B, 2)
 
     def loss_sum(self, model, batch):
         """Summed per-pair loss; the reference is ``batch["ref_logps"]``, or the model with its

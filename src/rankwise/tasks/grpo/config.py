@@ -1,11 +1,11 @@
-"""The settings of the ``grpo`` task: ``task: {name: grpo, ...}`` (:class:`GRPOConfig`) and
-GAIN-RL's data order (:class:`GainRLConfig`, ``task.gain_rl``); the objective is
-:mod:`rankwise.tasks.grpo.task`."""
+"""The settings of the ``grpo`` task: ``task: {name: grpo, ...}`` (:class:`GRPOConfig`), the
+settings it shares with ``rloo`` (:class:`RolloutConfig`) and GAIN-RL's data order
+(:class:`GainRLConfig`, ``task.gain_rl``); the objective is :mod:`rankwise.tasks.grpo.task`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from rankwise.engine.task import TaskConfig
 from rankwise.tasks.grpo import rewards as R
@@ -45,34 +45,33 @@ class GainRLConfig:
 
 
 @dataclass
-class GRPOConfig(TaskConfig):
-    """The ``task:`` section of ``task: {name: grpo}``.
+class RolloutConfig(TaskConfig):
+    """The settings of a task that samples ``num_generations`` completions per prompt and scores
+    them with reward functions: the base of :class:`GRPOConfig` and of ``rloo``'s ``RLOOConfig``
+    (:mod:`rankwise.tasks.rloo`), which share the decode loop, the rewards, the prompt records and
+    ``samples.jsonl``.
 
     Attributes:
-        name: ``grpo``.
+        name: The task.
         rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
-            ``length-penalty``), ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), or Python
-            callables given to ``rankwise.train`` (recorded as names).
+            ``length-penalty``), ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), a
+            reward model's folder spelled as a path (a ``task.name: reward`` run or a one-output
+            sequence classifier: :mod:`rankwise.tasks.grpo.reward_model`), or Python callables
+            given to ``rankwise.train`` (recorded as names).
         reward_weights: One weight per reward (``null``: all 1); the reward is their weighted sum.
-        num_generations: ``G``, completions per prompt (>= 2).
+        num_generations: Completions per prompt (>= 2).
         max_completion_length: New tokens per completion, at most.
         temperature: Sampling temperature of the groups (> 0); the loss's and the reference's
             log-probs are taken at it too (logits / ``temperature`` before the log-softmax, as
-            TRL 1.16's ``GRPOTrainer`` does), so they are those of the sampled distribution.
+            TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` do), so they are those of the sampled
+            distribution.
         top_p: Nucleus sampling mass.
         beta: KL strength ``beta`` (0: no reference forward).
         epsilon: Clip range below 1 (and above, unless ``epsilon_high``).
         epsilon_high: Clip range above 1 (DAPO's clip-higher); ``null``: ``epsilon``.
-        kl_ratio: Multiply the KL term by the ratio ``rho`` (1 in value; it changes the
-            gradient into the unbiased reverse-KL gradient, DeepSeek-V3.2; TRL 1.16's
-            ``use_bias_correction_kl``, on by default there too).
-        loss_type: ``grpo``, ``dr_grpo`` or ``dapo`` (see the module docstring).
-        scale_rewards: ``group`` (divide by the group's std), ``batch`` (by the step's) or
-            ``none`` (Dr. GRPO).
         answer_field: The record field ``exact-match`` / ``regex``'s ``{answer}`` compare with.
         pattern: ``regex``'s pattern.
         length_target: ``length-penalty``'s characters per unit of penalty.
-        gain_rl: GAIN-RL's settings (used with ``data.order: gain-rl``).
         rewards_dir: A folder ``module:function`` rewards are also imported from, after
             ``PYTHONPATH`` (``null``: the config file's folder; ``config.yaml`` records it).
         reference: The KL's reference: ``adapters-off`` (the base), ``initial`` (the model as
@@ -82,10 +81,13 @@ class GRPOConfig(TaskConfig):
         disable_dropout: Set every dropout of the model (base and adapters) to ``p = 0`` before
             training (:func:`rankwise.tasks.reference.disable_dropout`), so sampling, the
             policy forward and the reference forward see one network and the KL starts at 0.
-            On by default here, as for DPO; TRL's ``GRPOConfig`` defaults it to false.
+            On by default here, as for DPO; TRL's ``GRPOConfig`` and ``RLOOConfig`` default it
+            to false.
     """
 
-    name: str = "grpo"
+    GROUP_NEEDS: ClassVar[str] = "its advantages compare completions of one prompt"
+
+    name: str = ""
     rewards: list[str] = field(default_factory=lambda: ["exact-match"])
     reward_weights: Union[list[float], None] = None
     num_generations: int = 8
@@ -95,13 +97,9 @@ class GRPOConfig(TaskConfig):
     beta: float = 0.04
     epsilon: float = 0.2
     epsilon_high: Union[float, None] = None
-    kl_ratio: bool = True
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
     answer_field: str = "answer"
     pattern: Union[str, None] = None
     length_target: int = 200
-    gain_rl: GainRLConfig = field(default_factory=GainRLConfig)
     rewards_dir: Union[str, None] = None
     reference: Literal["auto", "adapters-off", "initial"] = "auto"
     disable_dropout: bool = True
@@ -110,8 +108,8 @@ class GRPOConfig(TaskConfig):
         """Return value errors."""
         out = []
         if self.num_generations < 2:
-            out.append(f"num_generations: got {self.num_generations}; GRPO's advantages compare "
-                       "completions within a group, so it needs >= 2")
+            out.append(f"num_generations: got {self.num_generations}; {self.GROUP_NEEDS}, so it "
+                       "needs >= 2")
         if not self.rewards:
             out.append("rewards: got none; name at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
@@ -120,37 +118,69 @@ class GRPOConfig(TaskConfig):
         if self.max_completion_length < 1:
             out.append(f"max_completion_length: got {self.max_completion_length}; expected >= 1")
         if not self.temperature > 0:
-            out.append(f"temperature: got {self.temperature}; GRPO samples its groups, expected > 0")
+            out.append(f"temperature: got {self.temperature}; {self.name} samples its groups, expected > 0")
         if not 0 < self.top_p <= 1:
             out.append(f"top_p: got {self.top_p}; expected a value in (0, 1]")
         if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0:
             out.append("beta, epsilon and epsilon_high must be >= 0")
         if self.length_target < 1:
             out.append(f"length_target: got {self.length_target}; expected characters >= 1")
-        g = self.gain_rl
-        if g.prefix_tokens < 0 or g.tail_tokens < 0 or g.pool < 1 or not g.sigma > 0 or g.move < 0 \
-                or not g.reward_max > 0:
-            out.append("gain_rl: prefix_tokens, tail_tokens >= 0, pool >= 1, sigma > 0, move >= 0, "
-                       "reward_max > 0")
         for name in self.rewards:
-            if name not in R.BUILTINS and ":" not in name:
-                out.append(f"rewards: got {name!r}; expected one of {R.BUILTINS} or 'module:function'")
+            if name not in R.BUILTINS and ":" not in name and not R.is_model_spelling(name):
+                out.append(f"rewards: got {name!r}; expected one of {R.BUILTINS}, 'module:function' "
+                           "or a reward model's folder (a path: ./runs/rm)")
         return out
 
     def run_problems(self, run: Any) -> list[str]:
-        """The reference must exist (``initial`` needs a start); GRPO trains on its own sampled
-        completions and writes ``samples.jsonl`` itself, so packing, samples, prompt targets and
-        a length schedule are refused."""
+        """The reference must exist (``initial`` needs a start); the task trains on its own
+        sampled completions and writes ``samples.jsonl`` itself, so packing, samples, prompt
+        targets and a length schedule are refused."""
         out = reference_problems(self.reference, run)
         d = run.data
         if d.packing or run.eval.samples or d.train_on_prompt or d.schedule != "none":
             what = ("data.packing" if d.packing else "eval.samples" if run.eval.samples
                     else "data.train_on_prompt" if d.train_on_prompt else "data.schedule")
-            out.append(f"{what} is not supported with task.name: grpo (it trains on its own sampled "
-                       "completions and writes samples.jsonl itself); remove it")
+            out.append(f"{what} is not supported with task.name: {self.name} (it trains on its own "
+                       "sampled completions and writes samples.jsonl itself); remove it")
         return out
 
     def read_from(self, folder: Path) -> None:
         """``rewards_dir`` left ``null`` becomes the config file's folder."""
         if self.rewards_dir is None:
             self.rewards_dir = str(Path(folder).expanduser().resolve())
+
+
+@dataclass
+class GRPOConfig(RolloutConfig):
+    """The ``task:`` section of ``task: {name: grpo}``: :class:`RolloutConfig`'s settings and
+    GRPO's own.
+
+    Attributes:
+        name: ``grpo``.
+        num_generations: ``G``, completions per prompt (>= 2).
+        kl_ratio: Multiply the KL term by the ratio ``rho`` (1 in value; it changes the
+            gradient into the unbiased reverse-KL gradient, DeepSeek-V3.2; TRL 1.16's
+            ``use_bias_correction_kl``, on by default there too).
+        loss_type: ``grpo``, ``dr_grpo`` or ``dapo`` (see :mod:`rankwise.tasks.grpo.task`).
+        scale_rewards: ``group`` (divide by the group's std), ``batch`` (by the step's) or
+            ``none`` (Dr. GRPO).
+        gain_rl: GAIN-RL's settings (used with ``data.order: gain-rl``).
+    """
+
+    GROUP_NEEDS: ClassVar[str] = "GRPO's advantages compare completions within a group"
+
+    name: str = "grpo"
+    kl_ratio: bool = True
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    gain_rl: GainRLConfig = field(default_factory=GainRLConfig)
+
+    def problems(self) -> list[str]:
+        """Return value errors (:class:`RolloutConfig`'s and GAIN-RL's)."""
+        out = super().problems()
+        g = self.gain_rl
+        if g.prefix_tokens < 0 or g.tail_tokens < 0 or g.pool < 1 or not g.sigma > 0 or g.move < 0 \
+                or not g.reward_max > 0:
+            out.append("gain_rl: prefix_tokens, tail_tokens >= 0, pool >= 1, sigma > 0, move >= 0, "
+                       "reward_max > 0")
+        return out

@@ -19,6 +19,10 @@ Built-ins (``grpo.rewards``):
   block header whose body is missing (``def f(x):`` parses with ``pass`` appended), else 0.0;
 * ``length-penalty``: ``-len(completion) / grpo.length_target`` (characters).
 
+A reward spelled as a path (``./runs/rm``, ``/models/rm``) is a trained reward model: the run
+folder of a ``task.name: reward`` run or a one-output sequence classifier's model folder, which
+scores each ``(prompt, completion)`` (:mod:`rankwise.tasks.grpo.reward_model`).
+
 ``module:function`` imports ``module`` from ``PYTHONPATH`` first, then from ``grpo.rewards_dir``
 (the config file's folder by default), so a ``rewards.py`` next to the config needs no
 ``PYTHONPATH``. Python callables handed to ``rankwise.train`` (TRL's ``reward_funcs=[fn]``) are
@@ -35,6 +39,7 @@ import sys
 from typing import Any, Callable
 
 from rankwise.errors import RankwiseError
+from rankwise.tasks.grpo.reward_model import RewardModel, is_model_spelling
 
 BUILTINS = ("exact-match", "regex", "python-parses", "length-penalty")
 RewardFn = Callable[..., list]
@@ -132,12 +137,16 @@ def name_callables(rewards: list) -> list[str]:
 def resolve(name: str, answer_field: str = "answer", pattern: str | None = None,
             length_target: int = 200, rewards_dir: str | None = None) -> RewardFn:
     """The reward function ``name``: a built-in, an importable ``module:function`` (from
-    ``PYTHONPATH``, then ``rewards_dir``) or a ``python:`` callable of this process.
+    ``PYTHONPATH``, then ``rewards_dir``), a ``python:`` callable of this process, or a reward
+    model's run or model folder (a path; relative: read from ``rewards_dir`` first).
 
     Raises:
-        RankwiseError: An unknown name, a module or function that cannot be imported, or a
-            name that is not callable.
+        RankwiseError: An unknown name, a module or function that cannot be imported, a name
+            that is not callable, or a folder that is not a reward model
+            (:class:`~rankwise.tasks.grpo.reward_model.RewardModel`).
     """
+    if is_model_spelling(name):
+        return RewardModel(name, rewards_dir)
     if name == "exact-match":
         return exact_match(answer_field)
     if name == "regex":
@@ -149,8 +158,8 @@ def resolve(name: str, answer_field: str = "answer", pattern: str | None = None,
     if name == "length-penalty":
         return length_penalty(length_target)
     if ":" not in name:
-        raise RankwiseError(f"grpo.rewards: got {name!r}; expected one of {BUILTINS} or "
-                            "'module:function'")
+        raise RankwiseError(f"grpo.rewards: got {name!r}; expected one of {BUILTINS}, "
+                            "'module:function' or a reward model's folder (a path: ./runs/rm)")
     if name.startswith("python:"):
         if name not in CALLABLES:
             raise RankwiseError(f"grpo.rewards: {name!r} was a Python callable handed to "
@@ -217,4 +226,5 @@ def _span(records: list[Any]) -> str:
     return ", ".join(str(r) for r in unique[:5]) + (" ..." if len(unique) > 5 else "")
 
 
-__all__ = ["BUILTINS", "CALLABLES", "name_callables", "resolve", "score", "exact_match", "regex", "python_parses", "length_penalty"]
+__all__ = ["BUILTINS", "CALLABLES", "RewardModel", "is_model_spelling", "name_callables", "resolve", "score", "exact_match", "regex",
+           "python_parses", "length_penalty"]

@@ -47,13 +47,15 @@ import torch
 from torch import nn
 
 from rankwise.engine.generation import sample_groups
-from rankwise.engine.task import Task
+from rankwise.engine.task import IGNORE, Task
 from rankwise.tasks.common import lm_example, write_records
 from rankwise.errors import RankwiseError
 from rankwise.tasks.grpo import gain_rl as G
+from rankwise.tasks.grpo import reward_model as RM
 from rankwise.tasks.grpo import rewards as R
 from rankwise.tasks.grpo.config import LOSS_TYPES, GainRLConfig, GRPOConfig  # noqa: F401  (re-exported)
 from rankwise.tasks.grpo.data import build_prompt_data
+from rankwise.tasks.logprobs import target_logps
 from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, resolve
 
 
@@ -70,7 +72,8 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") ->
     return adv
 
 
-def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                chunk_tokens: int = 0) -> torch.Tensor:
     """``(R, C)`` log-probs of the completion tokens (columns ``P..`` of ``input_ids``) under the
     distribution they were sampled from: ``log_softmax(logits / temperature)``, as TRL 1.16's
     ``GRPOTrainer`` computes its policy and reference log-probs.
@@ -79,16 +82,28 @@ def token_logps(model: nn.Module, batch: dict[str, torch.Tensor], temperature: f
         model: The policy (or, inside :func:`~rankwise.tasks.reference.reference`, the reference).
         batch: Prompt + completion rows (:func:`rows_of`).
         temperature: The sampling temperature (> 0; 1: the plain softmax).
+        chunk_tokens: > 0: only the completion tokens (``completion_mask``), from the final hidden
+            states through the output head in chunks of this many, each chunk's logits
+            recomputed in the backward (:func:`rankwise.tasks.logprobs.target_logps`); the full
+            logits are never formed. 0: from the model's logits.
 
     Returns:
-        ``(R, C)`` float32 log-probs (padding columns hold values the completion mask drops).
+        ``(R, C)`` float32 log-probs (padding columns hold values the completion mask drops:
+        the logits' there, 0 on the chunked path).
     """
     width = batch["completion_mask"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    ids = batch["input_ids"]
+    if chunk_tokens:
+        labels = torch.full_like(ids, IGNORE)                       # (R, P + C): targets = completion
+        labels[:, -width:] = ids[:, -width:].masked_fill(batch["completion_mask"] == 0, IGNORE)
+        got = target_logps(model, lambda: (model(input_ids=ids, attention_mask=batch["attention_mask"]),
+                                           {"labels": labels}), chunk_tokens, temperature)
+        return got.dense()[:, -width:]                              # (R, C)
+    out = model(input_ids=ids, attention_mask=batch["attention_mask"])
     logits = out.logits[:, -width - 1:-1].float()                   # (R, C, V): predicts completion
     if temperature != 1.0:
         logits = logits / temperature
-    targets = batch["input_ids"][:, -width:]
+    targets = ids[:, -width:]
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
@@ -117,6 +132,9 @@ class GRPOTask(Task):
 
     name = "grpo"
     auto_class = "AutoModelForCausalLM"
+    # Completion tokens per chunk of the log-probs (:func:`token_logps`); 0 = the whole logits
+    # at once. ``rankwise train`` sets it from ``train.loss_chunk_tokens``.
+    loss_chunk_tokens: int = 0
 
     def __init__(self, config: GRPOConfig | None = None) -> None:
         super().__init__(config or GRPOConfig())
@@ -164,7 +182,8 @@ class GRPOTask(Task):
     def prepare(self, model, datasets, trains_full, batch_size, device):
         """Switch dropout off (``task.disable_dropout``); remember the datasets (their texts and
         fields feed the rewards) and the EOS token; resolve ``task.reference`` (``initial``: copy
-        the trainable tensors now)."""
+        the trainable tensors now); load the reward models onto ``device``
+        (:func:`rankwise.tasks.grpo.reward_model.load_models`)."""
         mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "adapters-off")
         if self.config.disable_dropout:
             disable_dropout(model)
@@ -176,6 +195,8 @@ class GRPOTask(Task):
             if tok is not None and self.eos_id is None:
                 from rankwise.data.formats import end_id
                 self.eos_id = end_id(tok)
+        tok = next((d.tokenizer for d in datasets if getattr(d, "tokenizer", None) is not None), None)
+        RM.load_models(self.fns, device, self.run_loader, tok)
         return None
 
     def schedule(self, run, model, train_data, device, distributed=False):
@@ -241,15 +262,29 @@ class GRPOTask(Task):
             completions = sample_groups(_unwrap(model), prompts, g, c.max_completion_length, eos, pad,
                                         c.temperature, c.top_p, str(device))
         rewards, values, texts = self.score(data, rows, completions, g)
-        adv = group_advantages(rewards, g, c.scale_rewards)
         out = rows_of(prompts, completions, g, pad, device)
-        out.update(advantages=adv.to(device), rewards=rewards.to(device))
         if c.beta != 0.0:
             with reference(model, self.snapshot):
-                out["ref_logps"] = token_logps(model, out, c.temperature)
+                out["ref_logps"] = token_logps(model, out, c.temperature, self.loss_chunk_tokens)
+        adv = self.advantages(model, out, rewards)
+        out.update(advantages=adv.to(device), rewards=rewards.to(device))
         if model.training:
             self._log(data, rows, texts, values, rewards, adv, out["completion_mask"])
         return out
+
+    def advantages(self, model: nn.Module, rows: dict[str, torch.Tensor], rewards: torch.Tensor) -> torch.Tensor:
+        """Each completion's advantage from its reward: GRPO's group-relative one
+        (:func:`group_advantages`, ``task.scale_rewards``). The hook ``rloo`` replaces.
+
+        Args:
+            model: The policy (no gradient: called inside :meth:`rollout`).
+            rows: The prompt + completion rows (:func:`rows_of`; ``ref_logps`` when ``beta > 0``).
+            rewards: ``(B * G,)`` weighted rewards, in group order.
+
+        Returns:
+            ``(B * G,)`` advantages.
+        """
+        return group_advantages(rewards, self.config.num_generations, self.config.scale_rewards)
 
     def before_step(self, model: nn.Module, batches: list[dict], step: int, seed: int) -> list[dict]:
         """Roll out every micro-batch of step ``step``. Each micro-batch samples from its own
@@ -278,10 +313,10 @@ class GRPOTask(Task):
             batch = self.rollout(model, batch)
         c = self.config
         if self.sampler is None:
-            logps = token_logps(model, batch, c.temperature)
+            logps = token_logps(model, batch, c.temperature, self.loss_chunk_tokens)
         else:  # GAIN-RL's online angle: this forward's hidden states (tasks/grpo/gain_rl.py)
             with G.mlp_inputs(_unwrap(model)) as held:
-                logps = token_logps(model, batch, c.temperature)
+                logps = token_logps(model, batch, c.temperature, self.loss_chunk_tokens)
             self.sampler.observe_angles(G.row_angles(held[-1], batch["attention_mask"], c.gain_rl.reading))
         mask = batch["completion_mask"].float()
         eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high

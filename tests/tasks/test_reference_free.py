@@ -1,0 +1,212 @@
+"""What ``orpo`` and ``simpo`` share (:mod:`rankwise.tasks.reference_free`): one forward per
+batch (counted, against DPO's two), ``log1mexp`` against its definition, the NLL's prompt
+targets (by hand, also behind prompt-tuning's virtual tokens), and the pair-task refusals. The
+helpers here (tiny LoRA pairs, TRL's batch keys, gradient comparison) serve both parity tests."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rankwise import registry
+from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
+from rankwise.core.protocol import adapter_modules, factors
+from rankwise.tasks.dpo.data import PairData
+from rankwise.tasks.dpo.task import DPOConfig, DPOTask
+from rankwise.tasks.orpo.task import ORPOConfig, ORPOTask
+from rankwise.tasks.reference_free import log1mexp
+from rankwise.tasks.simpo.task import SimPOConfig, SimPOTask
+from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def pairs(seed: int = 3, n: int = 4) -> list[dict]:
+    """Random token pairs: a shared prompt of 2-5 tokens (no preference loss) and completions of
+    1-6 tokens, different on the two sides (so padding and per-token means matter)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        prompt = torch.randint(1, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        c, r = (torch.randint(1, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(2))
+        out.append({"chosen_ids": prompt + c, "chosen_labels": [-100] * len(prompt) + c,
+                    "rejected_ids": prompt + r, "rejected_labels": [-100] * len(prompt) + r})
+    return out
+
+
+def tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary (TRL's trainers want one)."""
+    from tokenizers import Tokenizer, models as tmodels
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(
+        {f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0", eos_token="t0")
+
+
+def lora_and_trainer(make_trainer):
+    """(rankwise LoRA model, TRL trainer over a PEFT LoRA) of one tiny Llama with equal, non-zero
+    adapters (r = 4, alpha 8 on q/v/down). ``make_trainer(base, peft_config, dataset, tokenizer)``
+    builds the trainer; the factors are set after it built the adapter."""
+    peft = pytest.importorskip("peft")
+    from datasets import Dataset
+    base = tiny_llama_lm(seed=0)
+    ours = copy.deepcopy(base)
+    registry.get("method", "lora").apply(ours, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
+    data = Dataset.from_dict({"prompt": ["t2 t3"], "chosen": [" t4"], "rejected": [" t5"]})
+    trainer = make_trainer(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                                lora_dropout=0.0), data, tokenizer())
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, mod in adapter_modules(ours):  # non-zero B, so the adapters matter
+            for w in factors(mod, "default"):
+                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
+    same_factors(ours, trainer.model)
+    return ours.train(), trainer
+
+
+def trl_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our collated pair batch (chosen rows, then rejected) under the keys of TRL's
+    ``DPODataCollatorWithPadding`` that ``ORPOTrainer`` / ``CPOTrainer`` read."""
+    b = batch["input_ids"].shape[0] // 2
+    out = {}
+    for side, rows in (("chosen", slice(0, b)), ("rejected", slice(b, None))):
+        for key, name in (("input_ids", "input_ids"), ("attention_mask", "attention_mask"), ("labels", "labels")):
+            out[f"{side}_{name}"] = batch[key][rows]
+    return out
+
+
+def assert_same_grads(ours, peer, atol: float = 1e-5) -> int:
+    """Every LoRA factor's gradient of ``ours`` equals the PEFT ``peer``'s (``atol``); returns
+    how many were compared."""
+    named = dict(peer.named_modules())
+    n = 0
+    for path, mod in adapter_modules(ours):
+        a, b = factors(mod, "default")
+        layer = named["base_model.model." + path]
+        for mine, theirs in ((a, layer.lora_A["default"].weight), (b, layer.lora_B["default"].weight)):
+            assert mine.grad is not None and float(mine.grad.abs().sum()) > 0, path
+            assert torch.allclose(mine.grad, theirs.grad, atol=atol, rtol=0), \
+                (path, float((mine.grad - theirs.grad).abs().max()))
+            n += 1
+    return n
+
+
+def lora_model(seed: int = 2):
+    model = tiny_llama_lm(seed=0)
+    registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
+    for _, mod in adapter_modules(model):
+        torch.nn.init.normal_(factors(mod, "default")[1], std=0.3, generator=torch.Generator().manual_seed(seed))
+    return model.train()
+
+
+class Counter:
+    """Counts the forwards of a model (a forward hook on the top module)."""
+
+    def __init__(self, model) -> None:
+        self.calls = 0
+        model.register_forward_hook(self)
+
+    def __call__(self, *args) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize("task", [ORPOTask(), SimPOTask(), SimPOTask(SimPOConfig(loss="sigmoid", cpo_alpha=0.0)),
+                                  DPOTask(DPOConfig(reference="adapters-off"))], ids=["orpo", "simpo", "cpo", "dpo"])
+def test_one_forward_per_step_and_none_for_a_reference(task):
+    """Three engine steps of 4 pairs: ORPO and SimPO call the model 3 times (no reference
+    forward), DPO with its adapters-off reference 6; the gradients reach the adapters."""
+    from rankwise.engine import Engine
+    model = lora_model()
+    data = PairData(pairs(n=12), pad_id=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    engine = Engine(model, task, opt, data, 4, seed=0)
+    count = Counter(model)
+    losses = [engine.train_step(k).loss for k in range(3)]
+    assert count.calls == (6 if type(task) is DPOTask else 3)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[0] != losses[2]
+
+
+def test_log1mexp_is_log_of_one_minus_exp_on_both_branches():
+    """Against 50-digit decimals: float64 to 1e-15 and float32 to 1e-6 (relative) on both sides of
+    -log 2, where ``log(1 - exp(x))`` in float32 is off by 0.1 % at ``x = -1e-6`` and gives 0 at -40."""
+    import decimal
+    decimal.getcontext().prec = 50
+    xs = [-40.0, -5.0, -1.0, -0.7, -0.69, -0.3, -1e-3, -1e-6]
+    truth = torch.tensor([float((1 - decimal.Decimal(x).exp()).ln()) for x in xs], dtype=torch.float64)
+    x = torch.tensor(xs, dtype=torch.float64)
+    assert torch.allclose(log1mexp(x), truth, rtol=1e-15, atol=0)
+    assert torch.allclose(log1mexp(x.float()).double(), truth, rtol=1e-6, atol=0)
+    naive = torch.log(1 - torch.exp(x.float())).double()
+    assert abs(float(naive[-1] / truth[-1]) - 1) > 5e-4 and float(naive[0]) == 0.0 != float(truth[0])
+
+
+def completion_by_hand(model, item, side: str) -> tuple[float, int]:
+    """``(summed log-prob, tokens)`` of one completion, token by token from ``log_softmax``."""
+    ids, labels = item[f"{side}_ids"], item[f"{side}_labels"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    picked = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids)) if labels[t] != -100]
+    return sum(picked), len(picked)
+
+
+def nll_by_hand(model, items, on_prompt: bool) -> float:
+    """The chosen rows' NLL, the mean over their target tokens (every token after the first
+    with ``on_prompt``, else the completion's), summed token by token from ``log_softmax``."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for it in items:
+            ids = torch.tensor([it["chosen_ids"]])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+            for t in range(1, len(it["chosen_ids"])):
+                if on_prompt or it["chosen_labels"][t] != -100:
+                    total -= float(logp[t - 1, it["chosen_ids"][t]])
+                    n += 1
+    return total / n
+
+
+@pytest.mark.parametrize("on_prompt", [True, False])
+def test_the_nll_covers_the_prompt_as_sft_on_prompt_says(on_prompt):
+    model = lora_model()
+    items = pairs(n=4)
+    task = ORPOTask(ORPOConfig(sft_on_prompt=on_prompt))
+    _, out = task.loss_sum(model.eval(), task.collate(items, 0))
+    assert out.nll_sum / out.nll_tokens == pytest.approx(nll_by_hand(model, items, on_prompt), abs=1e-5)
+    prompts = sum(sum(1 for v in it["chosen_labels"][1:] if v == -100) for it in items)
+    completions = sum(sum(1 for v in it["chosen_labels"] if v != -100) for it in items)
+    assert out.nll_tokens == completions + (prompts if on_prompt else 0)
+
+
+def test_prompt_targets_move_behind_virtual_tokens():
+    """Under prompt tuning (8 virtual tokens in front) the NLL's targets are the same tokens:
+    as many, and the loss is finite and reaches the prompt vectors."""
+    from rankwise.adapters.prompt.config import PromptTuningConfig
+    model = tiny_llama_lm(seed=0)
+    registry.get("method", "prompt-tuning").apply(model, PromptTuningConfig(num_virtual_tokens=8))
+    task = ORPOTask()
+    items = pairs(n=3)
+    total, out = task.loss_sum(model.train(), task.collate(items, 0))
+    tokens = sum(len(it["chosen_ids"]) - 1 for it in items)
+    assert out.nll_tokens == tokens and torch.isfinite(total)
+    total.backward()
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.parameters() if p.requires_grad)
+
+
+def test_metrics_sum_over_batches_and_eval_loss_is_the_set_mean():
+    """Evaluation in batches of 1 and of 5 gives the same metrics; ``eval_loss`` is the mean
+    preference term plus the NLL over every chosen token of the set (not per batch)."""
+    from rankwise.engine import evaluate
+    model = lora_model()
+    data = PairData(pairs(n=5), pad_id=0)
+    task = SimPOTask(SimPOConfig(beta=2.0, gamma=1.0))
+    whole, ones = evaluate(model, task, data, batch_size=5), evaluate(model, task, data, batch_size=1)
+    assert whole.keys() == ones.keys() and {"eval_nll_loss", "eval_reward_margin"} <= set(whole)
+    for key in whole:
+        assert ones[key] == pytest.approx(whole[key], abs=1e-6), key
+    nll = nll_by_hand(model, [data[i] for i in range(5)], on_prompt=False)
+    assert whole["eval_nll_loss"] == pytest.approx(nll, abs=1e-5)
+    terms = []
+    for i in range(5):
+        (c, nc), (r, nr) = (completion_by_hand(model.eval(), data[i], side) for side in ("chosen", "rejected"))
+        terms.append(-float(torch.nn.functional.logsigmoid(torch.tensor(2.0 * (c / nc - r / nr) - 1.0))))
+    assert whole["eval_loss"] == pytest.approx(sum(terms) / 5 + nll, abs=1e-5)
