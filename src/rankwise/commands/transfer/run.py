@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from rankwise import configs
 from rankwise.commands.transfer.lorasuite import ATTENTION, Attention, LoRASuite, cka_matrix, layer_mapping
 from rankwise.commands.transfer.lorasuite import refactor, transfer_matrix
 from rankwise.core import atomic
@@ -191,7 +192,7 @@ def _deltas(model, prefixes: list[str]) -> list[dict[str, tuple[torch.Tensor, st
 
 def _check_inputs(run_dir: Path, new_base: str, out: Path, cfg: TransferConfig) -> tuple[Path, Path]:
     """The settings, an empty ``out``, a finished run and a base of a supported family."""
-    problems = cfg.problems()
+    problems = configs.problems_of(cfg)  # a config made in Python: its declared ranges too
     if problems:
         raise RankwiseError("; ".join(problems))
     out = atomic.check_folder(out)
