@@ -23,7 +23,7 @@ def test_every_capability_belongs_to_some_kind_and_every_kind_is_listed():
         "kind", "name", "config_cls", "builder", "summary"}
     assert set().union(*registry.CAPABILITIES.values()) == optional
     for kind in ("method", "optimizer", "task", "command", "tracker", "compressor", "strategy", "exporter",
-                 "kv-cache", "merge-rule"):
+                 "kv-cache", "merge-rule", "schedule", "order"):
         assert kind in registry.kinds() and registry.names(kind), kind
 
 
@@ -38,3 +38,13 @@ def test_the_builtin_entries_use_only_their_kinds_capabilities():
                     continue
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 assert getattr(entry, cap) == default, (kind, name, cap)
+
+
+def test_the_schedule_and_order_kinds_hold_their_entries():
+    """``data.schedule`` and ``data.order`` choose registry entries; GRPO's order names its task."""
+    assert registry.names("schedule") == ["none", "skrull"]
+    assert registry.names("order") == ["gain-rl", "uniform"]
+    assert registry.get("order", "gain-rl").tasks == ("grpo",) and registry.get("order", "uniform").tasks == ()
+    for kind in ("schedule", "order"):
+        for name in registry.names(kind):
+            assert registry.get(kind, name).config_cls().name == name

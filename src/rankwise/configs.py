@@ -208,12 +208,14 @@ class Choice:
     hint: str = ""
 
     def build(self, value: Any, where: str, problems: list[str]) -> Any:
-        """The chosen entry's config built from ``value`` (``{name: ..., its keys}``), its
-        problems appended to ``problems`` (prefixed ``where``)."""
+        """The chosen entry's config built from ``value`` (``{name: ..., its keys}``, or a bare
+        name for that entry's defaults), its problems appended to ``problems`` (prefixed ``where``)."""
         from rankwise import registry
         if value is None and self.nullable:
             return None
         names = registry.names(self.kind)
+        if isinstance(value, str):  # a bare name: that entry with its defaults
+            value = {"name": value}
         if not isinstance(value, dict):
             problems.append(f"{where}: got {value!r}; expected a mapping such as {{name: {names[0]}}}"
                             f"{' or null' if self.nullable else ''}")

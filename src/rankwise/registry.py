@@ -31,6 +31,12 @@ Kinds used by rankwise:
   ``mlflow``): the builder is a :class:`rankwise.trackers.common.Tracker` subclass, called as
   ``builder(config, run_folder, run_config_dict, log_every, console)``; :mod:`rankwise.trackers`
   registers them.
+* ``"schedule"`` - how a step's examples are grouped into processes and micro-batches
+  (``data.schedule``: ``none``, ``skrull``): ``builder(config, model, world, rank, grad_accum)
+  -> schedule | None``; :mod:`rankwise.engine.schedules` registers them.
+* ``"order"`` - which examples each step draws (``data.order``: ``uniform``, GRPO's ``gain-rl``):
+  ``builder(config, task, run, model, train_data, device, distributed) -> schedule | None``;
+  :mod:`rankwise.engine.schedules` and :mod:`rankwise.tasks.grpo` register them.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -96,6 +102,8 @@ class Entry:
             writes) when the command reads a ``CONFIG``, and writes into ``folder/out`` when it
             writes a folder. The command contract (``tests/commands/test_command_contract.py``)
             runs it with a bad key and with a ``--out`` of another kind.
+        tasks: For data orders: the tasks (``task.name``) the order serves (GRPO's ``gain-rl``
+            reads its rewards); empty: every task. A run of another task is refused in one line.
     """
 
     kind: str
@@ -116,6 +124,7 @@ class Entry:
     layer_score: Callable[..., float] | None = None
     writes: str | None = None
     example: Callable[..., list[str]] | None = None
+    tasks: tuple[str, ...] = ()
 
     def apply(self, model: Any, config: Any, adapter_name: str = "default", batches: Any = None,
               **calibration: Any) -> Any:
@@ -141,7 +150,7 @@ _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import
 # (e.g. federated without flwr); they are then simply absent.
 _BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress",
-                     "rankwise.trackers")
+                     "rankwise.trackers", "rankwise.engine.schedules")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 # Kinds whose built-in entries load only when the kind is asked for (the commands need click).
 # Which optional Entry fields each kind may set: a capability given to another kind (an
@@ -153,7 +162,8 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "exporter": frozenset({"loader", "loaded_config"}),
     "command": frozenset({"writes", "example"}),
     "strategy": frozenset(), "task": frozenset(), "compressor": frozenset(), "tracker": frozenset(),
-    "kv-cache": frozenset(), "merge-rule": frozenset(),
+    "kv-cache": frozenset(), "merge-rule": frozenset(), "schedule": frozenset(),
+    "order": frozenset({"tasks"}),
 }
 
 _KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules"}

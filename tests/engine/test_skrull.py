@@ -11,6 +11,7 @@ import torch
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
 from rankwise.engine import Engine
+from rankwise.engine.schedules import NoScheduleConfig, SkrullConfig
 from rankwise.engine.skrull import (CapError, Skrull, assign_ranks, capped_groups, cost, padded_cost,
                                    split_micro)
 from rankwise.tasks import CausalLMTask
@@ -155,10 +156,19 @@ def test_the_config_keys_and_their_one_line_refusals():
     from rankwise.errors import RankwiseError
     from rankwise.recipes.config import build_run_config
     cfg = build_run_config({"data": {"schedule": "skrull"}, "train": {"compile": True}})
-    assert cfg.data.schedule == "skrull" and cfg.data.schedule_linear is None and cfg.train.compile
-    assert build_run_config({"data": {"schedule": "skrull", "schedule_bucket": 4096}}).data.schedule_bucket == 4096
-    with pytest.raises(RankwiseError, match="schedule_bucket caps Skrull's micro-batches"):
+    assert cfg.data.schedule == SkrullConfig() and cfg.data.schedule.linear is None and cfg.train.compile
+    assert build_run_config({"data": {"schedule": {"name": "skrull", "bucket": 4096}}}).data.schedule.bucket == 4096
+    assert build_run_config({}).data.schedule == NoScheduleConfig()
+    # the old flat keys are read for one release
+    assert build_run_config({"data": {"schedule": "skrull", "schedule_bucket": 4096,
+                                      "schedule_linear": 99.0}}).data.schedule == SkrullConfig(linear=99.0, bucket=4096)
+    with pytest.raises(RankwiseError, match=r"data.schedule.bucket: bucket is a setting of Skrull's schedule; "
+                                            r"set data.schedule: \{name: skrull, bucket: ...\}"):
         build_run_config({"data": {"schedule_bucket": 4096}})
+    with pytest.raises(RankwiseError, match="data.schedule.bucket: got 0; expected padded tokens > 0 or null"):
+        build_run_config({"data": {"schedule": {"name": "skrull", "bucket": 0}}})
+    with pytest.raises(RankwiseError, match="data.schedule.name: got 'skrul'; expected one of.*did you mean 'skrull'"):
+        build_run_config({"data": {"schedule": "skrul"}})
     with pytest.raises(RankwiseError, match="set one of data.schedule: none or data.packing: false"):
         build_run_config({"data": {"schedule": "skrull", "packing": True}})
     with pytest.raises(RankwiseError, match="set data.schedule: none"):

@@ -56,7 +56,9 @@ def test_every_refused_key_is_named_in_one_line(tmp_path):
            "train at the constant learning rate the server sends" in msg
     cfg, fed = resolve(None, [], one_client(tmp_path))   # every default is accepted
     assert train_problems(cfg, fed) == []
-    data = dataclasses.replace(cfg.data, schedule="skrull", order="gain-rl")
+    from rankwise.engine.schedules import SkrullConfig
+    from rankwise.tasks.grpo.config import GainRLConfig
+    data = dataclasses.replace(cfg.data, schedule=SkrullConfig(), order=GainRLConfig())
     lines = train_problems(dataclasses.replace(cfg, data=data), fed)
     assert [line.split(":")[0] for line in lines] == ["data.schedule", "data.order"]
 

@@ -99,3 +99,42 @@ def test_an_unknown_kv_cache_name_in_either_spelling_says_did_you_mean():
         with pytest.raises(RankwiseError, match=r"compress.kv_cache.name: got 'nsnqant'; expected one of "
                                                 r"\['fp', 'kivi', 'nsnquant'\] \(did you mean 'nsnquant'\?\)"):
             build_run_config({"model": LLAMA, "compress": {"method": "none", "kv_cache": kv}}, notice=False)
+
+
+GRPO_DATA = {"source": "stdlib-functions", "format": "prompt-completion"}
+
+
+@pytest.mark.parametrize("old, new, notice", [
+    ({"model": LLAMA, "data": {"schedule": "skrull", "schedule_linear": 96.0, "schedule_bucket": 512}},
+     {"model": LLAMA, "data": {"schedule": {"name": "skrull", "linear": 96.0, "bucket": 512}}},
+     "notice: data.schedule_linear and data.schedule_bucket are the old spelling of data.schedule: "
+     "{name: skrull, linear: 96.0, bucket: 512}; read until the next release"),
+    ({"model": LLAMA, "task": {"name": "grpo", "gain_rl": {"pool": 4}}, "data": {**GRPO_DATA, "order": "gain-rl"}},
+     {"model": LLAMA, "task": {"name": "grpo"}, "data": {**GRPO_DATA, "order": {"name": "gain-rl", "pool": 4}}},
+     "notice: task.gain_rl is the old spelling of data.order: {name: gain-rl, pool: 4}; read until the next release"),
+    ({"model": {**LLAMA, "task": "grpo"}, "grpo": {"gain_rl": {"pool": 4}}, "data": GRPO_DATA},
+     {"model": LLAMA, "task": {"name": "grpo"}, "data": GRPO_DATA},
+     "without data.order: gain-rl it has no effect; it is left out"),
+])
+def test_the_old_schedule_and_order_keys_resolve_as_the_new_ones_and_hash_alike(old, new, notice,
+                                                                                capsys, monkeypatch):
+    monkeypatch.setattr(legacy, "_SHOWN", set())
+    assert build_run_config(old).to_dict() == build_run_config(new).to_dict()
+    err = [line for line in capsys.readouterr().err.splitlines() if "task.gain_rl" in line or "schedule" in line]
+    assert len(err) == 1 and notice in err[0]
+    assert config_hash(old) == config_hash(new)
+
+
+def test_a_grpo_run_hashes_as_when_gain_rl_was_a_task_key():
+    """Before the order kind a GRPO run's resolved config held ``grpo.gain_rl`` (its defaults
+    under a uniform order): the old layout of today's config has them back, so its hash is
+    that of a run recorded then."""
+    shaped = legacy.old_shape(build_run_config({"model": LLAMA, "task": {"name": "grpo"},
+                                                "data": GRPO_DATA}).to_dict())
+    assert shaped["data"]["order"] == "uniform" and shaped["data"]["schedule"] == "none"
+    assert shaped["grpo"]["gain_rl"] == {"prefix_tokens": 0, "tail_tokens": 0, "inter_weight": 8.0,
+                                         "reading": "pairs", "pool": 256, "sigma": 0.1333, "move": 0.0667,
+                                         "reward_max": 1.0}
+    shaped = legacy.old_shape(build_run_config({"model": LLAMA, "task": {"name": "grpo"}, "data": {
+        **GRPO_DATA, "order": {"name": "gain-rl", "pool": 8}}}).to_dict())
+    assert shaped["data"]["order"] == "gain-rl" and shaped["grpo"]["gain_rl"]["pool"] == 8

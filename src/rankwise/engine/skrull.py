@@ -200,9 +200,9 @@ class Skrull:
                 a step that no capped plan fits.
         """
         if self.bucket is not None and lengths and max(lengths) > self.bucket:
-            raise CapError(f"a {max(lengths)}-token sequence exceeds data.schedule_bucket "
+            raise CapError(f"a {max(lengths)}-token sequence exceeds data.schedule.bucket "
                            f"({self.bucket:g}); rankwise has no context parallelism to split it: raise "
-                           "data.schedule_bucket or lower data.max_length")
+                           "data.schedule.bucket or lower data.max_length")
         ranks = assign_ranks(cost(lengths, self.linear).tolist(), self.world, self.grad_accum,
                              lengths, self.bucket, self.grad_accum)
         return [[[pos[j] for j in group]

@@ -103,11 +103,11 @@ def train_problems(cfg, fed: FederatedConfig) -> list[str]:
     if fed.batch_size and fed.batch_size % t.grad_accum:
         out.append(f"train.grad_accum: got {t.grad_accum}, which does not divide federated.batch_size "
                    f"{fed.batch_size} (a client's examples per step); choose a divisor of it")
-    if cfg.data.schedule != "none":
-        out.append(f"data.schedule: got {cfg.data.schedule!r}, which rankwise federated does not follow "
+    if cfg.data.schedule.name != "none":
+        out.append(f"data.schedule: got {cfg.data.schedule.name}, which rankwise federated does not follow "
                    "(a client draws its micro-batches in order); set data.schedule: none")
-    if cfg.data.order != "uniform":
-        out.append(f"data.order: got {cfg.data.order!r}, which rankwise federated does not follow "
+    if cfg.data.order.name != "uniform":
+        out.append(f"data.order: got {cfg.data.order.name}, which rankwise federated does not follow "
                    "(a client draws its batches uniformly); set data.order: uniform")
     return out
 

@@ -148,7 +148,8 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     """Validate a raw dict into a :class:`RunConfig`, reporting every problem at once.
 
     The old spelling of the task (``model.task`` plus a ``dpo:`` / ``grpo:`` / ``memory_decoder:``
-    section) and of the KV cache (``compress.kv_cache.kind``) are read for one release
+    section), of the KV cache (``compress.kv_cache.kind``) and of Skrull's and GAIN-RL's
+    settings (``data.schedule_linear``, ``task.gain_rl``) are read for one release
     (:mod:`rankwise.recipes.legacy`).
 
     Args:
@@ -161,6 +162,7 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     """
     spelling = legacy.translate(data)
     data, kv_notice = legacy.kv_cache_spelling(spelling.data)
+    data, data_notice = legacy.data_spelling(data)
     problems: list[str] = list(spelling.problems)
     for key in data:
         if key not in SECTIONS:
@@ -205,6 +207,7 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     if notice:
         legacy.notice(spelling.notice)
         legacy.notice(kv_notice)
+        legacy.notice(data_notice)
     return cfg
 
 
@@ -313,9 +316,10 @@ def cross_problems(cfg: RunConfig) -> list[str]:
         out.append(f"data.format: {d.format} is a record layout for supervised fine-tuning "
                    f"(task.name: causal-lm, got {cfg.task.name}); use data.format: {base} and name the "
                    "fields (data.prompt_field, ...)")
-    if d.order == "gain-rl" and getattr(cfg.task, "gain_rl", None) is None:  # GRPO's settings
-        out.append(f"data.order: gain-rl orders GRPO's prompts and needs task.name: grpo (got "
-                   f"{cfg.task.name}); set data.order: uniform")
+    serves = registry.get("order", d.order.name).tasks
+    if serves and cfg.task.name not in serves:
+        out.append(f"data.order: {d.order.name} orders the examples of task.name: {' or '.join(serves)} "
+                   f"(got {cfg.task.name}); set data.order: uniform")
     if m.quantize and registry.get("method", cfg.method.name).trains == "full":
         out.append(f"method {cfg.method.name!r} trains every weight, but model.quantize: "
                    f"{m.quantize} stores the base in {m.quantize} codes that cannot be trained; use "

@@ -11,6 +11,11 @@ run recorded before the change (``rankwise.recipes.runs.config_hash``) still mat
 Likewise ``compress.kv_cache: {kind: nsnquant, bits: 2}``, from before the KV caches were
 registry entries, reads as ``{name: nsnquant, bits: 2}`` (``kind: none`` as ``null``), with its
 notice (:func:`kv_cache_spelling`).
+
+And the data section's schedule and order, from before they were registry entries
+(:func:`data_spelling`): ``data.schedule_linear`` / ``data.schedule_bucket`` read as
+``data.schedule: {name: skrull, linear: ..., bucket: ...}``, and GRPO's ``task.gain_rl`` as the
+keys of ``data.order: {name: gain-rl, ...}``.
 """
 from __future__ import annotations
 
@@ -116,6 +121,54 @@ def kv_cache_spelling(data: dict) -> tuple[dict, str | None]:
             f"write compress.kv_cache: {text}")
 
 
+SCHEDULE_KEYS = {"schedule_linear": "linear", "schedule_bucket": "bucket"}  # old data key -> skrull's
+ROLLOUT_TASKS = ("grpo", "rloo")  # whose task section held gain_rl before data.order had keys
+
+
+def data_spelling(data: dict) -> tuple[dict, str | None]:
+    """``data.schedule`` and ``data.order`` in the new spelling (see the module docstring).
+
+    Args:
+        data: The raw config in the task's new spelling (after :func:`translate`; not changed).
+
+    Returns:
+        ``(data in the new spelling, the one-line notice or None)``.
+    """
+    section = data.get("data")
+    section = section if isinstance(section, dict) else {}
+    task = data.get("task") if isinstance(data.get("task"), dict) else {}
+    flat = {new: section[old] for old, new in SCHEDULE_KEYS.items() if old in section}
+    gain = task.get("gain_rl")
+    if not flat and "gain_rl" not in task:
+        return data, None
+    new_data = {k: v for k, v in section.items() if k not in SCHEDULE_KEYS}
+    said = []
+    if flat:
+        schedule = section.get("schedule", "none")  # none: its keys are then refused in one line
+        schedule = {"name": schedule} if isinstance(schedule, str) else dict(schedule or {})
+        new_data["schedule"] = {**schedule, **{k: v for k, v in flat.items() if v is not None}}
+        said.append(f"data.{' and data.'.join(k for k in SCHEDULE_KEYS if k in section)} "
+                    f"{'is' if len(flat) == 1 else 'are'} the old spelling of data.schedule: "
+                    f"{_inline(new_data['schedule'])}")
+    new = {**data, "data": new_data}
+    if "gain_rl" in task:
+        new["task"] = {k: v for k, v in task.items() if k != "gain_rl"}
+        order = section.get("order", "uniform")
+        order = {"name": order} if isinstance(order, str) else dict(order or {})
+        if order.get("name") == "gain-rl":
+            new_data["order"] = {**order, **(gain if isinstance(gain, dict) else {})}
+            said.append(f"task.gain_rl is the old spelling of data.order: {_inline(new_data['order'])}")
+        else:
+            said.append("task.gain_rl is the old spelling of data.order: {name: gain-rl, ...}'s keys "
+                        "(without data.order: gain-rl it has no effect; it is left out)")
+    return new, f"notice: {'; '.join(said)}; read until the next release"
+
+
+def _inline(value: dict) -> str:
+    """``{name: skrull, bucket: 4096}``: one YAML flow line."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip()
+
+
 def _flow(task: dict, side: str) -> str:
     """``task: {name: dpo, beta: 0.2}`` (its keys elided past one short line)."""
     text = "task: " + yaml.safe_dump(task, default_flow_style=True, sort_keys=False, width=10**6).strip()
@@ -135,7 +188,9 @@ def notice(text: str | None) -> None:
 def old_shape(resolved: dict) -> dict:
     """A resolved config (``RunConfig.to_dict()``) in the layout before the ``task:`` section:
     ``model.task`` and, for the tasks that had one, the side section (the other tasks keep a
-    ``task:`` section of their settings, if any).
+    ``task:`` section of their settings, if any); ``data.schedule`` and ``data.order`` as names,
+    with Skrull's keys as ``data.schedule_linear`` / ``schedule_bucket`` and GAIN-RL's as the
+    rollout task's ``gain_rl`` (:func:`data_spelling` read backwards).
 
     Args:
         resolved: The resolved config as plain data.
@@ -147,8 +202,20 @@ def old_shape(resolved: dict) -> dict:
     if not isinstance(task, dict):
         return resolved
     out = {k: v for k, v in resolved.items() if k != "task"}
-    out["model"] = {**(out.get("model") or {}), "task": task.get("name")}
     rest = {k: v for k, v in task.items() if k != "name"}
+    data = out.get("data")
+    if isinstance(data, dict) and isinstance(data.get("schedule"), dict):
+        schedule, order = data["schedule"], data.get("order") or {}
+        data = {**data, "schedule": schedule.get("name"),
+                "schedule_linear": schedule.get("linear"), "schedule_bucket": schedule.get("bucket")}
+        data["order"] = order.get("name") if isinstance(order, dict) else order
+        if task.get("name") in ROLLOUT_TASKS:
+            from rankwise.tasks.grpo.config import GainRLConfig
+            gain = order if isinstance(order, dict) and order.get("name") == "gain-rl" else \
+                dataclasses.asdict(GainRLConfig())
+            rest["gain_rl"] = {k: v for k, v in gain.items() if k != "name"}
+        out["data"] = data
+    out["model"] = {**(out.get("model") or {}), "task": task.get("name")}
     side = next((s for s, t in SECTION_TASKS.items() if t == task.get("name")), None)
     if side is not None:
         out[side] = rest
@@ -157,4 +224,5 @@ def old_shape(resolved: dict) -> dict:
     return out
 
 
-__all__ = ["SECTION_TASKS", "Spelling", "kv_cache_spelling", "notice", "old_shape", "translate"]
+__all__ = ["SECTION_TASKS", "Spelling", "data_spelling", "kv_cache_spelling", "notice", "old_shape",
+           "translate"]

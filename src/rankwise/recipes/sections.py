@@ -7,11 +7,12 @@ registered sections (``task``, ``method``, ``optim``, ``compress``) into a ``Run
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
-from rankwise.configs import bounded
+from rankwise.configs import bounded, chosen
 from rankwise.data.select import SelectConfig
 from rankwise.data.tokenizer import TokenizerTrainConfig
+from rankwise.engine.schedules import NoScheduleConfig, UniformOrderConfig
 
 MAX_TOKENS = 2**24  # data.max_length's ceiling: beyond any model's positions, within tokenizers' range
 
@@ -117,19 +118,16 @@ class DataConfig:
             (a deterministic ``validation_fraction`` of the *training* records, held out of
             training; learning-rate sweeps choose on it so the evaluation split stays unseen).
         validation_fraction: Share of the training records held out with ``holdout: validation``.
-        schedule: How a training step's examples are grouped into processes and micro-batches:
-            ``none`` (contiguous shares in draw order) or ``skrull`` (by the cost
+        schedule: How a training step's examples are grouped into processes and micro-batches,
+            a registered schedule (:mod:`rankwise.engine.schedules`): ``none`` (contiguous
+            shares in draw order) or ``{name: skrull, linear: ..., bucket: ...}`` (by the cost
             ``a L + b L^2`` of each sequence: LPT over processes, padding-aware micro-batches;
             the same examples and loss per step; ``docs/skrull.md``).
-        schedule_linear: ``a / b`` of Skrull's cost model in tokens (``null``: 12 x the
-            model's hidden size).
-        schedule_bucket: Skrull's memory cap (the paper's BucketSize): the most padded tokens
-            ``n x L_max`` of one micro-batch (``null``: no cap). A longer sequence is refused
-            (no context parallelism here to split it).
         select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
-        order: Which examples each step draws: ``uniform`` (a fresh permutation per epoch) or
-            ``gain-rl`` (``task.name: grpo``: prompts sorted by GAIN-RL's angle concentration,
-            drawn by its Gaussian sampler; :mod:`rankwise.tasks.grpo.gain_rl`).
+        order: Which examples each step draws, a registered order: ``uniform`` (a fresh
+            permutation per epoch) or ``{name: gain-rl, ...}`` (``task.name: grpo``: prompts
+            sorted by GAIN-RL's angle concentration, drawn by its Gaussian sampler;
+            :class:`rankwise.tasks.grpo.config.GainRLConfig`).
         question_free: QFFT (``prompt-completion`` / ``chat``): training examples are the
             responses alone, without any question token; evaluation keeps the question
             (:mod:`rankwise.data.formats`; ``docs/preference-rl.md``).
@@ -159,11 +157,9 @@ class DataConfig:
     label_noise_seed: int = bounded(0, ge=0, le=2**32 - 1)
     holdout: Literal["eval", "validation"] = "eval"
     validation_fraction: float = bounded(0.1, gt=0.0, lt=1.0)
-    schedule: Literal["none", "skrull"] = "none"
-    schedule_linear: Union[float, None] = bounded(None, gt=0, what="tokens")
-    schedule_bucket: Union[int, None] = bounded(None, gt=0, what="padded tokens")
+    schedule: Any = chosen("schedule", NoScheduleConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
-    order: Literal["uniform", "gain-rl"] = "uniform"
+    order: Any = chosen("order", UniformOrderConfig)
     question_free: bool = False
     question_free_eos: bool = False
 
@@ -182,11 +178,9 @@ class DataConfig:
         if self.split_long and self.format != "text":
             out.append(f"split_long cuts plain text into windows, and data.format is {self.format!r}; "
                        "set data.format: text or remove split_long")
-        if self.schedule == "skrull" and self.packing:
+        if self.schedule.name == "skrull" and self.packing:
             out.append("schedule: skrull groups whole sequences by length, and packing already "
                        "makes equal blocks; set one of data.schedule: none or data.packing: false")
-        if self.schedule_bucket is not None and self.schedule != "skrull":
-            out.append("schedule_bucket caps Skrull's micro-batches; set data.schedule: skrull or remove it")
         return out
 
 

@@ -28,7 +28,6 @@ from rankwise.engine.distributed import Distributed
 from rankwise.engine.loop import draw_batches
 from rankwise.engine.neftune import add_neftune
 from rankwise.engine.precision import precision_problem
-from rankwise.engine.skrull import Skrull
 from rankwise.errors import RankwiseError
 from rankwise.recipes import optim_scope
 from rankwise.recipes.config import RunConfig
@@ -73,16 +72,17 @@ class Session:
                       **engine_settings(self.cfg))
 
     def schedule(self) -> Any:
-        """The step schedule: the task's own (``data.order: gain-rl``: GRPO's sampler, built once
-        by the task), else ``data.schedule``'s for this process (``None``: draw order)."""
+        """The step schedule: the chosen order's (``data.order: gain-rl``: GRPO's sampler, built
+        once by the task), else the chosen ``data.schedule``'s for this process (``None``: draw
+        order). Both are registry entries (:mod:`rankwise.engine.schedules`)."""
         d, dist = self.cfg.data, self.dist
-        own = self.task.schedule(self.cfg, self.model, self.train_data, self.device, dist.active)
+        order = registry.get("order", d.order.name)
+        own = order.builder(d.order, self.task, self.cfg, self.model, self.train_data, self.device,
+                            dist.active)
         if own is not None:
             return own
-        if d.schedule != "skrull":
-            return None
-        return Skrull.for_model(self.model, dist.world, dist.rank, self.cfg.train.grad_accum,
-                                d.schedule_linear, d.schedule_bucket)
+        return registry.get("schedule", d.schedule.name).builder(
+            d.schedule, self.model, dist.world, dist.rank, self.cfg.train.grad_accum)
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the evaluation split."""

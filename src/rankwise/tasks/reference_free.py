@@ -60,7 +60,7 @@ def pair_run_problems(name: str, run: Any) -> list[str]:
             what == "data.train_on_prompt" else ""
         out.append(f"{what} is not supported with task.name: {name} (pairs are scored whole, on "
                    f"their completions{fix}); remove it")
-    if d.schedule != "none":
+    if d.schedule.name != "none":
         out.append(f"data.schedule: skrull schedules single sequences, and task.name: {name} trains "
                    "pairs; set data.schedule: none")
     return out

@@ -10,10 +10,11 @@ import types
 import pytest
 import torch
 
+from rankwise.engine.schedules import UniformOrderConfig
 from rankwise.errors import RankwiseError
 from rankwise.tasks.grpo.gain_rl import (GainRLSampler, angle_signal, centre_step, last_mlp, online_angle,
                                          prompt_signals, row_angles)
-from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, rows_of
+from rankwise.tasks.grpo.task import GainRLConfig, GRPOConfig, GRPOTask, rows_of
 from rankwise.testing import tiny_llama_lm
 
 
@@ -129,7 +130,7 @@ def test_online_angle_is_the_mean_cosine_of_the_training_forward():
     model = tiny_llama_lm()
     model.train()
     task = GRPOTask(GRPOConfig(beta=0.0, num_generations=2))
-    cfg = types.SimpleNamespace(pool=4, sigma=0.1, move=0.1, reward_max=1.0)
+    cfg = GainRLConfig(pool=4, sigma=0.1, move=0.1)
     task.sampler = GainRLSampler([0.0] * 4, cfg)
     batch = rows_of([[5, 9, 3], [7, 2]], [[4, 6], [8], [11, 12, 13], [3]], 2, pad=0)  # (4, 6)
     batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
@@ -154,14 +155,14 @@ def test_online_angle_is_the_mean_cosine_of_the_training_forward():
 def test_the_task_builds_its_sampler_once():
     model = tiny_llama_lm()
     task = GRPOTask(GRPOConfig())
-    run = types.SimpleNamespace(data=types.SimpleNamespace(order="gain-rl"),
+    run = types.SimpleNamespace(data=types.SimpleNamespace(order=GainRLConfig()),
                                 train=types.SimpleNamespace(grad_accum=1, seed=0))
     data = types.SimpleNamespace(prompts=[[5, 9, 3], [7, 2], [4, 4, 4, 4]])
     s = task.schedule(run, model, data, "cpu")
     assert s is task.sampler and task.schedule(run, model, data, "cpu") is s
-    assert s.scores == pytest.approx(prompt_signals(model, data.prompts, task.config.gain_rl))
+    assert s.scores == pytest.approx(prompt_signals(model, data.prompts, GainRLConfig()))
     assert s.order == sorted(range(3), key=lambda i: -s.scores[i])
-    uniform = types.SimpleNamespace(data=types.SimpleNamespace(order="uniform"), train=run.train)
+    uniform = types.SimpleNamespace(data=types.SimpleNamespace(order=UniformOrderConfig()), train=run.train)
     assert GRPOTask(GRPOConfig()).schedule(uniform, model, data, "cpu") is None
     with pytest.raises(RankwiseError, match="without torchrun"):
         GRPOTask(GRPOConfig()).schedule(run, model, data, "cpu", distributed=True)

@@ -85,8 +85,7 @@ def test_gain_rl_run_resumes_mid_loop_exactly(prompts, tmp_path):
     step-1 checkpoint (half a loop: its accuracy and online-angle sums in the sampler's state),
     the run draws the same prompts and ends with the same sampler state and adapter."""
     raw = raw_config(prompts, steps=3)
-    raw["data"]["order"] = "gain-rl"
-    raw["grpo"]["gain_rl"] = {"pool": 4, "move": 0.5}
+    raw["data"]["order"] = {"name": "gain-rl", "pool": 4, "move": 0.5}
     raw["train"]["keep_checkpoints"] = 3
     full = tmp_path / "full"
     run(raw, full)

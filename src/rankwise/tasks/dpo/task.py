@@ -125,7 +125,7 @@ class DPOConfig(TaskConfig):
             what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
             out.append(f"{what} is not supported with task.name: dpo (pairs are scored whole, on "
                        "their completions); remove it")
-        if d.schedule != "none":
+        if d.schedule.name != "none":
             out.append("data.schedule: skrull schedules single sequences, and task.name: dpo trains "
                        "pairs; set data.schedule: none")
         return out

@@ -121,7 +121,7 @@ class GKDConfig(TaskConfig):
                        "gkd needs prompt-completion or chat records: set data.format")
         flags = [("data.packing", d.packing), ("data.train_on_prompt", d.train_on_prompt),
                  ("data.question_free", d.question_free), ("data.split_long", d.split_long),
-                 ("data.schedule", d.schedule != "none")]
+                 ("data.schedule", d.schedule.name != "none")]
         for what, on in flags:
             if on:
                 out.append(f"{what} is not supported with task.name: gkd (each example is one "

@@ -1,12 +1,14 @@
 """The settings of the ``grpo`` task: ``task: {name: grpo, ...}`` (:class:`GRPOConfig`), the
 settings it shares with ``rloo`` (:class:`RolloutConfig`) and GAIN-RL's data order
-(:class:`GainRLConfig`, ``task.gain_rl``); the objective is :mod:`rankwise.tasks.grpo.task`."""
+(:class:`GainRLConfig`, ``data.order: {name: gain-rl, ...}``); the objective is
+:mod:`rankwise.tasks.grpo.task`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
+from rankwise.configs import bounded
 from rankwise.engine.task import TaskConfig
 from rankwise.tasks.grpo import rewards as R
 from rankwise.tasks.reference import reference_problems
@@ -16,9 +18,12 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
 @dataclass
 class GainRLConfig:
-    """GAIN-RL's data order and sampler (``data.order: gain-rl``; :mod:`rankwise.tasks.grpo.gain_rl`).
+    """GAIN-RL's data order and sampler (``data.order: {name: gain-rl, ...}``, the registry kind
+    ``order``; :mod:`rankwise.tasks.grpo.gain_rl`). Until this release its keys were
+    ``task.gain_rl``, still read with a notice.
 
     Attributes:
+        name: The order.
         prefix_tokens: Leading prompt tokens that form the shared prefix (system text, few-shot
             examples); the released code's 110. The rest, less ``tail_tokens``, is the question.
         tail_tokens: Trailing prompt tokens left out (the generation prompt); the released 6.
@@ -34,14 +39,15 @@ class GainRLConfig:
         reward_max: The reward a correct completion gets (accuracy = mean reward / reward_max).
     """
 
-    prefix_tokens: int = 0
-    tail_tokens: int = 0
+    name: str = "gain-rl"
+    prefix_tokens: int = bounded(0, ge=0, what="tokens")
+    tail_tokens: int = bounded(0, ge=0, what="tokens")
     inter_weight: float = 8.0
     reading: Literal["pairs", "released"] = "pairs"
-    pool: int = 256
-    sigma: float = 0.1333
-    move: float = 0.0667
-    reward_max: float = 1.0
+    pool: int = bounded(256, ge=1, what="prompts")
+    sigma: float = bounded(0.1333, gt=0, what="a fraction of the data size")
+    move: float = bounded(0.0667, ge=0, what="a fraction of the data size")
+    reward_max: float = bounded(1.0, gt=0)
 
 
 @dataclass
@@ -137,7 +143,7 @@ class RolloutConfig(TaskConfig):
         targets and a length schedule are refused."""
         out = reference_problems(self.reference, run)
         d = run.data
-        if d.packing or run.eval.samples or d.train_on_prompt or d.schedule != "none":
+        if d.packing or run.eval.samples or d.train_on_prompt or d.schedule.name != "none":
             what = ("data.packing" if d.packing else "eval.samples" if run.eval.samples
                     else "data.train_on_prompt" if d.train_on_prompt else "data.schedule")
             out.append(f"{what} is not supported with task.name: {self.name} (it trains on its own "
@@ -164,7 +170,6 @@ class GRPOConfig(RolloutConfig):
         loss_type: ``grpo``, ``dr_grpo`` or ``dapo`` (see :mod:`rankwise.tasks.grpo.task`).
         scale_rewards: ``group`` (divide by the group's std), ``batch`` (by the step's) or
             ``none`` (Dr. GRPO).
-        gain_rl: GAIN-RL's settings (used with ``data.order: gain-rl``).
     """
 
     GROUP_NEEDS: ClassVar[str] = "GRPO's advantages compare completions within a group"
@@ -173,14 +178,3 @@ class GRPOConfig(RolloutConfig):
     kl_ratio: bool = True
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    gain_rl: GainRLConfig = field(default_factory=GainRLConfig)
-
-    def problems(self) -> list[str]:
-        """Return value errors (:class:`RolloutConfig`'s and GAIN-RL's)."""
-        out = super().problems()
-        g = self.gain_rl
-        if g.prefix_tokens < 0 or g.tail_tokens < 0 or g.pool < 1 or not g.sigma > 0 or g.move < 0 \
-                or not g.reward_max > 0:
-            out.append("gain_rl: prefix_tokens, tail_tokens >= 0, pool >= 1, sigma > 0, move >= 0, "
-                       "reward_max > 0")
-        return out

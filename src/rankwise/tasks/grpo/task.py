@@ -200,20 +200,21 @@ class GRPOTask(Task):
         return None
 
     def schedule(self, run, model, train_data, device, distributed=False):
-        """``data.order: gain-rl``: GAIN-RL's sampler (:class:`~rankwise.tasks.grpo.gain_rl.GainRLSampler`),
-        its order from each training prompt's score under the model as it is now (a resumed
-        run restores the saved scores); ``None`` otherwise.
+        """``data.order: gain-rl`` (the order entry :func:`gain_rl_order` calls this): GAIN-RL's
+        sampler (:class:`~rankwise.tasks.grpo.gain_rl.GainRLSampler`), its order from each
+        training prompt's score under the model as it is now (a resumed run restores the saved
+        scores); ``None`` under another order.
 
         Raises:
             RankwiseError: Under torchrun (the sampler sees one process's rewards).
         """
-        if run.data.order != "gain-rl":
+        g = run.data.order
+        if g.name != "gain-rl":
             return None
         if self.sampler is None:
             if distributed:
                 raise RankwiseError("data.order: gain-rl samples from one process's view of the "
                                     "rewards; run it without torchrun or set data.order: uniform")
-            g = self.config.gain_rl
             scores = G.prompt_signals(model, train_data.prompts, g, device)
             self.sampler = G.GainRLSampler(scores, g, run.train.grad_accum, run.train.seed)
         return self.sampler
@@ -317,7 +318,7 @@ class GRPOTask(Task):
         else:  # GAIN-RL's online angle: this forward's hidden states (tasks/grpo/gain_rl.py)
             with G.mlp_inputs(_unwrap(model)) as held:
                 logps = token_logps(model, batch, c.temperature, self.loss_chunk_tokens)
-            self.sampler.observe_angles(G.row_angles(held[-1], batch["attention_mask"], c.gain_rl.reading))
+            self.sampler.observe_angles(G.row_angles(held[-1], batch["attention_mask"], self.sampler.cfg.reading))
         mask = batch["completion_mask"].float()
         eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
         old = logps.detach()  # pi_old: the sampling policy, one update per rollout (TRL's rule)
@@ -443,5 +444,12 @@ class GRPOSamples:
                     f.write(json.dumps({"step": state.step, **s}) + "\n")
 
 
-__all__ = ["GRPOConfig", "GainRLConfig", "GRPOTask", "GRPOSamples", "LOSS_TYPES", "group_advantages",
-           "per_token_loss", "rows_of", "token_logps"]
+def gain_rl_order(config: Any, task: GRPOTask, run: Any, model: nn.Module, train_data: Any, device: str,
+                  distributed: bool) -> Any:
+    """The builder of the order ``gain-rl``: the GRPO task's GAIN-RL sampler
+    (:meth:`GRPOTask.schedule`, which keeps it: the loss feeds it the online angle)."""
+    return task.schedule(run, model, train_data, device, distributed)
+
+
+__all__ = ["GRPOConfig", "GainRLConfig", "GRPOTask", "GRPOSamples", "LOSS_TYPES", "gain_rl_order",
+           "group_advantages", "per_token_loss", "rows_of", "token_logps"]

@@ -94,7 +94,7 @@ class KTOConfig(TaskConfig):
             what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
             out.append(f"{what} is not supported with task.name: kto (examples are scored whole, on "
                        "their completions); remove it")
-        if d.schedule != "none":
+        if d.schedule.name != "none":
             out.append("data.schedule: skrull regroups the examples of a step, and task.name: kto "
                        "estimates its KL term within each micro-batch; set data.schedule: none")
         parts = max(1, run.train.grad_accum) * world_size_from_env()

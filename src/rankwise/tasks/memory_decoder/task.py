@@ -104,7 +104,7 @@ class MemoryDecoderConfig(TaskConfig):
 
     def run_problems(self, run: Any) -> list[str]:
         """The kNN targets belong to whole examples: packing and a length schedule are refused."""
-        if run.data.packing or run.data.schedule != "none":
+        if run.data.packing or run.data.schedule.name != "none":
             return ["data.packing and data.schedule are not supported with task.name: memory-decoder "
                     "(its kNN targets belong to whole examples); remove them"]
         return []

@@ -85,7 +85,7 @@ class RewardConfig(TaskConfig):
             what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
             out.append(f"{what} is not supported with task.name: reward (pairs are scored whole, "
                        "one reward per sequence); remove it")
-        if d.schedule != "none":
+        if d.schedule.name != "none":
             out.append("data.schedule: skrull schedules single sequences, and task.name: reward "
                        "trains pairs; set data.schedule: none")
         if d.format in ("alpaca", "sharegpt"):
