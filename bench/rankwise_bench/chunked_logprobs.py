@@ -1,21 +1,28 @@
-"""Peak memory of the chunked completion log-probs (issue 38, item 7) in the ``dpo`` and ``grpo``
-tasks, by the shared meter (:mod:`rankwise.memory`): ``rankwise bench chunked-logprobs``.
+"""Peak memory of the chunked completion log-probs (issue 38, item 7) in every task that reads
+them (``dpo``, ``kto``, ``orpo``, ``simpo``, ``grpo``, ``rloo``), by the shared meter
+(:mod:`rankwise.memory`): ``rankwise bench chunked-logprobs``.
 
 Setup: the chunked-loss benchmark's Llama (2 layers, 64 wide, a 150,000-token vocabulary, so the
 logits dominate; built in code, fp32), LoRA r=16 on every linear layer of the blocks, AdamW,
 sequences of 1024 tokens (a 256-token prompt and 768-token completions, random token ids):
 
 * **DPO**: one pair (2 rows), sigmoid loss, beta 0.1, the reference from the disabled adapters;
+* **ORPO**, **SimPO**: the same pair at the tasks' defaults (no reference; ORPO's NLL covers the
+  chosen prompt too, so its 256 prompt positions are scored as well);
+* **KTO**: the pair's two completions as one desirable and one undesirable example (a batch of
+  2: 2 rows with gradient, 2 mismatched KL rows and 4 reference rows without), beta 0.1;
 * **GRPO**: one prompt, G = 2 completions (768 and 576 tokens) *injected* into the task's
   rollout (nothing is sampled: the memory of interest is the loss, not the decode loop), a
-  reward on the completions' ids, beta 0.04 (so the reference forward runs), ``loss_type: dapo``.
+  reward on the completions' ids, beta 0.04 (so the reference forward runs), ``loss_type: dapo``;
+* **RLOO**: GRPO's rows and reward, k = 2, beta 0.04 (the KL penalty in the reward: a
+  no-gradient policy forward and the reference's).
 
 Each task runs twice on equal starts through :meth:`rankwise.engine.Engine.train_step` (its
 rollout, reference, loss, backward and AdamW step): ``loss_chunk_tokens`` 512 (what
 ``train.loss_chunk_tokens: auto`` gives at this vocabulary) and 0 (the full logits). After one
 warm-up step (the optimizer state exists then) the next step is measured. Peak = bytes held
 between steps (model + optimizer state) + the peak that step adds above them. The losses of the
-measured step must agree.
+measured step must agree (RLOO's is 0 in value: its advantages sum to 0 per prompt).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from rankwise_bench.common import llama, ordered, write_results
 
 GOAL = 0.30  # the chunked peak is at least this fraction below the unchunked one
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TASKS = ("dpo", "grpo")
+TASKS = ("dpo", "kto", "orpo", "simpo", "grpo", "rloo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,31 +89,59 @@ def _even_share(prompts, completions, **columns) -> list[float]:
     return [sum(int(t) % 2 == 0 for t in c.split()) / max(1, len(c.split())) for c in completions]
 
 
-def _dpo(s: Sizes):
-    from rankwise.tasks.dpo.data import PairData
-    from rankwise.tasks.dpo.task import DPOConfig, DPOTask
+def _pair(s: Sizes) -> dict[str, list[int]]:
     prompt, width = _ids(s.prompt, s, 1), s.seq - s.prompt
     chosen, rejected = _ids(width, s, 2), _ids(width, s, 3)
-    pair = {"chosen_ids": prompt + chosen, "chosen_labels": [-100] * s.prompt + chosen,
+    return {"chosen_ids": prompt + chosen, "chosen_labels": [-100] * s.prompt + chosen,
             "rejected_ids": prompt + rejected, "rejected_labels": [-100] * s.prompt + rejected}
-    task = DPOTask(DPOConfig(beta=0.1, reference="adapters-off"))
-    return task, PairData([pair], 0)
 
 
-def _grpo(s: Sizes):
+def _pairs(name: str, s: Sizes):
+    """``dpo``, ``orpo`` or ``simpo`` on the one pair: ``(task, data, batch size)``."""
+    from rankwise.tasks.dpo.data import PairData
+    from rankwise.tasks.dpo.task import DPOConfig, DPOTask
+    from rankwise.tasks.orpo.task import ORPOTask
+    from rankwise.tasks.simpo.task import SimPOTask
+    task = {"dpo": lambda: DPOTask(DPOConfig(beta=0.1, reference="adapters-off")), "orpo": ORPOTask,
+            "simpo": SimPOTask}[name]()
+    return task, PairData([_pair(s)], 0), 1
+
+
+def _kto(s: Sizes):
+    from rankwise.tasks.kto.data import UnpairedData
+    from rankwise.tasks.kto.task import KTOConfig, KTOTask
+    pair = _pair(s)
+    prompt = pair["chosen_ids"][:s.prompt]
+    examples = [{"prompt_ids": prompt, "completion_ids": pair[f"{side}_ids"][s.prompt:], "label": side == "chosen"}
+                for side in ("chosen", "rejected")]
+    return KTOTask(KTOConfig(beta=0.1, reference="adapters-off")), UnpairedData(examples, 0, 0, s.seq), 2
+
+
+def _sampled(name: str, s: Sizes):
+    """``grpo`` or ``rloo`` with the two completions injected into its rollout."""
     from rankwise.tasks.grpo.data import PromptData
     from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask
+    from rankwise.tasks.rloo.task import RLOOConfig, RLOOTask
     width = s.seq - s.prompt
     injected = [_ids(width, s, 2), _ids(width * 3 // 4, s, 3)]  # unequal lengths: a non-zero loss
+    base, config = (GRPOTask, GRPOConfig(rewards=["length-penalty"], num_generations=2, max_completion_length=width,
+                                         beta=0.04, loss_type="dapo")) if name == "grpo" else \
+        (RLOOTask, RLOOConfig(rewards=["length-penalty"], num_generations=2, max_completion_length=width, beta=0.04))
 
-    class Injected(GRPOTask):
+    class Injected(base):
         def rollout(self, model, batch, completions=None):
             return super().rollout(model, batch, completions=injected)
 
-    task = Injected(GRPOConfig(rewards=["length-penalty"], num_generations=2, max_completion_length=width,
-                               beta=0.04, loss_type="dapo"))
+    task = Injected(config)
     task.fns = {"even-share": _even_share}
-    return task, PromptData([_ids(s.prompt, s, 1)], ["p"], {}, [1], 0, _Ids())
+    return task, PromptData([_ids(s.prompt, s, 1)], ["p"], {}, [1], 0, _Ids()), 1
+
+
+def _task(name: str, s: Sizes):
+    """``(task, data, batch size)`` of the benchmark's task ``name``."""
+    if name == "kto":
+        return _kto(s)
+    return _sampled(name, s) if name in ("grpo", "rloo") else _pairs(name, s)
 
 
 def measure(name: str, s: Sizes, chunk: int) -> dict[str, Any]:
@@ -116,11 +151,11 @@ def measure(name: str, s: Sizes, chunk: int) -> dict[str, Any]:
     from rankwise.engine import Engine
     from rankwise.memory import PeakMemory, tensor_bytes
     model = _model(s)
-    task, data = (_dpo if name == "dpo" else _grpo)(s)
+    task, data, batch = _task(name, s)
     task.loss_chunk_tokens = chunk
-    task.prepare(model, [data], False, 1, "cpu")
+    task.prepare(model, [data], False, batch, "cpu")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
-    engine = Engine(model, task, opt, data, 1, seed=s.seed)
+    engine = Engine(model, task, opt, data, batch, seed=s.seed)
     for k in range(s.warmup):
         engine.train_step(k)
     held = model_bytes(model) + tensor_bytes(dict(opt.state))
@@ -153,14 +188,18 @@ VERSIONS = ("python", "torch", "transformers")
 def markdown(res: dict) -> str:
     """``results.md`` from the record."""
     s = res["sizes"]
-    lines = ["# Chunked completion log-probs (issue 38, item 7): DPO and GRPO", "",
+    lines = ["# Chunked completion log-probs (issue 38, item 7): every preference and RL task", "",
              f"Command: `{res['command']}` ({res['timer']}; meter `{res['meter']}`).", "",
              f"Llama {s['layers']}x{s['hidden']} with a {s['vocab']:,}-token vocabulary (fp32, built in "
              f"code), LoRA r={s['r']} on every linear layer of the blocks, AdamW; rows of {s['seq']} tokens "
              f"({s['prompt']} prompt + {s['seq'] - s['prompt']} completion). DPO: 1 pair (2 rows), sigmoid, "
-             "beta 0.1, adapters-off reference. GRPO: 1 prompt x G = 2 injected completions "
+             "beta 0.1, adapters-off reference. ORPO, SimPO: the same pair, the tasks' defaults (ORPO's "
+             "NLL scores the chosen prompt too). KTO: the pair's completions as 1 desirable + 1 undesirable "
+             "example (2 rows with gradient; 2 mismatched KL rows and 4 reference rows without), beta 0.1. "
+             "GRPO: 1 prompt x G = 2 injected completions "
              f"({s['seq'] - s['prompt']} and {(s['seq'] - s['prompt']) * 3 // 4} tokens), beta 0.04, "
-             f"dapo. One fp32 copy of a row's logits is {_mib(res['logits_fp32_bytes_per_row'])} MiB. "
+             "dapo. RLOO: the same rows, k = 2, beta 0.04 (its loss is 0 in value: the advantages of a "
+             f"prompt sum to 0). One fp32 copy of a row's logits is {_mib(res['logits_fp32_bytes_per_row'])} MiB. "
              f"Chunked: `train.loss_chunk_tokens` {s['chunk_tokens']} (its `auto` value here); "
              "unchunked: 0.", "",
              "| task | side | held MiB | step peak MiB | peak MiB | loss | step CPU s |",

@@ -5,7 +5,10 @@ per-token log-probs, and every trainable gradient, equal to 1e-5 (fp32) on a tin
 the blocks and on ``lm_head``) and a tiny GPT-2 (tied embeddings, full fine-tuning); Gemma 2's
 soft-capping, Cohere's logit scale and Granite's logit scaling applied in each chunk; a model
 with an unknown transform computed unchunked with a warning; ``train.loss_chunk_tokens``
-reaching both tasks through ``rankwise train``'s session."""
+reaching every task that reads completion log-probs (dpo, kto, orpo, simpo, grpo, rloo) through
+``rankwise train``'s session. KTO's, ORPO's, SimPO's and RLOO's chunked-vs-unchunked tests sit
+with their parity tests (``tests/tasks/kto``, ``tests/tasks/test_reference_free.py``,
+``tests/tasks/rloo``)."""
 from __future__ import annotations
 
 import copy
@@ -241,10 +244,10 @@ def test_a_model_that_changes_its_logits_another_way_is_computed_unchunked():
     assert not again.chunked
 
 
-def test_train_loss_chunk_tokens_reaches_dpo_and_grpo(tmp_path):
+def test_train_loss_chunk_tokens_reaches_every_log_prob_task(tmp_path):
     from tests.tasks.test_task_contract import example_config
     from rankwise.recipes.session import prepare
-    for name in ("dpo", "grpo"):
+    for name in ("dpo", "kto", "orpo", "simpo", "grpo", "rloo"):
         for sub in (name, f"{name}-auto"):
             (tmp_path / sub).mkdir()
         session = prepare(example_config(name, tmp_path / name, loss_chunk_tokens=4), device="cpu")
@@ -254,7 +257,7 @@ def test_train_loss_chunk_tokens_reaches_dpo_and_grpo(tmp_path):
 
 
 @pytest.mark.slow  # three 2-step runs per task through rankwise train's recipe
-@pytest.mark.parametrize("name", ["dpo", "grpo"])
+@pytest.mark.parametrize("name", ["dpo", "kto", "orpo", "simpo", "grpo", "rloo"])
 def test_a_chunked_run_resumes_exactly_and_follows_the_unchunked_run(name, tmp_path, monkeypatch):
     """The task contract's run + exact resume with every model chunked (4 positions a chunk),
     and its metrics equal an unchunked run's."""

@@ -210,3 +210,55 @@ def test_metrics_sum_over_batches_and_eval_loss_is_the_set_mean():
         (c, nc), (r, nr) = (completion_by_hand(model.eval(), data[i], side) for side in ("chosen", "rejected"))
         terms.append(-float(torch.nn.functional.logsigmoid(torch.tensor(2.0 * (c / nc - r / nr) - 1.0))))
     assert whole["eval_loss"] == pytest.approx(sum(terms) / 5 + nll, abs=1e-5)
+
+
+def prompt_tuned():
+    """Tiny Llama under prompt tuning (8 virtual tokens in front of every row)."""
+    from rankwise.adapters.prompt.config import PromptTuningConfig
+    model = tiny_llama_lm(seed=0)
+    registry.get("method", "prompt-tuning").apply(model, PromptTuningConfig(num_virtual_tokens=8))
+    return model.train()
+
+
+CHUNKED = {"orpo": (lambda: ORPOTask(ORPOConfig(beta=0.5)), lora_model),
+           "orpo-completion-nll": (lambda: ORPOTask(ORPOConfig(beta=0.5, sft_on_prompt=False)), lora_model),
+           "orpo-prompt-tuning": (lambda: ORPOTask(ORPOConfig(beta=0.5)), prompt_tuned),
+           "simpo": (lambda: SimPOTask(SimPOConfig(beta=2.0, gamma=0.5)), lora_model),
+           "cpo-sums": (lambda: SimPOTask(SimPOConfig(loss="sigmoid", beta=0.5)), lora_model)}
+
+
+@pytest.mark.parametrize("case", sorted(CHUNKED))
+def test_chunked_log_probs_give_the_unchunked_loss_nll_and_every_gradient(case, monkeypatch):
+    """``loss_chunk_tokens = 3`` (completions of 1-6 tokens, prompts of 2-5: chunks cross rows):
+    one chunked pass a loss scores the completions and, for ORPO's NLL, the chosen prompts; the
+    loss, the per-pair log-probs (ORPO, SimPO: means per token; CPO: sums), the preference
+    terms, the NLL's sum and tokens, ORPO's log-odds and every trainable gradient (LoRA; the
+    prompt vectors behind 8 virtual tokens) equal the unchunked path to 1e-5 (fp32)."""
+    from rankwise.tasks import logprobs
+    from tests.tasks.test_logprobs import assert_same_grads as same_grads, grads
+    calls = []
+    real = logprobs.chunked_logps
+    monkeypatch.setattr(logprobs, "chunked_logps", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    make_task, make_model = CHUNKED[case]
+    base, items = make_model(), pairs()
+    batch = make_task().collate(items, pad_id=0)
+    runs = {}
+    for chunk in (0, 3):
+        model, task = copy.deepcopy(base), make_task()
+        task.loss_chunk_tokens = chunk
+        total, out = task.loss_sum(model, batch)
+        total.backward()
+        runs[chunk] = float(total.detach()), out, grads(model)
+    (total, out, got), (ref_total, ref_out, ref_grads) = runs[3], runs[0]
+    completions = int((batch["labels"][:, 1:] != -100).sum())
+    prompts = sum(sum(1 for v in it["chosen_labels"][1:] if v == -100) for it in items)
+    on_prompt = case in ("orpo", "orpo-prompt-tuning")
+    assert calls == [completions + (prompts if on_prompt else 0)]          # one pass, the targets only
+    assert total == pytest.approx(ref_total, abs=1e-5, rel=1e-5)
+    for name in ("logps", "rewards", "losses"):
+        torch.testing.assert_close(getattr(out, name), getattr(ref_out, name), rtol=1e-5, atol=1e-5, msg=name)
+    assert out.nll_sum == pytest.approx(ref_out.nll_sum, abs=1e-5, rel=1e-5) and out.nll_tokens == ref_out.nll_tokens
+    assert out.extras.keys() == ref_out.extras.keys()
+    for name, value in out.extras.items():
+        torch.testing.assert_close(value, ref_out.extras[name], rtol=1e-5, atol=1e-5, msg=name)
+    same_grads(got, ref_grads)

@@ -234,8 +234,8 @@ class TrainConfig:
         loss_chunk_tokens: Causal LM: compute the loss from the final hidden states through
             the output head in chunks of this many target tokens, each chunk's logits
             recomputed in the backward (:mod:`rankwise.engine.chunked_loss`; same loss and
-            gradients up to float rounding); DPO and GRPO: their completion log-probs the same
-            way (:mod:`rankwise.tasks.logprobs`); 0 = off; ``auto`` = :attr:`AUTO_CHUNK_TOKENS` when
+            gradients up to float rounding); DPO, KTO, ORPO, SimPO, GRPO and RLOO: their
+            completion log-probs the same way (:mod:`rankwise.tasks.logprobs`); 0 = off; ``auto`` = :attr:`AUTO_CHUNK_TOKENS` when
             the model's vocabulary has at least :attr:`AUTO_CHUNK_VOCAB` entries, else off.
             Why 32,000 and 512: the unchunked loss keeps about four fp32 copies of the
             ``(tokens x vocab)`` logits alive (logits, log-softmax, both gradients), 16 V bytes

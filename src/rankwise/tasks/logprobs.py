@@ -27,8 +27,8 @@ or calls its head other than once, is computed unchunked (one warning per model)
 
 Use: :func:`target_logps` with a ``forward`` that runs the model and returns
 ``(output, batch)``, ``batch["labels"]`` marking the target tokens; :class:`TargetLogps` then
-gives per-row ``sums()`` / ``counts()`` (DPO, KTO, ORPO, SimPO, reward terms) or the per-token
-``dense()`` grid (GRPO, RLOO). ``chunk_tokens = 0`` is the plain path from the output's logits.
+gives per-row ``sums()`` / ``counts()`` (DPO, KTO, ORPO, SimPO) or the per-token ``dense()``
+grid (GRPO, RLOO); ``where(keep)`` splits one forward's targets (ORPO's completion and prompt). ``chunk_tokens = 0`` is the plain path from the output's logits.
 """
 from __future__ import annotations
 
@@ -79,6 +79,19 @@ class TargetLogps:
     def dense(self) -> torch.Tensor:
         """``(R, T-1)`` float32: the log-probs at their positions, 0 elsewhere."""
         return self.values.new_zeros(self.mask.shape).masked_scatter(self.mask, self.values)
+
+    def where(self, keep: torch.Tensor) -> "TargetLogps":
+        """The log-probs of the targets at ``keep`` only (one forward scored for two purposes,
+        e.g. ORPO's completion and prompt tokens), with the graph of the kept values.
+
+        Args:
+            keep: ``(R, T-1)`` bool; positions outside ``mask`` are ignored.
+
+        Returns:
+            A :class:`TargetLogps` whose ``mask`` is ``keep & mask``.
+        """
+        keep = keep & self.mask
+        return TargetLogps(self.values[keep[self.mask]], keep, self.output, self.chunked)  # (N',)
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

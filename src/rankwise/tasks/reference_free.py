@@ -19,8 +19,11 @@ mean of its micro-batches' losses, as TRL's is (the mean, for equal micro-batche
 Evaluation sums the NLL's tokens and the preference term's pairs over the whole evaluation set,
 so its ``eval_loss`` does not depend on the evaluation batch size.
 
-Every log-probability goes through :meth:`ReferenceFreeTask.token_logps` (one method, so a
-chunked log-prob path is one change).
+Every log-probability comes from one pass, :meth:`ReferenceFreeTask.pair_logps`, through
+:func:`rankwise.tasks.logprobs.target_logps`: with ``train.loss_chunk_tokens`` the target
+positions (the completions', and ORPO's chosen prompt tokens for its NLL) are projected in
+checkpointed chunks and the ``(2B, T, V)`` logits are never formed; both terms read the same
+per-token log-probs.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ import torch
 from torch import nn
 
 from rankwise.engine.task import IGNORE
-from rankwise.tasks.dpo.task import DPOTask, completion_logps
+from rankwise.tasks.dpo.task import DPOTask
+from rankwise.tasks.logprobs import TargetLogps, target_logps
 from rankwise.tasks.reference import disable_dropout
 
 LOG_HALF = -math.log(2.0)
@@ -120,36 +124,51 @@ class ReferenceFreeTask(DPOTask):
         """
         raise NotImplementedError
 
-    def token_logps(self, out: Any, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row sums and counts of the target tokens' log-probs (labels ``!= -100``) of the
-        forward ``out``: every log-prob of the task comes from here.
+    def pair_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]
+                   ) -> tuple[TargetLogps, TargetLogps | None]:
+        """The log-probs of one forward of the batch's ``2B`` rows: every log-prob of the task
+        comes from here, in chunks of ``loss_chunk_tokens`` target positions when set.
 
         Args:
-            out: The model output of the batch's ``2B`` rows.
-            labels: ``(2B, T)`` targets, ``-100`` elsewhere.
+            model: The policy.
+            batch: The collated pairs.
 
         Returns:
-            ``(sums (2B,), counts (2B,))`` in float32.
+            ``(completion targets (labels != -100), the chosen rows' prompt targets)``; the
+            second is ``None`` unless the NLL is weighted and covers the prompt
+            (:meth:`nll_on_prompt`), when the one forward scores both sets of positions.
         """
-        return completion_logps(out.logits, labels)
+        inputs = {k: v for k, v in batch.items() if k != "ref_logps"}
+        prompt = bool(self.nll_weight()) and self.nll_on_prompt()
+        seen: dict[str, torch.Tensor] = {}
+
+        def forward() -> tuple[Any, dict]:
+            out, fwd = self._forward(model, inputs)
+            labels = seen["labels"] = fwd["labels"]                  # (2B, T'): input adapters' positions in front
+            if prompt:                                               # disjoint from the completion targets
+                labels = torch.where(labels != IGNORE, labels, _prompt_labels(batch, labels.shape[1]))
+            return out, {**fwd, "labels": labels}
+
+        got = target_logps(model, forward, self.loss_chunk_tokens)
+        if not prompt:
+            return got, None
+        completion = seen["labels"][:, 1:] != IGNORE                 # (2B, T'-1)
+        return got.where(completion), got.where(~completion)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, PairOutput]:
         """``sum(preference term) + w * B * NLL`` of one forward of the ``2B`` rows."""
         pairs = self.count_targets(batch)
-        inputs = {k: v for k, v in batch.items() if k != "ref_logps"}
-        out, seen = self._forward(model, inputs)
-        labels = seen["labels"]                                     # (2B, T'): input adapters' positions in front
-        sums, counts = self.token_logps(out, labels)
-        sums, counts = sums.view(2, -1).T, counts.view(2, -1).T     # (2B,) -> (B, 2)
+        completion, prompt = self.pair_logps(model, batch)
+        sums = completion.sums().view(2, -1).T                      # (2B,) -> (B, 2)
+        counts = completion.counts().view(2, -1).T
         logps = sums / counts.clamp(min=1.0) if self.average() else sums
         losses, rewards, extras = self.pair_losses(logps)
         total = losses.sum()
         nll_sum, nll_tokens = sums.new_zeros(()), counts[:, 0].sum()
         if self.nll_weight():
             nll_sum = -sums[:, 0].sum()
-            if self.nll_on_prompt():
-                extra_sum, extra_count = self.token_logps(out, _prompt_labels(batch, labels.shape[1]))
-                nll_sum, nll_tokens = nll_sum - extra_sum.sum(), nll_tokens + extra_count.sum()
+            if prompt is not None:
+                nll_sum, nll_tokens = nll_sum - prompt.sums().sum(), nll_tokens + prompt.counts().sum()
             total = total + self.nll_weight() * pairs * nll_sum / nll_tokens.clamp(min=1.0)
         output = PairOutput(logps.detach(), rewards.detach(), losses.detach(), float(nll_sum.detach()),
                             float(nll_tokens) if self.nll_weight() else 0.0,

@@ -182,3 +182,41 @@ def test_evaluation_uses_fixed_partners_and_one_reference_point_whatever_the_bat
     assert whole["eval_kl"] == pytest.approx(z, abs=1e-6)
     assert whole["eval_loss"] == pytest.approx(float(losses.mean()), abs=1e-6)
     assert {"eval_reward_desirable", "eval_reward_undesirable", "eval_reward_margin"} <= set(whole)
+
+
+def test_chunked_log_probs_give_the_unchunked_loss_kl_precomputed_reference_and_gradients(monkeypatch):
+    """``loss_chunk_tokens = 3`` (completions of 1-6 tokens: chunks cross rows): the policy's,
+    the mismatched rows' and the adapters-off reference's log-probs all take the chunked path
+    (4 calls a loss), and the loss, ``z``, the log-ratios, the precomputed reference and every
+    LoRA gradient equal the unchunked path to 1e-5 (fp32)."""
+    from rankwise.tasks import logprobs
+    from rankwise.tasks.kto.data import UnpairedData
+    from rankwise.tasks.kto.task import precompute_reference
+    from tests.tasks.test_logprobs import assert_same_grads, grads
+    calls = []
+    real = logprobs.chunked_logps
+    monkeypatch.setattr(logprobs, "chunked_logps", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    base, items = lora_model(), examples()
+    batch = KTOTask().collate(items, pad_id=0)
+    data = UnpairedData([{k: e[k] for k in ("prompt_ids", "completion_ids", "label")} for e in items], 0, 0, 64)
+    data.fix_partners()
+    runs = {}
+    for chunk in (0, 3):
+        model = copy.deepcopy(base)
+        task = KTOTask(KTOConfig(beta=0.5, desirable_weight=1.3, undesirable_weight=0.7, reference="adapters-off"))
+        task.loss_chunk_tokens = chunk
+        total, out = task.loss_sum(model, batch)
+        total.backward()
+        assert len(calls) == (4 if chunk else 0)
+        stored = torch.tensor(precompute_reference(task, model, data, 4, "cpu"))
+        runs[chunk] = float(total.detach()), out, grads(model), stored
+    (total, out, got, stored), (ref_total, ref_out, ref_grads, ref_stored) = runs[3], runs[0]
+    assert set(calls) == {3}
+    assert total == pytest.approx(ref_total, abs=1e-5, rel=1e-5)
+    assert out.z == pytest.approx(ref_out.z, abs=1e-5) and ref_out.z > 0.05      # the KL term is in it
+    for name in ("logps", "ratios", "kl_ratios"):
+        torch.testing.assert_close(getattr(out, name), getattr(ref_out, name), rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(stored, ref_stored, rtol=1e-5, atol=1e-5)
+    assert float(ref_out.ratios.abs().min()) > 1e-3                                # policy != reference
+    assert_same_grads(got, ref_grads)
+    assert len(ref_grads) == 2 * 2 * len(TARGETS)

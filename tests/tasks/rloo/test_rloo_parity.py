@@ -54,12 +54,14 @@ def trl_trainer(tmp_path, ours, **args):
     return trainer
 
 
-def our_task(model, **cfg):
-    """The task on the injected batch: ``(task, batch as the loss reads it)``."""
+def our_task(model, chunk: int = 0, **cfg):
+    """The task on the injected batch: ``(task, batch as the loss reads it)``; ``chunk``: its
+    ``loss_chunk_tokens`` (what ``train.loss_chunk_tokens`` sets)."""
     tok = tokenizer()
     prompts, comps = injected()
     task = RLOOTask(RLOOConfig(num_generations=K, max_completion_length=MAX_NEW, rewards=["exact-match"], **cfg))
     task.fns = {"reward": reward}
+    task.loss_chunk_tokens = chunk
     data = PromptData(prompts, [tok.decode(p) for p in prompts], {"answer": ["t4", tok.decode(comps[5][:1])]},
                       [1, 2], 0, tok)
     task.prepare(model, [data], False, 2, "cpu")
@@ -162,3 +164,34 @@ def test_num_generations_below_two_is_refused_naming_the_baseline():
     assert "other k - 1" in problems[0]
     assert RLOOConfig(reward_clip_range=[1.0, 0.0]).problems()[0].startswith("reward_clip_range: got [1.0, 0.0]")
     assert RLOOConfig().problems() == []
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_log_probs_give_the_unchunked_advantages_loss_and_every_lora_gradient(temperature, monkeypatch):
+    """``loss_chunk_tokens = 3`` (completions of 1-8 tokens: chunks cross rows): the policy's
+    log-probs of the KL penalty and of the loss, and the reference's, take the chunked path (3
+    calls), at temperature 1 and 0.7; the advantages, the reference log-probs on the completion
+    tokens, the logged ``kl``, the loss and every LoRA gradient equal the unchunked path to 1e-5."""
+    from rankwise.tasks import logprobs
+    from tests.tasks.test_logprobs import assert_same_grads, grads
+    calls = []
+    real = logprobs.chunked_logps
+    monkeypatch.setattr(logprobs, "chunked_logps", lambda *a, **k: calls.append(a[3:5]) or real(*a, **k))
+    base = ours_lora()
+    runs = {}
+    for chunk in (0, 3):
+        model = copy.deepcopy(base)
+        task, rolled, _ = our_task(model, chunk, beta=0.1, temperature=temperature)
+        total, _ = task.loss_sum(model, rolled)
+        (total / task.count_targets(rolled)).backward()
+        runs[chunk] = rolled, float(total.detach()), grads(model), task.step_metrics()["kl"]
+    assert calls == [(3, temperature)] * 3
+    (rolled, total, got, kl), (ref_rolled, ref_total, ref_grads, ref_kl) = runs[3], runs[0]
+    mask = rolled["completion_mask"].bool()
+    assert not mask.all()                                                     # padded completions
+    torch.testing.assert_close(rolled["advantages"], ref_rolled["advantages"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rolled["ref_logps"][mask], ref_rolled["ref_logps"][mask], rtol=1e-5, atol=1e-5)
+    assert kl == pytest.approx(ref_kl, rel=1e-5, abs=1e-6) and abs(ref_kl) > 1e-4  # the penalty is in it
+    assert total == pytest.approx(ref_total, abs=1e-5)
+    assert_same_grads(got, ref_grads)
+    assert len(ref_grads) == 2 * 2 * len(TARGETS)

@@ -33,6 +33,9 @@ Where TRL differs from the paper, and where rankwise differs from TRL:
 
 The reference ``pi_ref`` is ``dpo``'s (:mod:`rankwise.tasks.reference`): the adapters switched
 off, the initial weights swapped in (``initial``), or log-probs precomputed before training.
+Every log-prob (policy, reference, mismatched rows) goes through
+:func:`rankwise.tasks.logprobs.target_logps`: with ``train.loss_chunk_tokens`` the completion
+positions are projected in checkpointed chunks and the ``(B, T, V)`` logits are never formed.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from rankwise.engine.distributed import world_size_from_env
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.tasks.common import CausalLMTask, lm_example, write_records
 from rankwise.tasks.kto.data import balance_warning, build_unpaired_data, cut_prompt
+from rankwise.tasks.logprobs import target_logps
 from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, reference_problems, resolve
 
 ACROSS = "kto_kl_across_processes"  # a batch key set by before_step: this micro-batch is a step's
@@ -103,25 +107,6 @@ class KTOConfig(TaskConfig):
                        "fewer than 2 examples in one, and KTO's KL estimate pairs each prompt with "
                        f"another example's completion: set train.batch_size >= {2 * parts}")
         return out
-
-
-def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-row sum of the log-probabilities of the target tokens (labels ``!= -100``); the one
-    place this task turns logits into log-probs.
-
-    Args:
-        logits: ``(R, T, V)`` model output.
-        labels: ``(R, T)`` token ids, ``-100`` on prompt and padding.
-
-    Returns:
-        ``(R,)`` float32 sums.
-    """
-    targets = labels[:, 1:]                                         # (R, T-1): tokens 1..T-1
-    keep = targets != IGNORE
-    rows = keep.nonzero()[:, 0]                                     # (N,) row of each target
-    picked = logits[:, :-1][keep].float()                           # (N, V): target positions only
-    logp = picked.gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, -1)
-    return torch.zeros(labels.shape[0], device=logits.device).index_add(0, rows, logp)
 
 
 def kl_reference_point(policy_kl: torch.Tensor, reference_kl: torch.Tensor, across: bool = False
@@ -196,6 +181,9 @@ class KTOTask(Task):
     name = "kto"
     auto_class = "AutoModelForCausalLM"
     eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
+    # Completion positions per chunk of the log-probs (:mod:`rankwise.tasks.logprobs`); 0 = the
+    # whole logits at once. ``rankwise train`` sets it from ``train.loss_chunk_tokens``.
+    loss_chunk_tokens: int = 0
 
     def __init__(self, config: KTOConfig | None = None) -> None:
         super().__init__(config or KTOConfig())
@@ -246,10 +234,10 @@ class KTOTask(Task):
 
     def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
         """``(B,)`` completion log-probs of ``model`` on the rows ``prefix`` (``""``: each
-        example's own completion, ``"kl_"``: the mismatched one)."""
+        example's own completion, ``"kl_"``: the mismatched one), in chunks of
+        ``loss_chunk_tokens`` completion positions when set (the full logits are never formed)."""
         inputs = {k: batch[prefix + k] for k in ("input_ids", "attention_mask", "labels")}
-        out, inputs = self._forward(model, inputs)
-        return completion_logps(out.logits, inputs["labels"])
+        return target_logps(model, lambda: self._forward(model, inputs), self.loss_chunk_tokens).sums()
 
     def reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``(B, 2)`` reference log-probs ``[completion, mismatched]``: the batch's precomputed
@@ -382,5 +370,5 @@ def _means(stats: dict[str, float], prefix: str, beta: float) -> dict[str, float
     return out
 
 
-__all__ = ["KTOConfig", "KTOTask", "KTOOutput", "completion_logps", "kl_reference_point", "kto_losses",
+__all__ = ["KTOConfig", "KTOTask", "KTOOutput", "kl_reference_point", "kto_losses",
            "precompute_reference"]

@@ -97,8 +97,10 @@ class RLOOTask(GRPOTask):
 
     def completion_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``(R, C)`` log-probs of the completion tokens at the sampling temperature (every
-        policy log-prob of the task goes through here; the reference's through GRPO's rollout)."""
-        return token_logps(model, batch, self.config.temperature)
+        policy log-prob of the task goes through here; the reference's through GRPO's rollout),
+        in chunks of ``loss_chunk_tokens`` (GRPO's attribute) when set: the full logits are never
+        formed, and padding columns hold 0 (the completion mask drops them either way)."""
+        return token_logps(model, batch, self.config.temperature, self.loss_chunk_tokens)
 
     def advantages(self, model: nn.Module, rows: dict[str, torch.Tensor], rewards: torch.Tensor) -> torch.Tensor:
         """The leave-one-out advantage of each completion's KL-penalised reward.
