@@ -118,12 +118,11 @@ class AutoCompile:
         self.say, self.probe, self.method, self.clock = say, probe, method, clock
         self.times: list[float] = []
         self.last = 0.0
-        self.start = 0
         self.chosen: bool | None = None
 
     def on_fit_start(self, engine, state) -> None:
         """Start the clock."""
-        self.start, self.last, self.times = state.step, self.clock(), []
+        self.last, self.times = self.clock(), []
 
     def on_step_end(self, engine, state, result) -> None:
         """Time the step; at the ``steps``-th (or the run's last) choose."""
