@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rankwise.core.protocol import aux_losses
+from rankwise.engine.buckets import pad_to_bucket
 from rankwise.engine.offload import OffloadActivations
 from rankwise.engine.per_layer import PerLayerUpdates
 from rankwise.engine.per_layer import problems as per_layer_problems
@@ -194,6 +195,10 @@ class Engine:
         per_layer: Step each parameter in the backward as soon as its gradient is complete and
             free it (:mod:`rankwise.engine.per_layer`); needs ``grad_accum`` 1, no clipping, no
             fp16 scaler, one process.
+        buckets: Lengths every training and evaluation batch is right-padded to (the smallest
+            that holds it; :mod:`rankwise.engine.buckets`: masked, the same loss), so a compiled
+            model sees few shapes; ``()``: lengths as they come. Settable later (``train.compile:
+            auto`` turns them on with the compilation).
 
     Raises:
         RankwiseError: An unknown precision, or ``per_layer`` with settings it cannot follow.
@@ -204,7 +209,7 @@ class Engine:
                  grad_clip: float | None = None, precision: str = "fp32", device: str = "cpu",
                  loss_hooks: Mapping[str, LossHook] | None = None, callbacks: Iterable[Any] = (),
                  dist: Any = None, offload_activations: bool = False,
-                 per_layer: bool = False, schedule: Any = None) -> None:
+                 per_layer: bool = False, schedule: Any = None, buckets: tuple[int, ...] = ()) -> None:
         if precision not in PRECISIONS:
             raise RankwiseError(f"train.precision: got {precision!r}; expected one of {list(PRECISIONS)}")
         self.model, self.task, self.optimizer, self.dataset = model, task, optimizer, dataset
@@ -229,6 +234,7 @@ class Engine:
         # one object for the whole fit: one side stream, and its stats add up over the steps
         self.offloader = OffloadActivations(self.device) if offload_activations else None
         self.schedule = schedule
+        self.buckets = tuple(buckets)
 
     # ----- one step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -255,6 +261,8 @@ class Engine:
         model, opt = self.model, self.optimizer
         model.train()
         batches = self.task.before_step(model, self.step_batches(step), step, self.seed)
+        if self.buckets:  # after before_step: GRPO's rollouts are padded, its prompts are not
+            batches = [pad_to_bucket(b, self.buckets, self.dataset.pad_id) for b in batches]
         targets = sum(self.task.count_targets(b) for b in batches)
         examples = sum(len(b["input_ids"]) for b in batches)
         if self.dist is not None:  # normalise by the targets of the whole global step
@@ -341,7 +349,8 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, data: Any, batch_size: int) -> dict[str, float]:
         """The task's metrics over every example of ``data`` (``eval_loss``, ...)."""
-        return evaluate(self.model, self.task, data, batch_size, self.device, self.autocast)
+        return evaluate(self.model, self.task, data, batch_size, self.device, self.autocast,
+                        self.buckets)
 
     # ----- the loop -----------------------------------------------------------------------------
     def fit(self, steps: int, start_step: int = 0, prior_time: float = 0.0) -> TrainState:
@@ -404,8 +413,8 @@ class Engine:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, data: Any, batch_size: int, device: str = "cpu",
-             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-             ) -> dict[str, float]:
+             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+             buckets: tuple[int, ...] = ()) -> dict[str, float]:
     """The task's metrics of ``model`` over every example of ``data`` (in eval mode).
 
     Args:
@@ -415,6 +424,7 @@ def evaluate(model: nn.Module, task: Task, data: Any, batch_size: int, device: s
         batch_size: Examples per forward.
         device: Where batches go.
         autocast: Context factory for mixed precision.
+        buckets: Pad each batch to one of these lengths (:func:`pad_to_bucket`; ``()``: none).
 
     Returns:
         ``{"eval_loss": ..., "eval_accuracy" | "eval_perplexity": ...}``.
@@ -425,6 +435,7 @@ def evaluate(model: nn.Module, task: Task, data: Any, batch_size: int, device: s
     for start in range(0, len(data), batch_size):
         items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
         batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
+        batch = pad_to_bucket(batch, buckets, data.pad_id)
         for part in task.eval_parts(model, batch):  # a causal LM's logits stay under a budget
             with autocast():
                 loss_sum, out = task.loss_sum(model, part)

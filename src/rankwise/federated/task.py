@@ -103,6 +103,10 @@ def train_problems(cfg, fed: FederatedConfig) -> list[str]:
     if fed.batch_size and fed.batch_size % t.grad_accum:
         out.append(f"train.grad_accum: got {t.grad_accum}, which does not divide federated.batch_size "
                    f"{fed.batch_size} (a client's examples per step); choose a divisor of it")
+    if t.compile == "auto":
+        out.append("train.compile: got 'auto', which rankwise federated does not follow (a client "
+                   "trains a few steps a round, too few to time and repay a compilation); set "
+                   "train.compile: true or false")
     if cfg.data.schedule.name != "none":
         out.append(f"data.schedule: got {cfg.data.schedule.name}, which rankwise federated does not follow "
                    "(a client draws its micro-batches in order); set data.schedule: none")

@@ -49,7 +49,7 @@ NEUTRAL_NEW = ((("model", "add_tokens"), []), (("model", "add_special_tokens"), 
                (("data", "chosen_field"), "chosen"), (("data", "rejected_field"), "rejected"),  # dpo
                (("data", "schedule"), "none"), (("data", "schedule_linear"), None),  # skrull
                (("data", "schedule_bucket"), None),
-               (("train", "compile"), False),
+               (("train", "compile"), False), (("train", "compile_buckets"), "pow2"),
                (("train", "distributed_step_timeout_s"), None),
                (("compress", "restore"), lambda v: not isinstance(v, dict) or not v.get("enabled")),  # RestoreLCC off
                (("data", "order"), "uniform"),  # grpo / gain-rl

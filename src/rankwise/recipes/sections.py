@@ -253,7 +253,28 @@ class TrainConfig:
             activations already live in CPU memory (``rankwise train`` says so).
         compile: ``torch.compile`` the model's blocks (each layer of its ``nn.ModuleList``s,
             ``rankwise.engine.compile``); a method dynamo cannot trace is refused before
-            training. The first steps pay the compilation.
+            training. The first steps pay the compilation, one per length bucket
+            (``compile_buckets``). ``auto``: the first :attr:`AUTO_COMPILE_STEPS` steps run
+            eager and are timed; compilation is turned on only when the remaining steps x the
+            expected saving per step (:attr:`AUTO_COMPILE_SAVING` of the eager step) exceed the
+            expected compile time (:attr:`AUTO_COMPILE_GRAPH_S` seconds per bucket and block
+            kind); one console line says what it chose, with the numbers. A method it cannot
+            trace, ``gradient_checkpointing`` or a federated client: eager, said on the
+            console. Not the default: the choice rests on timings, so the same config may
+            compile on one machine and not on another (the numbers then differ at float
+            rounding), and a resumed run decides again from its own first steps.
+        compile_buckets: Under ``compile``, every training and evaluation batch is right-padded
+            (masked: the same loss; ``rankwise.engine.buckets``) to the smallest of these
+            lengths that holds it, so a run compiles one graph per bucket used, not one per
+            new length. ``pow2`` (default): 64, 128, 256, ... below ``data.max_length``, then
+            ``data.max_length`` -- ``log2(max_length / 64) + 1`` graphs at most (5 at 1,024,
+            7 at 4,096) for at most 2x the tokens of a batch (a batch's longest row sets its
+            length anyway); chosen over multiples of 64 (less padding, but ``max_length / 64``
+            graphs: 16 at 1,024, each ~18 s on CPU) because on CPU a compilation costs
+            hundreds of steps. An integer ``k``: the multiples of ``k`` (then
+            ``max_length``); a list: those lengths (those >= 1); ``0``: no padding (dynamic shapes: the
+            compiler may recompile as new lengths come). Packed blocks all have
+            ``max_length`` tokens: one graph.
         fused_lora: ``auto``: LoRA-wrapped linear layers (LoRA, rsLoRA, GoRA ranks; one active
             adapter, no dropout in training, not DoRA) run one autograd node with a hand-written
             backward that saves less (``rankwise.adapters.lora.fused``, ``docs/fused-lora.md``),
@@ -269,6 +290,9 @@ class TrainConfig:
 
     AUTO_CHUNK_VOCAB: ClassVar[int] = 32_000
     AUTO_CHUNK_TOKENS: ClassVar[int] = 512
+    AUTO_COMPILE_STEPS: ClassVar[int] = 3  # eager steps before the choice (the first untimed)
+    AUTO_COMPILE_SAVING: ClassVar[float] = 0.17  # 1 - 1/1.21: a compiled block step, CPU inductor
+    AUTO_COMPILE_GRAPH_S: ClassVar[float] = 20.0  # one bucket's forward + backward, CPU inductor
 
     steps: int = bounded(200, ge=1)
     batch_size: int = bounded(32, ge=1)
@@ -292,7 +316,9 @@ class TrainConfig:
     distributed_step_timeout_s: Union[float, None] = bounded(None, gt=0, what="seconds")
     threads: Union[Literal["auto"], int] = "auto"
     offload_activations: bool = False
-    compile: bool = False
+    compile: Union[bool, Literal["auto"]] = False
+    compile_buckets: Union[Literal["pow2"], int, list[int]] = bounded("pow2", ge=0, what="tokens",
+                                                                      hint="(0: no buckets)")
     fused_lora: Union[Literal["auto", "unshared", "off"], bool] = "auto"  # YAML reads a bare off as false
     loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
     neftune_noise_alpha: Union[float, None] = bounded(None, gt=0, what="alpha", hint="(the paper uses 5 to 15; null: no noise)")
@@ -316,7 +342,7 @@ class TrainConfig:
                        f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
         if isinstance(self.grad_clip, float) and self.grad_clip < 0:
             out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
-        if self.compile and self.gradient_checkpointing:
+        if self.compile is True and self.gradient_checkpointing:
             out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
                        "set train.compile: false or train.gradient_checkpointing: false")
         if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):

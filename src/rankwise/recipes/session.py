@@ -23,7 +23,8 @@ from rankwise.data.packing import packed_training_data
 from rankwise.data.text import TextData, build_data
 from rankwise.engine import Engine, Task, get_task, linear_schedule
 from rankwise.engine.chunked_loss import vocab_size
-from rankwise.engine.compile import compile_model, compile_problem
+from rankwise.engine.buckets import bucket_lengths, pad_to_bucket
+from rankwise.engine.compile import AutoCompile, compile_model, compile_problem
 from rankwise.engine.distributed import Distributed
 from rankwise.engine.loop import draw_batches
 from rankwise.engine.neftune import add_neftune
@@ -98,13 +99,48 @@ def engine_settings(cfg: RunConfig) -> dict[str, Any]:
         cfg: A validated run config (``train.grad_clip`` already resolved from ``auto``).
 
     Returns:
-        ``grad_accum``, ``grad_clip``, ``precision``, ``offload_activations`` and ``per_layer``
-        (``optim.per_layer``) as keyword arguments.
+        ``grad_accum``, ``grad_clip``, ``precision``, ``offload_activations``, ``per_layer``
+        (``optim.per_layer``) and ``buckets`` (``train.compile: true``'s length buckets) as
+        keyword arguments.
     """
     t = cfg.train
     return {"grad_accum": t.grad_accum, "grad_clip": t.grad_clip, "precision": t.precision,
             "offload_activations": t.offload_activations,
-            "per_layer": getattr(cfg.optim, "per_layer", False)}
+            "per_layer": getattr(cfg.optim, "per_layer", False),
+            "buckets": compile_buckets(cfg) if t.compile is True else ()}
+
+
+def compile_buckets(cfg: RunConfig) -> tuple[int, ...]:
+    """The lengths batches are padded to under ``train.compile`` (``train.compile_buckets`` for
+    data cut at ``data.max_length``)."""
+    return bucket_lengths(cfg.train.compile_buckets, cfg.data.max_length)
+
+
+def auto_compile(session: Session, say) -> AutoCompile | None:
+    """The :class:`AutoCompile` callback of ``train.compile: auto`` (``None`` otherwise; with
+    ``gradient_checkpointing``, which compilation does not support yet, it says so instead).
+
+    Args:
+        session: The prepared session.
+        say: Prints one console line.
+
+    Returns:
+        The callback, or ``None``.
+    """
+    t = session.cfg.train
+    if t.compile != "auto":
+        return None
+    if t.gradient_checkpointing:
+        say("train.compile auto: eager (train.gradient_checkpointing is on, which compilation "
+            "does not support yet)")
+        return None
+    buckets, task, pad_id = compile_buckets(session.cfg), session.task, session.train_data.pad_id
+
+    def probe(model: nn.Module) -> None:  # one forward and backward of step 0's padded batch
+        task.loss_sum(model, pad_to_bucket(session.batch(0), buckets, pad_id))[0].backward()
+
+    return AutoCompile(buckets, t.AUTO_COMPILE_STEPS, t.AUTO_COMPILE_SAVING, t.AUTO_COMPILE_GRAPH_S,
+                       say, probe, session.cfg.method.name)
 
 
 def check_distributed(cfg: RunConfig, dist: Distributed) -> None:
@@ -261,10 +297,11 @@ def _ready_for_training(session: Session, entry: registry.Entry, selected: dict 
                             "shards; use train.distributed: ddp (or, for DPO, task.reference: precomputed)")
     if cfg.data.packing:
         session.train_data = packed_training_data(model, session.train_data, cfg.data.max_length, device)
-    if cfg.train.compile:  # the blocks compiled; a method dynamo cannot trace is refused here
-        compile_model(model)
-        problem = compile_problem(model, cfg.method.name,
-                                  lambda: task.loss_sum(model, session.batch(0))[0].backward())
+    if cfg.train.compile is True:  # the blocks compiled; a method dynamo cannot trace is refused here
+        buckets = compile_buckets(cfg)
+        compile_model(model, buckets=buckets)
+        probe = pad_to_bucket(session.batch(0), buckets, session.train_data.pad_id)
+        problem = compile_problem(model, cfg.method.name, lambda: task.loss_sum(model, probe)[0].backward())
         if problem:
             raise RankwiseError(problem)
     session.model = model = session.dist.prepare_model(model)

@@ -35,7 +35,7 @@ from rankwise.recipes.config import RunConfig, build_run_config
 from rankwise.recipes.model import starts_random
 from rankwise.recipes.reports import check_reporting, data_info, finish_trackers, report_callbacks
 from rankwise.recipes.resume import dotted_diff, schedule_factor, set_schedule
-from rankwise.recipes.session import Session, prepare
+from rankwise.recipes.session import Session, auto_compile, prepare
 from rankwise.recipes.tokens import TOKENIZER_DIR, adds_tokens, save_tokenizer
 from rankwise.recipes.tokens import save_tokenizer_files
 
@@ -382,6 +382,7 @@ def _build_engine(cfg: RunConfig, out: Path, session: Session, console, dist) ->
                        disable=not (t.progress and main)),
         log, cb.Evaluate(session.eval_data, t.eval_batch_size, t.eval_every, log, memory=measure),
     ]
+    callbacks.insert(0, auto_compile(session, console.print))  # train.compile: auto (or None)
     if t.early_stopping_patience:
         callbacks.append(cb.EarlyStopping("eval_loss", t.early_stopping_patience))
     callbacks += [cb.Checkpoint(_saver(session, out, measure), t.save_every),
