@@ -9,6 +9,12 @@
    quality = perplexity per byte on its held-out modules; calibration = training windows.
    Its weights are built by the benchmark and deleted afterwards, never committed.
 
+Decision (issue 35 item 2): compressing a model only means something for a trained one, so
+row 2 should load the reference base (and its tokenizer: perplexity per byte over its pieces)
+instead of training ``lowrank-pretrain``'s byte-level model; not converted yet (the rows and the
+KV-cache budgets must be rerun at the base's 8,192-token vocabulary, over the time the session
+that converted the others had). ``lowrank-pretrain`` itself keeps pretraining: that is its point.
+
 Rows: the dense reference; magnitude, Wanda, SparseGPT and 3BASiL-TM at 50% unstructured and
 2:4 (3BASiL adds a rank-r part, and also runs without TM at 2:4); Wanda and SparseGPT at the
 unstructured sparsity that gives them 3BASiL's total parameter budget (nonzeros + factors);

@@ -22,6 +22,12 @@ the final held-out loss reported):
   norm: Minitron's embedding-channel score), then every weight trained on CE + KL at T = 1
   (logit distillation).
 
+Decision (issue 35 item 2): the teacher should become the reference base (LRC and Minitron need
+a pretrained teacher, not one of a particular shape: a 128-wide student of its 6 x 256 shape
+fits); not converted yet -- the rows, the learning-rate grids and the per-byte perplexity
+(its tokens are SentencePiece pieces, not bytes) have to be re-sized and rerun, which did not
+fit the session that converted the others. Until then the teacher is pretrained here.
+
 Each piece (the teacher, each row x learning rate) writes ``pieces/NAME.json`` and is skipped
 when present, so the benchmark can be stopped and run again; the teacher's weights wait in
 ``_work/`` (removed when every piece is done; never committed). Quality only: no time claims.

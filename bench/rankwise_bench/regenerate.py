@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from rankwise_bench import BENCHMARKS
-from rankwise_bench.common import RESULTS, ROOT
+from rankwise_bench.common import RESULTS
 
 # results folder (relative to bench/results) -> the benchmark (rankwise bench NAME) that wrote it
 FOLDERS = {
@@ -30,7 +30,7 @@ FOLDERS = {
     "federated-demo/issue27": "federated-demo", "federated-demo/issue34": "federated-demo",
     "federated-demo/long": "federated-demo", "federated-demo/natural": "federated-demo",
     "gguf-parity": "gguf-parity", "grpo": "grpo",
-    "grpo-gain": "grpo-gain", "grpo-gain-lr3e-3": "grpo-gain", "kto": "kto", "llm-finetune": "llm-finetune",
+    "grpo-gain": "grpo-gain", "kto": "kto", "llm-finetune": "llm-finetune",
     "llm-finetune-dora": "llm-finetune", "llm-finetune-fused": "llm-finetune",
     "llm-finetune-fused/seq1024": "llm-finetune", "lora-vs-peft": "lora-vs-peft", "loro": "loro",
     "lota-qaf": "lota-qaf", "lowrank-pretrain": "lowrank-pretrain", "lowrank-pretrain-issue21": "lowrank-pretrain",
@@ -92,8 +92,6 @@ def render(folder: Path) -> str:
     if name == "federated-demo":
         return _federated(folder)
     module = importlib.import_module(f"rankwise_bench.{BENCHMARKS[name].module}")
-    if name == "grpo-gain":   # an early record does not name its folder
-        return module.markdown(_record(folder), out=folder.relative_to(ROOT).as_posix())
     return module.markdown(_record(folder))
 
 

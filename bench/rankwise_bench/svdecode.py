@@ -1,27 +1,28 @@
 """Benchmark: SVDecode against plain decoding of the warm-start PEFT model
-(``rankwise bench svdecode``; issue 24's measured table).
+(``rankwise bench svdecode``; issue 24's measured table, rerun on the reference base for issue 36).
 
-Task: ``stdlib-functions`` (prompt: the first words of a standard-library function's docstring;
-completion: its ``def`` line); accuracy = the completion's ``def`` line names the record's
-function (:func:`def_line_correct`, case-insensitive, word-piece spacing undone).
+Task: ``stdlib-functions`` (prompt: the first ``PROMPT_WORDS`` words of a standard-library
+function's docstring; completion: its ``def`` line); accuracy = the completion's ``def`` line
+names the record's function (:func:`def_line_correct`, case-insensitive).
 
-Model: ``bench dpo``'s 4-layer, 128-wide Llama (the packaged MiniLM tokenizer, 30k vocabulary)
-"pre-trained" here by full fine-tuning on ``PRE`` stdlib-functions records that the warm start
-and the evaluation never see (so the base writes ``def`` lines, badly). Warm starts, short
-fine-tunes of that base through :class:`rankwise.engine.Engine` on ``TRAIN`` other records:
-LoRA (r 8, all linear layers) and prompt tuning (20 virtual tokens). Each warm start answers its
-``TRAIN`` training prompts and ``HELD_OUT`` unseen prompts greedily (at most ``NEW_TOKENS``
-tokens) with plain decoding (adapter on) and with SVDecode at several strengths λ (λ = 1 is
-the calibrated step μ*, the Gauss-Newton minimiser of the warm-start training labels'
+Decision (issue 35 item 2): SVDecode's claim is about a *pretrained* model P_pre and a PEFT warm
+start of it, so the base is the reference base (:func:`rankwise_bench.common.reference_base`,
+6.45M parameters pretrained on the standard library, its SentencePiece tokenizer), loaded as it
+is; the former base -- ``bench dpo``'s random 4-layer Llama with the MiniLM tokenizer,
+"pre-trained" here on 384 records -- and its pretraining code are gone. Warm starts, short
+fine-tunes of the base through :class:`rankwise.engine.Engine` on ``TRAIN`` records: LoRA (r 8,
+all linear layers) and prompt tuning (20 virtual tokens). Each warm start answers the first
+``EVAL_TRAIN`` of its training prompts and ``HELD_OUT`` unseen prompts greedily (at most
+``NEW_TOKENS`` tokens) with plain decoding (adapter on) and with SVDecode at several strengths λ
+(λ = 1 is the calibrated step μ*, the Gauss-Newton minimiser of the warm-start training labels'
 cross-entropy under the steered logits; P_pre = the same model with its adapter off). μ*, the
 applied μ, whether it was clipped and the per-token clip shares are recorded per warm start.
 
 Cost per token: process CPU time per generated token of plain decoding and of SVDecode in the
 same process (one torch thread, alternating, several repetitions), reported as a ratio.
 
-Pieces (each resumable, each well under 8 minutes of one core; scratch weights in ``_work/``):
-``SVDECODE_PIECE=quality`` (pretrain, warm starts, accuracies: quality only, bench2 lock) and
-``SVDECODE_PIECE=timing`` (the cost ratio: bench lock); unset: both.
+Pieces (each resumable; scratch weights in ``_work/``): ``SVDECODE_PIECE=quality`` (warm starts,
+accuracies: quality only) and ``SVDECODE_PIECE=timing`` (the cost ratio); unset: both.
 """
 from __future__ import annotations
 
@@ -36,31 +37,30 @@ from pathlib import Path
 import torch
 
 from rankwise.core import atomic
-from rankwise_bench.common import write_results
+from rankwise_bench.common import reference_base, write_results
 
-PRE, TRAIN, HELD_OUT, PROMPT_WORDS = 384, 48, 48, 12
-MAX_LEN, NEW_TOKENS = 48, 24
-PRE_STEPS, PRE_BATCH, PRE_LR = 150, 16, 2e-3
-WARM = {"lora": ({"r": 8, "alpha": 16.0, "targets": "all-linear", "dropout": 0.0}, 60, 5e-3),
-        "prompt-tuning": ({"num_virtual_tokens": 20, "modules_to_save": []}, 60, 5e-2)}
+TRAIN, EVAL_TRAIN, HELD_OUT, PROMPT_WORDS = 256, 64, 128, 32
+MAX_LEN, NEW_TOKENS = 96, 24
+WARM = {"lora": ({"r": 8, "alpha": 16.0, "targets": "all-linear", "dropout": 0.0}, 80, 3e-3),
+        "prompt-tuning": ({"num_virtual_tokens": 20, "modules_to_save": []}, 80, 3e-2)}
 STRENGTHS = (0.5, 1.0, 2.0)
 TIME_PROMPTS, TIME_REPS = 8, 3
-COMMANDS = {"quality": "OMP_NUM_THREADS=1 SVDECODE_PIECE=quality flock /tmp/bench2.lock "
+COMMANDS = {"quality": "OMP_NUM_THREADS=1 SVDECODE_PIECE=quality flock /tmp/core2.lock "
                        "rankwise bench svdecode --out bench/results/svdecode",
-            "timing": "OMP_NUM_THREADS=1 SVDECODE_PIECE=timing flock /tmp/bench.lock "
+            "timing": "OMP_NUM_THREADS=1 SVDECODE_PIECE=timing flock /tmp/core2.lock "
                       "rankwise bench svdecode --out bench/results/svdecode"}
 
 
-def records() -> tuple[list[dict], list[dict], list[dict]]:
-    """``(pretraining, warm-start training, held-out)`` records, disjoint, spread over the
-    packages (every 2nd function goes to pretraining, the rest alternate)."""
+def records() -> tuple[list[dict], list[dict]]:
+    """``(warm-start training, held-out)`` records, disjoint and spread over the packages (every
+    k-th function; they alternate between the two)."""
     from rankwise.data.instruct import load_function_records
     recs = [{"prompt": " ".join(r["prompt"].split()[:PROMPT_WORDS]) + "\n", "completion": r["completion"],
              "id": r["id"]} for r in load_function_records()]
-    pre, rest = recs[0::2][:PRE], recs[1::2]
-    step = max(1, len(rest) // (TRAIN + HELD_OUT))
-    pick = rest[::step][: TRAIN + HELD_OUT]
-    return pre, pick[0::2][:TRAIN], pick[1::2][:HELD_OUT]
+    step = max(1, len(recs) // (TRAIN + HELD_OUT))
+    pick = recs[::step][: TRAIN + HELD_OUT]
+    return ([r for k, r in enumerate(pick) if k % 3 != 1][:TRAIN],    # 2 of every 3 picked
+            [r for k, r in enumerate(pick) if k % 3 == 1][:HELD_OUT])
 
 
 def def_line_correct(text: str, completion: str) -> bool:
@@ -95,26 +95,18 @@ def fit(model, data, steps: int, batch: int, lr: float, seed: int = 0) -> list[f
     return [engine.train_step(k).loss for k in range(steps)]
 
 
-def base(tok, work: Path):
-    """The pretrained base (cached in ``work/base.pt``)."""
-    from rankwise_bench.dpo import _model
-    model = _model(len(tok))
-    path = work / "base.pt"
-    if path.is_file():
-        model.load_state_dict(torch.load(path))
-        return model.eval(), json.loads((work / "base.json").read_text())
-    pre, _, _ = records()
-    losses = fit(model.train(), encode(tok, pre), PRE_STEPS, PRE_BATCH, PRE_LR)
-    torch.save(model.state_dict(), path)
-    info = {"loss_first": losses[0], "loss_last": statistics.fmean(losses[-10:])}
-    atomic.write_bytes(work / "base.json", json.dumps(info).encode())
-    return model.eval(), info
+def base():
+    """The reference base in float32, ``(model, tokenizer)``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = reference_base()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def warm_start(tok, work: Path, method: str):
     """The base + a short ``method`` fine-tune (adapter weights cached in ``work/METHOD.pt``)."""
     import rankwise
-    model, _ = base(tok, work)
+    model, _ = base()
     torch.manual_seed(1)
     kwargs, steps, lr = WARM[method]
     rankwise.apply(model, method, **kwargs)
@@ -123,7 +115,7 @@ def warm_start(tok, work: Path, method: str):
     if path.is_file():
         model.load_state_dict(torch.load(path), strict=False)
         return model.eval(), json.loads((work / f"{method}.json").read_text())
-    _, train, _ = records()
+    train, _ = records()
     losses = fit(model.train(), encode(tok, train), steps, 16, lr)
     torch.save({n: p for n, p in model.state_dict().items() if n in trainable}, path)
     info = {"steps": steps, "lr": lr, "loss_first": losses[0], "loss_last": statistics.fmean(losses[-5:])}
@@ -145,8 +137,9 @@ def quality(tok, work: Path, method: str) -> dict:
 
     from rankwise.engine.svdecode import SVDecode
     model, info = warm_start(tok, work, method)
-    _, train, held = records()
+    train, held = records()
     fit = SVDecode().calibrate(model, encode(tok, train))  # μ on the warm start's own training data
+    train = train[:EVAL_TRAIN]
     out = {"warm_start": info, "strengths": [0.0, *STRENGTHS], "mu_fit": dataclasses.asdict(fit)}
     for split, recs in (("train", train), ("held_out", held)):
         acc, examples = {}, {}
@@ -173,7 +166,7 @@ def timing(tok, work: Path) -> dict:
     from rankwise.data.formats import Encoder, end_id
     from rankwise.engine.svdecode import SVDecode, SVDecodeConfig, steered_generate
     model, _ = warm_start(tok, work, "lora")
-    _, _, held = records()
+    _, held = records()
     enc, eos = Encoder(tok, "prompt-completion", MAX_LEN), end_id(tok)
     prompts = [enc.prompt_ids(r["prompt"]) for r in held[:TIME_PROMPTS]]
     rules = {"plain": SVDecode(SVDecodeConfig(strength=0.0)),
@@ -199,7 +192,6 @@ def timing(tok, work: Path) -> dict:
 
 def run(out: Path) -> dict:
     """Run the missing pieces and write ``out/results.json`` and ``out/results.md``."""
-    from rankwise.recipes.model import load_tokenizer
     out = Path(out)
     work = out / "_work"
     work.mkdir(parents=True, exist_ok=True)
@@ -207,25 +199,24 @@ def run(out: Path) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tok = load_tokenizer("tiny-llama")
+        tok = base()[1]
         path = out / "results.json"
         res = json.loads(path.read_text()) if path.is_file() else {}
         res.setdefault("quality", {})
+        warm = {k: {"config": v[0], "steps": v[1], "lr": v[2]} for k, v in WARM.items()}
+        res.update(setup={"base": "bench/reference-base/model", "train": TRAIN, "eval_train": EVAL_TRAIN,
+                          "held_out": HELD_OUT, "prompt_words": PROMPT_WORDS, "warm": warm,
+                          "new_tokens": NEW_TOKENS, "torch": torch.__version__,
+                          "machine": platform.machine()}, commands=COMMANDS)
         if piece in ("", "quality"):
             for method in WARM:
                 if method not in res["quality"]:
                     start = time.process_time()
                     res["quality"][method] = quality(tok, work, method)
                     res["quality"][method]["cpu_s"] = time.process_time() - start
-                    res["base"] = base(tok, work)[1]
                     _write(out, res)
         if piece in ("", "timing") and "timing" not in res:
             res["timing"] = timing(tok, work)
-        res.update(setup={"pre_records": PRE, "train": TRAIN, "held_out": HELD_OUT,
-                          "pre_steps": PRE_STEPS, "warm": {k: {"config": v[0], "steps": v[1], "lr": v[2]}
-                                                           for k, v in WARM.items()},
-                          "new_tokens": NEW_TOKENS, "torch": torch.__version__,
-                          "machine": platform.machine()}, commands=COMMANDS)
         _write(out, res)
         return res
     finally:
@@ -239,7 +230,9 @@ def _write(out: Path, res: dict) -> None:
 def markdown(res: dict) -> str:
     """``results.md`` from the record."""
     lines = ["# SVDecode vs plain decoding of the warm-start PEFT model", "",
-             "stdlib-functions def-line accuracy, greedy; λ = 0 is plain decoding (adapter on).", ""]
+             "stdlib-functions def-line accuracy, greedy; λ = 0 is plain decoding (adapter on). P_pre: the "
+             "reference base (`bench/reference-base/model`) as it is; each warm start fine-tunes it on "
+             f"{res['setup']['train']} records.", ""]
     for method, q in res.get("quality", {}).items():
         lams = q["strengths"]
         lines += [f"## {method} warm start ({q['warm_start']['steps']} steps, loss "

@@ -26,6 +26,12 @@ A control pair repeats the rows (``cont-*``) on the old model pretrained further
 (``cont_steps`` on the next ``cont_mb`` MB): same tokenizer, width and depth, so ``W_x`` is the
 identity and only the weights moved, the kind of upgrade where a transfer has most to keep.
 
+Decision (issue 35 item 2): this benchmark keeps its own models by design. LoRASuite moves an
+adapter from an *old* model to an *upgraded* one with another tokenizer, width and depth; the
+reference base is one model, so at least the old side of the pair, of the same lineage and
+corpus, has to be pretrained here (making the reference base the new side would still leave the
+old one to build, and its control pair needs a continued pretraining of the old model).
+
 Pieces (``pieces/<name>.json``, committed) are written as each finishes and skipped when present,
 so an interrupted run resumes; models and runs live in ``_work/`` (not committed). Times are
 those of one process on a shared CPU: compare ratios, not seconds.

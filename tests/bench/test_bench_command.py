@@ -34,7 +34,7 @@ def test_out_alone_runs_the_committed_size_and_options_go_to_the_benchmarks_own_
                         lambda out, **kw: calls.append((out, kw)))
     assert rankwise_bench.main(["grpo-gain", "--out", str(tmp_path)]) == 0
     assert rankwise_bench.main(["grpo-gain", "--lr", "0.003", "--steps", "40"]) == 0
-    assert calls == [(tmp_path, {}), (Path("bench/results/grpo-gain"), {"lr": 0.003, "steps": 40})]
+    assert calls == [(tmp_path, {}), (Path("bench/results/grpo-gain"), {"lr": 0.003, "steps": 40, "seeds": 3})]
 
 
 def test_an_installed_wheel_without_a_checkout_names_the_fix(monkeypatch, tmp_path):
