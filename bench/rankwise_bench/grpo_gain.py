@@ -92,11 +92,11 @@ def _sft(work: Path, files: dict[str, Path]) -> tuple[Path, dict]:
 def _raw(model: Path, files: dict[str, Path], order: str, seed: int, lr: float, steps: int) -> dict:
     return {"model": {"path": str(model)},
             "data": {"source": str(files["rl"]), "eval_source": str(files["eval"]), "max_length": 96,
-                     "order": order},
+                     "order": {"name": order, "pool": POOL} if order == "gain-rl" else order},
             "method": {"name": "lora", "r": 8, "alpha": 16, "targets": "all-linear"},
             "optim": {"name": "adamw", "lr": lr},
             "task": {"name": "grpo", "rewards": [REWARD], "num_generations": 8,
-                     "max_completion_length": NEW_TOKENS, "temperature": TEMPERATURE, "gain_rl": {"pool": POOL}},
+                     "max_completion_length": NEW_TOKENS, "temperature": TEMPERATURE},
             "train": {"steps": steps, "batch_size": 8, "eval_batch_size": 64, "eval_every": EVERY,
                       "save_every": 1000, "log_every": 1, "progress": False, "seed": seed, "threads": 1,
                       "warmup_fraction": 0.0}}
