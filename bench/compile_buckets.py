@@ -26,17 +26,13 @@ class Examples(list):
 def run(column: str, steps: int) -> dict:
     """Train ``steps`` steps as ``column`` (``eager``, ``buckets``, ``dynamic``)."""
     from torch._dynamo.utils import counters
-    from transformers import LlamaConfig, LlamaForCausalLM
     from rankwise.adapters.lora import LoraConfig, apply_lora
     from rankwise.engine import Engine
     from rankwise.engine.buckets import bucket_lengths
     from rankwise.engine.compile import compile_model
     from rankwise.tasks import CausalLMTask
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, max_position_embeddings=256,
-                                         pad_token_id=0, use_cache=False))
+    from rankwise_bench.common import llama  # bench/ is this script's folder, so first on sys.path
+    model = llama(2048, 128, 2, 4, 256, kv_heads=2, positions=256, seed=0, pad_token_id=0, use_cache=False)
     apply_lora(model, LoraConfig(r=8, targets="all-linear", dropout=0.0))
     buckets = bucket_lengths("pow2", 256) if column == "buckets" else ()
     torch._dynamo.reset()
