@@ -3,8 +3,9 @@
 # 8192, full multi-head attention, byte vocabulary: 1.07 B parameters), sequence 1024 x batch 8,
 # LoRA r=16 on every linear layer; rows bf16, bf16+ckpt, nf4, nf4+ckpt, each rankwise vs
 # transformers + PEFT, plus the fused LoRA path (train.fused_lora: auto) as a third side with its
-# step time, tokens/s and peak memory, 2 warm-up + 10 timed steps per model. Aimed at < 12 minutes on an
-# A100/H100-class GPU; writes the same results.json / results.md as `rankwise bench llm-finetune`.
+# step time, tokens/s and peak memory, and that fused model compiled (train.compile) as a fourth,
+# each row naming its best path; 2 warm-up + 10 timed steps per model (the first compiles).
+# Aimed at < 12 minutes on an A100/H100-class GPU; writes the same results.json / results.md as `rankwise bench llm-finetune`.
 # When the liger_kernel package imports (pip install liger-kernel==0.8.5 on the GPU image; it
 # needs triton and CUDA and has no CPU path) a second peer runs too: PEFT on Liger's RMSNorm and
 # SwiGLU kernels (--set liger=true; LIGER=0 turns it off).

@@ -36,6 +36,13 @@ third model per row, rankwise with ``train.fused_lora: auto`` (:mod:`rankwise.ad
 same base, same LoRA init, stepped interleaved with the other two; the ``rankwise`` side then runs
 the plain path (``fused_lora`` off), so the columns compare fused, plain and PEFT in one process.
 
+Compiled rows (``--set compiled=true``, with ``fused=true``; on in preset ``gpu-1b``): one more
+model per row, the fused side with its blocks compiled as ``train.compile: true`` compiles them
+(:func:`rankwise.engine.compile.compile_model`); its first warm-up step compiles (recorded as
+``compile_s``, not timed). The windows have one length, so one graph per block kind is built.
+Every row also records ``best_path`` (the fastest of plain, fused and compiled) and its ratios
+to PEFT: issue 39's target is the best path's step <= 0.8x and peak <= 0.85x PEFT's.
+
 Liger peer (``--set liger=true``, CUDA only; ``bench/gpu/llm-finetune.sh`` adds it when the
 ``liger_kernel`` package imports): a fourth model per row, PEFT on a base whose RMSNorm and SwiGLU
 MLP modules are Liger's Triton kernels (``apply_liger_kernel_to_llama(model=...)``, instance
@@ -94,6 +101,10 @@ class Sizes:
         seed: Seed of the weights and of the batch order.
         fused: Add the ``fused`` side (rankwise with the fused LoRA path) to every row.
         liger: Add the ``liger`` side (PEFT on Liger's RMSNorm/SwiGLU kernels; CUDA only).
+        compiled: Add the ``compiled`` side: the fused side with its blocks compiled
+            (``train.compile``, :func:`rankwise.engine.compile.compile_model`); its first warm-up
+            step, which compiles, is recorded apart as ``compile_s``.
+        compile_backend: ``torch.compile``'s backend of that side (tests: ``aot_eager``).
         vocab: Vocabulary of the model (the data are bytes, ids < 256; a larger vocabulary only
             widens the embeddings, the head and the logits: the chunked-loss measurement).
         loss_chunk_tokens: ``train.loss_chunk_tokens`` of the engine step both sides use (0:
@@ -121,13 +132,15 @@ class Sizes:
     vocab: int = 256
     liger: bool = False
     loss_chunk_tokens: int = 0
+    compiled: bool = False
+    compile_backend: str = "inductor"
 
 
 PRESETS = {
     "cpu": Sizes(),
     "gpu-1b": Sizes(hidden=2048, layers=16, heads=16, intermediate=8192, seq=1024, batch=8,
                     warmup=2, steps=10, eval_windows=32, device="cuda",
-                    rows=("bf16", "bf16+ckpt", "nf4", "nf4+ckpt"), fused=True),
+                    rows=("bf16", "bf16+ckpt", "nf4", "nf4+ckpt"), fused=True, compiled=True),
     "tiny": Sizes(hidden=64, layers=2, heads=4, intermediate=128, seq=32, batch=4, warmup=1,
                   steps=2, eval_windows=4),
     "cpu-dora": Sizes(hidden=256, layers=4, heads=4, intermediate=704, seq=128, batch=8, warmup=1,
@@ -251,6 +264,7 @@ class _Side:
         self.times: list[float] = []
         self.losses: list[float] = []
         self.cuda = s.device.startswith("cuda")
+        self.first_s = float("nan")  # the first step's time (the compiled side compiles in it)
 
     def step(self, k: int, timed: bool) -> None:
         if self.cuda:
@@ -261,6 +275,8 @@ class _Side:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0 if self.cuda else time.process_time() - c0
         self.losses.append(result.loss)
+        if k == 0:
+            self.first_s = dt
         if timed:
             self.times.append(dt)
 
@@ -298,6 +314,11 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
         sides["fused"] = _Side(build_ours(folder, row, s, fused=True)[0], data, s, precision)
     if s.liger:
         sides["liger"] = _Side(peft_side(folder, row, s, ours, liger=True).train(), data, s, precision)
+    if s.compiled:
+        from rankwise.engine.compile import compile_model
+        model = build_ours(folder, row, s, fused=True)[0]
+        compile_model(model, backend=s.compile_backend)
+        sides["compiled"] = _Side(model, data, s, precision)
     for k in range(s.warmup + s.steps):
         order = list(sides) if k % 2 == 0 else list(sides)[::-1]
         for name in order:
@@ -326,6 +347,12 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
         out["fused_vs_plain_memory"] = f["peak_bytes"] / r["peak_bytes"]
         out["fused_vs_plain_max_loss_diff"] = max(
             abs(a - b) for a, b in zip(sides["fused"].losses, sides["rankwise"].losses))
+    if "compiled" in sides:
+        out.update(_compiled_ratios(sides, out))
+    paths = [name for name in ("rankwise", "fused", "compiled") if name in sides]
+    out["best_path"] = min(paths, key=lambda name: out[name]["step_s"])
+    out["best_step_time_ratio"] = out[out["best_path"]]["step_s"] / out["peft"]["step_s"]
+    out["best_memory_ratio"] = min(out[name]["peak_bytes"] for name in paths) / out["peft"]["peak_bytes"]
     if "liger" in sides:
         g, p = out["liger"], out["peft"]
         out["liger_step_time_ratio"] = g["step_s"] / p["step_s"]
@@ -341,6 +368,18 @@ def run_row(folder: Path, row: str, s: Sizes, data, heldout) -> dict:
             out["requantize"] = requantize_drift(ours, s, heldout, Path(tmp))
     del sides, ours, theirs
     return out
+
+
+def _compiled_ratios(sides: dict[str, _Side], out: dict) -> dict[str, float]:
+    """The compiled side against PEFT and against the eager fused side (same weights, same
+    batches): step time, memory, loss difference, and the compiling step's time."""
+    c, p, f = out["compiled"], out["peft"], out["fused"]
+    c["compile_s"] = sides["compiled"].first_s
+    return {"compiled_step_time_ratio": c["step_s"] / p["step_s"],
+            "compiled_memory_ratio": c["peak_bytes"] / p["peak_bytes"],
+            "compiled_vs_fused_step": c["step_s"] / f["step_s"],
+            "compiled_vs_fused_max_loss_diff": max(
+                abs(a - b) for a, b in zip(sides["compiled"].losses, sides["fused"].losses))}
 
 
 def _versions() -> dict[str, str]:
@@ -383,6 +422,9 @@ def run(out: Path, sizes: Sizes | None = None, command: str | None = None) -> di
         if not s.device.startswith("cuda") or importlib.util.find_spec("liger_kernel") is None:
             raise RankwiseError("llm-finetune: liger=true needs a CUDA device and the liger-kernel "
                                 "package (Triton kernels, no CPU path); drop --set liger=true")
+    if s.compiled and (not s.fused or s.warmup < 1):
+        raise RankwiseError("llm-finetune: compiled=true compiles the fused side in its first "
+                            "warm-up step; set fused=true and warmup >= 1")
     if s.device.startswith("cuda") and not torch.cuda.is_available():
         raise RankwiseError("llm-finetune: device cuda asked for but no CUDA GPU is visible; "
                             "run on a GPU machine or use --preset cpu")

@@ -6,6 +6,7 @@ from rankwise_bench.common import ordered
 
 DORA = "dora-"  # row prefix: the row after it, with DoRA on both sides
 FUSED_TARGET = 0.85  # issue 22: the fused side's step time and peak memory vs PEFT's
+BEST_TARGETS = (0.8, 0.85)  # issue 39: the best path's step time and peak memory vs PEFT's
 TARGETS = {"step_time_ratio": 1.0, "memory_ratio": 1.0, "nf4_base_bytes_ratio": 0.30}
 VERSIONS = ("python", "torch", "transformers", "peft", "bitsandbytes", "machine", "gpu")  # _versions()'s order
 
@@ -52,6 +53,7 @@ def markdown(res: dict) -> str:
                          f"{r['fused_memory_ratio']:.3f} | {r['fused_vs_plain_memory']:.3f} | "
                          f"{r['fused_vs_plain_max_loss_diff']:.2e} |")
         lines += ["", f"Fused targets: step time and peak memory <= {FUSED_TARGET}x PEFT's."]
+    lines += _compiled_lines(rows)
     liger_rows = {row: r for row, r in rows.items() if "liger" in r}
     if liger_rows:
         lines += ["", "Liger peer (PEFT on Liger's RMSNorm and SwiGLU kernels; RoPE and the fused "
@@ -97,6 +99,28 @@ def markdown(res: dict) -> str:
     lines += ["", f"Peak memory = {res['memory_definition']}", "",
               f"Versions: {ordered(res['versions'], VERSIONS)}. Total time {res['wall_s']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+def _compiled_lines(rows: dict) -> list[str]:
+    """The compiled side's table and every row's best path (empty without a compiled side)."""
+    compiled = {row: r for row, r in rows.items() if "compiled" in r}
+    if not compiled:
+        return []
+    lines = ["", "Compiled fused path (`train.compile: true` on the fused side; its first step "
+             "compiles):", "",
+             "| row | step s compiled | tokens/s compiled | compiled / PEFT step | compiled / fused "
+             "step | peak MiB compiled | compiled / PEFT memory | compile s | max loss diff compiled "
+             "vs fused | best path | best / PEFT step | best / PEFT memory |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for row, r in compiled.items():
+        c = r["compiled"]
+        lines.append(f"| {row} | {c['step_s']:.3f} | {c['tokens_per_s']:.0f} | "
+                     f"{r['compiled_step_time_ratio']:.3f} | {r['compiled_vs_fused_step']:.3f} | "
+                     f"{c['peak_bytes'] / 2**20:.1f} | {r['compiled_memory_ratio']:.3f} | "
+                     f"{c['compile_s']:.1f} | {r['compiled_vs_fused_max_loss_diff']:.2e} | "
+                     f"{r['best_path']} | {r['best_step_time_ratio']:.3f} | {r['best_memory_ratio']:.3f} |")
+    return lines + ["", f"Best-path targets (issue 39): step <= {BEST_TARGETS[0]}x and peak memory "
+                    f"<= {BEST_TARGETS[1]}x PEFT's on every row."]
 
 
 __all__ = ["markdown"]

@@ -57,6 +57,12 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
     assert set(gpu.rows) <= set(ROWS) and {"bf16", "nf4"} <= set(gpu.rows)
 
 
+def test_compiled_without_the_fused_side_is_one_line(tmp_path):
+    from rankwise.errors import RankwiseError
+    with pytest.raises(RankwiseError, match="set fused=true and warmup >= 1"):
+        run(tmp_path, dataclasses.replace(PRESETS["tiny"], compiled=True))
+
+
 def test_gpu_preset_without_a_gpu_is_one_line(tmp_path, capsys):
     import torch
 
@@ -97,10 +103,20 @@ def test_dora_rows_compare_both_sides_from_the_same_weights(tmp_path):
 @pytest.mark.slow
 def test_fused_side_steps_with_the_plain_path_and_peft(tmp_path):
     """``fused=True``: a third model per row (``train.fused_lora: auto``) from the same weights
-    and init, whose losses equal the plain path's (fp32) step by step."""
+    and init, whose losses equal the plain path's (fp32) step by step; ``compiled=True``: a
+    fourth, the fused model compiled, whose losses equal the fused eager ones."""
     sizes = dataclasses.replace(PRESETS["tiny"], rows=("fp32", "nf4+ckpt"), steps=1,
-                                gora_batches=0, fused=True)
+                                gora_batches=0, fused=True, compiled=True, compile_backend="aot_eager")
     rows = run(tmp_path, sizes)["rows"]
+    assert rows["fp32"]["compiled_vs_fused_max_loss_diff"] < 1e-5
+    assert rows["nf4+ckpt"]["compiled_vs_fused_max_loss_diff"] < 1e-2
+    for row in rows.values():
+        assert row["compiled"]["compile_s"] > 0 and len(row["compiled"]["step_s_all"]) == 1
+        assert row["best_path"] in ("rankwise", "fused", "compiled")
+        assert row["best_step_time_ratio"] == min(
+            row[k]["step_s"] for k in ("rankwise", "fused", "compiled")) / row["peft"]["step_s"]
+    assert PRESETS["gpu-1b"].compiled and PRESETS["gpu-1b"].fused
+    assert "Compiled fused path" in (tmp_path / "results.md").read_text()
     assert rows["fp32"]["fused_vs_plain_max_loss_diff"] < 1e-6 and len(rows["fp32"]["fused"]["losses"]) == 2
     assert rows["nf4+ckpt"]["fused_vs_plain_max_loss_diff"] < 1e-2   # bf16 compute
     for row in rows.values():
