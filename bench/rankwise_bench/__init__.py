@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "distill": Benchmark("distill"),
     "dpo": Benchmark("dpo"),
     "federated-demo": Benchmark("federated_demo"),
+    "forgetting": Benchmark("forgetting", cli="main"),
     "gguf-parity": Benchmark("gguf_parity", cli="main"),
     "grpo": Benchmark("grpo"),
     "grpo-gain": Benchmark("grpo_gain", cli="main"),
