@@ -37,6 +37,10 @@ Kinds used by rankwise:
 * ``"order"`` - which examples each step draws (``data.order``: ``uniform``, GRPO's ``gain-rl``):
   ``builder(config, task, run, model, train_data, device, distributed) -> schedule | None``;
   :mod:`rankwise.engine.schedules` and :mod:`rankwise.tasks.grpo` register them.
+* ``"reward"`` - a reward of the sampling tasks (``task.rewards`` of ``grpo`` and ``rloo``:
+  ``exact-match``, ``regex``, ``python-parses``, ``length-penalty``): ``builder(config, task_config)
+  -> fn(prompts, completions, **columns) -> list[float]``; :mod:`rankwise.tasks.grpo.rewards`
+  registers them.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -163,7 +167,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "command": frozenset({"writes", "example"}),
     "strategy": frozenset(), "task": frozenset(), "compressor": frozenset(), "tracker": frozenset(),
     "kv-cache": frozenset(), "merge-rule": frozenset(), "schedule": frozenset(),
-    "order": frozenset({"tasks"}),
+    "order": frozenset({"tasks"}), "reward": frozenset(),
 }
 
 _KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules"}

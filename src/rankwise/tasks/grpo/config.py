@@ -59,8 +59,9 @@ class RolloutConfig(TaskConfig):
 
     Attributes:
         name: The task.
-        rewards: Reward functions: built-ins (``exact-match``, ``regex``, ``python-parses``,
-            ``length-penalty``), ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), a
+        rewards: Reward functions: registered rewards (kind ``reward``: ``exact-match``,
+            ``regex``, ``python-parses``, ``length-penalty``), by name or as ``{name: ..., its
+            keys}``, ``module:function`` (:mod:`rankwise.tasks.grpo.rewards`), a
             reward model's folder spelled as a path (a ``task.name: reward`` run or a one-output
             sequence classifier: :mod:`rankwise.tasks.grpo.reward_model`), or Python callables
             given to ``rankwise.train`` (recorded as names).
@@ -75,9 +76,11 @@ class RolloutConfig(TaskConfig):
         beta: KL strength ``beta`` (0: no reference forward).
         epsilon: Clip range below 1 (and above, unless ``epsilon_high``).
         epsilon_high: Clip range above 1 (DAPO's clip-higher); ``null``: ``epsilon``.
-        answer_field: The record field ``exact-match`` / ``regex``'s ``{answer}`` compare with.
-        pattern: ``regex``'s pattern.
-        length_target: ``length-penalty``'s characters per unit of penalty.
+        answer_field: The record field ``exact-match`` / ``regex``'s ``{answer}`` compare with
+            (each reward's own ``answer_field`` overrides it).
+        pattern: ``regex``'s pattern where the reward's mapping sets none.
+        length_target: ``length-penalty``'s characters per unit of penalty where the reward's
+            mapping sets no ``target``.
         rewards_dir: A folder ``module:function`` rewards are also imported from, after
             ``PYTHONPATH`` (``null``: the config file's folder; ``config.yaml`` records it).
         reference: The KL's reference: ``adapters-off`` (the base), ``initial`` (the model as
@@ -94,7 +97,7 @@ class RolloutConfig(TaskConfig):
     GROUP_NEEDS: ClassVar[str] = "its advantages compare completions of one prompt"
 
     name: str = ""
-    rewards: list[str] = field(default_factory=lambda: ["exact-match"])
+    rewards: list[Union[str, dict]] = field(default_factory=lambda: ["exact-match"])
     reward_weights: Union[list[float], None] = None
     num_generations: int = 8
     max_completion_length: int = 128
@@ -131,10 +134,8 @@ class RolloutConfig(TaskConfig):
             out.append("beta, epsilon and epsilon_high must be >= 0")
         if self.length_target < 1:
             out.append(f"length_target: got {self.length_target}; expected characters >= 1")
-        for name in self.rewards:
-            if name not in R.BUILTINS and ":" not in name and not R.is_model_spelling(name):
-                out.append(f"rewards: got {name!r}; expected one of {R.BUILTINS}, 'module:function' "
-                           "or a reward model's folder (a path: ./runs/rm)")
+        for i, spec in enumerate(self.rewards):
+            out.extend(R.spec_problems(spec, f"rewards[{i}]"))
         return out
 
     def run_problems(self, run: Any) -> list[str]:

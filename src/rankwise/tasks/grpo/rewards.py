@@ -9,15 +9,23 @@ unchanged::
 appears once per completion of its group); ``columns`` are the record's other fields, as lists
 aligned with ``completions`` (``columns["answer"][i]``). It returns one float per completion.
 
-Built-ins (``grpo.rewards``):
+Built-ins, each an entry of the registry kind ``reward`` with its own config (a bare name takes
+its defaults; a mapping sets its keys: ``rewards: [{name: regex, pattern: "def "}]``; a
+package or a user's module may register more, :func:`rankwise.registry.register`):
 
-* ``exact-match``: 1.0 when the completion, stripped, equals the record's ``grpo.answer_field``
-  (stripped), else 0.0;
-* ``regex``: 1.0 when ``grpo.pattern`` matches at the start of the stripped completion
-  (``re.match``); ``{answer}`` in the pattern is replaced by the record's answer, escaped;
-* ``python-parses``: 1.0 when the completion parses as Python (``ast.parse``), also when it is a
-  block header whose body is missing (``def f(x):`` parses with ``pass`` appended), else 0.0;
-* ``length-penalty``: ``-len(completion) / grpo.length_target`` (characters).
+* ``exact-match`` (:class:`ExactMatchReward`): 1.0 when the completion, stripped, equals the
+  record's answer field (stripped), else 0.0;
+* ``regex`` (:class:`RegexReward`): 1.0 when ``pattern`` matches at the start of the stripped
+  completion (``re.match``); ``{answer}`` in the pattern is replaced by the record's answer,
+  escaped;
+* ``python-parses`` (:class:`PythonParsesReward`): 1.0 when the completion parses as Python
+  (``ast.parse``), also when it is a block header whose body is missing (``def f(x):`` parses
+  with ``pass`` appended), else 0.0;
+* ``length-penalty`` (:class:`LengthPenaltyReward`): ``-len(completion) / target`` (characters).
+
+A key a reward's mapping leaves unset (``null``) comes from the task's section: ``answer_field``,
+``pattern`` and ``length_target`` there are the defaults of every reward that reads them (the
+spelling of earlier releases, which keeps working unchanged).
 
 A reward spelled as a path (``./runs/rm``, ``/models/rm``) is a trained reward model: the run
 folder of a ``task.name: reward`` run or a one-output sequence classifier's model folder, which
@@ -36,12 +44,15 @@ import importlib
 import math
 import re
 import sys
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Union
 
+from rankwise import registry
+from rankwise.configs import bounded, from_dict
 from rankwise.errors import RankwiseError
 from rankwise.tasks.grpo.reward_model import RewardModel, is_model_spelling
 
-BUILTINS = ("exact-match", "regex", "python-parses", "length-penalty")
+BUILTINS = ("exact-match", "regex", "python-parses", "length-penalty")  # the built-in entries
 RewardFn = Callable[..., list]
 CALLABLES: dict[str, RewardFn] = {}  # python:<name> -> the callable handed over in this process
 
@@ -134,31 +145,70 @@ def name_callables(rewards: list) -> list[str]:
     return out
 
 
-def resolve(name: str, answer_field: str = "answer", pattern: str | None = None,
-            length_target: int = 200, rewards_dir: str | None = None) -> RewardFn:
-    """The reward function ``name``: a built-in, an importable ``module:function`` (from
-    ``PYTHONPATH``, then ``rewards_dir``), a ``python:`` callable of this process, or a reward
-    model's run or model folder (a path; relative: read from ``rewards_dir`` first).
+def builtin_names() -> list[str]:
+    """Every registered reward (the built-ins and any a package or user module registered)."""
+    return registry.names("reward")
+
+
+def spec_name(spec: Union[str, dict]) -> str:
+    """The name a reward is known by (its key in ``samples.jsonl`` and the metrics): the string,
+    or a mapping's ``name``."""
+    return spec.get("name", "") if isinstance(spec, dict) else spec
+
+
+def keyed(specs: list) -> dict[str, Union[str, dict]]:
+    """``{key: spec}`` of ``task.rewards``: each reward's :func:`spec_name`, with ``#2``, ``#3``
+    ... after a name that comes again (two ``regex`` rewards of different patterns)."""
+    out: dict[str, Union[str, dict]] = {}
+    for spec in specs:
+        key, k = spec_name(spec), 2
+        while key in out:
+            key, k = f"{spec_name(spec)}#{k}", k + 1
+        out[key] = spec
+    return out
+
+
+def spec_problems(spec: Any, where: str) -> list[str]:
+    """Why ``spec`` (one item of ``task.rewards``) cannot name a reward (empty when it can)."""
+    if isinstance(spec, dict):
+        name = spec.get("name")
+        if name not in builtin_names():
+            return [f"{where}.name: got {name!r}; a mapping names a registered reward, one of "
+                    f"{builtin_names()}"]
+        try:
+            from_dict(registry.get("reward", name).config_cls, spec, where)
+        except RankwiseError as err:
+            return [str(err)]
+        return []
+    if not isinstance(spec, str):
+        return [f"{where}: got {spec!r}; expected a reward's name or {{name: ..., its keys}}"]
+    if spec not in builtin_names() and ":" not in spec and not is_model_spelling(spec):
+        return [f"{where}: got {spec!r}; expected one of {builtin_names()}, 'module:function' or a "
+                "reward model's folder (a path: ./runs/rm)"]
+    return []
+
+
+def resolve(spec: Union[str, dict], task: Any = None, rewards_dir: str | None = None) -> RewardFn:
+    """The reward function of ``spec``: a registered reward (a name, or ``{name: ..., keys}``;
+    keys left ``null`` come from ``task``, the task's section), an importable ``module:function``
+    (from ``PYTHONPATH``, then ``rewards_dir``), a ``python:`` callable of this process, or a
+    reward model's run or model folder (a path; relative: read from ``rewards_dir`` first).
 
     Raises:
         RankwiseError: An unknown name, a module or function that cannot be imported, a name
             that is not callable, or a folder that is not a reward model
             (:class:`~rankwise.tasks.grpo.reward_model.RewardModel`).
     """
+    name = spec_name(spec)
+    if isinstance(spec, dict) or name in builtin_names():
+        entry = registry.get("reward", name)
+        config = from_dict(entry.config_cls, spec if isinstance(spec, dict) else {"name": name},
+                           "task.rewards")
+        return entry.builder(config, task)
     if is_model_spelling(name):
         return RewardModel(name, rewards_dir)
-    if name == "exact-match":
-        return exact_match(answer_field)
-    if name == "regex":
-        if not pattern:
-            raise RankwiseError("reward regex needs grpo.pattern (a regular expression)")
-        return regex(pattern, answer_field)
-    if name == "python-parses":
-        return python_parses
-    if name == "length-penalty":
-        return length_penalty(length_target)
     if ":" not in name:
-        raise RankwiseError(f"grpo.rewards: got {name!r}; expected one of {BUILTINS}, "
+        raise RankwiseError(f"grpo.rewards: got {name!r}; expected one of {builtin_names()}, "
                             "'module:function' or a reward model's folder (a path: ./runs/rm)")
     if name.startswith("python:"):
         if name not in CALLABLES:
@@ -226,5 +276,95 @@ def _span(records: list[Any]) -> str:
     return ", ".join(str(r) for r in unique[:5]) + (" ..." if len(unique) > 5 else "")
 
 
-__all__ = ["BUILTINS", "CALLABLES", "RewardModel", "is_model_spelling", "name_callables", "resolve", "score", "exact_match", "regex",
+# ----- the built-in entries of kind ``reward`` -----------------------------------------------
+@dataclass
+class ExactMatchReward:
+    """``exact-match``: the stripped completion equals the record's answer.
+
+    Attributes:
+        name: The reward.
+        answer_field: The record field compared with (``null``: the task's ``answer_field``).
+    """
+
+    name: str = "exact-match"
+    answer_field: Union[str, None] = None
+
+
+@dataclass
+class RegexReward:
+    """``regex``: ``pattern`` matches at the stripped completion's start.
+
+    Attributes:
+        name: The reward.
+        pattern: The regular expression; ``{answer}`` is the record's answer, escaped
+            (``null``: the task's ``pattern``, which must then be set).
+        answer_field: The record field ``{answer}`` reads (``null``: the task's).
+    """
+
+    name: str = "regex"
+    pattern: Union[str, None] = None
+    answer_field: Union[str, None] = None
+
+
+@dataclass
+class PythonParsesReward:
+    """``python-parses``: the completion is valid Python (a bare block header counts).
+
+    Attributes:
+        name: The reward.
+    """
+
+    name: str = "python-parses"
+
+
+@dataclass
+class LengthPenaltyReward:
+    """``length-penalty``: minus the completion's characters over ``target``.
+
+    Attributes:
+        name: The reward.
+        target: Characters per unit of penalty (``null``: the task's ``length_target``).
+    """
+
+    name: str = "length-penalty"
+    target: Union[int, None] = bounded(None, ge=1, what="characters")
+
+
+def _task_key(task: Any, key: str, default: Any) -> Any:
+    return getattr(task, key, default) if task is not None else default
+
+
+def _exact_match(config: ExactMatchReward, task: Any) -> RewardFn:
+    return exact_match(config.answer_field or _task_key(task, "answer_field", "answer"))
+
+
+def _regex(config: RegexReward, task: Any) -> RewardFn:
+    pattern = config.pattern or _task_key(task, "pattern", None)
+    if not pattern:
+        raise RankwiseError("reward regex needs a pattern: rewards: [{name: regex, pattern: ...}] "
+                            "(or the task's pattern)")
+    return regex(pattern, config.answer_field or _task_key(task, "answer_field", "answer"))
+
+
+def _python_parses(config: PythonParsesReward, task: Any) -> RewardFn:
+    return python_parses
+
+
+def _length_penalty(config: LengthPenaltyReward, task: Any) -> RewardFn:
+    return length_penalty(config.target or _task_key(task, "length_target", 200))
+
+
+registry.register("reward", "exact-match", ExactMatchReward, _exact_match,
+                  summary="1 when the stripped completion equals the record's answer")
+registry.register("reward", "regex", RegexReward, _regex,
+                  summary="1 when a pattern ({answer}: the record's) matches the completion's start")
+registry.register("reward", "python-parses", PythonParsesReward, _python_parses,
+                  summary="1 when the completion parses as Python (a bare header counts)")
+registry.register("reward", "length-penalty", LengthPenaltyReward, _length_penalty,
+                  summary="-len(completion) / target characters")
+
+
+__all__ = ["BUILTINS", "CALLABLES", "ExactMatchReward", "LengthPenaltyReward", "PythonParsesReward",
+           "RegexReward", "RewardModel", "builtin_names", "is_model_spelling", "name_callables", "resolve",
+           "score", "keyed", "spec_name", "spec_problems", "exact_match", "regex",
            "python_parses", "length_penalty"]

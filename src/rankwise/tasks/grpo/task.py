@@ -139,8 +139,7 @@ class GRPOTask(Task):
     def __init__(self, config: GRPOConfig | None = None) -> None:
         super().__init__(config or GRPOConfig())
         c = self.config
-        self.fns = {name: R.resolve(name, c.answer_field, c.pattern, c.length_target, c.rewards_dir)
-                    for name in c.rewards}
+        self.fns = {key: R.resolve(spec, c, c.rewards_dir) for key, spec in R.keyed(c.rewards).items()}
         self.weights = list(c.reward_weights or [1.0] * len(c.rewards))
         self.data: dict[int, Any] = {}
         self.seed = 0
