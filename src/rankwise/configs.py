@@ -222,7 +222,8 @@ class Choice:
             return value
         name = value.get("name", self.default)
         if name is None:
-            problems.append(f"{where}.name: missing; expected one of {names}")
+            problems.append(f"{where}.name: missing; expected one of {names}"
+                            f"{' ' + self.hint if self.hint else ''}")
             return None
         if name not in names:
             hint = f" {self.hint}" if self.hint else ""

@@ -41,6 +41,9 @@ Kinds used by rankwise:
   ``exact-match``, ``regex``, ``python-parses``, ``length-penalty``): ``builder(config, task_config)
   -> fn(prompts, completions, **columns) -> list[float]``; :mod:`rankwise.tasks.grpo.rewards`
   registers them.
+* ``"steer"`` - a steering rule of ``decode.steer`` (``rankwise generate --steer``: ``svdecode``):
+  ``builder(config) -> steerer`` (an uncalibrated :class:`rankwise.engine.svdecode.SVDecode`);
+  :mod:`rankwise.engine.svdecode` registers it.
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -154,7 +157,7 @@ _ENTRIES: dict[tuple[str, str], Entry] = {}
 # Packages whose import registers the built-in entries. Optional ones may fail to import
 # (e.g. federated without flwr); they are then simply absent.
 _BUILTIN_PACKAGES = ("rankwise.adapters", "rankwise.optim", "rankwise.tasks", "rankwise.compress",
-                     "rankwise.trackers", "rankwise.engine.schedules")
+                     "rankwise.trackers", "rankwise.engine.schedules", "rankwise.engine.svdecode")
 _OPTIONAL_PACKAGES = {"strategy": "rankwise.federated.strategies"}
 # Kinds whose built-in entries load only when the kind is asked for (the commands need click).
 # Which optional Entry fields each kind may set: a capability given to another kind (an
@@ -167,7 +170,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "command": frozenset({"writes", "example"}),
     "strategy": frozenset(), "task": frozenset(), "compressor": frozenset(), "tracker": frozenset(),
     "kv-cache": frozenset(), "merge-rule": frozenset(), "schedule": frozenset(),
-    "order": frozenset({"tasks"}), "reward": frozenset(),
+    "order": frozenset({"tasks"}), "reward": frozenset(), "steer": frozenset(),
 }
 
 _KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules"}

@@ -201,7 +201,7 @@ def _config(folder, base: str, method: str = "lora"):
     (["--steer", "svdecode"], "needs --steer-from"),
     (["--steer-from", "B"], "needs --steer svdecode"),
     (["--steer", "svdecode", "--steer-from", "OTHER"], "same base model"),
-    (["--steer", "other", "--steer-from", "B"], "unknown --steer"),
+    (["--steer", "other", "--steer-from", "B"], "decode.steer.name: got 'other'"),
 ])
 def test_cli_bad_steering_input_is_one_line_exit_2(tmp_path, args, needle):
     a = _config(tmp_path / "A", "tiny-llama")

@@ -19,13 +19,13 @@ cross-entropy under the steered logits over labelled warm-start examples (:meth:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from rankwise import configs
+from rankwise import configs, registry
 from rankwise.core.ops import disable_adapters
 from rankwise.engine.generation import ModelStream, Step, generate
 from rankwise.errors import RankwiseError
@@ -58,9 +58,40 @@ class SVDecodeConfig:
         "(--steer-calib: labelled warm-start examples that calibrate mu)"))
 
     def problems(self) -> list[str]:
-        """None beyond the declared ranges (each naming its CLI flag); :class:`SteerConfig`
+        """None beyond the declared ranges (each naming its CLI flag); :class:`SVDecodeSteer`
         extends it."""
         return []
+
+
+@dataclass
+class SVDecodeSteer(SVDecodeConfig):
+    """``decode.steer: {name: svdecode, from: RUN, ...}``: the registry kind ``steer``'s entry
+    ``svdecode`` (``--steer svdecode``); the rest of the keys are :class:`SVDecodeConfig`'s.
+
+    Attributes:
+        name: The steering rule.
+        from_: The warm-start adapter run on the same base (``from:``, ``--steer-from``) whose
+            adapters on / off give P_warm / P_pre.
+    """
+
+    name: str = "svdecode"
+    from_: str | None = None
+
+    def problems(self) -> list[str]:
+        """The warm-start run is required."""
+        out = [] if self.from_ is not None else [
+            "from: --steer svdecode needs --steer-from RUN (decode.steer.from): a warm-start "
+            "adapter run (LoRA, prompt tuning, ...) on the same base model"]
+        return out + super().problems()
+
+    def rule(self) -> SVDecodeConfig:
+        """The :class:`SVDecodeConfig` part."""
+        return SVDecodeConfig(**{f.name: getattr(self, f.name) for f in fields(SVDecodeConfig)})
+
+
+def build_svdecode(config: SVDecodeSteer) -> "SVDecode":
+    """The kind ``steer``'s builder: an uncalibrated :class:`SVDecode` of ``config``."""
+    return SVDecode(config.rule())
 
 
 @dataclass
@@ -336,4 +367,8 @@ def steered_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: in
                     hooks=hooks)
 
 
-__all__ = ["MuFit", "SVDecode", "SVDecodeConfig", "SteerHook", "steered_generate"]
+registry.register("steer", "svdecode", SVDecodeSteer, build_svdecode,
+                  summary="SVDecode: logits steered by the warm-start run's shift from the base (--steer-from)")
+
+__all__ = ["MuFit", "SVDecode", "SVDecodeConfig", "SVDecodeSteer", "SteerHook", "build_svdecode",
+           "steered_generate"]

@@ -16,13 +16,13 @@ once, in one line (the CLI exits 2), before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rankwise import configs
 from rankwise.compress.kv.config import FPCacheConfig, KVCacheConfig
-from rankwise.engine.svdecode import SVDecodeConfig
+from rankwise.engine.svdecode import SVDecodeSteer
 from rankwise.errors import RankwiseError
 
 # a quantizer's key on the float cache: the fix instead of "unknown key"
@@ -32,38 +32,7 @@ for _key in ("bits", "chunk"):
         "kivi (decode.kv_cache.name)")
 
 
-@dataclass
-class SteerConfig(SVDecodeConfig):
-    """``decode.steer``: steering by a logits hook (:class:`rankwise.engine.svdecode.SteerHook`);
-    the rest of the keys are :class:`~rankwise.engine.svdecode.SVDecodeConfig`'s.
-
-    Attributes:
-        name: ``svdecode`` (``--steer``); ``None``: no steering.
-        from_: The warm-start adapter run on the same base (``from:``, ``--steer-from``) whose
-            adapters on / off give P_warm / P_pre.
-    """
-
-    name: str | None = None
-    from_: str | None = None
-
-    def problems(self) -> list[str]:
-        """The rule's value checks, and a name without a warm-start run (or the reverse)."""
-        if self.name is None and self.from_ is None:
-            return []
-        if self.name is None:
-            return ["from: --steer-from needs --steer svdecode (decode.steer.name: svdecode, the "
-                    "decoding rule to steer with)"]
-        if self.name != "svdecode":
-            return [f"name: unknown --steer {self.name!r} (decode.steer.name); the one steering "
-                    "rule is svdecode"]
-        out = [] if self.from_ is not None else [
-            "from: --steer svdecode needs --steer-from RUN (decode.steer.from): a warm-start "
-            "adapter run (LoRA, prompt tuning, ...) on the same base model"]
-        return out + super().problems()
-
-    def rule(self) -> SVDecodeConfig:
-        """The :class:`~rankwise.engine.svdecode.SVDecodeConfig` part."""
-        return SVDecodeConfig(**{f.name: getattr(self, f.name) for f in fields(SVDecodeConfig)})
+SteerConfig = SVDecodeSteer  # the config of ``decode.steer``'s one registered rule (kind ``steer``)
 
 
 @dataclass
@@ -95,7 +64,9 @@ class DecodeConfig:
             (``--kv-cache``, ``--kv-bits``; :mod:`rankwise.compress.kv.config`): ``fp``
             (transformers' own cache, the default), ``nsnquant`` (1-2 bits) or ``kivi`` (1-8
             bits), keys and values quantized on the fly, a fresh cache per prompt.
-        steer: Steering (:class:`SteerConfig`).
+        steer: Steering, a registered ``steer`` written ``{name: svdecode, from: RUN, ...}``
+            (``--steer``, ``--steer-*``; :class:`~rankwise.engine.svdecode.SVDecodeSteer`);
+            ``null``: none.
         memory: A Memory Decoder (:class:`MemoryConfig`).
     """
 
@@ -105,20 +76,21 @@ class DecodeConfig:
     top_k: int = configs.bounded(0, ge=0, hint="(0 = off)")
     seed: int = 0
     kv_cache: KVCacheConfig = configs.chosen("kv-cache", FPCacheConfig, hint="(--kv-cache)")
-    steer: SteerConfig = field(default_factory=SteerConfig)
+    steer: SteerConfig | None = configs.chosen(
+        "steer", None, hint="(--steer: every --steer-* setting needs --steer svdecode)")
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def problems(self) -> list[str]:
         """The combinations the loop refuses (the sampler's ranges are declared on its fields)."""
         out = []
         kv = self.kv_cache.name
-        if self.steer.name is not None and kv != "fp":
+        if self.steer is not None and kv != "fp":
             out.append(f"steer: --steer svdecode keeps its own full-precision KV caches; leave out "
                        f"--kv-cache {kv} (decode.kv_cache.name: fp)")
         if self.memory.path is not None and kv != "fp":
             out.append(f"memory: --memory-decoder decodes with transformers' own caches; drop "
                        f"--kv-cache {kv} (decode.kv_cache.name: fp)")
-        if self.memory.path is not None and self.steer.name is not None:
+        if self.memory.path is not None and self.steer is not None:
             out.append("memory: --memory-decoder and --steer are two logits hooks whose order "
                        "neither paper defines; use one")
         return out

@@ -232,7 +232,7 @@ def _calibrate(steerer: Any, steer_from: Path, model: Any, warm: Any, tok: Any, 
         note(fit.line())
 
 
-def _steerer(run_dir: Path, steer: SteerConfig) -> Any:
+def _steerer(run_dir: Path, steer: SteerConfig | None) -> Any:
     """The :class:`~rankwise.engine.svdecode.SVDecode` of ``decode.steer`` (None without it),
     checked before any model is loaded.
 
@@ -240,10 +240,9 @@ def _steerer(run_dir: Path, steer: SteerConfig) -> Any:
         RankwiseError: A steering run that is not a run folder, not an adapter run, or one of
             another base.
     """
-    if steer.name is None:
+    if steer is None:
         return None
-    from rankwise.engine.svdecode import SVDecode
-    steerer = SVDecode(steer.rule())
+    steerer = registry.get("steer", steer.name).builder(steer)
     steer_from = Path(steer.from_)
     if not (steer_from / "config.yaml").is_file():
         raise RankwiseError(f"--steer-from {steer_from} is not a run folder (no config.yaml); pass "
