@@ -40,7 +40,7 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {
     "adapter-steps": Benchmark("adapter_steps"),
     "chunked-logprobs": Benchmark("chunked_logprobs"),
-    "compress": Benchmark("compress"),
+    "compress": Benchmark("compress", cli="main"),
     "continual": Benchmark("continual"),
     "data-pipeline": Benchmark("data_pipeline"),
     "distill": Benchmark("distill"),

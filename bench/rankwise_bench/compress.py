@@ -1,33 +1,41 @@
-"""``rankwise bench compress``: every compressor on two real models built here, in one process.
+"""``rankwise bench compress``: every compressor on two real models, in one process.
 
 1. **MiniLM classifier**: the demo's LoRA run (``demo.yaml``'s ``lora``: all-MiniLM-L6-v2, LoRA
    r=8 on every linear layer, 90 steps x 32 stdlib docstrings), merged; quality = accuracy on
    its held-out docstrings; calibration = windows of its training docstrings.
-2. **Small Llama on stdlib source**: the low-rank pretraining benchmark's model
-   (:func:`rankwise_bench.lowrank_pretrain.build_model`, byte tokens) trained here with
-   AdamW on :func:`~rankwise_bench.corpus.load_corpus`'s training modules;
-   quality = perplexity per byte on its held-out modules; calibration = training windows.
-   Its weights are built by the benchmark and deleted afterwards, never committed.
+2. **The reference base** (:func:`rankwise_bench.common.reference_base`: a 6.45M-parameter Llama
+   that rankwise pretrained on the standard library's source, with its SentencePiece tokenizer),
+   loaded as it is; ``Sizes.base`` names another folder (tests pass a tiny one). Calibration =
+   windows of the training modules, quality = loss on windows of the held-out modules (the
+   split it was pretrained with), per token and per byte (total nats / UTF-8 bytes of the scored
+   tokens: :mod:`rankwise_bench.base_text`), so the byte numbers compare across tokenizers.
 
-Decision (issue 35 item 2): compressing a model only means something for a trained one, so
-row 2 should load the reference base (and its tokenizer: perplexity per byte over its pieces)
-instead of training ``lowrank-pretrain``'s byte-level model; not converted yet (the rows and the
-KV-cache budgets must be rerun at the base's 8,192-token vocabulary, over the time the session
-that converted the others had). ``lowrank-pretrain`` itself keeps pretraining: that is its point.
+Decision (issue 35 item 2): compressing a model only means something for a trained one, so row 2
+loads the reference base instead of training ``lowrank-pretrain``'s byte-level Llama for a few
+minutes here (that code moved to :mod:`rankwise_bench.restore`, whose committed results were
+measured on it). The KV-cache rows run at the base's shape (head dim 64, 2 key/value heads).
 
 Rows: the dense reference; magnitude, Wanda, SparseGPT and 3BASiL-TM at 50% unstructured and
 2:4 (3BASiL adds a rank-r part, and also runs without TM at 2:4); Wanda and SparseGPT at the
 unstructured sparsity that gives them 3BASiL's total parameter budget (nonzeros + factors);
-SVD (plain and whitened) at 50% of the parameters; RTN, GPTQ and GLVQ at 4 and 3 bits. On the
-Llama also the KV caches: float, NSNQuant and KIVI at 1 and 2 bits, and KIVI at each NSNQuant
-row's stored bits per element (equal total bytes, :func:`~rankwise.compress.kv.kivi_for_budget`).
+SVD (plain and whitened) at 50% of the parameters; RTN, GPTQ and GLVQ at 4 and 3 bits (groups of
+128 columns; GLVQ's groups must tile every layer, so on the base's 688-wide MLP it uses the
+largest group that does). On the Llama also the KV caches: float, NSNQuant and KIVI at 1 and 2
+bits, and KIVI at each NSNQuant row's stored bits per element (equal total bytes,
+:func:`~rankwise.compress.kv.kivi_for_budget`).
+
+``--set models=[llama]`` reruns one model: the other's committed record in ``OUT/results.json``
+is kept. Every row is a piece (``OUT/pieces/MODEL/ROW.json``), reused when its settings match,
+so a killed run continues where it stopped.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import platform
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -37,24 +45,25 @@ import torch
 
 from rankwise import registry
 from rankwise.configs import from_dict
-from rankwise.engine import Engine, evaluate, get_task
+from rankwise.engine import evaluate, get_task
 from rankwise.recipes.compress import Windows, measure, token_windows
-from rankwise_bench.common import write_results
+from rankwise_bench.common import ROOT, reference_base, write_json, write_results
+from rankwise_bench.compress_report import markdown, plot
+
+MODELS = ("minilm", "llama")
 
 
 @dataclass
 class Sizes:
-    """Everything that sets the benchmark's size (default: about 30 min on 2 shared CPU cores).
+    """Everything that sets the benchmark's size (default: about 25 min of one CPU core).
 
     Attributes:
-        models: Which models to run (``minilm``, ``llama``).
-        llama_hidden, llama_layers, llama_heads, llama_intermediate: The Llama's shape.
-        llama_seq: Bytes per window (training, calibration, held-out).
-        llama_batch: Windows per training step.
-        llama_steps: Training steps.
-        llama_lr: AdamW peak learning rate (5% warm-up, cosine to 10%).
+        models: Which models to run (``minilm``, ``llama``); the others' records are kept.
+        base: The causal LM of the ``llama`` rows, a folder transformers loads with its
+            SentencePiece-style tokenizer (``None``: the reference base).
+        llama_seq: Tokens per window of the base (calibration, held-out).
         calib_windows: Calibration windows (both models).
-        heldout_windows: Held-out windows of the Llama.
+        heldout_windows: Held-out windows of the base.
         minilm_steps: Demo training steps (``None``: the demo's 90).
         minilm_calib_length: Tokens per MiniLM calibration window.
         rank: Rank of 3BASiL's low-rank part.
@@ -62,21 +71,15 @@ class Sizes:
         kv_chunk: Tokens per quantized KV chunk.
         kv_batch: Windows per KV-cache evaluation forward.
         threads: torch intra-op threads.
-        seed: Seeds the Llama's weights, windows and batch order.
-        keep_models: Keep the trained models in ``out/_work`` (default: delete them).
+        seed: Seeds the compressors (and MiniLM's training).
+        keep_models: Keep the trained MiniLM in ``out/_work`` (default: delete it).
     """
 
-    models: tuple[str, ...] = ("minilm", "llama")
-    llama_hidden: int = 128
-    llama_layers: int = 2
-    llama_heads: int = 4
-    llama_intermediate: int = 256
-    llama_seq: int = 128
-    llama_batch: int = 16
-    llama_steps: int = 1500
-    llama_lr: float = 3e-3
+    models: tuple[str, ...] = MODELS
+    base: str | None = None
+    llama_seq: int = 256
     calib_windows: int = 64
-    heldout_windows: int = 64
+    heldout_windows: int = 128
     minilm_steps: int | None = None
     minilm_calib_length: int = 64
     rank: int = 8
@@ -101,6 +104,14 @@ def svd_rank(shapes: list[tuple[int, int]], fraction: float = 0.5) -> int:
     return max(1, round(fraction * sum(m * n for m, n in shapes) / sum(m + n for m, n in shapes)))
 
 
+def tiling_group(shapes: list[tuple[int, int]], at_most: int = 128, multiple_of: int = 8) -> int:
+    """The largest group of input columns, at most ``at_most`` and a multiple of ``multiple_of``
+    (GLVQ's lattice dimension), that divides every layer's inputs (``multiple_of`` if none)."""
+    width = math.gcd(*(n for _, n in shapes))
+    fits = [g for g in range(multiple_of, at_most + 1, multiple_of) if width % g == 0]
+    return max(fits, default=multiple_of)
+
+
 def rows(s: Sizes, shapes: list[tuple[int, int]]) -> list[tuple[str, dict]]:
     """``[(label, compress config)]`` of one model."""
     r = s.rank
@@ -116,46 +127,47 @@ def rows(s: Sizes, shapes: list[tuple[int, int]]) -> list[tuple[str, dict]]:
     k = svd_rank(shapes)
     out += [(f"svd r{k}", {"method": "svd", "rank": k}),
             (f"svd whitened r{k}", {"method": "svd", "rank": k, "whiten": True})]
-    out += [(f"{m} int{b}", {"method": m, "bits": b, "group_size": 128})
-            for b in (4, 3) for m in ("rtn", "gptq", "glvq")]
+    lattice = tiling_group(shapes)
+    for b in (4, 3):
+        for m in ("rtn", "gptq", "glvq"):
+            group = lattice if m == "glvq" else 128
+            out.append((f"{m} int{b}" + (f", group {group}" if group != 128 else ""),
+                        {"method": m, "bits": b, "group_size": group}))
     return [(label, {**cfg, **s.overrides.get(cfg["method"], {})}) for label, cfg in out]
 
 
 KV_ROWS = (("fp", 16), ("nsnquant", 1), ("nsnquant", 2), ("kivi", 1), ("kivi", 2), ("kivi", 4))
 
 
-def _llama(s: Sizes, console) -> tuple[torch.nn.Module, torch.Tensor, Windows, dict]:
-    """Train the small Llama; return it with calibration and held-out byte windows."""
-    from rankwise_bench.corpus import load_corpus
-    from rankwise_bench.lowrank_pretrain import Sizes as PretrainSizes
-    from rankwise_bench.lowrank_pretrain import build_model
-    train, held, info = load_corpus()
-    shape = dataclasses.replace(PretrainSizes(), hidden=s.llama_hidden, layers=s.llama_layers,
-                                heads=s.llama_heads, intermediate=s.llama_intermediate,
-                                seq=s.llama_seq, seed=s.seed)
-    model = build_model(shape)
-    g = torch.Generator().manual_seed(s.seed)
-    span = torch.arange(s.llama_seq)
+def _base(s: Sizes) -> tuple[torch.nn.Module, torch.Tensor, Windows, dict]:
+    """The base in float32 with calibration windows (training modules), held-out windows and
+    what they are (tokens and bytes scored)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def cut(data: torch.Tensor, n: int) -> torch.Tensor:
-        return data[torch.randint(0, data.numel() - s.llama_seq, (n,), generator=g)[:, None] + span].long()
-
-    data = Windows(cut(train, s.llama_steps * s.llama_batch))
-    opt = torch.optim.AdamW(model.parameters(), lr=s.llama_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warm = max(1, s.llama_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / warm if k < warm else 0.1 + 0.45 * (
-        1 + math.cos(math.pi * (k - warm) / max(1, s.llama_steps - warm))))
-    engine = Engine(model, get_task("causal-lm"), opt, data, s.llama_batch, seed=s.seed, scheduler=sched,
-                    grad_clip=1.0)
-    t0, losses = time.perf_counter(), []
-    for k in range(s.llama_steps):
-        losses.append(engine.train_step(k).loss)
-        if console is not None and (k + 1) % max(1, s.llama_steps // 10) == 0:
-            console.print(f"llama step {k + 1}/{s.llama_steps}: loss {sum(losses[-50:]) / len(losses[-50:]):.3f}")
-    model.eval()
-    info = {**info, "params": sum(p.numel() for p in model.parameters()), "train_s": time.perf_counter() - t0,
-            "final_train_loss": sum(losses[-50:]) / len(losses[-50:]), "shape": asdict(shape)}
-    return model, cut(train, s.calib_windows), Windows(cut(held, s.heldout_windows)), info
+    from rankwise_bench.base_text import module_stream, scored_bytes, spaced_windows
+    folder = Path(s.base) if s.base else reference_base()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    train_ids, train_bytes, train_info = module_stream(tok, heldout=False)
+    held_ids, held_bytes, held_info = module_stream(tok, heldout=True)
+    calib, _ = spaced_windows(train_ids, train_bytes, s.calib_windows, s.llama_seq)
+    held, held_win_bytes = spaced_windows(held_ids, held_bytes, s.heldout_windows, s.llama_seq)
+    c = model.config
+    try:
+        where = folder.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        where = str(folder)
+    info = {"base": where, "params": sum(p.numel() for p in model.parameters()), "vocab": len(tok),
+            "shape": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+                      "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                      "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                      "intermediate": c.intermediate_size},
+            "train_modules": train_info, "heldout_modules": held_info,
+            "scored_tokens": int(held.shape[0] * (held.shape[1] - 1)), "scored_bytes": scored_bytes(held_win_bytes)}
+    card = folder / "card.json"
+    if card.is_file():
+        info["card_heldout"] = json.loads(card.read_text()).get("heldout")
+    return model, calib, Windows(held, pad_id=tok.pad_token_id or 0), info
 
 
 def _minilm(s: Sizes, work: Path, console) -> tuple[torch.nn.Module, torch.Tensor, object, dict]:
@@ -190,34 +202,70 @@ def _minilm(s: Sizes, work: Path, console) -> tuple[torch.nn.Module, torch.Tenso
     return model, calib, eval_data, info
 
 
-def _run_rows(name: str, dense: torch.nn.Module, task, calib, heldout, s: Sizes, console) -> list[dict]:
+def _setting(s: Sizes) -> dict:
+    """The sizes a piece depends on (a piece measured at other settings is not reused)."""
+    return {k: v for k, v in asdict(s).items() if k not in ("models", "threads", "keep_models", "overrides")}
+
+
+class Pieces:
+    """``OUT/pieces/MODEL/ROW.json``: one record per row, reused when its key matches."""
+
+    def __init__(self, folder: Path, s: Sizes) -> None:
+        self.folder, self.setting = folder, _setting(s)
+
+    def _path(self, label: str) -> Path:
+        return self.folder / (re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-") + ".json")
+
+    def get(self, label: str, config: dict) -> dict | None:
+        """The stored record of ``label`` measured with ``config`` at these settings, or ``None``."""
+        path = self._path(label)
+        if not path.is_file():
+            return None
+        rec = json.loads(path.read_text())
+        return rec["record"] if rec.get("key") == {"config": config, "setting": self.setting} else None
+
+    def put(self, label: str, config: dict, record: dict) -> None:
+        """Store ``record`` (atomically)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_json(self._path(label), {"key": {"config": config, "setting": self.setting}, "record": record})
+
+
+def _run_rows(name: str, dense: torch.nn.Module, task, calib, heldout, s: Sizes, pieces: Pieces,
+              per_byte: float | None, console) -> list[dict]:
+    """Every row of :func:`rows` on a copy of ``dense``; ``per_byte`` = scored tokens / bytes."""
     from rankwise.compress.pipeline import check_layers
     from rankwise.core.weights import shape
     probe = registry.get("compressor", "none")
     identity = probe.builder(from_dict(probe.config_cls, {"method": "none"}, "compress"))
     paths = check_layers(dense, identity, "all-linear")
     shapes = [shape(dense.get_submodule(p)) for p in paths]
-    before = evaluate(dense, task, heldout, 32)
+    before = None
     out = []
     for label, raw in rows(s, shapes):
-        entry = registry.get("compressor", raw["method"])
-        ccfg = from_dict(entry.config_cls, {**raw, "seed": s.seed}, "compress")
-        model = copy.deepcopy(dense)
-        report, _ = measure(model, task, ccfg, calib, heldout, console, progress=False, before=before)
-        errs = [r["rel_error"] for r in report["layers"].values()]
-        after = report["heldout"]["after"]
-        row = {"model": name, "row": label, "config": raw,
-               "quality": after.get("eval_accuracy", after.get("eval_perplexity")),
-               "eval_loss": after["eval_loss"], "rel_error_mean": sum(errs) / len(errs), "rel_error_max": max(errs),
-               "target_bytes": report["target_bytes_after"], "target_bytes_before": report["target_bytes_before"],
-               "model_bytes": report["bytes_after"], "params": report["target_params_after"],
-               "params_before": report["target_params_before"], "compress_s": report["time_s"]["compress"],
-               "layers": {p: r["rel_error"] for p, r in report["layers"].items()}}
+        row = pieces.get(label, raw)
+        if row is None:
+            before = before or evaluate(dense, task, heldout, 32)
+            entry = registry.get("compressor", raw["method"])
+            ccfg = from_dict(entry.config_cls, {**raw, "seed": s.seed}, "compress")
+            model = copy.deepcopy(dense)
+            report, _ = measure(model, task, ccfg, calib, heldout, console, progress=False, before=before)
+            del model
+            errs = [r["rel_error"] for r in report["layers"].values()]
+            after = report["heldout"]["after"]
+            row = {"model": name, "row": label, "config": raw, "eval_loss": after["eval_loss"],
+                   "quality": after["eval_loss"] * per_byte if per_byte else after["eval_accuracy"],
+                   "rel_error_mean": sum(errs) / len(errs), "rel_error_max": max(errs),
+                   "target_bytes": report["target_bytes_after"], "target_bytes_before": report["target_bytes_before"],
+                   "model_bytes": report["bytes_after"], "params": report["target_params_after"],
+                   "params_before": report["target_params_before"], "compress_s": report["time_s"]["compress"],
+                   "layers": {p: r["rel_error"] for p, r in report["layers"].items()}}
+            if per_byte:
+                row["perplexity"] = after["eval_perplexity"]
+            pieces.put(label, raw, row)
         out.append(row)
         if console is not None:
             console.print(f"{name} | {label}: quality {row['quality']:.4f}, rel. error {row['rel_error_mean']:.4f}, "
                           f"{row['target_bytes'] / 2**20:.3f} MiB, {row['compress_s']:.1f} s")
-        del model
     return out
 
 
@@ -232,132 +280,112 @@ def kv_rows(head_dim: int, chunk: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def _kv_rows(model, heldout: Windows, s: Sizes, console) -> list[dict]:
+def _kv_rows(model, heldout: Windows, head_dim: int, s: Sizes, pieces: Pieces, per_byte: float, console) -> list[dict]:
     from rankwise.compress.kv import cache_perplexity
     out = []
-    for kind, bits, chunk in kv_rows(s.llama_hidden // s.llama_heads, s.kv_chunk):
-        t0 = time.perf_counter()
-        r = cache_perplexity(model, heldout.ids, kind, bits, chunk, s.kv_batch, seed=s.seed)
-        out.append({"kind": kind, "bits": bits, "chunk": chunk, **r, "seconds": time.perf_counter() - t0})
+    for kind, bits, chunk in kv_rows(head_dim, s.kv_chunk):
+        label, config = f"kv {kind} {bits} bits chunk {chunk}", {"kind": kind, "bits": bits, "chunk": chunk}
+        row = pieces.get(label, config)
+        if row is None:
+            t0 = time.perf_counter()
+            r = cache_perplexity(model, heldout.ids, kind, bits, chunk, s.kv_batch, seed=s.seed)
+            row = {**config, **r, "nats_per_byte": r["eval_loss"] * per_byte, "seconds": time.perf_counter() - t0}
+            pieces.put(label, config, row)
+        out.append(row)
         if console is not None:
-            console.print(f"llama | KV {kind} {bits} bits, chunk {chunk}: perplexity {r['eval_perplexity']:.4f}, "
-                          f"{r['bytes_per_token']:.1f} B/token, {r['bits_per_element']:.2f} bits/element")
+            console.print(f"llama | KV {kind} {bits} bits, chunk {chunk}: {row['nats_per_byte']:.4f} nats/byte, "
+                          f"{row['bytes_per_token']:.1f} B/token, {row['bits_per_element']:.2f} bits/element")
     return out
 
 
-def _table(rows_: list[dict], metric: str) -> str:
-    lines = [f"| row | {metric} | mean rel. error | max rel. error | params kept | compressed layers MiB | "
-             "whole model MiB | compress s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows_:
-        q = f"{r['quality']:.2%}" if metric == "accuracy" else f"{r['quality']:.4f}"
-        lines.append(f"| {r['row']} | {q} | {r['rel_error_mean']:.4f} | {r['rel_error_max']:.4f} | "
-                     f"{r['params'] / r['params_before']:.1%} | {r['target_bytes'] / 2**20:.3f} | "
-                     f"{r['model_bytes'] / 2**20:.3f} | {r['compress_s']:.1f} |")
-    return "\n".join(lines)
+def _kept(out: Path, rerun: tuple[str, ...]) -> dict:
+    """The committed records of the models not rerun (``OUT/results.json``), each with its own
+    run (sizes, versions, wall time, command; a record from before runs were kept per model
+    gets the record's top-level ones)."""
+    path = out / "results.json"
+    if not path.is_file():
+        return {}
+    prior = json.loads(path.read_text())
+    kept = {}
+    for name, res in prior.get("models", {}).items():
+        if name in rerun:
+            continue
+        if "run" not in res:
+            res = {**res, "run": {"sizes": prior["sizes"], "python": prior["python"], "torch": prior["torch"],
+                                  "machine": prior["machine"], "wall_s": prior["wall_s"],
+                                  "command": "rankwise bench compress --out bench/results/compress"}}
+        kept[name] = res
+    return kept
 
 
-def _plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = [m for m in ("minilm", "llama") if m in results["models"]]
-    fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.8), squeeze=False)
-    colors = {"none": "k", "magnitude": "tab:gray", "wanda": "tab:blue", "sparsegpt": "tab:orange",
-              "3basil": "tab:red", "svd": "tab:brown", "rtn": "tab:purple", "gptq": "tab:green", "glvq": "tab:pink"}
-    for ax, name in zip(axes[0], names):
-        res = results["models"][name]
-        for r in res["rows"]:
-            m = r["config"]["method"]
-            ax.scatter(r["target_bytes"] / 2**20, r["quality"], c=colors.get(m, "tab:cyan"), s=22)
-            ax.annotate(r["row"], (r["target_bytes"] / 2**20, r["quality"]), fontsize=6, alpha=0.8)
-        metric = res["metric"]
-        ax.set(xlabel="bytes of the compressed layers (MiB)", ylabel=f"held-out {metric}",
-               title=f"{name}: {metric} vs bytes")
-        if metric == "perplexity":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _one(name: str, s: Sizes, work: Path, pieces: Path, console) -> dict:
+    """Measure one model: its rows (and the KV caches of the causal LM)."""
+    if name == "minilm":
+        model, calib, heldout, info = _minilm(s, work, console)
+        return {"metric": "accuracy", "info": info,
+                "rows": _run_rows(name, model, get_task("classification"), calib, heldout, s,
+                                  Pieces(pieces / name, s), None, console)}
+    model, calib, heldout, info = _base(s)
+    per_byte = info["scored_tokens"] / info["scored_bytes"]
+    store = Pieces(pieces / name, s)
+    return {"metric": "nats per byte", "info": info,
+            "kv_cache": _kv_rows(model, heldout, info["shape"]["head_dim"], s, store, per_byte, console),
+            "rows": _run_rows(name, model, get_task("causal-lm"), calib, heldout, s, store, per_byte, console)}
 
 
-def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
+def run(out: Path, sizes: Sizes | None = None, console=None, command: str | None = None) -> dict:
     """Run the benchmark; write ``results.json``, ``results.md`` and ``quality_vs_bytes.png``.
 
     Args:
-        out: Output folder (created).
+        out: Output folder (created); the records of models not in ``sizes.models`` are kept.
         sizes: Override the default :class:`Sizes` (tests use a tiny one).
         console: A ``rich`` console for progress lines (default: stderr).
+        command: The command line recorded with each model (default: the plain command).
 
     Returns:
         The results written to ``results.json``.
+
+    Raises:
+        RankwiseError: An unknown model, or no reference base built.
     """
     from rich.console import Console
+
+    from rankwise.errors import RankwiseError
     console = console or Console(stderr=True)
     s = sizes or Sizes()
+    unknown = [m for m in s.models if m not in MODELS]
+    if unknown:
+        raise RankwiseError(f"compress models: got {unknown}; expected some of {list(MODELS)}")
     out = Path(out)
     work = out / "_work"
     work.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
+    measured = dict(_kept(out, s.models))
+    with_threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
-    began = time.time()
-    results = {"sizes": asdict(s), "python": platform.python_version(), "torch": torch.__version__,
-               "machine": f"{platform.machine()}, {s.threads} torch threads", "models": {}}
     try:
-        if "minilm" in s.models:
-            model, calib, heldout, info = _minilm(s, work, console)
-            results["models"]["minilm"] = {"metric": "accuracy", "info": info,
-                                           "rows": _run_rows("minilm", model, get_task("classification"),
-                                                             calib, heldout, s, console)}
-        if "llama" in s.models:
-            model, calib, heldout, info = _llama(s, console)
-            results["models"]["llama"] = {"metric": "perplexity", "info": info,
-                                          "kv_cache": _kv_rows(model, heldout, s, console),
-                                          "rows": _run_rows("llama", model, get_task("causal-lm"),
-                                                            calib, heldout, s, console)}
+        for name in [m for m in MODELS if m in s.models]:
+            began = time.time()
+            res = _one(name, s, work, out / "pieces", console)
+            res["run"] = {"sizes": asdict(s), "python": platform.python_version(), "torch": torch.__version__,
+                          "machine": f"{platform.machine()}, {s.threads} torch threads",
+                          "wall_s": time.time() - began,
+                          "command": command or f"rankwise bench compress --out {out}"}
+            measured[name] = res
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(with_threads)
         if not s.keep_models:
             shutil.rmtree(work, ignore_errors=True)
-    results["wall_s"] = time.time() - began
+    results = {"models": {m: measured[m] for m in MODELS if m in measured}}
     write_results(out, results, markdown(results))
-    _plot(results, out / "quality_vs_bytes.png")
+    plot(results, out / "quality_vs_bytes.png")
     return results
 
 
-def markdown(results: dict) -> str:
-    """``results.md`` from the record."""
-    s = results["sizes"]
-    md = ["# compress", "",
-          f"Python {results['python']}, torch {results['torch']}, {results['machine']}; "
-          f"wall {results['wall_s'] / 60:.1f} min. Produced by `rankwise bench compress`.", ""]
-    if "minilm" in results["models"]:
-        res = results["models"]["minilm"]
-        i = res["info"]
-        md += ["## MiniLM demo classifier (LoRA r=8 merged), accuracy on held-out docstrings", "",
-               f"{i['params']:,} parameters; trained {i['train']['steps']} steps x {i['train']['batch_size']} "
-               f"({i['train_examples']} training / {i['eval_examples']} held-out docstrings); calibration "
-               f"{s['calib_windows']} windows x {s['minilm_calib_length']} tokens of training docstrings.", "",
-               _table(res["rows"], "accuracy"), ""]
-    if "llama" in results["models"]:
-        res = results["models"]["llama"]
-        i = res["info"]
-        md += ["## Small Llama pretrained on stdlib source, perplexity per byte on held-out modules", "",
-               f"Llama {s['llama_layers']}x{s['llama_hidden']} (intermediate {s['llama_intermediate']}, "
-               f"{i['params']:,} parameters, byte tokens), AdamW {s['llama_steps']} steps x {s['llama_batch']} "
-               f"x {s['llama_seq']} bytes (final train loss {i['final_train_loss']:.3f} nats/byte); "
-               f"calibration {s['calib_windows']} and held-out {s['heldout_windows']} windows of "
-               f"{s['llama_seq']} bytes.", "", _table(res["rows"], "perplexity"), "",
-               "### KV cache (dense model, token-by-token decoding)", "",
-               "Nominal bits label the codes; stored bits per element include the float16 metadata "
-               "(scales, shifts, minima).", "",
-               "| cache | nominal bits | chunk | stored bits / element | perplexity | "
-               "bytes / token (all layers, K+V) | vs float16 |",
-               "|---|---:|---:|---:|---:|---:|---:|"]
-        for r in res["kv_cache"]:
-            stored = r.get("bits_per_element", 16 * r["bytes_per_token"] / r["fp16_bytes_per_token"])
-            md.append(f"| {r['kind']} | {r['bits']} | {r.get('chunk', '')} | {stored:.2f} | "
-                      f"{r['eval_perplexity']:.4f} | {r['bytes_per_token']:.1f} | "
-                      f"{r['bytes_per_token'] / r['fp16_bytes_per_token']:.3f} |")
-        md.append("")
-    return "\n".join(md)
+def main(argv: list[str] | None = None) -> dict:
+    """``rankwise bench compress --out DIR [--set models=[llama]] [--set base=FOLDER] ...``."""
+    from rankwise_bench.common import preset_main
+    return preset_main(argv, name="compress", doc=__doc__, presets={"default": Sizes()}, default="default",
+                       run=run)
+
+
+__all__ = ["Sizes", "budget_sparsity", "kv_rows", "main", "markdown", "rows", "run", "svd_rank", "tiling_group"]

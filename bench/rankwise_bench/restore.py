@@ -1,9 +1,12 @@
-"""``rankwise bench restore``: RestoreLCC against LoRA recovery fine-tuning at equal steps, on the
-Wanda and SparseGPT models of ``rankwise bench compress``.
+"""``rankwise bench restore``: RestoreLCC against LoRA recovery fine-tuning at equal steps, on
+Wanda and SparseGPT models of a small byte-level Llama.
 
-The model is ``bench compress``'s small Llama (:func:`rankwise_bench.compress._llama`: the
-same shape, seed, training and calibration / held-out windows), pruned by Wanda and SparseGPT at
-50% unstructured and 2:4 with the same 64 calibration windows. Each pruned model is then
+The model is the small Llama ``bench compress`` trained before it loaded the reference base
+(:func:`byte_llama`, moved here from there so this benchmark's committed results still reproduce:
+``lowrank-pretrain``'s byte-level model, 1,500 AdamW steps on the standard library's training
+modules, calibration / held-out byte windows), pruned by Wanda and SparseGPT at
+50% unstructured and 2:4 with the same 64 calibration windows. (Not converted to the reference
+base yet: the pruned rows and both recoveries would have to be rerun on it.) Each pruned model is then
 recovered, from the same training windows of the standard library's training modules (other
 draws than calibration), in the same number of steps and batches, by
 
@@ -37,12 +40,78 @@ from rankwise_bench.common import write_results
 
 
 @dataclass
+class ByteLlama:
+    """The byte-level Llama and its windows (``bench compress``'s row 2 until it loaded the
+    reference base; these are the sizes its record calls ``compress_sizes``).
+
+    Attributes:
+        llama_hidden, llama_layers, llama_heads, llama_intermediate: The Llama's shape.
+        llama_seq: Bytes per window (training, calibration, held-out).
+        llama_batch: Windows per training step.
+        llama_steps: Training steps.
+        llama_lr: AdamW peak learning rate (5% warm-up, cosine to 10%).
+        calib_windows: Calibration windows.
+        heldout_windows: Held-out windows.
+        seed: Seeds the Llama's weights, windows and batch order.
+    """
+
+    llama_hidden: int = 128
+    llama_layers: int = 2
+    llama_heads: int = 4
+    llama_intermediate: int = 256
+    llama_seq: int = 128
+    llama_batch: int = 16
+    llama_steps: int = 1500
+    llama_lr: float = 3e-3
+    calib_windows: int = 64
+    heldout_windows: int = 64
+    seed: int = 0
+
+
+def byte_llama(s: ByteLlama, console) -> tuple[torch.nn.Module, torch.Tensor, Windows, dict]:
+    """Train the byte-level Llama; return it with calibration and held-out byte windows."""
+    import math
+
+    from rankwise.engine import Engine
+    from rankwise_bench.corpus import load_corpus
+    from rankwise_bench.lowrank_pretrain import Sizes as PretrainSizes
+    from rankwise_bench.lowrank_pretrain import build_model
+    train, held, info = load_corpus()
+    shape = dataclasses.replace(PretrainSizes(), hidden=s.llama_hidden, layers=s.llama_layers,
+                                heads=s.llama_heads, intermediate=s.llama_intermediate,
+                                seq=s.llama_seq, seed=s.seed)
+    model = build_model(shape)
+    g = torch.Generator().manual_seed(s.seed)
+    span = torch.arange(s.llama_seq)
+
+    def cut(data: torch.Tensor, n: int) -> torch.Tensor:
+        return data[torch.randint(0, data.numel() - s.llama_seq, (n,), generator=g)[:, None] + span].long()
+
+    data = Windows(cut(train, s.llama_steps * s.llama_batch))
+    opt = torch.optim.AdamW(model.parameters(), lr=s.llama_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, s.llama_steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / warm if k < warm else 0.1 + 0.45 * (
+        1 + math.cos(math.pi * (k - warm) / max(1, s.llama_steps - warm))))
+    engine = Engine(model, get_task("causal-lm"), opt, data, s.llama_batch, seed=s.seed, scheduler=sched,
+                    grad_clip=1.0)
+    t0, losses = time.perf_counter(), []
+    for k in range(s.llama_steps):
+        losses.append(engine.train_step(k).loss)
+        if console is not None and (k + 1) % max(1, s.llama_steps // 10) == 0:
+            console.print(f"llama step {k + 1}/{s.llama_steps}: loss {sum(losses[-50:]) / len(losses[-50:]):.3f}")
+    model.eval()
+    info = {**info, "params": sum(p.numel() for p in model.parameters()), "train_s": time.perf_counter() - t0,
+            "final_train_loss": sum(losses[-50:]) / len(losses[-50:]), "shape": asdict(shape)}
+    return model, cut(train, s.calib_windows), Windows(cut(held, s.heldout_windows)), info
+
+
+@dataclass
 class Sizes:
     """What sets the benchmark's size (default: about 8 min of one core, 15 min of wall on the
     shared machine, most of it the Llama's training).
 
     Attributes:
-        compress: ``bench compress``'s sizes (the Llama and its windows); ``models`` is ignored.
+        compress: :class:`ByteLlama` fields to change (the Llama and its windows).
         prunings: ``[(label, compress config)]`` of the pruned models.
         steps: Recovery steps, the same for every method.
         batch_size: Windows per step.
@@ -170,12 +239,11 @@ def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
     """
     from rich.console import Console
 
-    from rankwise_bench import compress as bench_compress
     from rankwise_bench.corpus import load_corpus
     from rankwise.compress.pipeline import compress_model
     console = console or Console(stderr=True)
     s = sizes or Sizes()
-    cs = dataclasses.replace(bench_compress.Sizes(), **{**s.compress, "models": ("llama",)})
+    cs = dataclasses.replace(ByteLlama(), **s.compress)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
@@ -188,11 +256,11 @@ def run(out: Path, sizes: Sizes | None = None, console=None) -> dict:
             dense, calib, heldout, info = torch.load(s.model_file, weights_only=False)
             info = {**info, "loaded_from": s.model_file}
         else:
-            dense, calib, heldout, info = bench_compress._llama(cs, console)
+            dense, calib, heldout, info = byte_llama(cs, console)
             if s.model_file:
                 torch.save((dense, calib, heldout, info), s.model_file)
         train, _, _ = load_corpus()
-        g = torch.Generator().manual_seed(cs.seed + 1)     # other draws than bench compress's windows
+        g = torch.Generator().manual_seed(cs.seed + 1)     # other draws than the Llama's own windows
         span = torch.arange(cs.llama_seq)
         starts = torch.randint(0, train.numel() - cs.llama_seq, (s.train_windows + s.val_windows,), generator=g)
         windows = train[starts[:, None] + span].long()
