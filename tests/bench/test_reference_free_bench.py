@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rankwise_bench
-from rankwise.tasks.dpo.data import PairData
+from rankwise.tasks.pairs import PairData
 from rankwise_bench import dpo, reference_free as rf
 from tests.tasks.test_reference_free import pairs, tokenizer
 

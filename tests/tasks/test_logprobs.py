@@ -19,7 +19,7 @@ import torch
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.core.protocol import adapter_modules, factors
-from rankwise.tasks.dpo.data import PairData
+from rankwise.tasks.pairs import PairData
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask, reference_logps
 from rankwise.tasks.grpo.data import PromptData
 from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, rows_of, token_logps

@@ -12,7 +12,7 @@ import torch
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
 from rankwise.core.protocol import adapter_modules, factors
-from rankwise.tasks.dpo.data import PairData
+from rankwise.tasks.pairs import PairData
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask
 from rankwise.tasks.orpo.task import ORPOConfig, ORPOTask
 from rankwise.tasks.reference_free import log1mexp

@@ -106,7 +106,7 @@ def test_completion_logps_skip_the_prompt():
 
 
 def test_evaluation_in_slices_of_whole_pairs_gives_the_same_metrics():
-    from rankwise.tasks.dpo.data import PairData
+    from rankwise.tasks.pairs import PairData
     from rankwise.engine import evaluate
     model = tiny_llama_lm(seed=0)
     registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))

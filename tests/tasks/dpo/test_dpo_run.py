@@ -15,7 +15,7 @@ import torch
 
 from rankwise.core.ops import disable_adapters
 from rankwise.data.instruct import load_function_records
-from rankwise.tasks.dpo.data import build_pair_data
+from rankwise.tasks.pairs import build_pair_data
 from rankwise.engine import get_task
 from rankwise.tasks.dpo.task import completion_logps
 from rankwise.recipes.config import load_run_config

@@ -14,7 +14,7 @@ import torch
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.train import train
-from rankwise.tasks.dpo.data import build_pair_data
+from rankwise.tasks.pairs import build_pair_data
 from tests.tasks.dpo.test_dpo_run import pair_records
 from tests.tasks.test_reference_free import completion_by_hand, nll_by_hand
 
