@@ -24,16 +24,13 @@ STRATEGY_MAY = {"federated.strategies", "federated.keys", "federated.payload", "
 # Method families allowed to import another family: one method defined as another.
 FAMILY_EXCEPTIONS = {("adapters.gora", "adapters.lora")}
 SHARED_FAMILY = "common"  # adapters/common: what the adapter families share
-# What a task (rankwise/tasks/) may import beside tasks' own shared modules (common, reference).
+# What a task (rankwise/tasks/) may import beside tasks' own shared modules (the top-level
+# files of tasks/: common, reference, reference_free, logprobs, pairs, pair_task).
 TASK_MAY = BASE | {"core", "engine", "data"}
 # Tasks allowed to build on one other task package: a task defined as another's variant
 # (RLOO is GRPO's rollout - sampling, rewards, prompts, samples.jsonl - with its own advantage
-# and loss, as GoRA builds LoRA layers), and the reference-free pair tasks' shared body
-# (tasks/reference_free.py, for orpo and simpo: DPO's pair task without its reference).
-TASK_EXCEPTIONS = {("rloo", "grpo"), ("reference_free", "dpo")}
-# Task modules every task may read: the preference pairs' records (``dpo``'s), which the other
-# pair tasks (``reward``) encode the same way.
-TASK_SHARED = {"tasks.dpo.data"}
+# and loss, as GoRA builds LoRA layers).
+TASK_EXCEPTIONS = {("rloo", "grpo")}
 # Commands (rankwise/commands/): what they share (the CLI grammar), and the one command that
 # reads another's module (LoRASuite's transfer collects the LoRA pairs as merge does).
 COMMANDS_SHARED = {"options"}
@@ -155,14 +152,14 @@ def forbidden(importer: str, imported: str) -> str | None:
 
 def _task_rule(a: list[str], b: list[str]) -> str | None:
     """Tasks import the engine, data, core and the base (never methods, federated or the run
-    layer); a task package (``tasks/dpo/``) never imports another (``tasks/common.py``,
-    ``tasks/reference.py`` and ``tasks/logprobs.py`` are what they share; ``tasks/__init__`` imports each to register it)."""
+    layer); a task package (``tasks/dpo/``) never imports another (the top-level modules of
+    ``tasks/`` - ``common``, ``reference``, ``logprobs``, ``pairs``, ... - are what they share;
+    ``tasks/__init__`` imports each to register it)."""
     if b[0] != "tasks":
         return None if b[0] in TASK_MAY else "tasks import only the engine, data, core and the base"
     own = a[1] if len(a) > 1 and (SRC / "rankwise" / "tasks" / a[1]).is_dir() else None
     other = b[1] if len(b) > 1 and (SRC / "rankwise" / "tasks" / b[1]).is_dir() else None
-    if (other is None or other == own or len(a) == 1 or (a[1], other) in TASK_EXCEPTIONS
-            or ".".join(b) in TASK_SHARED):
+    if other is None or other == own or len(a) == 1 or (a[1], other) in TASK_EXCEPTIONS:
         return None
     return "task packages never import each other (tasks/common.py is what they share; TASK_EXCEPTIONS)"
 
@@ -220,9 +217,12 @@ def test_src_breaks_no_rule_of_the_map():
     ("rankwise.tasks.grpo.task", "rankwise.tasks.rloo.task"),      # the exception is one way
     ("rankwise.tasks.orpo.task", "rankwise.tasks.dpo.task"),       # (the shared body may; a task may not)
     ("rankwise.tasks.reference_free", "rankwise.tasks.grpo.task"),
-    ("rankwise.tasks.reward.task", "rankwise.tasks.dpo.task"),     # (only dpo's records are shared)
+    ("rankwise.tasks.reward.task", "rankwise.tasks.dpo.task"),
+    ("rankwise.tasks.pairs", "rankwise.tasks.dpo.task"),           # a shared module -> a task
+    ("rankwise.tasks.reference_free", "rankwise.tasks.dpo.task"),  # (orpo/simpo build on pair_task)
+    ("rankwise.tasks.reward.task", "rankwise.tasks.kto.data"),
     ("rankwise.engine.task", "rankwise.tasks.common"),             # engine -> tasks
-    ("rankwise.data.text", "rankwise.tasks.dpo.data"),             # data -> tasks
+    ("rankwise.data.text", "rankwise.tasks.pairs"),                # data -> tasks
     ("rankwise.adapters.gora.layer", "rankwise.tasks"),            # methods -> tasks
     ("rankwise.recipes.train", "rankwise.commands.plan"),          # the run layer -> commands
     ("rankwise.engine.loop", "rankwise.commands"),
@@ -256,7 +256,9 @@ def test_each_forbidden_kind_of_arrow_is_caught(importer, imported):
     ("rankwise.tasks.grpo.task", "rankwise.tasks.reference"),
     ("rankwise.tasks.rloo.task", "rankwise.tasks.grpo.task"),
     ("rankwise.tasks.simpo.task", "rankwise.tasks.reference_free"),
-    ("rankwise.tasks.reference_free", "rankwise.tasks.dpo.task"),
+    ("rankwise.tasks.reference_free", "rankwise.tasks.pair_task"),
+    ("rankwise.tasks.reward.task", "rankwise.tasks.pairs"),
+    ("rankwise.tasks.kto.data", "rankwise.tasks.pairs"),
     ("rankwise.tasks.memory_decoder.task", "rankwise.engine.task"),
     ("rankwise.tasks.grpo.data", "rankwise.data.formats"),
     ("rankwise.tasks", "rankwise.tasks.dpo"),

@@ -98,7 +98,7 @@ def _pair(s: Sizes) -> dict[str, list[int]]:
 
 def _pairs(name: str, s: Sizes):
     """``dpo``, ``orpo`` or ``simpo`` on the one pair: ``(task, data, batch size)``."""
-    from rankwise.tasks.dpo.data import PairData
+    from rankwise.tasks.pairs import PairData
     from rankwise.tasks.dpo.task import DPOConfig, DPOTask
     from rankwise.tasks.orpo.task import ORPOTask
     from rankwise.tasks.simpo.task import SimPOTask

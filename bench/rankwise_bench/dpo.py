@@ -75,10 +75,10 @@ def check_fp32_adapters(ours, theirs) -> None:
 
 
 def _pairs(tok):
-    """Preference pairs (rankwise.tasks.dpo.data's encoding) from the stdlib-functions records."""
+    """Preference pairs (rankwise.tasks.pairs' encoding) from the stdlib-functions records."""
     from rankwise.data.formats import Encoder
     from rankwise.data.instruct import load_function_records
-    from rankwise.tasks.dpo.data import PairData, PairEncoder
+    from rankwise.tasks.pairs import PairData, PairEncoder
     recs = load_function_records()[: PAIRS * 2 + 1]
     pe = PairEncoder(Encoder(tok, "prompt-completion", MAX_LEN))
     pairs = []

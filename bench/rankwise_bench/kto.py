@@ -36,13 +36,14 @@ EXAMPLES, MAX_LEN, BATCH, BETA, LR = 64, 96, 8, 0.1, 1e-4
 
 
 def examples(tok, n: int = EXAMPLES):
-    """Unpaired examples (rankwise.tasks.kto.data's encoding) from the stdlib-functions records:
+    """Unpaired examples (rankwise.tasks.pairs' encoding, as kto's data) from the stdlib-functions records:
     even records desirable (their own ``def`` line), odd ones undesirable (the next function's)."""
     from rankwise.data.formats import Encoder
     from rankwise.data.instruct import load_function_records
-    from rankwise.tasks.kto.data import UnpairedData, UnpairedEncoder, cut_prompt
+    from rankwise.tasks.kto.data import UnpairedData
+    from rankwise.tasks.pairs import PairEncoder, cut_prompt
     recs = load_function_records()
-    ue = UnpairedEncoder(Encoder(tok, "prompt-completion", MAX_LEN))
+    ue = PairEncoder(Encoder(tok, "prompt-completion", MAX_LEN))
     out = []
     for i, (a, b) in enumerate(zip(recs, recs[1:])):
         good = len(out) % 2 == 0

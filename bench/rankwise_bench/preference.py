@@ -141,7 +141,7 @@ def preference_pairs(model, tok, recs: list[dict], seed: int):
     """DPO pairs sampled from ``model``: chosen = a rewarded sample, rejected = an unrewarded one."""
     from rankwise.data.formats import IGNORE, Encoder, end_id
     from rankwise.data.instruct import def_line_reward
-    from rankwise.tasks.dpo.data import PairData
+    from rankwise.tasks.pairs import PairData
     enc, eos = Encoder(tok, "prompt-completion", MAX_LEN), end_id(tok)
     prompts = [r["prompt"] for r in recs for _ in range(SAMPLES)]
     ids = answer(model, tok, prompts, temperature=TEMPERATURE, seed=seed)

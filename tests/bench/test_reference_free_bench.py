@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import rankwise_bench
-from rankwise.tasks.dpo.data import PairData
+from rankwise.tasks.pairs import PairData
 from rankwise_bench import dpo, reference_free as rf
-from tests.tasks.test_reference_free import pairs, tokenizer
+from tests.tasks.pair_fixtures import pairs, tokenizer
 
 
 def test_both_are_registered_with_their_own_results_folder():

@@ -25,7 +25,7 @@ from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_model
 from rankwise.recipes.train import train
 from rankwise.recipes.session import prepare
-from tests.tasks.dpo.test_dpo_run import pair_records
+from tests.tasks.pair_fixtures import pair_records
 
 TARGETS = ["q_proj", "v_proj"]
 

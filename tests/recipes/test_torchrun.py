@@ -55,7 +55,8 @@ def test_dpo_two_processes_give_the_single_process_metrics(tmp_path):
     """model.task dpo: each process scores its share of the pairs against the adapters-off
     reference; the step losses (one per pair, normalised by the pairs of the whole step) and the
     evaluation's reward metrics equal one process's."""
-    from tests.tasks.dpo.test_dpo_run import pair_records, raw_config
+    from tests.tasks.dpo.test_dpo_run import raw_config
+    from tests.tasks.pair_fixtures import pair_records
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in pair_records()))
     raw = raw_config(pairs, steps=3)

@@ -19,13 +19,14 @@ import torch
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig
 from rankwise.core.protocol import adapter_modules, factors
-from rankwise.tasks.dpo.data import PairData
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask, reference_logps
 from rankwise.tasks.grpo.data import PromptData
 from rankwise.tasks.grpo.task import GRPOConfig, GRPOTask, rows_of, token_logps
 from rankwise.tasks.logprobs import logits_logps, target_logps
+from rankwise.tasks.pairs import PairData
 from rankwise.tasks.reference import WeightSnapshot
 from rankwise.testing import VOCAB, tiny_gpt2_lm, tiny_llama_lm
+from tests.tasks.pair_fixtures import assert_same_grads, grads, pairs as random_pairs, tokenizer
 
 G, MAX_NEW = 4, 8
 
@@ -48,28 +49,9 @@ def model_of(family: str) -> torch.nn.Module:
     return model.train()
 
 
-def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-
-
-def assert_same_grads(got: dict, ref: dict) -> None:
-    assert got.keys() == ref.keys() and len(ref) > 0
-    for name, g in got.items():
-        torch.testing.assert_close(g, ref[name], rtol=1e-5, atol=1e-5, msg=name)
-    assert sum(float(g.abs().sum()) for g in ref.values()) > 0
-
-
 def pairs(seed: int = 3, n: int = 4) -> list[dict]:
-    """Random pairs: a shared prompt (no target) and completions of different lengths (padding)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        prompt = torch.randint(1, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        c, r = (torch.randint(1, VOCAB, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-                for _ in range(2))
-        out.append({"chosen_ids": prompt + c, "chosen_labels": [-100] * len(prompt) + c,
-                    "rejected_ids": prompt + r, "rejected_labels": [-100] * len(prompt) + r})
-    return out
+    """Random pairs: a shared prompt (no target) and completions of 1-8 tokens (padding)."""
+    return random_pairs(seed, n, longest=8)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -101,13 +83,6 @@ def test_dpo_loss_reference_and_gradients_equal_the_unchunked_path(family, loss)
         assert output.logits.numel() == 0                   # the full logits never formed
         assert_same_grads(got, ref_grads)
     assert float(ref_out.rewards.abs().sum()) > 0.1         # policy and reference differ
-
-
-def tokenizer():
-    from tokenizers import Tokenizer, models as tmodels
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(
-        {f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0", eos_token="t0")
 
 
 def injected(seed: int = 4) -> tuple[list[list[int]], list[list[int]]]:

@@ -1,7 +1,7 @@
 """What ``orpo`` and ``simpo`` share (:mod:`rankwise.tasks.reference_free`): one forward per
 batch (counted, against DPO's two), ``log1mexp`` against its definition, the NLL's prompt
 targets (by hand, also behind prompt-tuning's virtual tokens), and the pair-task refusals. The
-helpers here (tiny LoRA pairs, TRL's batch keys, gradient comparison) serve both parity tests."""
+pairs, models, hand computations and gradient comparisons are ``tests/tasks/pair_fixtures.py``'s."""
 from __future__ import annotations
 
 import copy
@@ -10,94 +10,13 @@ import pytest
 import torch
 
 from rankwise import registry
-from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
-from rankwise.core.protocol import adapter_modules, factors
-from rankwise.tasks.dpo.data import PairData
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask
 from rankwise.tasks.orpo.task import ORPOConfig, ORPOTask
+from rankwise.tasks.pairs import PairData
 from rankwise.tasks.reference_free import log1mexp
 from rankwise.tasks.simpo.task import SimPOConfig, SimPOTask
-from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
-
-TARGETS = ["q_proj", "v_proj", "down_proj"]
-
-
-def pairs(seed: int = 3, n: int = 4) -> list[dict]:
-    """Random token pairs: a shared prompt of 2-5 tokens (no preference loss) and completions of
-    1-6 tokens, different on the two sides (so padding and per-token means matter)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        prompt = torch.randint(1, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        c, r = (torch.randint(1, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-                for _ in range(2))
-        out.append({"chosen_ids": prompt + c, "chosen_labels": [-100] * len(prompt) + c,
-                    "rejected_ids": prompt + r, "rejected_labels": [-100] * len(prompt) + r})
-    return out
-
-
-def tokenizer():
-    """A word-level tokenizer over the tiny models' vocabulary (TRL's trainers want one)."""
-    from tokenizers import Tokenizer, models as tmodels
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(
-        {f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0", eos_token="t0")
-
-
-def lora_and_trainer(make_trainer):
-    """(rankwise LoRA model, TRL trainer over a PEFT LoRA) of one tiny Llama with equal, non-zero
-    adapters (r = 4, alpha 8 on q/v/down). ``make_trainer(base, peft_config, dataset, tokenizer)``
-    builds the trainer; the factors are set after it built the adapter."""
-    peft = pytest.importorskip("peft")
-    from datasets import Dataset
-    base = tiny_llama_lm(seed=0)
-    ours = copy.deepcopy(base)
-    registry.get("method", "lora").apply(ours, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
-    data = Dataset.from_dict({"prompt": ["t2 t3"], "chosen": [" t4"], "rejected": [" t5"]})
-    trainer = make_trainer(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                                                lora_dropout=0.0), data, tokenizer())
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, mod in adapter_modules(ours):  # non-zero B, so the adapters matter
-            for w in factors(mod, "default"):
-                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
-    same_factors(ours, trainer.model)
-    return ours.train(), trainer
-
-
-def trl_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our collated pair batch (chosen rows, then rejected) under the keys of TRL's
-    ``DPODataCollatorWithPadding`` that ``ORPOTrainer`` / ``CPOTrainer`` read."""
-    b = batch["input_ids"].shape[0] // 2
-    out = {}
-    for side, rows in (("chosen", slice(0, b)), ("rejected", slice(b, None))):
-        for key, name in (("input_ids", "input_ids"), ("attention_mask", "attention_mask"), ("labels", "labels")):
-            out[f"{side}_{name}"] = batch[key][rows]
-    return out
-
-
-def assert_same_grads(ours, peer, atol: float = 1e-5) -> int:
-    """Every LoRA factor's gradient of ``ours`` equals the PEFT ``peer``'s (``atol``); returns
-    how many were compared."""
-    named = dict(peer.named_modules())
-    n = 0
-    for path, mod in adapter_modules(ours):
-        a, b = factors(mod, "default")
-        layer = named["base_model.model." + path]
-        for mine, theirs in ((a, layer.lora_A["default"].weight), (b, layer.lora_B["default"].weight)):
-            assert mine.grad is not None and float(mine.grad.abs().sum()) > 0, path
-            assert torch.allclose(mine.grad, theirs.grad, atol=atol, rtol=0), \
-                (path, float((mine.grad - theirs.grad).abs().max()))
-            n += 1
-    return n
-
-
-def lora_model(seed: int = 2):
-    model = tiny_llama_lm(seed=0)
-    registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
-    for _, mod in adapter_modules(model):
-        torch.nn.init.normal_(factors(mod, "default")[1], std=0.3, generator=torch.Generator().manual_seed(seed))
-    return model.train()
+from rankwise.testing import tiny_llama_lm
+from tests.tasks.pair_fixtures import assert_same_grads as same_grads, grads, completion_by_hand, lora_model, nll_by_hand, pairs
 
 
 class Counter:
@@ -139,30 +58,6 @@ def test_log1mexp_is_log_of_one_minus_exp_on_both_branches():
     assert torch.allclose(log1mexp(x.float()).double(), truth, rtol=1e-6, atol=0)
     naive = torch.log(1 - torch.exp(x.float())).double()
     assert abs(float(naive[-1] / truth[-1]) - 1) > 5e-4 and float(naive[0]) == 0.0 != float(truth[0])
-
-
-def completion_by_hand(model, item, side: str) -> tuple[float, int]:
-    """``(summed log-prob, tokens)`` of one completion, token by token from ``log_softmax``."""
-    ids, labels = item[f"{side}_ids"], item[f"{side}_labels"]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
-    picked = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids)) if labels[t] != -100]
-    return sum(picked), len(picked)
-
-
-def nll_by_hand(model, items, on_prompt: bool) -> float:
-    """The chosen rows' NLL, the mean over their target tokens (every token after the first
-    with ``on_prompt``, else the completion's), summed token by token from ``log_softmax``."""
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for it in items:
-            ids = torch.tensor([it["chosen_ids"]])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
-            for t in range(1, len(it["chosen_ids"])):
-                if on_prompt or it["chosen_labels"][t] != -100:
-                    total -= float(logp[t - 1, it["chosen_ids"][t]])
-                    n += 1
-    return total / n
 
 
 @pytest.mark.parametrize("on_prompt", [True, False])
@@ -235,7 +130,6 @@ def test_chunked_log_probs_give_the_unchunked_loss_nll_and_every_gradient(case, 
     terms, the NLL's sum and tokens, ORPO's log-odds and every trainable gradient (LoRA; the
     prompt vectors behind 8 virtual tokens) equal the unchunked path to 1e-5 (fp32)."""
     from rankwise.tasks import logprobs
-    from tests.tasks.test_logprobs import assert_same_grads as same_grads, grads
     calls = []
     real = logprobs.chunked_logps
     monkeypatch.setattr(logprobs, "chunked_logps", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))

@@ -13,7 +13,7 @@ the optimizer state are untouched, and no second model exists.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -80,7 +80,6 @@ def resolve(mode: str, section: str, trains_full: bool, from_adapter: bool, full
     return mode
 
 
-
 def reference_problems(mode: str, run: Any) -> list[str]:
     """Why ``run`` has no reference under ``task.reference: mode`` (empty: it has one); the
     run-config check DPO and GRPO share (``run_problems``)."""
@@ -91,6 +90,67 @@ def reference_problems(mode: str, run: Any) -> list[str]:
     except RankwiseError as err:
         return [str(err)]
     return []
+
+
+def prepare_reference(task: Any, model: nn.Module, datasets: list, trains_full: bool,
+                      precompute: Callable[[Any], list]) -> str:
+    """What ``prepare`` does for a task with a reference (``dpo``, ``kto``): switch dropout off
+    (``task.disable_dropout``), resolve ``task.reference`` (``auto`` is ``precomputed`` for full
+    fine-tuning), and for ``initial`` copy the trainable tensors into ``task.snapshot``
+    (:class:`WeightSnapshot`), for ``precomputed`` store ``precompute(data)`` as each dataset's
+    ``ref_logps`` (the model as it is now, before the first step).
+
+    Args:
+        task: The task (``config.reference``, ``config.disable_dropout``, ``from_adapter``).
+        model: The model about to train.
+        datasets: The datasets the task's batches come from.
+        trains_full: The method trains every weight.
+        precompute: A dataset's reference log-probs (:func:`precompute_logps`).
+
+    Returns:
+        The reference in force (``adapters-off``, ``precomputed`` or ``initial``).
+
+    Raises:
+        RankwiseError: ``initial`` for an adapter trained from scratch.
+    """
+    mode = resolve(task.config.reference, "task", trains_full, task.from_adapter, "precomputed")
+    if task.config.disable_dropout:
+        disable_dropout(model)
+    if mode == "initial":
+        task.snapshot = WeightSnapshot(model)
+    if mode == "precomputed":
+        for data in datasets:
+            data.ref_logps = precompute(data)
+    return mode
+
+
+@torch.no_grad()
+def precompute_logps(task: Any, model: nn.Module, data: Any, batch_size: int, device: str,
+                     logps: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> list:
+    """``logps(batch)`` over every example of ``data`` in batches of ``batch_size`` collated by
+    ``task``, in eval mode (so dropout does not enter the reference), as nested lists.
+
+    Args:
+        task: Collates the examples (``task.collate(items, data.pad_id)``).
+        model: The model whose log-probs are taken (its train/eval mode is restored).
+        data: The examples (``len``, indexing, ``pad_id``).
+        batch_size: Examples per forward.
+        device: Where the batches go.
+        logps: A batch's ``(B, k)`` log-probs.
+
+    Returns:
+        One ``[k values]`` list per example.
+    """
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(data), batch_size):
+        items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
+        batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
+        out.extend(logps(batch).cpu().tolist())
+    model.train(was_training)
+    return out
+
 
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
@@ -123,4 +183,5 @@ def disable_dropout(model: nn.Module) -> int:
     return int(changed)
 
 
-__all__ = ["DROPOUTS", "WeightSnapshot", "disable_dropout", "reference", "reference_problems", "resolve"]
+__all__ = ["DROPOUTS", "WeightSnapshot", "disable_dropout", "precompute_logps", "prepare_reference", "reference",
+           "reference_problems", "resolve"]

@@ -2,8 +2,8 @@
 DPO's reference.
 
 The records, the batch layout (rows ``0..B-1`` the chosen completions, ``B..2B-1`` the rejected
-ones), the target count (one per pair) and evaluation in slices of whole pairs are
-:class:`~rankwise.tasks.dpo.task.DPOTask`'s; what differs is the loss, which needs **one**
+ones), the target count (one per pair) and evaluation in slices of whole pairs are the pair
+tasks' (:class:`~rankwise.tasks.pair_task.PairTask`, as DPO's); what differs is the loss, which needs **one**
 forward per batch (no reference model, no adapters-off pass):
 
     loss = mean_pairs(preference term) + w * NLL(chosen)
@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from rankwise.engine.task import IGNORE
-from rankwise.tasks.dpo.task import DPOTask
 from rankwise.tasks.logprobs import TargetLogps, target_logps
+from rankwise.tasks.pair_task import PAIR_METRICS, PairTask, add_pair_stats, pair_means
+from rankwise.tasks.pairs import by_pair
 from rankwise.tasks.reference import disable_dropout
 
 LOG_HALF = -math.log(2.0)
@@ -46,28 +47,6 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, without cancellation (Maechler 2012: ``log1p(-exp(x))``
     below ``-log 2``, ``log(-expm1(x))`` above)."""
     return torch.where(x < LOG_HALF, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
-
-
-def pair_run_problems(name: str, run: Any) -> list[str]:
-    """What a pair task refuses in the rest of the run config (each naming the fix): pairs are
-    scored whole, on their completions, so packing, samples, prompt targets and a length
-    schedule do not apply.
-
-    Args:
-        name: The task's name (messages).
-        run: The whole :class:`~rankwise.recipes.config.RunConfig`.
-    """
-    d, out = run.data, []
-    if d.packing or run.eval.samples or d.train_on_prompt:
-        what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
-        fix = " (task.sft_on_prompt sets the prompt's share of the NLL)" if name == "orpo" and \
-            what == "data.train_on_prompt" else ""
-        out.append(f"{what} is not supported with task.name: {name} (pairs are scored whole, on "
-                   f"their completions{fix}); remove it")
-    if d.schedule.name != "none":
-        out.append(f"data.schedule: skrull schedules single sequences, and task.name: {name} trains "
-                   "pairs; set data.schedule: none")
-    return out
 
 
 @dataclass
@@ -92,7 +71,7 @@ class PairOutput:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class ReferenceFreeTask(DPOTask):
+class ReferenceFreeTask(PairTask):
     """Base of ``orpo`` and ``simpo``: a preference term on the policy's own completion
     log-probs plus ``w`` times the chosen rows' NLL, from one forward (module docstring).
 
@@ -159,8 +138,7 @@ class ReferenceFreeTask(DPOTask):
         """``sum(preference term) + w * B * NLL`` of one forward of the ``2B`` rows."""
         pairs = self.count_targets(batch)
         completion, prompt = self.pair_logps(model, batch)
-        sums = completion.sums().view(2, -1).T                      # (2B,) -> (B, 2)
-        counts = completion.counts().view(2, -1).T
+        sums, counts = by_pair(completion.sums()), by_pair(completion.counts())  # (B, 2) each
         logps = sums / counts.clamp(min=1.0) if self.average() else sums
         losses, rewards, extras = self.pair_losses(logps)
         total = losses.sum()
@@ -218,32 +196,26 @@ def _prompt_labels(batch: dict[str, torch.Tensor], width: int) -> torch.Tensor:
 
 
 def _add(stats: dict[str, float], output: PairOutput) -> None:
-    r, lp = output.rewards.float(), output.logps.float()
-    values = [("pairs", r.shape[0]), ("correct", (r[:, 0] > r[:, 1]).sum()),
-              ("margin", (r[:, 0] - r[:, 1]).sum()), ("reward_chosen", r[:, 0].sum()),
-              ("reward_rejected", r[:, 1].sum()), ("logps_chosen", lp[:, 0].sum()),
-              ("logps_rejected", lp[:, 1].sum()), ("pref", output.losses.float().sum()),
-              ("nll_sum", output.nll_sum), ("nll_tokens", output.nll_tokens)]
+    add_pair_stats(stats, output.rewards, output.logps)
+    values = [("pref", output.losses.float().sum()), ("nll_sum", output.nll_sum),
+              ("nll_tokens", output.nll_tokens)]
     values += [(name, v.float().sum()) for name, v in output.extras.items()]
     for key, value in values:
         stats[key] = stats.get(key, 0.0) + float(value)
 
 
-NAMES = {"correct": "reward_accuracy", "margin": "reward_margin", "reward_chosen": "reward_chosen",
-         "reward_rejected": "reward_rejected", "logps_chosen": "logps_chosen",
-         "logps_rejected": "logps_rejected"}
-FIXED = set(NAMES) | {"pairs", "pref", "nll_sum", "nll_tokens"}
+FIXED = set(PAIR_METRICS) | {"pairs", "pref", "nll_sum", "nll_tokens"}
 
 
 def _means(stats: dict[str, float], prefix: str) -> dict[str, float]:
-    n = stats.get("pairs", 0.0)
-    if not n:
+    out = pair_means(stats, prefix)
+    if not out:
         return {}
-    out = {prefix + name: stats.get(key, 0.0) / n for key, name in NAMES.items()}
+    n = stats["pairs"]
     out.update({prefix + key: v / n for key, v in stats.items() if key not in FIXED})
     if stats.get("nll_tokens"):
         out[prefix + "nll_loss"] = stats["nll_sum"] / stats["nll_tokens"]
     return out
 
 
-__all__ = ["PairOutput", "ReferenceFreeTask", "log1mexp", "pair_run_problems"]
+__all__ = ["PairOutput", "ReferenceFreeTask", "log1mexp"]

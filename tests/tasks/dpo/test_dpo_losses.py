@@ -5,21 +5,16 @@ batch; the first batch's loss, every LoRA gradient and TRL's logged rewards to 1
 each of the 15 losses and two weighted combinations. Also the config's one-line refusals."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from rankwise import registry
-from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
 from rankwise.configs import from_dict
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.errors import RankwiseError
 from rankwise.tasks.dpo.losses import LOSSES, dpo_losses
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask
 from rankwise.tasks.reference import reference
-from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
-from tests.tasks.dpo.test_dpo_parity import TARGETS, pairs
+from tests.tasks.pair_fixtures import TARGETS, lora_and_trainer, pairs
 
 SEED = 7  # a batch whose pairs the sorts of aot and aot_unpaired reorder (asserted below)
 
@@ -48,32 +43,14 @@ def sides(tmp_path_factory):
     """(rankwise LoRA model, TRL trainer over a PEFT LoRA of the same base, the token batch) with
     equal, non-zero adapters. TRL gets the base and a ``peft_config`` (its reference is then the
     adapters switched off, as ours)."""
-    peft = pytest.importorskip("peft")
     trl = pytest.importorskip("trl")
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models as tmodels
-    from transformers import PreTrainedTokenizerFast
-    base = tiny_llama_lm(seed=0)
-    ours = copy.deepcopy(base)
-    registry.get("method", "lora").apply(ours, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(
-        {f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0", eos_token="t0")
     args = trl.DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), report_to=[], use_cpu=True,
                          per_device_train_batch_size=4, bf16=False, fp16=False)
-    trainer = trl.DPOTrainer(model=copy.deepcopy(base), args=args, processing_class=tok,
-                             train_dataset=Dataset.from_dict({"prompt": ["t2 t3"], "chosen": [" t4"],
-                                                              "rejected": [" t5"]}),
-                             peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                                         lora_dropout=0.0))
+    ours, trainer = lora_and_trainer(lambda base, peft_config, data, tok: trl.DPOTrainer(
+        model=base, args=args, processing_class=tok, train_dataset=data, peft_config=peft_config))
     assert "ref" not in trainer.model.peft_config
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, mod in adapter_modules(ours):  # non-zero B, so the adapters matter
-            for w in factors(mod, "default"):
-                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
-    same_factors(ours, trainer.model)
     trainer.model.train()
-    return ours.train(), trainer, DPOTask().collate(pairs(seed=SEED), pad_id=0)
+    return ours, trainer, DPOTask().collate(pairs(seed=SEED), pad_id=0)
 
 
 @pytest.mark.slow  # imports TRL and builds its trainer once (~18 s under load), then ~0.1 s a case

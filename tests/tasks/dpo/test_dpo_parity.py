@@ -3,7 +3,6 @@ same weights, same token batch, the first batch's loss to 1e-5 (fp32) for sigmoi
 hinge; and the conservative (label-smoothed) DPO loss against its formula."""
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -12,54 +11,22 @@ from torch.nn import functional as F
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
-from rankwise.core.protocol import adapter_modules, factors
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask, completion_logps, dpo_losses
-from rankwise.testing import VOCAB, same_factors, tiny_llama_lm
-
-TARGETS = ["q_proj", "v_proj", "down_proj"]
-
-
-def pairs(seed: int = 3, n: int = 4) -> list[dict]:
-    """Random token pairs: a shared prompt (no loss) and completions of different lengths."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        prompt = torch.randint(1, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        c, r = (torch.randint(1, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-                for _ in range(2))
-        out.append({"chosen_ids": prompt + c, "chosen_labels": [-100] * len(prompt) + c,
-                    "rejected_ids": prompt + r, "rejected_labels": [-100] * len(prompt) + r})
-    return out
+from rankwise.testing import VOCAB
+from tests.tasks.pair_fixtures import lora_and_trainer, lora_model, pairs
 
 
 def models(tmp_path, loss: str, beta: float):
-    """(rankwise LoRA model, TRL trainer over a PEFT LoRA) of one base with equal, non-zero
-    adapters. TRL gets the base and a ``peft_config`` (a PEFT model handed to it would have its
-    adapter copied as the reference, "ref"); the weights are set after it built the adapter."""
-    peft = pytest.importorskip("peft")
-    base = tiny_llama_lm(seed=0)
-    ours = copy.deepcopy(base)
-    registry.get("method", "lora").apply(ours, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
-    trainer = trl_trainer(copy.deepcopy(base), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0), loss, beta, tmp_path)
-    g = torch.Generator().manual_seed(5)
+    """(rankwise LoRA model, TRL ``DPOTrainer`` over a PEFT LoRA) of one base with equal,
+    non-zero adapters (:func:`tests.tasks.pair_fixtures.lora_and_trainer`)."""
+    ours, trainer = lora_and_trainer(lambda base, peft_config, data, tok: trl_trainer(
+        base, peft_config, data, tok, loss, beta, tmp_path))
     assert "ref" not in trainer.model.peft_config  # the reference is the adapters switched off
-    with torch.no_grad():
-        for _, mod in adapter_modules(ours):  # non-zero B, so the adapters matter
-            for w in factors(mod, "default"):
-                w.copy_(torch.randn(w.shape, generator=g) * 0.3)
-    same_factors(ours, trainer.model)
-    return ours.train(), trainer
+    return ours, trainer
 
 
-def trl_trainer(model, peft_config, loss: str, beta: float, tmp_path):
+def trl_trainer(model, peft_config, data, tok, loss: str, beta: float, tmp_path):
     trl = pytest.importorskip("trl")
-    from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models as tmodels
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(
-        {f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0", eos_token="t0")
-    data = Dataset.from_dict({"prompt": ["t2 t3"], "chosen": [" t4"], "rejected": [" t5"]})
     args = trl.DPOConfig(output_dir=str(tmp_path), beta=beta, loss_type=[loss], report_to=[],
                          use_cpu=True, per_device_train_batch_size=4, bf16=False, fp16=False)
     return trl.DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
@@ -106,12 +73,9 @@ def test_completion_logps_skip_the_prompt():
 
 
 def test_evaluation_in_slices_of_whole_pairs_gives_the_same_metrics():
-    from rankwise.tasks.dpo.data import PairData
     from rankwise.engine import evaluate
-    model = tiny_llama_lm(seed=0)
-    registry.get("method", "lora").apply(model, RwLoraConfig(r=4, alpha=8.0, targets=TARGETS))
-    for _, mod in adapter_modules(model):
-        torch.nn.init.normal_(factors(mod, "default")[1], std=0.3, generator=torch.Generator().manual_seed(2))
+    from rankwise.tasks.pairs import PairData
+    model = lora_model()
     data = PairData(pairs(n=5), pad_id=0)
     whole = evaluate(model, DPOTask(), data, batch_size=5)
     sliced_task = DPOTask()

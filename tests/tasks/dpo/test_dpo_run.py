@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from rankwise.core.ops import disable_adapters
-from rankwise.data.instruct import load_function_records
-from rankwise.tasks.dpo.data import build_pair_data
 from rankwise.engine import get_task
 from rankwise.tasks.dpo.task import completion_logps
+from rankwise.tasks.pairs import build_pair_data
 from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.model import load_tokenizer
@@ -25,20 +24,7 @@ from rankwise.recipes.train import train
 from rankwise.recipes.session import prepare
 from test_cli_errors import assert_user_error, invoke, write_yaml
 from tests.recipes.test_train import start_and_wait_for_checkpoint
-
-
-def pair_records(n: int = 24) -> list[dict]:
-    """Docstring -> its function's ``def`` line (chosen) or the next function's (rejected)."""
-    recs = load_function_records()[:n + 1]
-    return [{"prompt": " ".join(a["prompt"].split()[:12]) + "\n", "chosen": a["completion"],
-             "rejected": b["completion"]} for a, b in zip(recs, recs[1:])]
-
-
-@pytest.fixture(scope="module")
-def pairs_jsonl(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in pair_records()))
-    return path
+from tests.tasks.pair_fixtures import CHAT_TEMPLATE as TEMPLATE, pair_records
 
 
 def raw_config(source: Path, method: str = "lora", steps: int = 2) -> dict:
@@ -210,10 +196,6 @@ def test_dpo_section_defaults_are_recorded():
     assert get_task(cfg.task).config is cfg.task
     old = load_run_config(None, base={"model": {"path": "tiny-llama", "task": "dpo"}})  # old spelling
     assert old.to_dict() == cfg.to_dict()
-
-
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} [SEP] {% endfor %}"
-            "{% if add_generation_prompt %}<assistant> {% endif %}")
 
 
 def test_chat_pairs_share_the_prompt_and_label_only_the_answer(tmp_path):

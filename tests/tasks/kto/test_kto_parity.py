@@ -192,7 +192,7 @@ def test_chunked_log_probs_give_the_unchunked_loss_kl_precomputed_reference_and_
     from rankwise.tasks import logprobs
     from rankwise.tasks.kto.data import UnpairedData
     from rankwise.tasks.kto.task import precompute_reference
-    from tests.tasks.test_logprobs import assert_same_grads, grads
+    from tests.tasks.pair_fixtures import assert_same_grads, grads
     calls = []
     real = logprobs.chunked_logps
     monkeypatch.setattr(logprobs, "chunked_logps", lambda *a, **k: calls.append(a[3]) or real(*a, **k))

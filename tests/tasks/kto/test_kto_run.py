@@ -22,6 +22,7 @@ from rankwise.recipes.session import prepare
 from rankwise.recipes.train import train
 from rankwise.tasks.kto.data import balance_warning, build_unpaired_data
 from test_cli_errors import assert_user_error, invoke, write_yaml
+from tests.tasks.pair_fixtures import CHAT_TEMPLATE as TEMPLATE
 
 
 def unpaired_records(n: int = 24) -> list[dict]:
@@ -196,10 +197,6 @@ def test_unbalanced_labels_outside_the_papers_range_warn():
         assert balance_warning(30, 10, 1.0, 1.0) is not None
     assert balance_warning(30, 10, 0.4, 1.0) is None           # lambda_D n_D / lambda_U n_U = 1.2
     assert balance_warning(10, 10, 1.0, 5.0) is None           # balanced: TRL says nothing either
-
-
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} [SEP] {% endfor %}"
-            "{% if add_generation_prompt %}<assistant> {% endif %}")
 
 
 def test_chat_examples_label_only_the_answer_and_kl_rows_keep_their_prompt(tmp_path):

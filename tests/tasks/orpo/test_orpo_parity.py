@@ -12,7 +12,7 @@ import torch
 
 from rankwise.tasks.orpo.task import ORPOConfig, ORPOTask, orpo_losses
 from test_cli_errors import assert_user_error, invoke, write_yaml
-from tests.tasks.test_reference_free import assert_same_grads, lora_and_trainer, pairs, trl_batch
+from tests.tasks.pair_fixtures import assert_same_peer_grads, first_batch_with_trl
 
 
 def orpo_trainer(beta: float, tmp_path):
@@ -29,17 +29,10 @@ def orpo_trainer(beta: float, tmp_path):
 @pytest.mark.parametrize("beta", [0.1, 2.0])
 def test_first_batch_loss_gradients_and_metrics_equal_trl_orpo_trainer(beta, tmp_path):
     pytest.importorskip("trl")
-    ours, trainer = lora_and_trainer(orpo_trainer(beta, tmp_path))
     task = ORPOTask(ORPOConfig(beta=beta))
-    batch = task.collate(pairs(), pad_id=0)
-    total, out = task.loss_sum(ours, batch)
-    mine = total / task.count_targets(batch)
-    mine.backward()
-    trainer.model.train()
-    ref, logged = trainer.get_batch_loss_metrics(trainer.model, trl_batch(batch))
-    ref.backward()
+    ours, trainer, mine, ref, logged = first_batch_with_trl(task, orpo_trainer(beta, tmp_path))
     assert float(mine.detach()) == pytest.approx(float(ref.detach()), abs=1e-5, rel=1e-5)
-    assert assert_same_grads(ours, trainer.model) == 2 * 3 * 2   # A and B of q, v, down in 2 layers
+    assert assert_same_peer_grads(ours, trainer.model) == 2 * 3 * 2   # A and B of q, v, down in 2 layers
     step = task.step_metrics()
     for key, theirs in (("nll_loss", "nll_loss"), ("log_odds_ratio", "log_odds_ratio"),
                         ("log_odds_chosen", "log_odds_chosen"), ("reward_chosen", "rewards/chosen"),

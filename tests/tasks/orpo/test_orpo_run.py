@@ -15,17 +15,9 @@ from rankwise.recipes.config import load_run_config
 from rankwise.recipes.export import load_run
 from rankwise.recipes.session import prepare
 from rankwise.recipes.train import train
-from rankwise.tasks.dpo.data import build_pair_data
+from rankwise.tasks.pairs import build_pair_data
 from test_cli_errors import invoke
-from tests.tasks.dpo.test_dpo_run import pair_records
-from tests.tasks.test_reference_free import completion_by_hand, nll_by_hand
-
-
-@pytest.fixture(scope="module")
-def pairs_jsonl(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in pair_records()))
-    return path
+from tests.tasks.pair_fixtures import completion_by_hand, nll_by_hand
 
 
 def raw_config(source: Path, method: str = "lora", steps: int = 2) -> dict:

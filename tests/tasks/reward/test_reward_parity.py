@@ -17,8 +17,7 @@ from rankwise.core.protocol import adapter_modules, factors
 from rankwise.errors import RankwiseError
 from rankwise.tasks.reward.task import RewardConfig, RewardTask, reward_losses
 from rankwise.testing import VOCAB, same_factors
-
-TARGETS = ["q_proj", "v_proj", "down_proj"]
+from tests.tasks.pair_fixtures import TARGETS, pairs, tokenizer
 
 
 def tiny_reward_model(seed: int = 0, num_labels: int = 1):
@@ -29,22 +28,6 @@ def tiny_reward_model(seed: int = 0, num_labels: int = 1):
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, num_labels=num_labels)
     return LlamaForSequenceClassification(cfg).eval()
-
-
-def pairs(seed: int = 3, n: int = 4, margins: bool = False) -> list[dict]:
-    """Random token pairs (no pad id inside) sharing a prompt, completions of different lengths."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        prompt = torch.randint(1, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        c, r = (torch.randint(1, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-                for _ in range(2))
-        pair = {"chosen_ids": prompt + c, "chosen_labels": [-100] * len(prompt) + c,
-                "rejected_ids": prompt + r, "rejected_labels": [-100] * len(prompt) + r}
-        if margins:
-            pair["margin"] = [0.0, 1.5, -0.5, 3.0][i % 4]
-        out.append(pair)
-    return out
 
 
 def models(tmp_path, center: float | None):
@@ -78,10 +61,7 @@ def peer_head(peft_model):
 def trl_trainer(model, peft_config, center: float | None, tmp_path):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
-    from tokenizers import Tokenizer, models as tmodels
-    from transformers import PreTrainedTokenizerFast
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(
-        {f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0", eos_token="t0")
+    tok = tokenizer()
     data = Dataset.from_dict({"chosen_ids": [[2, 3, 4]], "rejected_ids": [[2, 3, 5]]})
     args = trl.RewardConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, fp16=False,
                             per_device_train_batch_size=4, gradient_checkpointing=False,

@@ -173,7 +173,7 @@ def test_chunked_log_probs_give_the_unchunked_advantages_loss_and_every_lora_gra
     calls), at temperature 1 and 0.7; the advantages, the reference log-probs on the completion
     tokens, the logged ``kl``, the loss and every LoRA gradient equal the unchunked path to 1e-5."""
     from rankwise.tasks import logprobs
-    from tests.tasks.test_logprobs import assert_same_grads, grads
+    from tests.tasks.pair_fixtures import assert_same_grads, grads
     calls = []
     real = logprobs.chunked_logps
     monkeypatch.setattr(logprobs, "chunked_logps", lambda *a, **k: calls.append(a[3:5]) or real(*a, **k))

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from rankwise.tasks.simpo.task import SimPOConfig, SimPOTask, simpo_losses
 from test_cli_errors import assert_user_error, invoke, write_yaml
-from tests.tasks.test_reference_free import assert_same_grads, lora_and_trainer, pairs, trl_batch
+from tests.tasks.pair_fixtures import assert_same_peer_grads, first_batch_with_trl
 
 CASES = {  # id: our task section (TRL's CPOConfig: loss_type, beta, simpo_gamma, cpo_alpha, label_smoothing)
     "simpo-trl-defaults": {},
@@ -53,17 +53,10 @@ def test_trl_defaults_are_ours():
 def test_first_batch_loss_gradients_and_metrics_equal_trl_cpo_trainer(case, tmp_path):
     pytest.importorskip("trl")
     cfg = SimPOConfig(**CASES[case])
-    ours, trainer = lora_and_trainer(cpo_trainer(cfg, tmp_path))
     task = SimPOTask(cfg)
-    batch = task.collate(pairs(), pad_id=0)
-    total, out = task.loss_sum(ours, batch)
-    mine = total / task.count_targets(batch)
-    mine.backward()
-    trainer.model.train()
-    ref, logged = trainer.get_batch_loss_metrics(trainer.model, trl_batch(batch))
-    ref.backward()
+    ours, trainer, mine, ref, logged = first_batch_with_trl(task, cpo_trainer(cfg, tmp_path))
     assert float(mine.detach()) == pytest.approx(float(ref.detach()), abs=1e-5, rel=1e-5)
-    assert assert_same_grads(ours, trainer.model) == 2 * 3 * 2   # A and B of q, v, down in 2 layers
+    assert assert_same_peer_grads(ours, trainer.model) == 2 * 3 * 2   # A and B of q, v, down in 2 layers
     step = task.step_metrics()
     for key, theirs in (("reward_chosen", "rewards/chosen"), ("reward_rejected", "rewards/rejected"),
                         ("reward_margin", "rewards/margins"), ("reward_accuracy", "rewards/accuracies"),

@@ -1,4 +1,5 @@
-"""The ``dpo`` task (Direct Preference Optimization): the loss, its records, the registration."""
+"""The ``dpo`` task (Direct Preference Optimization): the loss and the registration (its records are
+the pair tasks', :mod:`rankwise.tasks.pairs`)."""
 from rankwise import registry
 from rankwise.tasks.dpo.task import DPOConfig, DPOTask
 

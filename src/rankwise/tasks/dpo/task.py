@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Literal, Union
 
 import torch
 from torch import nn
 
-from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
-from rankwise.errors import RankwiseError, closest
-from rankwise.tasks.common import CausalLMTask, lm_example, write_records
-from rankwise.tasks.dpo.data import build_pair_data
+from rankwise.engine.task import TaskConfig
+from rankwise.errors import closest
 from rankwise.tasks.dpo.losses import LOSSES, SMOOTHED, dpo_losses
-from rankwise.tasks.logprobs import logits_logps, target_logps
-from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, reference_problems, resolve
+from rankwise.tasks.logprobs import logits_logps
+from rankwise.tasks.pair_task import PairTask, add_pair_stats, pair_means, pair_run_problems
+from rankwise.tasks.reference import WeightSnapshot, precompute_logps, prepare_reference, reference, reference_problems
 
 
 @dataclass
@@ -119,16 +117,7 @@ class DPOConfig(TaskConfig):
     def run_problems(self, run: Any) -> list[str]:
         """The reference must exist (``initial`` needs a start); pairs are scored whole, on their
         completions, so packing, samples, prompt targets and a length schedule are refused."""
-        out = reference_problems(self.reference, run)
-        d = run.data
-        if d.packing or run.eval.samples or d.train_on_prompt:
-            what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
-            out.append(f"{what} is not supported with task.name: dpo (pairs are scored whole, on "
-                       "their completions); remove it")
-        if d.schedule.name != "none":
-            out.append("data.schedule: skrull schedules single sequences, and task.name: dpo trains "
-                       "pairs; set data.schedule: none")
-        return out
+        return reference_problems(self.reference, run) + pair_run_problems(self.name, run)
 
 
 def _default(cls: type, name: str) -> Any:
@@ -159,65 +148,23 @@ class DPOOutput:
     rewards: torch.Tensor    # (B, 2)
 
 
-class DPOTask(Task):
+class DPOTask(PairTask):
     """Preference pairs ``{prompt, chosen, rejected}``: one target per pair (the pair's loss).
 
     Examples are ``{"chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"}`` and,
     with a precomputed reference, ``"ref_logps"`` ``[chosen, rejected]``
-    (:mod:`rankwise.tasks.dpo.data` builds them).
+    (:mod:`rankwise.tasks.pairs` builds them; the records, batch, target count, evaluation
+    slices and log-probs are :class:`~rankwise.tasks.pair_task.PairTask`'s).
 
     Args:
         config: The ``task:`` section (default: :class:`DPOConfig`).
     """
 
     name = "dpo"
-    auto_class = "AutoModelForCausalLM"
-    eval_logits_bytes: int = CausalLMTask.eval_logits_bytes
-    # Completion positions per chunk of the log-probs (:mod:`rankwise.tasks.logprobs`); 0 = the
-    # whole logits at once. ``rankwise train`` sets it from ``train.loss_chunk_tokens``.
-    loss_chunk_tokens: int = 0
 
     def __init__(self, config: DPOConfig | None = None) -> None:
         super().__init__(config or DPOConfig())
-        self._sums: dict[str, float] = {}
         self.snapshot: WeightSnapshot | None = None  # the ``initial`` reference's weights
-
-    @classmethod
-    def example(cls, folder):
-        """``tiny-llama`` preferring a function's body to ``pass`` (12 pairs)."""
-        pairs = [{"prompt": f"def f{i}(x):\n", "chosen": f"    return x + {i}", "rejected": "    pass"}
-                 for i in range(12)]
-        return lm_example(folder, {"name": cls.name, "beta": 0.2},
-                          data={"source": write_records(Path(folder) / "pairs.jsonl", pairs),
-                                "max_length": 24, "eval_fraction": 0.25})
-
-    def records(self, data_cfg, tokenizer, progress=False):
-        """The ``data:`` section's preference pairs (:func:`rankwise.tasks.dpo.data.build_pair_data`)."""
-        return build_pair_data(data_cfg, tokenizer, progress)
-
-    def collate(self, items, pad_id):
-        """Rows ``0..B-1`` are the chosen completions, ``B..2B-1`` the rejected ones."""
-        seqs = [it["chosen_ids"] for it in items] + [it["rejected_ids"] for it in items]
-        ids, mask = pad(seqs, pad_id)                               # (2B, T)
-        labels, _ = pad([it["chosen_labels"] for it in items] + [it["rejected_labels"] for it in items],
-                        IGNORE)
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if all("ref_logps" in it for it in items):
-            batch["ref_logps"] = torch.tensor([list(it["ref_logps"]) for it in items], dtype=torch.float32)
-        return batch
-
-    def count_targets(self, batch):
-        """One target per pair."""
-        return int(batch["input_ids"].shape[0]) // 2
-
-    def sequence_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]
-                       ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """``(completion log-probs (B, 2), completion tokens (B, 2), output)`` of ``model``, in
-        chunks of ``loss_chunk_tokens`` completion positions when set (the full logits are never
-        formed; the output's ``logits`` is then a zero-width placeholder)."""
-        inputs = {k: v for k, v in batch.items() if k != "ref_logps"}
-        got = target_logps(model, lambda: self._forward(model, inputs), self.loss_chunk_tokens)
-        return got.sums().view(2, -1).T, got.counts().view(2, -1).T, got.output  # (2B,) -> (B, 2)
 
     def loss_sum(self, model, batch):
         """Summed per-pair loss; the reference is ``batch["ref_logps"]``, or the model with its
@@ -232,42 +179,24 @@ class DPOTask(Task):
                                      c.label_smoothing, c.loss_weights, c.discopop_tau)
         output = DPOOutput(policy.detach(), rewards)
         if model.training:
-            _add(self._sums, output)
+            add_pair_stats(self._sums, output.rewards, output.logps)
         return losses.sum(), output
-
-    def eval_parts(self, model, batch):
-        """Slices of whole pairs (chosen row ``i`` with rejected row ``B + i``) whose float32
-        logits fit in ``eval_logits_bytes``; sums and counts add up to the batch's."""
-        pairs, width = self.count_targets(batch), batch["input_ids"].shape[1]
-        rows = CausalLMTask.eval_rows(model, width, self.eval_logits_bytes)
-        step = None if rows is None else max(1, rows // 2)         # two rows per pair
-        if step is None or step >= pairs:
-            return [batch]
-        parts = []
-        for i in range(0, pairs, step):
-            j = min(pairs, i + step)
-            rows = torch.cat([torch.arange(i, j), torch.arange(pairs + i, pairs + j)]).to(batch["input_ids"].device)
-            part = {k: v[rows] for k, v in batch.items() if k != "ref_logps"}
-            if "ref_logps" in batch:
-                part["ref_logps"] = batch["ref_logps"][i:j]
-            parts.append(part)
-        return parts
 
     def step_metrics(self) -> dict[str, float]:
         """Means over the pairs of the training forwards since the last call (this process's)."""
         sums, self._sums = self._sums, {}
-        return _means(sums, "")
+        return pair_means(sums, "")
 
     def eval_update(self, stats, batch, output, loss_sum):
         """Loss sum, pairs, and the reward / log-prob sums."""
         super().eval_update(stats, batch, output, loss_sum)
-        _add(stats, output)
+        add_pair_stats(stats, output.rewards, output.logps)
 
     def eval_metrics(self, stats):
         """``eval_loss`` (mean per pair), ``eval_reward_accuracy`` (share of pairs whose chosen
         reward is higher), ``eval_reward_margin`` and the mean rewards and log-probs."""
         n = max(stats.get("targets", 0.0), 1.0)
-        return {"eval_loss": stats.get("loss", 0.0) / n, **_means(stats, "eval_")}
+        return {"eval_loss": stats.get("loss", 0.0) / n, **pair_means(stats, "eval_")}
 
     def prepare(self, model: nn.Module, datasets: list, trains_full: bool, batch_size: int,
                 device: str) -> str:
@@ -281,50 +210,15 @@ class DPOTask(Task):
         Raises:
             RankwiseError: ``initial`` for an adapter trained from scratch.
         """
-        mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "precomputed")
-        if self.config.disable_dropout:
-            disable_dropout(model)
-        if mode == "initial":
-            self.snapshot = WeightSnapshot(model)
-        if mode == "precomputed":
-            for data in datasets:
-                data.ref_logps = reference_logps(self, model, data, batch_size, device)
-        return mode
+        return prepare_reference(self, model, datasets, trains_full,
+                                 lambda data: reference_logps(self, model, data, batch_size, device))
 
 
-@torch.no_grad()
 def reference_logps(task: DPOTask, model: nn.Module, data: Any, batch_size: int, device: str) -> list:
     """``[[chosen, rejected], ...]`` completion log-probs of ``model`` over every pair of ``data``
-    (in eval mode, so dropout does not enter the reference)."""
-    was_training = model.training
-    model.eval()
-    out = []
-    for start in range(0, len(data), batch_size):
-        items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
-        batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
-        logps, _, _ = task.sequence_logps(model, batch)
-        out.extend(logps.cpu().tolist())
-    model.train(was_training)
-    return out
-
-
-def _add(stats: dict[str, float], output: DPOOutput) -> None:
-    r, lp = output.rewards.float(), output.logps.float()
-    for key, value in (("pairs", r.shape[0]), ("correct", (r[:, 0] > r[:, 1]).sum()),
-                       ("margin", (r[:, 0] - r[:, 1]).sum()), ("reward_chosen", r[:, 0].sum()),
-                       ("reward_rejected", r[:, 1].sum()), ("logps_chosen", lp[:, 0].sum()),
-                       ("logps_rejected", lp[:, 1].sum())):
-        stats[key] = stats.get(key, 0.0) + float(value)
-
-
-def _means(stats: dict[str, float], prefix: str) -> dict[str, float]:
-    n = stats.get("pairs", 0.0)
-    if not n:
-        return {}
-    names = {"correct": "reward_accuracy", "margin": "reward_margin", "reward_chosen": "reward_chosen",
-             "reward_rejected": "reward_rejected", "logps_chosen": "logps_chosen",
-             "logps_rejected": "logps_rejected"}
-    return {prefix + name: stats.get(key, 0.0) / n for key, name in names.items()}
+    (in eval mode, so dropout does not enter the reference;
+    :func:`rankwise.tasks.reference.precompute_logps`)."""
+    return precompute_logps(task, model, data, batch_size, device, lambda batch: task.sequence_logps(model, batch)[0])
 
 
 __all__ = ["DPOConfig", "DPOTask", "DPOOutput", "LOSSES", "completion_logps", "dpo_losses",

@@ -19,7 +19,7 @@ TRL's ``reward_processing_classes`` do), and is reported in one warning.
 
 Each ``(prompt, completion)`` is scored as the reward run encoded a text pair:
 ``special prefix + ids(prompt) + ids(completion) + [EOS]``, the prompt cut from the left to fit
-the run's ``data.max_length`` (:class:`rankwise.tasks.dpo.data.PairEncoder`'s rule), and the
+the run's ``data.max_length`` (:class:`rankwise.tasks.pairs.PairEncoder`'s rule), and the
 reward is the head's output at the last token that is not padding, in batches of
 :attr:`RewardModel.batch_size` without gradient. TRL's ``GRPOTrainer`` instead tokenizes
 ``prompt + completion`` as one text without an EOS, unlike its own reward training.

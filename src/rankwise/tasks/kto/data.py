@@ -7,12 +7,11 @@ and its completion kept apart (the KL estimate pairs a prompt with *another* exa
 completion, :mod:`rankwise.tasks.kto.task`):
 
 * plain text (``data.format: text`` or ``prompt-completion``): prompt ``prefix + prompt``,
-  completion ``completion + EOS`` (the tokenization of :mod:`rankwise.data.formats` and of
-  ``task.name: dpo``);
-* ``chat``: ``prompt`` is a list of ``{role, content}`` messages (or a text, taken as one user
-  turn) and ``completion`` a list of assistant messages (or a text, one assistant turn). The
-  prompt is the template's rendering with the generation prompt; the completion is what the full
-  conversation adds to it (the turn and its end-of-turn marker).
+  completion ``completion + EOS``;
+* ``chat``: the prompt's messages rendered with the generation prompt, the completion what the
+  full conversation adds to it;
+
+the encoding of the pair tasks (:class:`rankwise.tasks.pairs.PairEncoder`, as ``task.name: dpo``).
 
 The prompt is cut from the left to fit ``data.max_length`` (the special prefix stays); an
 example whose completion alone does not fit is dropped and counted (``dropped``). A record with
@@ -22,30 +21,14 @@ them; a label that is not a boolean, a file without the label column, or a file 
 """
 from __future__ import annotations
 
-import json
 import random
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from rankwise.data.demo import split_of
 from rankwise.data.files import quiet_datasets, read_dataset
-from rankwise.data.formats import Encoder, resolve_chat_template
 from rankwise.errors import RankwiseError
-
-
-def cut_prompt(prompt: list[int], completion: int, keep: int, max_length: int) -> list[int] | None:
-    """``prompt`` cut from the left so that it and a completion of ``completion`` tokens fit in
-    ``max_length``; its first ``keep`` tokens (the special prefix) always stay.
-
-    Returns:
-        The cut prompt, or ``None`` when the completion alone (after the prefix) does not fit.
-    """
-    room = max_length - keep - completion
-    if room < 0:
-        return None
-    body = prompt[keep:]
-    return prompt[:keep] + body[max(0, len(body) - room):]
+from rankwise.tasks.pairs import PairEncoder, Split, cut_prompt, pair_encoder, read_splits, split_side
 
 
 @dataclass
@@ -106,53 +89,6 @@ class UnpairedData:
                          for i, e in enumerate(self.examples)]
 
 
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-class UnpairedEncoder:
-    """Encodes one record's prompt and completion into ``(prompt ids, completion ids)``.
-
-    Args:
-        enc: The :class:`~rankwise.data.formats.Encoder` of ``data:`` (prefix, EOS, chat
-            template, ``max_length``).
-    """
-
-    def __init__(self, enc: Encoder) -> None:
-        self.enc, self.tok = enc, enc.tokenizer
-        self.keep = len(enc.prefix) if enc.fmt != "chat" else 0
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def encode(self, prompt: Any, completion: Any, record: int) -> tuple[list[int], list[int]] | None:
-        """``(prompt ids, completion ids)``, the completion ending with EOS (or the template's
-        end-of-turn); ``None`` when the prompt or the completion is missing or empty.
-
-        Raises:
-            RankwiseError: Malformed messages, or a template whose rendering of prompt +
-                completion does not extend the prompt's.
-        """
-        enc = self.enc
-        if enc.fmt != "chat":
-            if _text(prompt) is None or _text(completion) is None:
-                return None
-            return enc.prefix + self._ids(prompt), self._ids(completion) + [enc.eos]
-        if _text(prompt) is not None:
-            prompt = [{"role": "user", "content": prompt}]
-        if _text(completion) is not None:
-            completion = [{"role": "assistant", "content": completion}]
-        if not (isinstance(prompt, list) and prompt and isinstance(completion, list) and completion):
-            return None
-        head_msgs = enc.messages(prompt, record)
-        head = enc.render(head_msgs, generation_prompt=True, record=record)
-        full = enc.render(head_msgs + enc.messages(completion, record), record=record)
-        if not full.startswith(head) or len(full) == len(head):
-            raise RankwiseError(f"record {record}: the chat template's rendering of prompt + "
-                                "completion does not extend the prompt's; set data.chat_template")
-        return self._ids(head), self._ids(full[len(head):])
-
-
 def build_unpaired_data(data_cfg, tokenizer, progress: bool = False) -> tuple[UnpairedData, UnpairedData]:
     """Build ``(train, eval)`` unpaired examples from the ``data:`` section; the evaluation
     examples get their fixed mismatched partners (:meth:`UnpairedData.fix_partners`).
@@ -175,21 +111,8 @@ def build_unpaired_data(data_cfg, tokenizer, progress: bool = False) -> tuple[Un
     if data_cfg.source in ("demo", "stdlib-functions"):
         raise RankwiseError(f"data.source {data_cfg.source} has no labelled completions; task.name "
                             "kto needs a file of {prompt, completion, label} records")
-    template = resolve_chat_template(tokenizer, data_cfg.chat_template) if data_cfg.format == "chat" else None
-    enc = Encoder(tokenizer, "chat" if data_cfg.format == "chat" else "prompt-completion",
-                  data_cfg.max_length, chat_template=template)
-    ue = UnpairedEncoder(enc)
-    if data_cfg.eval_source:
-        train, _ = _read(data_cfg.source, data_cfg, ue, None)
-        evals, _ = _read(data_cfg.eval_source, data_cfg, ue, None)
-    else:
-        train, evals = _read(data_cfg.source, data_cfg, ue, data_cfg.eval_fraction)
-    if data_cfg.limit:
-        train = (train[0][: data_cfg.limit], train[1])
-    if not train[0] or not evals[0]:
-        which = "training" if not train[0] else "evaluation"
-        raise RankwiseError(f"data {data_cfg.source}: the {which} split has no examples; add records "
-                            "or change data.eval_fraction")
+    ue = pair_encoder(data_cfg, tokenizer)
+    train, evals = read_splits(data_cfg, lambda source, frac: _read(source, data_cfg, ue, frac), "examples")
     pad, keep, limit = tokenizer.pad_token_id, ue.keep, data_cfg.max_length
     held = UnpairedData(evals[0], pad, keep, limit, evals[1])
     held.fix_partners()
@@ -239,13 +162,13 @@ def check_fields(source: str, data_cfg, have: list[str]) -> None:
                                 f"{{prompt, completion, label}} records: set data.{key}")
 
 
-def _read(source: str, data_cfg, ue: UnpairedEncoder, eval_fraction: float | None):
+def _read(source: str, data_cfg, ue: PairEncoder, eval_fraction: float | None) -> tuple[Split, Split]:
     """Encode every record of ``source``; ``((train examples, dropped), (eval examples,
     dropped))`` (everything in the first when ``eval_fraction`` is ``None``)."""
     raw = read_dataset(source, data_cfg.cache_dir)
     check_fields(source, data_cfg, list(raw.column_names))
     fields = [data_cfg.prompt_field, data_cfg.completion_field, data_cfg.label_field]
-    parts: list[tuple[list, int]] = [([], 0), ([], 0)]
+    parts: list[Split] = [([], 0), ([], 0)]
     missing = 0
     for row, rec in enumerate(raw.select_columns(fields)):
         record = row + 1
@@ -258,8 +181,7 @@ def _read(source: str, data_cfg, ue: UnpairedEncoder, eval_fraction: float | Non
         if encoded is None:
             missing += 1
             continue
-        key = f"{row}:{prompt_v if isinstance(prompt_v, str) else json.dumps(prompt_v, sort_keys=True)}"
-        side = 1 if eval_fraction is not None and split_of(key, eval_fraction) == "eval" else 0
+        side = split_side(row, prompt_v, eval_fraction)
         examples, dropped = parts[side]
         prompt = cut_prompt(encoded[0], len(encoded[1]), ue.keep, ue.enc.max_length)
         if prompt is None:
@@ -275,4 +197,4 @@ def _read(source: str, data_cfg, ue: UnpairedEncoder, eval_fraction: float | Non
     return parts[0], parts[1]
 
 
-__all__ = ["UnpairedData", "balance_warning", "UnpairedEncoder", "build_unpaired_data", "check_fields", "cut_prompt"]
+__all__ = ["UnpairedData", "balance_warning", "build_unpaired_data", "check_fields"]

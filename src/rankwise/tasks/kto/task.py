@@ -49,9 +49,11 @@ from torch import nn
 from rankwise.engine.distributed import world_size_from_env
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.tasks.common import CausalLMTask, lm_example, write_records
-from rankwise.tasks.kto.data import balance_warning, build_unpaired_data, cut_prompt
+from rankwise.tasks.kto.data import balance_warning, build_unpaired_data
 from rankwise.tasks.logprobs import target_logps
-from rankwise.tasks.reference import WeightSnapshot, disable_dropout, reference, reference_problems, resolve
+from rankwise.tasks.pair_task import pair_run_problems
+from rankwise.tasks.pairs import cut_prompt
+from rankwise.tasks.reference import WeightSnapshot, precompute_logps, prepare_reference, reference, reference_problems
 
 ACROSS = "kto_kl_across_processes"  # a batch key set by before_step: this micro-batch is a step's
 
@@ -92,15 +94,10 @@ class KTOConfig(TaskConfig):
         packing, samples, prompt targets or length schedule); and each micro-batch needs two
         examples, or the mismatched pair of the KL estimate is the example itself (TRL refuses
         a per-device batch of 1 for the same reason)."""
-        out = reference_problems(self.reference, run)
-        d = run.data
-        if d.packing or run.eval.samples or d.train_on_prompt:
-            what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
-            out.append(f"{what} is not supported with task.name: kto (examples are scored whole, on "
-                       "their completions); remove it")
-        if d.schedule.name != "none":
-            out.append("data.schedule: skrull regroups the examples of a step, and task.name: kto "
-                       "estimates its KL term within each micro-batch; set data.schedule: none")
+        out = reference_problems(self.reference, run) + pair_run_problems(
+            self.name, run, scored="examples are scored whole, on their completions",
+            schedule="data.schedule: skrull regroups the examples of a step, and task.name: kto "
+                     "estimates its KL term within each micro-batch; set data.schedule: none")
         parts = max(1, run.train.grad_accum) * world_size_from_env()
         if run.train.batch_size // parts < 2:
             out.append(f"train.batch_size {run.train.batch_size} over {parts} micro-batch(es) leaves "
@@ -319,33 +316,19 @@ class KTOTask(Task):
         Raises:
             RankwiseError: ``initial`` for an adapter trained from scratch.
         """
-        mode = resolve(self.config.reference, "task", trains_full, self.from_adapter, "precomputed")
-        if self.config.disable_dropout:
-            disable_dropout(model)
-        if mode == "initial":
-            self.snapshot = WeightSnapshot(model)
-        if mode == "precomputed":
-            for data in datasets:
-                if not all("kl_completion_ids" in e for e in data.examples):
-                    data.fix_partners()
-                data.ref_logps = precompute_reference(self, model, data, batch_size, device)
-        return mode
+        def precompute(data: Any) -> list:
+            if not all("kl_completion_ids" in e for e in data.examples):
+                data.fix_partners()
+            return precompute_reference(self, model, data, batch_size, device)
+        return prepare_reference(self, model, datasets, trains_full, precompute)
 
 
-@torch.no_grad()
 def precompute_reference(task: KTOTask, model: nn.Module, data: Any, batch_size: int, device: str) -> list:
     """``[[completion, mismatched], ...]`` log-probs of ``model`` over every example of ``data``
-    (its partners fixed; in eval mode, so dropout does not enter the reference)."""
-    was_training = model.training
-    model.eval()
-    out = []
-    for start in range(0, len(data), batch_size):
-        items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
-        batch = {k: v.to(device) for k, v in task.collate(items, data.pad_id).items()}
-        out.extend(torch.stack([task.sequence_logps(model, batch), task.sequence_logps(model, batch, "kl_")],
-                               -1).cpu().tolist())
-    model.train(was_training)
-    return out
+    (its partners fixed; in eval mode, so dropout does not enter the reference;
+    :func:`rankwise.tasks.reference.precompute_logps`)."""
+    return precompute_logps(task, model, data, batch_size, device, lambda batch: torch.stack(
+        [task.sequence_logps(model, batch), task.sequence_logps(model, batch, "kl_")], -1))
 
 
 def _add(stats: dict[str, float], output: KTOOutput) -> None:

@@ -31,7 +31,8 @@ import torch
 from torch.nn import functional as F
 
 from rankwise.engine.task import TaskConfig
-from rankwise.tasks.reference_free import ReferenceFreeTask, log1mexp, pair_run_problems
+from rankwise.tasks.pair_task import pair_run_problems
+from rankwise.tasks.reference_free import ReferenceFreeTask, log1mexp
 
 
 @dataclass
@@ -59,7 +60,8 @@ class ORPOConfig(TaskConfig):
     def run_problems(self, run: Any) -> list[str]:
         """Pairs are scored whole: packing, samples, ``data.train_on_prompt`` and a length
         schedule are refused."""
-        return pair_run_problems(self.name, run)
+        return pair_run_problems(self.name, run,
+                                 prompt_fix=" (task.sft_on_prompt sets the prompt's share of the NLL)")
 
 
 def orpo_losses(logps: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

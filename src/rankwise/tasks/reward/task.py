@@ -17,7 +17,7 @@ exactly TRL 1.16's ``RewardTrainer.compute_loss``. Where TRL differs from the pa
 TRL: InstructGPT averages the ``K choose 2`` comparisons of one prompt as one batch element,
 TRL (and this task) takes every pair on its own.
 
-The pairs are the ``dpo`` task's records (:func:`rankwise.tasks.dpo.data.build_pair_data`: the
+The pairs are the pair tasks' records (:func:`rankwise.tasks.pairs.build_pair_data`: the
 same prompt/completion encoding, chat templates and left cut of the prompt; TRL instead
 tokenizes ``prompt + chosen`` as one text and drops pairs over ``max_length``). The head trains
 beside any adapter (PEFT's ``modules_to_save``; :func:`rankwise.core.inject.default_heads`), so
@@ -36,10 +36,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rankwise.engine.task import Task, TaskConfig, pad
+from rankwise.engine.task import Task, TaskConfig
 from rankwise.errors import RankwiseError
 from rankwise.tasks.common import lm_example, write_records
-from rankwise.tasks.dpo.data import PairData, build_pair_data
+from rankwise.tasks.pair_task import pair_run_problems
+from rankwise.tasks.pairs import PairData, build_pair_data, by_pair, collate_pairs
 from rankwise.tasks.reference import disable_dropout
 
 MARGIN = "margin"  # the key a pair's margin travels under (whatever task.margin_field names)
@@ -80,14 +81,8 @@ class RewardConfig(TaskConfig):
         """Pairs are scored whole by a one-output head: packing, samples, prompt targets, a
         length schedule, a supervised-fine-tuning record layout and another head size are
         refused."""
-        out, d = [], run.data
-        if d.packing or run.eval.samples or d.train_on_prompt:
-            what = "data.packing" if d.packing else "eval.samples" if run.eval.samples else "data.train_on_prompt"
-            out.append(f"{what} is not supported with task.name: reward (pairs are scored whole, "
-                       "one reward per sequence); remove it")
-        if d.schedule.name != "none":
-            out.append("data.schedule: skrull schedules single sequences, and task.name: reward "
-                       "trains pairs; set data.schedule: none")
+        d = run.data
+        out = pair_run_problems(self.name, run, scored="pairs are scored whole, one reward per sequence")
         if d.format in ("alpaca", "sharegpt"):
             base = "prompt-completion" if d.format == "alpaca" else "chat"
             out.append(f"data.format: {d.format} is a record layout for supervised fine-tuning; "
@@ -131,7 +126,7 @@ class RewardOutput:
 class RewardTask(Task):
     """Preference pairs scored by a one-output sequence classifier: one target per pair.
 
-    Examples are the ``dpo`` task's pairs (``chosen_ids``, ``rejected_ids``, their labels,
+    Examples are the pair tasks' pairs (``chosen_ids``, ``rejected_ids``, their labels,
     unused here) with an optional ``margin``.
 
     Args:
@@ -156,7 +151,7 @@ class RewardTask(Task):
                                 "max_length": 24, "eval_fraction": 0.25})
 
     def records(self, data_cfg, tokenizer, progress=False):
-        """The ``data:`` section's preference pairs (:func:`rankwise.tasks.dpo.data.build_pair_data`),
+        """The ``data:`` section's preference pairs (:func:`rankwise.tasks.pairs.build_pair_data`),
         each with its ``task.margin_field`` value when the data has the field.
 
         Raises:
@@ -174,9 +169,7 @@ class RewardTask(Task):
     def collate(self, items, pad_id):
         """Rows ``0..B-1`` are the chosen sequences, ``B..2B-1`` the rejected ones (right-padded,
         as TRL's ``DataCollatorForPreference``); ``margin`` ``(B,)`` when every pair has one."""
-        ids, mask = pad([it["chosen_ids"] for it in items] + [it["rejected_ids"] for it in items],
-                        pad_id)                                     # (2B, T)
-        batch = {"input_ids": ids, "attention_mask": mask}
+        batch = collate_pairs(items, pad_id, labels=False)          # (2B, T)
         if items and all(MARGIN in it for it in items):
             batch[MARGIN] = torch.tensor([float(it[MARGIN]) for it in items], dtype=torch.float32)
         return batch
@@ -197,7 +190,7 @@ class RewardTask(Task):
             raise RankwiseError(f"a reward model has one output per sequence (num_labels=1); this "
                                 f"head has {logits.shape[-1]}: point model.path at a base model or a "
                                 "reward model, and remove model.num_labels")
-        return logits[:, 0].float().view(2, -1).T, out              # (2B,) -> (B, 2)
+        return by_pair(logits[:, 0].float()), out                   # (2B,) -> (B, 2)
 
     def loss_sum(self, model, batch):
         """Summed per-pair loss (:func:`reward_losses`)."""

@@ -35,7 +35,8 @@ import torch
 from torch.nn import functional as F
 
 from rankwise.engine.task import TaskConfig
-from rankwise.tasks.reference_free import ReferenceFreeTask, pair_run_problems
+from rankwise.tasks.pair_task import pair_run_problems
+from rankwise.tasks.reference_free import ReferenceFreeTask
 
 LOSSES = ("simpo", "sigmoid", "hinge", "ipo")
 AVERAGED = ("simpo", "ipo")  # the losses on the mean log-prob per completion token
