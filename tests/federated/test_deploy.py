@@ -99,18 +99,19 @@ class Processes:
         return False
 
     def stop_all(self) -> None:
-        pids = []
+        pids, reaped = [], {p.pid for p in self.procs.values() if p.returncode is not None}
         for p in self.procs.values():
-            pids += descendants(p.pid) + [p.pid]
-        pids += adopted_helpers(set(pids))
+            if p.returncode is None:  # not reaped yet: its pid is still its own (a reaped one may be reused)
+                pids += descendants(p.pid) + [p.pid]
+        pids += adopted_helpers(set(pids) | reaped)
         pids += [d for h in adopted_helpers(set(pids)) for d in descendants(h)]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        end = time.time() + 3   # up to 3 s to exit on SIGTERM, then SIGKILL
-        while time.time() < end and (any(p.poll() is None for p in self.procs.values()) or any(map(alive, pids))):
+        end = time.time() + 3   # up to 3 s to exit on SIGTERM (a zombie counts as gone), then SIGKILL
+        while time.time() < end and any(map(alive, pids)):
             time.sleep(0.1)
         for pid in pids:
             try:
