@@ -47,6 +47,14 @@ def adopted_helpers(parents: set[int]) -> list[int]:
     return out
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     """Pids of every process below ``pid`` (read from /proc)."""
     children: dict[int, list[int]] = {}
@@ -87,21 +95,24 @@ class Processes:
                 return True
             if self.procs[name].poll() is not None:
                 return text in self.log(name)
-            time.sleep(1)
+            time.sleep(0.2)
         return False
 
     def stop_all(self) -> None:
-        pids = []
+        pids, reaped = [], {p.pid for p in self.procs.values() if p.returncode is not None}
         for p in self.procs.values():
-            pids += descendants(p.pid) + [p.pid]
-        pids += adopted_helpers(set(pids))
+            if p.returncode is None:  # not reaped yet: its pid is still its own (a reaped one may be reused)
+                pids += descendants(p.pid) + [p.pid]
+        pids += adopted_helpers(set(pids) | reaped)
         pids += [d for h in adopted_helpers(set(pids)) for d in descendants(h)]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        time.sleep(3)
+        end = time.time() + 3   # up to 3 s to exit on SIGTERM (a zombie counts as gone), then SIGKILL
+        while time.time() < end and any(map(alive, pids)):
+            time.sleep(0.1)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -139,10 +150,10 @@ def test_tls_deployment_two_rounds_and_unknown_node_refused(tmp_path):
                                   "--disable-runtime-dependency-installation",
                                   "--database", tmp_path / "state.db"])
         assert procs.wait_for("superlink", "Uvicorn running on https://127.0.0.1", 120), procs.log("superlink")
+        for name in keys:   # both at once: two CLI start-ups side by side, not one after the other
+            procs.start(f"register-{name}", [BIN / "flwr", "supernode", "register", keys[name]["public"], "local-tls"])
         for name in keys:
-            reg = subprocess.run([BIN / "flwr", "supernode", "register", keys[name]["public"], "local-tls"],
-                                 env=env, capture_output=True, text=True, timeout=120)
-            assert reg.returncode == 0, reg.stdout + reg.stderr
+            assert procs.procs[f"register-{name}"].wait(120) == 0, procs.log(f"register-{name}")
         common = ["--superlink", f"127.0.0.1:{port}", "--root-certificates", tls["ca"]]
         for i, name in enumerate(keys):
             procs.start(name, [BIN / "flower-supernode", *common, "--auth-supernode-private-key",
@@ -158,7 +169,7 @@ def test_tls_deployment_two_rounds_and_unknown_node_refused(tmp_path):
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
         end = time.time() + 120
         while not (out / "metrics.json").exists() and time.time() < end:
-            time.sleep(2)
+            time.sleep(0.2)
         metrics = json.loads((out / "metrics.json").read_text())
         lines = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
         assert metrics["rounds"] == 2 and [e["round"] for e in lines] == [0, 1, 2]

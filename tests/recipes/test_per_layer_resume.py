@@ -32,8 +32,8 @@ def test_a_resumed_per_layer_run_equals_the_uninterrupted_one(tmp_path, monkeypa
     monkeypatch.setattr(chunked_loss, "chunked_cross_entropy",
                         lambda *a: calls.append(a[3]) or real(*a))
     full = train(load_run_config(None, base=json.loads(json.dumps(RAW))), tmp_path / "full")
-    part = tmp_path / "part"
-    train(load_run_config(None, base=json.loads(json.dumps(RAW))), part)
+    part = tmp_path / "part"  # the same run (a copy), stopped after step 3
+    shutil.copytree(tmp_path / "full", part)
     shutil.rmtree(part / "checkpoints" / "step-0000006")  # as if it stopped after step 3
     (part / "metrics.json").unlink()
     resumed = train(load_run_config(None, base=json.loads(json.dumps(RAW))), part, resume=True)

@@ -39,8 +39,8 @@ def test_a_resumed_compiled_run_equals_the_uninterrupted_one(tmp_path, monkeypat
     monkeypatch.setattr(comp, "BACKEND", "aot_eager")      # dynamo + AOTAutograd, no codegen
     assert compile_buckets(_cfg()) == (16, 32, 48)
     full = train(_cfg(), tmp_path / "full")
-    part = tmp_path / "part"
-    train(_cfg(), part)
+    part = tmp_path / "part"  # the same run (a copy: a second compiled run trains as the first)
+    shutil.copytree(tmp_path / "full", part)
     shutil.rmtree(part / "checkpoints" / "step-0000006")  # as if it stopped after step 3
     (part / "metrics.json").unlink()
     resumed = train(_cfg(), part, resume=True)

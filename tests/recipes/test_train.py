@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,11 +64,10 @@ def test_same_seed_same_metrics(tmp_path):
 
 def test_resume_in_process_matches_uninterrupted(tmp_path):
     full = _run(tmp_path, "full")
-    _run(tmp_path, "part", steps=12)  # same run, then pretend it stopped after step 8
-    part = tmp_path / "part"
+    part = tmp_path / "part"  # the same run (a copy: it trains as the first), stopped after step 8
+    shutil.copytree(tmp_path / "full", part)
     for p in (part / "metrics.json", part / "checkpoints" / "step-0000012"):
         if p.is_dir():
-            import shutil
             shutil.rmtree(p)
         else:
             p.unlink()
@@ -171,10 +171,9 @@ def test_gora_resume_rebuilds_ranks_from_the_checkpoint_without_calibrating(tmp_
     raw["method"] = {"name": "gora", "r": 2, "targets": ["query", "value"], "n_batches": 2}
     raw["train"].update(steps=8, save_every=4, eval_every=0)
     full = train(load_run_config(None, base=json.loads(json.dumps(raw))), tmp_path / "full")
-    part = tmp_path / "part"
-    train(load_run_config(None, base=json.loads(json.dumps(raw))), part)
+    part = tmp_path / "part"  # the same run (a copy), stopped after step 4
+    shutil.copytree(tmp_path / "full", part)
     ranks = (part / "ranks.json").read_bytes()
-    import shutil
     shutil.rmtree(part / "checkpoints" / "step-0000008")
     (part / "metrics.json").unlink()
 
