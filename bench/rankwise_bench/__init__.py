@@ -58,7 +58,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "loro": Benchmark("loro"),
     "lota-qaf": Benchmark("lota_qaf", cli="main"),
     "lowrank-pretrain": Benchmark("lowrank_pretrain", cli="main"),
-    "memory-decoder": Benchmark("memory_decoder"),
+    "memory-decoder": Benchmark("memory_decoder", cli="main"),
     "memory-features": Benchmark("memory_features", cli="main"),
     "nanoadam-ft": Benchmark("nanoadam_ft", cli="main"),
     "offload": Benchmark("offload", cli="main"),

@@ -2,7 +2,8 @@
 
 The split is the one of ``rankwise.data.corpus`` (``data.source: stdlib-source``): a module is
 held out when ``crc32(module name) % 10 == 0``. ``lowrank-pretrain``, ``tpa``, ``compress``,
-``restore``, ``distill``, ``transfer``, ``memory-decoder``, ``llm-finetune`` and ``plan`` read it.
+``restore``, ``distill``, ``transfer``, ``llm-finetune`` and ``plan`` read it (``memory-decoder``
+reads the reference base's held-out ``stdlib-source`` modules instead).
 """
 from __future__ import annotations
 

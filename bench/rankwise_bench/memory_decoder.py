@@ -1,359 +1,397 @@
-"""Benchmark: Memory Decoder domain adaptation on a standard-library package the base never saw
-(``rankwise bench memory-decoder``; quality only, no timing claim).
+"""Benchmark: the Memory Decoder against DAPT, LoRA and kNN-LM on the reference base, every
+lambda chosen on validation modules (``rankwise bench memory-decoder``; issue 36 item 2; quality
+only, no timing claim).
 
-Setup. Byte-level (vocabulary 256) Llama models built in code. The *base* (3 layers, 96 wide)
-is pretrained from scratch on the standard library's source (the corpus of ``lowrank-pretrain``,
-:func:`rankwise_bench.corpus.load_corpus`'s file rule) with the ``email``
-package family left out entirely. The domain is ``email``: its files are split by module name
-into training files, validation files (carved from the training side: left out of every
-training and of the datastore) and held-out test files. From the base and the domain's training
-windows:
+Base: the reference base (:func:`rankwise_bench.common.reference_base`, 6.45M parameters, its
+SentencePiece tokenizer of 8,192), loaded as it is and never trained; ``--base DIR`` runs on
+another folder (the tests: a tiny in-code base saved with the reference tokenizer).
 
-* **Memory Decoder** (``task.name: memory-decoder``'s task in the engine): a datastore of the
-  base's head inputs over every training position (IVF index), the kNN targets of each position
-  (self-hit excluded), and a decoder of the base's shape initialised from the base (the paper's
-  GPT2-small base + GPT2-small decoder setting) trained on ``0.5 KL + 0.5 CE``; evaluated mixed
-  with the base (and alone);
-* **DAPT + mix**: the same decoder trained with CE only (ablation: is the kNN target what helps?);
-* **LoRA**: the base adapted with LoRA r=8 (attention and MLP linears) on the same windows and
-  steps (CE);
-* **kNN-LM**: the base mixed with ``p_kNN`` itself (retrieval at test time).
+Domain: the base's own held-out modules -- the 59 ``stdlib-source`` modules its pretraining never
+read (``crc32(module) % 10 == 0``) -- split by whole module with a second hash,
+``crc32("memdec:" + module) % 10`` (:func:`split_of`): 0-1 test, 2 validation, 3 **general**
+(kept out of the domain entirely, neither adapted on nor used to choose anything: the
+out-of-domain check), 4-9 training; the lists are in ``results.json``. All of it is text the
+base never saw, so "general" is unseen text of the *same* distribution, not another domain.
 
-Decision (issue 35 item 2): the claim needs a base that has *not* seen the domain, and the
-reference base's pretraining read the ``email`` package (all but its held-out modules), so this
-benchmark still pretrains its own base with the family left out. Converting it means taking
-the reference base's own held-out modules (59 modules it never saw) as the domain, split into
-training, validation and test modules; not done yet.
+Decision (issue 35 item 2): the former byte-level base pretrained here without ``email``, its
+larger twin for the plug-and-play claim, and their pretraining code are gone; that claim needs
+a second base with this tokenizer and is not tested.
 
-``lambda``, every mixture's share of its second distribution, is chosen per mixture on the
-validation windows (:func:`choose_lambda`, the grid ``GRID`` = 0.1 .. 0.9), never on the test
-windows; base + Memory Decoder is also reported at the authors' published 0.55
-(``scripts/evaluate_joint_gpt2.sh``, the README's joint model) and at the released code's
-argparse default 0.25 (``evaluate_joint.py``), and its test-set sweep as a diagnostic.
+Text: each module is ``BOS + its tokens + EOS`` in windows of ``seq`` tokens overlapping by one
+(:func:`windows`): every token after BOS is predicted exactly once; per token = total nats /
+predicted tokens, per byte = total nats / UTF-8 bytes of the modules' text (the model card's).
+Every model trains the same ``steps`` x ``batch`` training windows from the base (AdamW, 5 %
+warm-up then linear decay, bf16 autocast as the base was pretrained; evaluation in float32):
 
-Measured: per-byte perplexity of every model on the held-out ``email`` windows, and on held-out
-general windows (the stdlib modules ``load_corpus`` holds out, family excluded) to see what
-adaptation costs outside the domain. One seed. Each piece (``base``, ``memdec``, ``dapt``, ``lora``,
-``eval``) writes ``pieces/<name>.json`` and is skipped when that file exists (weights in
-``_work/``, not committed), so the benchmark resumes piece by piece.
+* **Memory Decoder** (the engine's ``memory-decoder`` task): a datastore of the base's head
+  inputs over every training position (IVF), each position's kNN targets (self-hit excluded),
+  a decoder of the base's shape initialised from the base, trained on ``0.5 KL + 0.5 CE``;
+* **DAPT + mix**: the same decoder trained with CE only (is the kNN target what helps?);
+* **LoRA** r=8 (alpha 16) on the blocks' linears, CE, merged for evaluation;
+* **kNN-LM**: the base mixed with ``p_kNN`` of the same datastore (retrieval at test time).
+
+Chosen on the validation modules only (grid ``GRID`` = 0.1 .. 0.9): each mixture's ``lambda``
+(:func:`choose_lambda`); kNN-LM's temperature ``T`` jointly with its ``lambda``
+(``Sizes.temperatures``), and the Memory Decoder imitates ``p_kNN`` at that ``T``. Base + Memory
+Decoder is also reported at the authors' published 0.55 and the code's default 0.25, with its
+test-set sweep as a diagnostic. One seed. Pieces (``pieces/<name>.json``, skipped when present;
+weights in ``_work/``): ``knn`` (datastore, ``T``, kNN-LM), ``memdec``, ``dapt``, ``lora``, ``eval``.
 """
 from __future__ import annotations
 
 import json
 import math
 import platform
-import sysconfig
+import time
 import zlib
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from rankwise.core import atomic
-from rankwise_bench.common import llama, write_results
-from rankwise_bench.corpus import ByteWindows
+from rankwise_bench.common import reference_base, torch_threads, write_results
+from rankwise_bench.memory_decoder_report import markdown, plot
 
-FAMILY = "email"
-SEQ, BATCH, SEED = 128, 16, 0
-HIDDEN, LAYERS, HEADS = 96, 3, 4
-LARGE = (128, 4)  # a second, larger base with the same tokenizer (the plug-and-play claim)
-BASE_STEPS, BASE_LR = 1500, 3e-3
-ADAPT_STEPS, ADAPT_LR, LORA_LR, RANK = 300, 5e-4, 3e-3, 8
-K, TEMPERATURE, TARGET_TOKENS, LISTS, PROBE = 256, 10.0, 32, 512, 8
-GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))  # lambda, chosen on the validation windows
+SPLITS = ("train", "validation", "test", "general")
+GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))  # lambda, chosen on the validation modules
 LAM_PUBLISHED, LAM_CODE = 0.55, 0.25  # the authors' published evaluation; the code's argparse default
-EVAL_GENERAL = 256
+SEED = 0
+COMMAND = "OMP_NUM_THREADS=1 rankwise bench memory-decoder --out bench/results/memory-decoder"
 
 
-def _corpus() -> dict[str, torch.Tensor]:
-    """``general`` (stdlib minus the family; load_corpus's training modules), ``general_held``
-    (its held-out modules), ``domain`` / ``domain_val`` / ``domain_held`` (the family, split by
-    module name: training, validation carved from the training side, test)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
-    parts: dict[str, list[bytes]] = {k: [] for k in ("general", "general_held", "domain", "domain_val",
-                                                     "domain_held")}
-    for f in sorted(root.rglob("*.py")):
-        rel = f.relative_to(root)
-        if skip & set(rel.parts):
-            continue
-        h = zlib.crc32(".".join(rel.with_suffix("").parts).encode())
-        if rel.parts[0] == FAMILY:  # the test split as before; validation from the training side
-            kind = "domain_held" if h % 5 == 0 else "domain_val" if h % 5 == 1 else "domain"
-        else:
-            kind = "general_held" if h % 10 == 0 else "general"
-        parts[kind].append(f.read_bytes() + b"\n\n")
-    return {k: torch.frombuffer(bytearray(b"".join(v)), dtype=torch.uint8) for k, v in parts.items()}
+@dataclass
+class Sizes:
+    """The benchmark's sizes: the defaults are the committed run; tests pass tiny ones.
+
+    Attributes:
+        seq: Window length in tokens (the base's pretraining length).
+        batch: Windows per step (and per evaluation batch).
+        steps: Steps of every trained model (about two epochs of the training windows).
+        lr: Learning rate of the two decoders (full fine-tunes of the base).
+        lora_lr: Learning rate of LoRA.
+        rank: LoRA's rank (alpha = 2 rank).
+        k: Neighbours per query (the paper's 1024).
+        temperatures: kNN-LM's candidate ``T`` (squared L2 distances / T), chosen on validation.
+        target_tokens: The sparsified kNN target per position (the task's default).
+        ivf_lists: Inverted lists of the datastore's IVF index.
+        ivf_probe: Lists searched per query (lists x probe / N candidates must exceed ``k``).
+        modules: 0: every module of each split; n: its n smallest (tests).
+    """
+
+    seq: int = 256
+    batch: int = 16
+    steps: int = 100
+    lr: float = 5e-4
+    lora_lr: float = 3e-3
+    rank: int = 8
+    k: int = 1024
+    temperatures: tuple[float, ...] = (3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+    target_tokens: int = 64
+    ivf_lists: int = 256
+    ivf_probe: int = 16
+    modules: int = 0
 
 
-def _windows(data: torch.Tensor, stride: int = SEQ, limit: int | None = None):
-    starts = torch.arange(0, data.numel() - SEQ, stride)
-    if limit is not None and len(starts) > limit:
-        starts = starts[torch.linspace(0, len(starts) - 1, limit).long()]
-    return ByteWindows(data, starts, SEQ)
+def split_of(module: str) -> str:
+    """The domain split of a held-out module: ``crc32("memdec:" + module) % 10`` 0-1 test,
+    2 validation, 3 general, else train."""
+    h = zlib.crc32(("memdec:" + module).encode()) % 10
+    return "test" if h < 2 else "validation" if h == 2 else "general" if h == 3 else "train"
 
 
-def _model(hidden: int = HIDDEN, layers: int = LAYERS):
-    return llama(256, hidden, layers, HEADS, 2 * hidden, positions=SEQ, seed=SEED,
-                 bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+def domain_records(modules: int = 0) -> dict[str, list[dict]]:
+    """The base's held-out ``stdlib-source`` records by split (:func:`split_of`); with
+    ``modules`` > 0 only each split's ``modules`` smallest (by bytes, then name)."""
+    from rankwise.data.corpus import load_source_records
+    out: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for rec in load_source_records():
+        if rec["heldout"]:
+            out[split_of(rec["id"])].append(rec)
+    if modules:
+        out = {s: sorted(v, key=lambda r: (len(r["text"].encode()), r["id"]))[:modules] for s, v in out.items()}
+    return out
 
 
-def _fit(model, task, data, steps: int, lr: float) -> list[float]:
-    """``steps`` engine steps of AdamW (5% warm-up, linear decay); the losses every 50 steps."""
-    from rankwise.engine import Engine, linear_schedule
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    engine = Engine(model, task, opt, data, BATCH, seed=SEED, scheduler=linear_schedule(opt, steps, 0.05),
-                    grad_clip=1.0)
-    losses = []
-    for step in range(steps):
-        loss = engine.train_step(step).loss
-        if step % 50 == 0 or step == steps - 1:
-            losses.append(round(float(loss), 4))
-    return losses
+def windows(ids: list[int], seq: int) -> list[list[int]]:
+    """``ids`` cut into windows of at most ``seq`` tokens, each starting at the previous one's
+    last token: every token but the first is a target exactly once."""
+    return [ids[s:s + seq] for s in range(0, max(len(ids) - 1, 0), seq - 1)]
 
 
-def _base(work: Path, corpus, name: str = "base", size: tuple[int, int] = (HIDDEN, LAYERS)) -> dict:
-    from rankwise.engine import get_task
-    g = torch.Generator().manual_seed(SEED)
-    starts = torch.randint(0, corpus["general"].numel() - SEQ, (BASE_STEPS * BATCH,), generator=g)
-    model = _model(*size)
-    losses = _fit(model, get_task("causal-lm"), ByteWindows(corpus["general"], starts, SEQ), BASE_STEPS, BASE_LR)
-    torch.save(model.state_dict(), work / f"{name}.pt")
-    return {"steps": BASE_STEPS, "lr": BASE_LR, "tokens": BASE_STEPS * BATCH * SEQ, "hidden": size[0],
-            "layers": size[1], "losses": losses}
+class Windows(list):
+    """Token windows (``{"input_ids": [...]}``) with the ``pad_id`` the engine reads, the UTF-8
+    bytes of the text they score and its module names."""
+
+    def __init__(self, items: list[dict], pad_id: int, text_bytes: int, modules: list[str]) -> None:
+        super().__init__(items)
+        self.pad_id, self.bytes, self.modules = pad_id, text_bytes, modules
 
 
-def _load(work: Path, name: str, size: tuple[int, int] = (HIDDEN, LAYERS)):
-    model = _model(*size)
-    model.load_state_dict(torch.load(work / f"{name}.pt", weights_only=True))
-    return model.eval()
+def token_windows(tok, records: list[dict], seq: int) -> Windows:
+    """Every record as ``BOS + tokens + EOS`` in :func:`windows` of ``seq`` tokens."""
+    items = []
+    for rec in records:
+        ids = [tok.bos_token_id] + tok(rec["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        items += [{"input_ids": w} for w in windows(ids, seq)]
+    return Windows(items, tok.pad_token_id, sum(len(r["text"].encode()) for r in records),
+                   [r["id"] for r in records])
 
 
-def _memdec_config():
-    from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
-    return MemoryDecoderConfig(base="(in memory)", k=K, temperature=TEMPERATURE, target_tokens=TARGET_TOKENS,
-                               index="ivf", ivf_lists=LISTS, ivf_probe=PROBE)
-
-
-def _adapt(work: Path, corpus, kind: str) -> dict:
-    """Train the domain piece ``kind``: ``memdec`` (the objective 0.5 KL + 0.5 CE), ``dapt`` (CE only) or ``lora``."""
-    import rankwise
-    from rankwise.engine import get_task
-    from rankwise.tasks.memory_decoder.task import MemoryDecoderTask
-    train = _windows(corpus["domain"])
-    model = _load(work, "base").train()
-    info: dict = {"windows": len(train), "steps": ADAPT_STEPS}
-    if kind == "memdec":
-        task = MemoryDecoderTask(_memdec_config())
-        base = _load(work, "base")
-        task.base_loader = lambda path, device: base
-        info["index"] = task.prepare(model, [train], True, 64, "cpu")
-        info["datastore"] = len(task.store)
-    elif kind == "dapt":
-        task = get_task("causal-lm")
-    else:
-        rankwise.apply(model, "lora", r=RANK, alpha=2 * RANK, targets="block-linear")
-        task = get_task("causal-lm")
-        info["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    info["losses"] = _fit(model, task, train, ADAPT_STEPS, LORA_LR if kind == "lora" else ADAPT_LR)
-    if kind == "lora":  # folded into the weights: the evaluation loads a plain model
-        from rankwise.core.ops import merge_and_unload
-        model = merge_and_unload(model)
-    torch.save(model.state_dict(), work / f"{kind}.pt")
-    return info
+def _batches(data: Windows, size: int):
+    from rankwise.engine.task import pad
+    for s in range(0, len(data), size):
+        yield pad([data[i]["input_ids"] for i in range(s, min(s + size, len(data)))], data.pad_id)
 
 
 @torch.no_grad()
-def _logprobs(model, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log p (N, 256) of every next byte position, targets (N,))`` over ``data``'s windows."""
-    out, ys = [], []
-    for s in range(0, len(data), 64):
-        ids = torch.tensor([data[i]["input_ids"] for i in range(s, min(s + 64, len(data)))])
-        out.append(F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1).reshape(-1, 256))
-        ys.append(ids[:, 1:].reshape(-1))
-    return torch.cat(out), torch.cat(ys)
+def target_logprobs(model, data: Windows, size: int, keys: bool = False):
+    """``log p(y)`` of every predicted token of ``data`` (``(N,)``, window order); with ``keys``
+    also ``(head inputs (N, d), targets (N,))``, the datastore's keys and values."""
+    from rankwise.tasks.memory_decoder.task import head_inputs
+    lps, hs, ys = [], [], []
+    for ids, mask in _batches(data, size):
+        h, logits = head_inputs(model, ids, mask)                               # (B, T, d), (B, T, V)
+        keep, y = mask[:, 1:].bool(), ids[:, 1:]                                # (B, T-1)
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, y[..., None]).squeeze(-1)
+        lps.append(lp[keep])
+        if keys:
+            hs.append(h[:, :-1][keep].float())
+            ys.append(y[keep])
+    lp = torch.cat(lps)
+    return (lp, torch.cat(hs), torch.cat(ys)) if keys else lp
 
 
-def _ppl(logp: torch.Tensor, y: torch.Tensor) -> float:
-    return math.exp(float(-logp.gather(1, y[:, None]).mean()))
+def knn_target_logprob(dists: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, y: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+    """``log p_kNN(y)`` per query (``-inf`` when no valid neighbour names ``y``): the task's
+    ``knn_distribution`` at the target only. Shapes ``(P, k)``, ``(P, k)``, ``(P, k)``, ``(P,)``."""
+    logw = torch.log_softmax((-dists.float() / temperature).masked_fill(~valid, float("-inf")), -1)
+    hit = valid & (values == y[:, None])
+    return torch.logsumexp(logw.masked_fill(~hit, float("-inf")), -1)
 
 
-def choose_lambda(base_logp: torch.Tensor, other_logp: torch.Tensor, y: torch.Tensor,
+def score(lp: torch.Tensor, data: Windows) -> dict:
+    """Loss and perplexity per token and per byte of target log-probs ``lp`` over ``data``."""
+    nats = float(-lp.double().sum())
+    return {"nats_per_token": nats / lp.numel(), "nats_per_byte": nats / data.bytes,
+            "token_ppl": math.exp(nats / lp.numel()), "byte_ppl": math.exp(nats / data.bytes)}
+
+
+def choose_lambda(base_lp: torch.Tensor, other_lp: torch.Tensor,
                   grid: tuple[float, ...] = GRID) -> tuple[float, dict[str, float]]:
-    """The mixture weight of ``grid`` with the lowest perplexity of ``(1 - lambda) p_base +
-    lambda p_other`` on the targets ``y`` (pass validation data only; the first on a tie).
+    """The mixture weight of ``grid`` with the lowest per-token perplexity of ``(1 - lambda)
+    p_base + lambda p_other`` (pass validation data only; the first on a tie).
 
     Args:
-        base_logp: ``(N, V)`` log-probs of the base.
-        other_logp: ``(N, V)`` log-probs mixed in (a decoder's, or ``p_kNN``).
-        y: ``(N,)`` the next tokens.
+        base_lp: ``(N,)`` the base's log-probability of each target token.
+        other_lp: ``(N,)`` the same of what is mixed in (a decoder, or ``p_kNN``).
         grid: The candidate ``lambda`` values.
 
     Returns:
         ``(chosen lambda, {str(lambda): perplexity})``.
     """
     from rankwise.tasks.memory_decoder.generation import interpolate
-    ppl = {str(lam): _ppl(interpolate(base_logp, other_logp, lam), y) for lam in grid}
+    ppl = {str(lam): math.exp(-float(interpolate(base_lp, other_lp, lam).double().mean())) for lam in grid}
     return min(grid, key=lambda lam: ppl[str(lam)]), ppl
 
 
-@torch.no_grad()
-def _knn_logprobs(base, corpus, sets: list) -> list[torch.Tensor]:
-    """``log p_kNN`` of every position of each of ``sets`` from the domain-training datastore."""
-    from rankwise.tasks.memory_decoder.task import Datastore, head_inputs, knn_distribution
-    train = _windows(corpus["domain"])
-    keys, values = [], []
-    for s in range(0, len(train), 64):
-        ids = torch.tensor([train[i]["input_ids"] for i in range(s, min(s + 64, len(train)))])
-        keys.append(head_inputs(base, ids)[0][:, :-1].reshape(-1, HIDDEN))
-        values.append(ids[:, 1:].reshape(-1))
-    store = Datastore(torch.cat(keys), torch.cat(values), _memdec_config())
-    outs = []
-    for held in sets:
-        out = []
-        for s in range(0, len(held), 64):
-            ids = torch.tensor([held[i]["input_ids"] for i in range(s, min(s + 64, len(held)))])
-            q = head_inputs(base, ids)[0][:, :-1].reshape(-1, HIDDEN)
-            d, v, valid = store.search(q, K)
-            out.append(knn_distribution(d, v, 256, TEMPERATURE, valid).clamp(min=1e-30).log())
-        outs.append(torch.cat(out))
-    return outs
+class Setup:
+    """The base folder, its tokenizer, the sizes and the windows of every split."""
+
+    def __init__(self, base: Path, sizes: Sizes) -> None:
+        from transformers import AutoTokenizer
+        self.base, self.sizes = Path(base), sizes
+        tok = AutoTokenizer.from_pretrained(str(self.base))
+        self.data = {s: token_windows(tok, recs, sizes.seq) for s, recs in domain_records(sizes.modules).items()}
+
+    def model(self, weights: Path | None = None):
+        """The base in float32 (``weights``: a saved state dict of its shape instead)."""
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(str(self.base), dtype=torch.float32)
+        if weights is not None:
+            model.load_state_dict(torch.load(weights, weights_only=True))
+        return model.eval()
+
+    def config(self, temperature: float):
+        """The ``memory-decoder`` task's section for this run."""
+        from rankwise.tasks.memory_decoder.task import MemoryDecoderConfig
+        s = self.sizes
+        return MemoryDecoderConfig(base=str(self.base), k=s.k, temperature=temperature, target_tokens=s.target_tokens,
+                                   index="ivf", ivf_lists=s.ivf_lists, ivf_probe=s.ivf_probe)
 
 
-def _sets(corpus) -> dict:
-    return {"validation": _windows(corpus["domain_val"]), "domain": _windows(corpus["domain_held"]),
-            "general": _windows(corpus["general_held"], limit=EVAL_GENERAL)}
-
-
-def _eval(work: Path, corpus) -> dict:
-    """Every model on the test sets, each mixture at its ``lambda`` chosen on the validation
-    windows (Memory Decoder also at 0.55 and 0.25); ``lambda``: the choices and the curves."""
+def _knn(setup: Setup) -> dict:
+    """The datastore over the training windows, kNN-LM's ``T`` and ``lambda`` chosen on the
+    validation modules, and its scores on the test and general modules at that choice."""
     from rankwise.tasks.memory_decoder.generation import interpolate
-    sets = _sets(corpus)
-    base, models = _load(work, "base"), {k: _load(work, k) for k in ("memdec", "dapt", "lora")}
-    logp = {name: {"base": _logprobs(base, data)} for name, data in sets.items()}
-    for name, data in sets.items():
-        logp[name].update({k: _logprobs(m, data)[0] for k, m in models.items()})
-    knn_val, knn_test = _knn_logprobs(base, corpus, [sets["validation"], sets["domain"]])
-    (lb_v, y_v), v = logp["validation"]["base"], logp["validation"]
-    chosen, curves = {}, {}
-    for key, other in (("memdec", v["memdec"]), ("dapt", v["dapt"]), ("knn", knn_val)):
-        chosen[key], curves[key] = choose_lambda(lb_v, other, y_v)
-    lm, ld, lk = chosen["memdec"], chosen["dapt"], chosen["knn"]
-    rows: dict[str, dict] = {}
-    for name in ("domain", "general"):
-        (lb, y), p = logp[name]["base"], logp[name]
-        r = {"base": _ppl(lb, y),
-             f"base + Memory Decoder (lambda {lm}, chosen on validation)": _ppl(interpolate(lb, p["memdec"], lm), y),
-             f"base + Memory Decoder (lambda {LAM_PUBLISHED}, the authors' published evaluation)":
-                 _ppl(interpolate(lb, p["memdec"], LAM_PUBLISHED), y),
-             f"base + Memory Decoder (lambda {LAM_CODE}, the released code's default)":
-                 _ppl(interpolate(lb, p["memdec"], LAM_CODE), y),
-             "Memory Decoder alone": _ppl(p["memdec"], y),
-             f"base + DAPT decoder (CE only, lambda {ld}, chosen on validation)": _ppl(interpolate(lb, p["dapt"], ld), y),
-             "DAPT decoder alone": _ppl(p["dapt"], y), "LoRA r=8": _ppl(p["lora"], y)}
-        if name == "domain":
-            r[f"kNN-LM (lambda {lk}, chosen on validation)"] = _ppl(interpolate(lb, knn_test, lk), y)
-            r["lambda sweep (base + Memory Decoder)"] = {
-                str(lam): _ppl(interpolate(lb, p["memdec"], lam), y) for lam in GRID}
-        rows[name] = {"windows": len(sets[name]), "tokens": int(y.numel()), **r}
-    rows["lambda"] = {"grid": list(GRID), "chosen": chosen, "validation ppl": curves,
-                      "validation windows": len(sets["validation"]), "validation tokens": int(y_v.numel())}
-    return rows
+    from rankwise.tasks.memory_decoder.task import Datastore
+    s, base, start = setup.sizes, setup.model(), time.perf_counter()
+    _, keys, values = target_logprobs(base, setup.data["train"], s.batch, keys=True)
+    store = Datastore(keys, values, setup.config(s.temperatures[0]))
+    base_lp, knn_lp, nearest = {}, {}, []
+    for split in ("validation", "test", "general"):
+        lp, q, y = target_logprobs(base, setup.data[split], s.batch, keys=True)
+        parts: dict[float, list] = {t: [] for t in s.temperatures}
+        for c in range(0, len(y), 4096):
+            d, v, valid = store.search(q[c:c + 4096], s.k)                     # (P, k + 1)
+            nearest.append(d[:, 0])
+            for t in s.temperatures:
+                parts[t].append(knn_target_logprob(d, v, valid, y[c:c + 4096], t))
+        base_lp[split], knn_lp[split] = lp, {t: torch.cat(p) for t, p in parts.items()}
+    curves = {str(t): choose_lambda(base_lp["validation"], knn_lp["validation"][t]) for t in s.temperatures}
+    temp = min(s.temperatures, key=lambda t: min(curves[str(t)][1].values()))
+    lam = curves[str(temp)][0]
+    return {"seconds": round(time.perf_counter() - start, 1), "datastore": len(store),
+            "index": f"{store.kind} lists={s.ivf_lists} probe={s.ivf_probe}",
+            "nearest_sq_distance_median": float(torch.cat(nearest).median()),
+            "temperature": temp, "lambda": lam, "validation ppl": {t: c[1] for t, c in curves.items()},
+            **{split: score(interpolate(base_lp[split], knn_lp[split][temp], lam), setup.data[split])
+               for split in ("test", "general")}}
 
 
-def _eval_large(work: Path, corpus) -> dict:
-    """The larger base alone and with the *same* Memory Decoder (trained on the small base's
-    datastore), at the ``lambda`` chosen with the larger base on the validation windows and at
-    0.55: the plug-and-play claim."""
+def _fit(model, task, data: Windows, sizes: Sizes, lr: float) -> list[float]:
+    """``sizes.steps`` engine steps of AdamW (bf16 autocast); the losses every 10 steps."""
+    from rankwise.engine import Engine, linear_schedule
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    engine = Engine(model, task, opt, data, sizes.batch, seed=SEED, precision="bf16", grad_clip=1.0,
+                    scheduler=linear_schedule(opt, sizes.steps, 0.05))
+    losses = []
+    for step in range(sizes.steps):
+        loss = engine.train_step(step).loss
+        if step % 10 == 0 or step == sizes.steps - 1:
+            losses.append(round(float(loss), 4))
+    return losses
+
+
+def _adapt(setup: Setup, work: Path, kind: str, temperature: float) -> dict:
+    """Train ``kind`` from the base: ``memdec`` (0.5 KL + 0.5 CE against ``p_kNN`` at
+    ``temperature``), ``dapt`` (CE only) or ``lora``; its weights go to ``work/<kind>.pt``."""
+    import rankwise
+    from rankwise.engine import get_task
+    from rankwise.tasks.memory_decoder.task import MemoryDecoderTask
+    s, train = setup.sizes, setup.data["train"]
+    model = setup.model().train()
+    info: dict = {"windows": len(train), "steps": s.steps, "batch": s.batch}
+    start = time.perf_counter()
+    if kind == "memdec":
+        task = MemoryDecoderTask(setup.config(temperature))
+        base = setup.model()
+        task.base_loader = lambda path, device: base
+        info["index"] = task.prepare(model, [train], True, s.batch, "cpu")
+        info["datastore"], info["temperature"] = len(task.store), temperature
+        info["prepare_s"] = round(time.perf_counter() - start, 1)
+    elif kind == "dapt":
+        task = get_task("causal-lm")
+    else:
+        rankwise.apply(model, "lora", r=s.rank, alpha=2 * s.rank, targets="block-linear")
+        task = get_task("causal-lm")
+        info["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    info["lr"] = s.lora_lr if kind == "lora" else s.lr
+    info["losses"] = _fit(model, task, train, s, info["lr"])
+    if kind == "lora":  # folded into the weights: the evaluation loads a plain model
+        from rankwise.core.ops import merge_and_unload
+        model = merge_and_unload(model)
+    torch.save(model.state_dict(), work / f"{kind}.pt")
+    info["seconds"] = round(time.perf_counter() - start, 1)
+    return info
+
+
+def _eval(setup: Setup, work: Path, knn: dict) -> dict:
+    """Every model on the test and general modules, each mixture at its ``lambda`` chosen on the
+    validation modules (base + Memory Decoder also at 0.55 and 0.25; kNN-LM from ``knn``)."""
     from rankwise.tasks.memory_decoder.generation import interpolate
-    sets = _sets(corpus)
-    large, mem = _load(work, "base_large", LARGE), _load(work, "memdec")
-    lb_v, y_v = _logprobs(large, sets["validation"])
-    lam, curve = choose_lambda(lb_v, _logprobs(mem, sets["validation"])[0], y_v)
-    rows: dict = {"lambda": {"chosen": lam, "validation ppl": curve}}
-    for name in ("domain", "general"):
-        lb, y = _logprobs(large, sets[name])
-        lm, _ = _logprobs(mem, sets[name])
-        rows[name] = {"large base": _ppl(lb, y),
-                      f"large base + Memory Decoder (lambda {lam}, chosen on validation)":
-                          _ppl(interpolate(lb, lm, lam), y),
-                      f"large base + Memory Decoder (lambda {LAM_PUBLISHED})": _ppl(interpolate(lb, lm, LAM_PUBLISHED), y)}
-    return rows
+    s, data, start = setup.sizes, setup.data, time.perf_counter()
+    models = {"base": setup.model(), **{k: setup.model(work / f"{k}.pt") for k in ("memdec", "dapt", "lora")}}
+    lp = {split: {k: target_logprobs(m, data[split], s.batch) for k, m in models.items()}
+          for split in ("validation", "test", "general")}
+    v = lp["validation"]
+    (lm, curve_m), (ld, curve_d) = choose_lambda(v["base"], v["memdec"]), choose_lambda(v["base"], v["dapt"])
+    rows = [("base", None, "base", None), ("base + Memory Decoder", lm, "memdec", "validation"),
+            ("base + Memory Decoder", LAM_PUBLISHED, "memdec", "published"),
+            ("base + Memory Decoder", LAM_CODE, "memdec", "code default"), ("Memory Decoder alone", None, "memdec", None),
+            ("base + DAPT decoder (CE only)", ld, "dapt", "validation"), ("DAPT decoder alone", None, "dapt", None),
+            ("LoRA r=8", None, "lora", None)]
+    table = []
+    for label, lam, key, how in rows:
+        row = {"model": label, "lambda": lam, "chosen": how}
+        for split in ("test", "general"):
+            p = lp[split]
+            row[split] = score(p[key] if lam is None or key == "base" else interpolate(p["base"], p[key], lam),
+                               data[split])
+        table.append(row)
+    table.append({"model": f"kNN-LM (T {knn['temperature']:g})", "lambda": knn["lambda"], "chosen": "validation",
+                  "test": knn["test"], "general": knn["general"]})
+    sweep = {str(lam): score(interpolate(lp["test"]["base"], lp["test"]["memdec"], lam), data["test"])["token_ppl"]
+             for lam in GRID}
+    return {"seconds": round(time.perf_counter() - start, 1), "rows": table,
+            "lambda": {"memdec": lm, "dapt": ld, "knn": knn["lambda"]},
+            "validation ppl": {"memdec": curve_m, "dapt": curve_d, "knn": knn["validation ppl"][str(knn["temperature"])]},
+            "test sweep (base + Memory Decoder, token ppl)": sweep}
 
 
-def run(out: Path) -> dict:
-    """Run (or resume) every piece and write ``results.json`` + ``results.md``."""
+def run(out: Path, base: str | Path | None = None, sizes: Sizes | None = None) -> dict:
+    """Run (or resume) every piece and write ``results.json``, ``results.md`` and ``lambda.png``.
+
+    Args:
+        out: The results folder (``pieces/`` and the ignored ``_work/`` inside).
+        base: The base model folder (``None`` or ``""``: the reference base).
+        sizes: The sizes (``None``: the committed run's, :class:`Sizes`).
+
+    Returns:
+        The record.
+
+    Raises:
+        RankwiseError: faiss missing, or the reference base not built.
+    """
     from rankwise.errors import require
     require("faiss", "memory", "rankwise bench memory-decoder")
-    torch.set_num_threads(1)
-    out = Path(out)
+    import faiss
+    sizes, out = sizes or Sizes(), Path(out)
     work, pieces = out / "_work", out / "pieces"
     work.mkdir(parents=True, exist_ok=True)
     pieces.mkdir(parents=True, exist_ok=True)
-    corpus = _corpus()
-    steps = {"base": lambda: _base(work, corpus), "memdec": lambda: _adapt(work, corpus, "memdec"),
-             "dapt": lambda: _adapt(work, corpus, "dapt"), "lora": lambda: _adapt(work, corpus, "lora"),
-             "eval": lambda: _eval(work, corpus),
-             "base_large": lambda: _base(work, corpus, "base_large", LARGE),
-             "eval_large": lambda: _eval_large(work, corpus)}
-    done = {}
-    for name, fn in steps.items():
-        path = pieces / f"{name}.json"
-        if not path.is_file():
-            atomic.write_json(path, fn())
-        done[name] = json.loads(path.read_text())
-    result = {"family": FAMILY, "bytes": {k: int(v.numel()) for k, v in corpus.items()},
-              "sizes": {"hidden": HIDDEN, "layers": LAYERS, "seq": SEQ, "batch": BATCH},
-              "memory_decoder": {"k": K, "temperature": TEMPERATURE, "target_tokens": TARGET_TOKENS,
-                                 "index": f"ivf lists={LISTS} probe={PROBE}", "lambda grid": list(GRID),
-                                 "lambda published": LAM_PUBLISHED, "lambda code default": LAM_CODE},
+    folder = Path(base) if base else reference_base()
+    faiss.omp_set_num_threads(1)
+    with torch_threads(1):
+        setup = Setup(folder, sizes)
+
+        def piece(name: str, fn) -> dict:
+            path = pieces / f"{name}.json"
+            if not path.is_file():
+                atomic.write_json(path, fn())
+            return json.loads(path.read_text())
+
+        done = {"knn": piece("knn", lambda: _knn(setup))}
+        temp = done["knn"]["temperature"]
+        for kind in ("memdec", "dapt", "lora"):
+            done[kind] = piece(kind, lambda kind=kind: _adapt(setup, work, kind, temp))
+        done["eval"] = piece("eval", lambda: _eval(setup, work, done["knn"]))
+    d = setup.data
+    result = {"command": COMMAND, "base": _shown(folder), "sizes": asdict(sizes), "lambda grid": list(GRID),
+              "lambda published": LAM_PUBLISHED, "lambda code default": LAM_CODE,
+              "splits": {k: {"modules": v.modules, "windows": len(v), "bytes": v.bytes,
+                             "tokens": sum(len(w["input_ids"]) - 1 for w in v)} for k, v in d.items()},
               "torch": torch.__version__, "python": platform.python_version(), **done}
     write_results(out, result, markdown(result))
+    plot(result, out / "lambda.png")
     return result
 
 
-def markdown(r: dict) -> str:
-    """``results.md`` from the record."""
-    ev, md = r["eval"], r["memory_decoder"]
-    lam = ev["lambda"]
-    names = [k for k in ev["domain"] if k not in ("windows", "tokens") and not isinstance(ev["domain"][k], dict)]
-    grid = md["lambda grid"]
-    lines = [f"# Memory Decoder on the unseen `{r['family']}` package (byte-level, one seed)", "",
-             f"Base: {r['sizes']['layers']}-layer {r['sizes']['hidden']}-wide Llama pretrained "
-             f"{r['base']['steps']} steps ({r['base']['tokens']:,} bytes) on the stdlib without `{r['family']}`. "
-             f"Domain training: {r['memdec']['windows']} windows of {r['sizes']['seq']} bytes, "
-             f"{r['memdec']['steps']} steps each; datastore {r['memdec']['datastore']:,} keys "
-             f"({md['index']}), k={md['k']}, T={md['temperature']}. Each mixture's lambda is chosen "
-             f"on a validation split of {lam['validation windows']} windows ({lam['validation tokens']:,} "
-             f"bytes) carved from the domain's training modules (left out of every training and the "
-             f"datastore), from the grid {grid[0]}..{grid[-1]}; never on the test windows.", "",
-             "| model | held-out domain ppl | held-out general ppl |", "|---|---|---|"]
-    for n in names:
-        gen = ev["general"].get(n)
-        lines.append(f"| {n} | {ev['domain'][n]:.3f} | {'' if gen is None else f'{gen:.3f}'} |")
-    if "eval_large" in r:
-        big = r["eval_large"]
-        lines += ["", f"The same Memory Decoder plugged into a larger base ({LARGE[1]} layers, {LARGE[0]} wide, "
-                  "same pretraining data and steps; lambda chosen with the larger base on the validation split):",
-                  "", "| model | held-out domain ppl | held-out general ppl |", "|---|---|---|"]
-        lines += [f"| {n} | {big['domain'][n]:.3f} | {big['general'][n]:.3f} |" for n in big["domain"]]
-    lines += ["", "Validation ppl by lambda (the choice):"]
-    labels = {"memdec": "base + Memory Decoder", "dapt": "base + DAPT decoder", "knn": "kNN-LM"}
-    for key, curve in lam["validation ppl"].items():
-        lines.append(f"- {labels[key]}: " + ", ".join(f"{k}: {v:.3f}" for k, v in curve.items())
-                     + f" (chosen {lam['chosen'][key]})")
-    if "eval_large" in r:
-        big = r["eval_large"]["lambda"]
-        lines.append("- large base + Memory Decoder: " + ", ".join(
-            f"{k}: {v:.3f}" for k, v in big["validation ppl"].items()) + f" (chosen {big['chosen']})")
-    sweep = ev["domain"]["lambda sweep (base + Memory Decoder)"]
-    lines += ["", "Test-set lambda sweep (diagnostic only, not used to choose; domain ppl, base + Memory Decoder): "
-              + ", ".join(f"{k}: {v:.3f}" for k, v in sweep.items()), "",
-              f"Held-out tokens: domain {ev['domain']['tokens']:,}, general {ev['general']['tokens']:,}. "
-              "Perplexity is per byte (the vocabulary is bytes).", ""]
-    return "\n".join(lines)
+def _shown(folder: Path) -> str:
+    from rankwise_bench.common import ROOT
+    try:
+        return str(folder.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(folder)
 
 
-__all__ = ["choose_lambda", "markdown", "run"]
+def main(argv: list[str] | None = None) -> int:
+    """``rankwise bench memory-decoder --out DIR [--base MODEL_DIR]``."""
+    from rankwise_bench.common import keyword_main
+    return keyword_main(run, argv, "memory-decoder", base=(str, ""))
+
+
+__all__ = ["Sizes", "choose_lambda", "domain_records", "knn_target_logprob", "main", "markdown", "run",
+           "score", "split_of", "target_logprobs", "token_windows", "windows"]
