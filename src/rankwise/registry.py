@@ -37,6 +37,11 @@ Kinds used by rankwise:
 * ``"order"`` - which examples each step draws (``data.order``: ``uniform``, GRPO's ``gain-rl``):
   ``builder(config, task, run, model, train_data, device, distributed) -> schedule | None``;
   :mod:`rankwise.engine.schedules` and :mod:`rankwise.tasks.grpo` register them.
+* ``"select-rule"`` - how ``data.select`` chooses training records (``random``, ``embedding``,
+  ``less``, ``influence``, ``qcs-proxy``, ``reuse``): ``builder(config, inputs) -> Scored``
+  scores the pool (:class:`rankwise.recipes.select_rules.SelectInputs`), its config subclasses
+  :class:`rankwise.recipes.select_rules.SelectRuleConfig`; :mod:`rankwise.recipes.select_rules`
+  registers them (loaded when this kind is asked for).
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -163,10 +168,11 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "command": frozenset({"writes", "example"}),
     "strategy": frozenset(), "task": frozenset(), "compressor": frozenset(), "tracker": frozenset(),
     "kv-cache": frozenset(), "merge-rule": frozenset(), "schedule": frozenset(),
-    "order": frozenset({"tasks"}),
+    "order": frozenset({"tasks"}), "select-rule": frozenset(),
 }
 
-_KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules"}
+_KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules",
+                  "select-rule": "rankwise.recipes.select_rules"}
 _loaded = False
 _loaded_kinds: set[str] = set()
 
