@@ -148,9 +148,9 @@ def _converted():
     from rankwise.adapters.mixture.config import MoeLoraConfig
     from rankwise.commands.generate.decode import DecodeConfig
     from rankwise.compress.lowrank.config import SVDConfig
-    from rankwise.data.select import SelectConfig
     from rankwise.federated.vfl.config import VFLConfig
     from rankwise.optim.galore.config import GaLoreConfig
+    from rankwise.recipes.select_rules import InfluenceConfig
     return [
         (MoeLoraConfig(mass_threshold=1.5), "mass_threshold: got 1.5; expected a value in [0, 1] (0: fixed top-k)"),
         (MoeLoraConfig(r=0), "r: got 0; expected an integer >= 1"),       # re-declared, still bounded
@@ -158,7 +158,7 @@ def _converted():
         (VFLConfig(test_fraction=1.0), "test_fraction: got 1.0; expected a value in (0, 1)"),
         (SVDConfig(rank=0), "rank: got 0; expected an integer >= 1 or null (null: use energy)"),
         (DecodeConfig(top_p=0.0), "top_p: got 0.0; expected a value in (0, 1] (--top-p)"),
-        (SelectConfig(influence_l2=0.0), "influence_l2: got 0.0; expected a value > 0"),
+        (InfluenceConfig(target="t", l2=0.0), "l2: got 0.0; expected a value > 0"),
     ]
 
 

@@ -55,7 +55,7 @@ def _commands(tmp_path: Path, tiny_bert_run: Path) -> dict[str, tuple]:
     """``{command: (argv before --out, its own kind)}``; each is refused before any work."""
     select_cfg = tmp_path / "select.yaml"
     raw = yaml.safe_load((tiny_bert_run / "config.yaml").read_text())
-    raw["data"]["select"] = {"method": "random", "budget": 0.5}
+    raw["data"]["select"] = {"name": "random", "budget": 0.5}
     select_cfg.write_text(yaml.safe_dump(raw))
     vfl_cfg = tmp_path / "vfl.yaml"
     vfl_cfg.write_text(yaml.safe_dump({"vfl": {"mode": "sync", "epochs": 1}}))

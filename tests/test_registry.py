@@ -23,7 +23,7 @@ def test_every_capability_belongs_to_some_kind_and_every_kind_is_listed():
         "kind", "name", "config_cls", "builder", "summary"}
     assert set().union(*registry.CAPABILITIES.values()) == optional
     for kind in ("method", "optimizer", "task", "command", "tracker", "compressor", "strategy", "exporter",
-                 "kv-cache", "merge-rule", "schedule", "order", "reward", "steer"):
+                 "kv-cache", "merge-rule", "schedule", "order", "reward", "steer", "select-rule"):
         assert kind in registry.kinds() and registry.names(kind), kind
 
 

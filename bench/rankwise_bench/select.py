@@ -2,7 +2,7 @@
 
 Setup: the packaged MiniLM, demo task (8 stdlib packages), target = ``TARGET_SIZE`` training
 docstrings of the packages in ``TARGET`` (taken out of the pool); the pool is a seeded draw of
-``POOL`` of the remaining training records; every method of ``data.select`` picks 5 / 10 / 20 %
+``POOL`` of the remaining training records; every rule of ``data.select`` picks 5 / 10 / 20 %
 of the pool; the classifier head
 (``method: frozen``, so the gradient features are the head's) trains on the chosen records for
 ``STEPS`` steps; reported: accuracy on the evaluation records of the target packages (and on all
@@ -57,23 +57,25 @@ def _select_all(seed: int, out: Path) -> dict:
     from rankwise.commands.select.run import write_selection
     from rankwise.recipes import select as stage
     from rankwise.recipes.session import prepare
+    from rankwise import registry
     from rankwise.data.select import budget_count
-    cfg = build_run_config(_raw(seed, {"target": "demo:" + ",".join(TARGET), "target_size": TARGET_SIZE,
-                                       "seed": seed}))
+    cfg = build_run_config(_raw(seed, None))
     session = prepare(cfg, device="cpu")
     ids = stage.record_ids(cfg.data, session.train_data)
-    pool, target = stage.target_split(session, cfg.data.select)
+    given = {"target": "demo:" + ",".join(TARGET), "target_size": TARGET_SIZE, "seed": seed}
+    rule = lambda name: registry.get("select-rule", name).config_cls(**given)  # noqa: E731
+    pool, target = stage.target_split(session, rule("random"))
     draw = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed))[:POOL].tolist()
     pool = sorted(pool[i] for i in draw)
     cache, folders = {}, {}
     for method in METHODS:
-        cfg.data.select.method = method
+        sel_cfg = rule(method)
         for budget in BUDGETS:
             k = budget_count(budget, len(pool))
             cache["_used"] = set()
             before = dict(cache.get("_seconds", {}))
             start = time.perf_counter()
-            s, chosen, _, _ = stage.score(session, cfg.data.select, pool, target, k, cache)
+            s, chosen, _, _ = stage.score(session, sel_cfg, pool, target, k, cache)
             new = sum(v for key, v in cache.get("_seconds", {}).items() if key not in before)
             rule = time.perf_counter() - start - new
             seconds = rule + sum(cache["_seconds"].get(key, 0.0) for key in cache["_used"])

@@ -48,7 +48,7 @@ BATCH = 16
 R = 8
 SEEDS = 3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-# rows beyond data.select's methods: name -> (method, SelectConfig settings); each has its own
+# rows beyond data.select's rules: name -> (rule, its config's settings); each has its own
 # feature cache. influence-warm: Influence Distillation's features after a LoRA warm-up (the
 # release warms up first) of WARMUP steps at the training learning rate.
 WARMUP = 20
@@ -120,7 +120,8 @@ def _base(work: Path) -> dict:
 def _seed(base: Path, seed: int) -> dict:
     """Every method at every budget for one seed (features shared as in the demo bench), each
     selection trained; then the base and the whole-pool rows."""
-    from rankwise.data.select import SelectConfig, budget_count
+    from rankwise import registry
+    from rankwise.data.select import budget_count
     from rankwise.recipes import select as stage
     from rankwise.recipes.config import build_run_config
     from rankwise.recipes.train import train
@@ -139,7 +140,7 @@ def _seed(base: Path, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for row in ROWS:
             method, extra = EXTRA.get(row, (row, {}))
-            sel_cfg = SelectConfig(seed=seed, method=method, **extra)
+            sel_cfg = registry.get("select-rule", method).config_cls(seed=seed, **extra)
             cache = caches.setdefault(row if extra else "shared", {})
             for budget in BUDGETS:
                 k = budget_count(budget, len(pool))

@@ -102,18 +102,21 @@ def _build(cls: type[T], data: dict, where: str, problems: list[str]) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
+    misplaced: set[str] = set()  # keys in the wrong place (hinted or unknown): the values are still checked
     for key, value in data.items():
         if key not in fields and f"{key}_" in fields:  # a field named after a Python keyword (from_)
             key = f"{key}_"
         if key not in fields:
             hint = KEY_HINTS.get(f"{where}.{key}")
-            problems.append(f"{where}.{key}: {hint}" if hint else
-                            f"{where}.{key}: unknown key{closest(key, fields)}; valid keys: {', '.join(fields)}")
+            msg = (f"{where}.{key}: {hint}" if hint else
+                   f"{where}.{key}: unknown key{closest(key, fields)}; valid keys: {', '.join(fields)}")
+            misplaced.add(msg)
+            problems.append(msg)
             continue
         choice = fields[key].metadata.get(CHOICE)
         kwargs[key] = (choice.build(value, f"{where}.{key}", problems) if choice is not None else
                        _coerce(value, hints[key], f"{where}.{key}", problems))
-    if any(p.startswith(f"{where}.") and "unknown key" not in p for p in problems):
+    if any(p.startswith(f"{where}.") and "unknown key" not in p and p not in misplaced for p in problems):
         return None  # type: ignore[return-value]
     try:
         obj = cls(**kwargs)

@@ -44,6 +44,11 @@ Kinds used by rankwise:
 * ``"steer"`` - a steering rule of ``decode.steer`` (``rankwise generate --steer``: ``svdecode``):
   ``builder(config) -> steerer`` (an uncalibrated :class:`rankwise.engine.svdecode.SVDecode`);
   :mod:`rankwise.engine.svdecode` registers it.
+* ``"select-rule"`` - how ``data.select`` chooses training records (``random``, ``embedding``,
+  ``less``, ``influence``, ``qcs-proxy``, ``reuse``): ``builder(config, inputs) -> Scored``
+  scores the pool (:class:`rankwise.recipes.select_rules.SelectInputs`), its config subclasses
+  :class:`rankwise.recipes.select_rules.SelectRuleConfig`; :mod:`rankwise.recipes.select_rules`
+  registers them (loaded when this kind is asked for).
 
 A method family registers itself once, in its package ``__init__``; nothing else needs editing.
 """
@@ -171,9 +176,11 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "strategy": frozenset(), "task": frozenset(), "compressor": frozenset(), "tracker": frozenset(),
     "kv-cache": frozenset(), "merge-rule": frozenset(), "schedule": frozenset(),
     "order": frozenset({"tasks"}), "reward": frozenset(), "steer": frozenset(),
+    "select-rule": frozenset(),
 }
 
-_KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules"}
+_KIND_PACKAGES = {"command": "rankwise.commands", "merge-rule": "rankwise.commands.merge.rules",
+                  "select-rule": "rankwise.recipes.select_rules"}
 _loaded = False
 _loaded_kinds: set[str] = set()
 

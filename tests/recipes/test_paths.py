@@ -44,7 +44,7 @@ def test_a_config_files_relative_paths_are_read_from_its_folder(tmp_path, monkey
 def test_built_in_names_stay_names_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
     jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     raw = {"model": {"path": "demo"}, "data": {"source": "stdlib-functions", "chat_template": jinja,
-                                                "select": {"method": "less", "target": "demo:email"}},
+                                                "select": {"name": "less", "target": "demo:email"}},
            "compress": {"method": "magnitude", "calibration": {"source": "stdlib"},
                         "heldout": {"source": "data"}}}
     path = _layout(tmp_path, monkeypatch, raw)

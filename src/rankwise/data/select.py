@@ -1,8 +1,10 @@
-"""Training-data selection: the ``data.select`` section and the scoring rules on features.
+"""Training-data selection: the tensor maths of the ``data.select`` rules.
 
 Every rule here works on plain tensors (gradient features, embeddings, losses) so it can be
-checked against a direct computation; :mod:`rankwise.recipes.select` computes those features
-from the run's model and data and applies the selection. Methods:
+checked against a direct computation. Each rule is a registered entry of kind ``select-rule``
+(its config and scoring function: :mod:`rankwise.recipes.select_rules`, which computes the
+features from the run's model and data); :mod:`rankwise.recipes.select` applies the selection.
+Rules:
 
 - ``random``: a seeded permutation (the anchor every paper compares against).
 - ``less``: LESS (Xia et al. 2024, "LESS: Selecting Influential Data for Targeted Instruction
@@ -15,8 +17,8 @@ from the run's model and data and applies the selection. Methods:
   (``p = K(e, e_L) (K_LL + 0.01 mean(diag K_LL) I)⁻¹ p_L``, RBF kernel, σ = median landmark
   distance), then a round-robin pick over target examples in an order shuffled every round; the
   weighted variant solves the paper's second-order objective (:func:`influence_weights`).
-- ``qcs-proxy`` (``qcs`` is an alias kept with a notice): a proxy of QCS (Quadratic Coreset
-  Selection, NeurIPS 2025), not the paper's method: the bi-level inner training is replaced by a
+- ``qcs-proxy`` (``qcs``, its old name, is read for one release with a notice): a proxy of QCS
+  (Quadratic Coreset Selection, NeurIPS 2025), not the paper's method: the bi-level inner training is replaced by a
   one-step identity-Hessian quadratic on gradient features (:func:`qcs_objective`), the token
   masks are loss-ranked, not learned. Inclusion probabilities ``w`` of Bernoulli sequence masks,
   trained by REINFORCE on that quadratic, then projected onto ``{0 ≤ w ≤ 1, Σw = k}``
@@ -26,89 +28,9 @@ from the run's model and data and applies the selection. Methods:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Union
 
 import torch
-
-from rankwise.configs import bounded
-
-METHODS = ("random", "less", "influence", "qcs-proxy", "embedding")
-ALIASES = {"qcs": "qcs-proxy"}   # old name -> method (a notice is printed when an alias is used)
-
-
-@dataclass
-class SelectConfig:
-    """The ``data.select`` section: which training records the run keeps.
-
-    Attributes:
-        method: ``random``, ``less``, ``influence``, ``qcs-proxy`` (``qcs``: its old name, kept
-            with a notice) or ``embedding``; ``null`` = no selection (unless ``from`` names an
-            earlier one).
-        budget: A fraction of the training records (a float in (0, 1]) or a count (an integer).
-        target: The data that stands for the target task: a file/folder like ``data.source``
-            (encoded the same way), or for the built-in demo ``demo:PKG,PKG`` (that many
-            training records of those packages, ``target_size``, are taken out of the pool).
-        target_size: Target examples drawn from a ``demo:`` filter.
-        weights: Train with the method's per-sample (qcs-proxy, causal LM: also per-token) weights
-            on the chosen records instead of weight 1.
-        from_: A folder written by ``rankwise select`` (YAML key ``from``): reuse its chosen ids.
-        seed: Seeds the random choice, projections, landmarks, the round-robin order and the
-            qcs-proxy's samples.
-        proj_dim: Random projection size of gradient features (0 = no projection).
-        landmarks: Influence Distillation's landmark count.
-        jvp_tangents: Random tangents of the JVP embedding.
-        ridge: Kernel-ridge regulariser, relative to the mean of the kernel's diagonal.
-        influence_eta: Influence Distillation's step ``η`` in its second-order weight objective
-            (``weights: true``; 0 = first-order term plus L2 only).
-        influence_l2: Its L2 weight, in units of ``std(p)``.
-        warmup_steps: Steps of training the trainable weights on random pool records before the
-            gradient / JVP features are taken (the Influence Distillation release and LESS warm
-            up first; 0 = features at the method's initialisation). The weights are restored
-            afterwards: the run trains from its own start.
-        warmup_lr: AdamW learning rate of that warm-up (batches of 8).
-        qcs_steps: Projected REINFORCE steps of the qcs-proxy.
-        qcs_samples: Mask samples per qcs-proxy step.
-        qcs_lr: The qcs-proxy's step size on the probabilities.
-        qcs_eta: Step of the qcs-proxy's one-step quadratic model of the target loss.
-        token_ratio: The qcs-proxy's share of tokens kept per sequence (causal LM token masks).
-        token_floor: The qcs-proxy's weight ε of dropped tokens (kept tokens weigh 1 - ε).
-    """
-
-    method: Union[Literal["random", "less", "influence", "qcs-proxy", "qcs", "embedding"], None] = None
-    budget: Union[int, float] = 0.1
-    target: Union[str, None] = None
-    target_size: int = bounded(64, ge=1)
-    weights: bool = False
-    from_: Union[str, None] = None
-    seed: int = 0
-    proj_dim: int = bounded(256, ge=0, hint="(0 = no projection)")
-    landmarks: int = bounded(64, ge=1)
-    jvp_tangents: int = bounded(2, ge=1)
-    ridge: float = 0.01
-    influence_eta: float = bounded(1.0, ge=0)
-    influence_l2: float = bounded(1.0, gt=0)
-    warmup_steps: int = bounded(0, ge=0)
-    warmup_lr: float = bounded(1e-3, ge=0)
-    qcs_steps: int = bounded(200, ge=1)
-    qcs_samples: int = bounded(16, ge=1)
-    qcs_lr: float = 0.05
-    qcs_eta: float = 1.0
-    token_ratio: float = bounded(0.5, gt=0, le=1, what="a ratio")
-    token_floor: float = bounded(0.1, ge=0, lt=0.5, what="a floor")
-
-    def problems(self) -> list[str]:
-        """Return value errors (the budget against the data is checked when the data is known)."""
-        out = []
-        if isinstance(self.budget, bool) or self.budget <= 0:
-            out.append(f"budget: got {self.budget!r}; expected a fraction in (0, 1] or a count >= 1")
-        elif isinstance(self.budget, float) and self.budget > 1:
-            out.append(f"budget: got {self.budget}; a float is a fraction in (0, 1]; write a count "
-                       "as an integer")
-        if self.method not in (None, "random", "embedding") and not self.target and not self.from_:
-            out.append(f"target: method {self.method!r} needs data standing for the target task; "
-                       "set data.select.target (a file, or demo:PKG,PKG)")
-        return out
 
 
 def budget_count(budget: Union[int, float], n: int) -> int:
@@ -362,7 +284,7 @@ class WeightedData:
         return getattr(self.__dict__["data"], name)
 
 
-__all__ = ["ALIASES", "WeightedData", "influence_scores", "SelectConfig", "METHODS", "budget_count", "random_scores",
+__all__ = ["WeightedData", "influence_scores", "budget_count", "random_scores",
            "top_k", "less_scores", "propagate", "round_robin", "project_budget", "simplex_project",
            "influence_weights", "qcs_probabilities", "qcs_objective", "token_weights", "projection_block",
            "rbf_kernel"]

@@ -21,7 +21,7 @@ from rankwise.engine import TaskConfig, task_class
 from rankwise.engine.per_layer import problems as per_layer_problems
 from rankwise.errors import RankwiseError, closest
 from rankwise.federated.config import FederatedConfig
-from rankwise.recipes import legacy, yamlfile
+from rankwise.recipes import legacy, legacy_select, yamlfile
 from rankwise.recipes.sections import MAX_TOKENS, DataConfig, EvalConfig, ModelConfig, TrainConfig
 from rankwise.tasks import ClassificationConfig
 
@@ -149,7 +149,8 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
 
     The old spelling of the task (``model.task`` plus a ``dpo:`` / ``grpo:`` / ``memory_decoder:``
     section), of the KV cache (``compress.kv_cache.kind``) and of Skrull's and GAIN-RL's
-    settings (``data.schedule_linear``, ``task.gain_rl``) are read for one release
+    settings (``data.schedule_linear``, ``task.gain_rl``) and the flat ``data.select``
+    (``method: less``, :mod:`rankwise.recipes.legacy_select`) are read for one release
     (:mod:`rankwise.recipes.legacy`).
 
     Args:
@@ -163,6 +164,7 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
     spelling = legacy.translate(data)
     data, kv_notice = legacy.kv_cache_spelling(spelling.data)
     data, data_notice = legacy.data_spelling(data)
+    data, select_notice = legacy_select.select_spelling(data)
     problems: list[str] = list(spelling.problems)
     for key in data:
         if key not in SECTIONS:
@@ -208,6 +210,7 @@ def build_run_config(data: dict, notice: bool = True) -> RunConfig:
         legacy.notice(spelling.notice)
         legacy.notice(kv_notice)
         legacy.notice(data_notice)
+        legacy.notice(select_notice)
     return cfg
 
 

@@ -190,7 +190,8 @@ def old_shape(resolved: dict) -> dict:
     ``model.task`` and, for the tasks that had one, the side section (the other tasks keep a
     ``task:`` section of their settings, if any); ``data.schedule`` and ``data.order`` as names,
     with Skrull's keys as ``data.schedule_linear`` / ``schedule_bucket`` and GAIN-RL's as the
-    rollout task's ``gain_rl`` (:func:`data_spelling` read backwards).
+    rollout task's ``gain_rl`` (:func:`data_spelling` read backwards); ``data.select`` as the
+    flat section of every rule (:func:`rankwise.recipes.legacy_select.old_select`).
 
     Args:
         resolved: The resolved config as plain data.
@@ -215,6 +216,9 @@ def old_shape(resolved: dict) -> dict:
                 dataclasses.asdict(GainRLConfig())
             rest["gain_rl"] = {k: v for k, v in gain.items() if k != "name"}
         out["data"] = data
+    if isinstance(out.get("data"), dict) and "select" in out["data"]:  # the flat select of every rule
+        from rankwise.recipes.legacy_select import old_select
+        out["data"] = {**out["data"], "select": old_select(out["data"]["select"])}
     out["model"] = {**(out.get("model") or {}), "task": task.get("name")}
     side = next((s for s, t in SECTION_TASKS.items() if t == task.get("name")), None)
     if side is not None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Union
 
-from rankwise.configs import bounded, chosen
-from rankwise.data.select import SelectConfig
+from rankwise.configs import CHOICE, Choice, bounded, chosen
 from rankwise.data.tokenizer import TokenizerTrainConfig
 from rankwise.engine.schedules import NoScheduleConfig, UniformOrderConfig
 
@@ -123,7 +122,10 @@ class DataConfig:
             shares in draw order) or ``{name: skrull, linear: ..., bucket: ...}`` (by the cost
             ``a L + b L^2`` of each sequence: LPT over processes, padding-aware micro-batches;
             the same examples and loss per step; ``docs/skrull.md``).
-        select: Which training records to keep (:mod:`rankwise.data.select`; ``docs/select.md``).
+        select: Which training records to keep, a registered selection rule (kind
+            ``select-rule``, :mod:`rankwise.recipes.select_rules`; ``docs/select.md``):
+            ``{name: less, budget: 0.1, target: ..., its keys}``, a bare name, or
+            ``{from: DIR}`` (the ids an earlier ``rankwise select`` chose); ``null``: every record.
         order: Which examples each step draws, a registered order: ``uniform`` (a fresh
             permutation per epoch) or ``{name: gain-rl, ...}`` (``task.name: grpo``: prompts
             sorted by GAIN-RL's angle concentration, drawn by its Gaussian sampler;
@@ -158,7 +160,7 @@ class DataConfig:
     holdout: Literal["eval", "validation"] = "eval"
     validation_fraction: float = bounded(0.1, gt=0.0, lt=1.0)
     schedule: Any = chosen("schedule", NoScheduleConfig)
-    select: SelectConfig = field(default_factory=SelectConfig)
+    select: Any = field(default=None, metadata={CHOICE: Choice("select-rule", "reuse", nullable=True)})
     order: Any = chosen("order", UniformOrderConfig)
     question_free: bool = False
     question_free_eos: bool = False

@@ -2,14 +2,13 @@
 
 :func:`select_training` runs after the data is tokenized and the method is applied (LESS,
 Influence Distillation and the QCS proxy need the adapted model's gradients), before packing and the
-optimizer: it computes the features the rules of :mod:`rankwise.data.select` score, picks the
-budget, and replaces the session's training data by the chosen records (weighted when
-``weights: true``). ``rankwise select`` (:mod:`rankwise.commands.select.run`) writes what it
+optimizer: it splits the pool from the target, runs the chosen rule's registered scoring function
+(kind ``select-rule``, :mod:`rankwise.recipes.select_rules`) for the budget, and replaces the
+session's training data by the chosen records (weighted when ``weights: true``). ``rankwise select`` (:mod:`rankwise.commands.select.run`) writes what it
 chose.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -20,11 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from rankwise import registry
 from rankwise.data import select as rules
 from rankwise.data.select import WeightedData
 from rankwise.errors import RankwiseError
-from rankwise.recipes.select_features import (grad_features, jvp_embeddings,  # noqa: F401
-                                              sentence_embeddings, trainable, warm_up)
+from rankwise.recipes.select_features import Features
+from rankwise.recipes.select_rules import SelectInputs
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Selection:
     """What a selection chose.
 
     Attributes:
-        method: The rule (or ``from:DIR``).
+        method: The rule's name (or ``from:DIR``).
         ids: Record id of every pool example (the training split minus target examples).
         scores: Score of every pool example.
         chosen: Pool indices kept, increasing.
@@ -122,85 +122,14 @@ def target_split(session, cfg) -> tuple[list[int], Any]:
 
 def score(session, cfg, pool: list[int], target, k: int, cache: dict | None = None
           ) -> tuple[torch.Tensor, list[int], Any, Any]:
-    """Run rule ``cfg.method``: ``(scores over the pool, chosen pool indices, weights, token weights)``.
+    """Run the rule ``cfg.name`` (its registered scoring function, kind ``select-rule``):
+    ``(scores over the pool, chosen pool indices, weights, token weights)``.
 
     ``cache`` (a dict kept by the caller) keeps the features between calls with other budgets.
     """
-    model, task, data, dev = session.model, session.task, session.train_data, session.device
-    memo = {} if cache is None else cache
-
-    def once(key, fn):  # memo["_seconds"]: seconds per feature; memo["_used"]: keys this call read
-        memo.setdefault("_used", set()).add(key)
-        if key not in memo:
-            start = time.perf_counter()
-            memo[key] = fn()
-            memo.setdefault("_seconds", {})[key] = time.perf_counter() - start
-        return memo[key]
-    grad_features_ = lambda d, idx, name: once(name, lambda: grad_features(  # noqa: E731
-        model, task, d, idx, cfg.proj_dim, cfg.seed, dev))
-    if cfg.method == "random":
-        s = rules.random_scores(len(pool), cfg.seed)
-        return s, rules.top_k(s, k), None, None
-    if cfg.method == "embedding":
-        tok = session.tokenizer
-        text = lambda d, i: tok.decode(d[i]["input_ids"], skip_special_tokens=True)  # noqa: E731
-        e = once("emb", lambda: sentence_embeddings([text(data, i) for i in pool], dev))
-        t = e if target is None else once("emb_t", lambda: sentence_embeddings(
-            [text(target, i) for i in range(len(target))], dev))
-        s = (e @ t.T).max(1).values
-        return s, rules.top_k(s, k), None, None
-    if not trainable(model):
-        raise RankwiseError(f"data.select.method {cfg.method!r} needs a model with trainable weights; "
-                            "choose a method such as lora, or data.select.method: embedding/random")
-    was = model.training
-    saved = warm_up(model, task, data, pool, cfg, dev) if cfg.warmup_steps else None
-    model.eval()
-    try:
-        t_idx = list(range(len(target)))
-        g_t = grad_features_(target, t_idx, "g_t")
-        if cfg.method == "less":
-            s = rules.less_scores(grad_features_(data, pool, "g"), g_t)
-            return s, rules.top_k(s, k), None, None
-        if cfg.method == "influence":
-            land = sorted(torch.randperm(len(pool), generator=torch.Generator().manual_seed(cfg.seed))
-                          [: min(cfg.landmarks, len(pool))].tolist())
-            g_l = grad_features_(data, [pool[i] for i in land], "g_l")
-            emb = once("jvp", lambda: jvp_embeddings(model, task, data, pool, cfg.jvp_tangents, cfg.seed, dev))
-            p = rules.influence_scores(emb, land, g_l, g_t, cfg.ridge)                 # (n, m)
-            chosen = rules.round_robin(p, k, cfg.seed)
-            s = p.mean(1)
-            w = rules.influence_weights(p[chosen], k, cfg.influence_eta, cfg.influence_l2) if cfg.weights else None
-            return s, chosen, w, None
-        g = grad_features_(data, pool, "g")
-        w = rules.qcs_probabilities(g, g_t, k, cfg.qcs_steps, cfg.qcs_samples, cfg.qcs_lr, cfg.qcs_eta, cfg.seed)
-        chosen = rules.top_k(w, k)
-        tw = _token_weights(session, cfg, [pool[i] for i in chosen]) if cfg.weights else None
-        return w, chosen, (w[chosen] if cfg.weights else None), tw
-    finally:
-        if saved is not None:
-            with torch.no_grad():
-                for (_, p), v in zip(trainable(model), saved):
-                    p.copy_(v)
-                    p.grad = None
-        model.train(was)
-
-
-@torch.no_grad()
-def _token_weights(session, cfg, idx: list[int]):
-    """Per-token weights of the chosen examples (causal LM): tokens ranked by their loss under the
-    current model, the top ``token_ratio`` kept (the qcs-proxy's fixed stand-in for QCS's learned
-    token masks)."""
-    if session.task.uses_labels:
-        return None
-    from rankwise.data.select import token_weights as rule
-    scores = []
-    for i in idx:
-        batch = {k: v.to(session.device) for k, v in session.task.collate([session.train_data[i]],
-                                                                        session.train_data.pad_id).items()}
-        logits = session.model(input_ids=batch["input_ids"]).logits[0, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits, batch["input_ids"][0, 1:], reduction="none")
-        scores.append(torch.cat([torch.zeros(1), nll.cpu()]))  # token 0 is never predicted
-    return [w.tolist() for w in rule(scores, cfg.token_ratio, cfg.token_floor)]
+    rule = registry.get("select-rule", cfg.name).builder
+    out = rule(cfg, SelectInputs(session, pool, target, k, Features(session, cache)))
+    return out.scores, out.chosen, out.weights, out.token_weights
 
 
 def _mean_one(w) -> list[float]:
@@ -209,23 +138,20 @@ def _mean_one(w) -> list[float]:
 
 
 def select_training(session) -> Selection:
-    """Apply ``data.select`` to the session: choose records, replace ``session.train_data``.
+    """Apply ``data.select`` to the session: choose records by its rule (or reuse those of its
+    ``from`` folder), replace ``session.train_data``.
 
     Raises:
         RankwiseError: A budget <= 0 or above the pool size, an empty target, a rule that needs
             trainable weights on a model without them, or a ``from`` folder that does not match.
     """
     cfg, start = session.cfg.data.select, time.perf_counter()
-    if cfg.method in rules.ALIASES:
-        new = rules.ALIASES[cfg.method]
-        print(f"notice: data.select.method {cfg.method!r} is now {new!r}: a one-step quadratic proxy of "
-              "QCS, not the paper's bi-level method (docs/select.md); write method: qcs-proxy", file=sys.stderr)
-        cfg = dataclasses.replace(cfg, method=new)
-    if cfg.weights and session.cfg.data.packing:
+    weighted = bool(getattr(cfg, "weights", False))
+    if weighted and session.cfg.data.packing:
         raise RankwiseError("data.select.weights: packed blocks cannot carry per-example weights; set "
                             "data.packing: false or data.select.weights: false")
     ids_all = record_ids(session.cfg.data, session.train_data)
-    if cfg.from_:
+    if getattr(cfg, "from_", None):
         sel = _reuse(cfg, ids_all)
     else:
         pool, target = target_split(session, cfg)
@@ -234,13 +160,13 @@ def select_training(session) -> Selection:
         except ValueError as err:
             raise RankwiseError(str(err)) from None
         s, chosen, w, tw = score(session, cfg, pool, target, k)
-        sel = Selection(cfg.method, [ids_all[i] for i in pool], [float(x) for x in s],
+        sel = Selection(cfg.name, [ids_all[i] for i in pool], [float(x) for x in s],
                         [pool[i] for i in chosen], None if w is None else _mean_one(w), tw,
                         info={"pool": len(pool), "target": 0 if target is None else len(target), "k": k})
         sel.chosen = sorted(sel.chosen)
     sel.seconds = time.perf_counter() - start
     chosen_data = session.train_data.subset(sel.chosen)
-    if cfg.weights and (sel.weights or sel.token_weights):
+    if weighted and (sel.weights or sel.token_weights):
         chosen_data = WeightedData(chosen_data, sel.weights, sel.token_weights)
     session.train_data = chosen_data
     return sel

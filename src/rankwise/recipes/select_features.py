@@ -1,11 +1,18 @@
-"""The features ``data.select``'s gradient rules score: per-example gradients (projected), the
+"""The features ``data.select``'s rules score: per-example gradients (projected), the
 JVP embedding of Influence Distillation, MiniLM sentence embeddings, and the optional warm-up of
-the trainable weights before they are taken. :mod:`rankwise.recipes.select` wires them."""
+the trainable weights before they are taken; :class:`Features` keeps them between calls, and
+:func:`gradient_pass` brackets a gradient rule's work. The rules
+(:mod:`rankwise.recipes.select_rules`) read them."""
 from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
 
 import torch
 
 from rankwise.data import select as rules
+from rankwise.errors import RankwiseError
 
 CHUNK = 32  # examples per forward when scoring
 
@@ -100,7 +107,7 @@ def warm_up(model, task, data, pool: list[int], cfg, device: str) -> list[torch.
     """Train the trainable weights ``cfg.warmup_steps`` AdamW steps (lr ``cfg.warmup_lr``, no
     weight decay) on batches of 8 pool records drawn with replacement (a generator seeded
     ``cfg.seed + 29``) before the features are taken, as the Influence Distillation release and
-    LESS do. Returns the weights before it (:func:`rankwise.recipes.select.score` puts them back)."""
+    LESS do. Returns the weights before it (:func:`gradient_pass` puts them back)."""
     params = [p for _, p in trainable(model)]
     saved = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=cfg.warmup_lr, weight_decay=0.0)
@@ -114,3 +121,54 @@ def warm_up(model, task, data, pool: list[int], cfg, device: str) -> list[torch.
         opt.step()
     opt.zero_grad(set_to_none=True)
     return saved
+
+
+class Features:
+    """The features rules score, computed once per key and kept in ``cache`` (a dict the caller
+    may keep between calls with other budgets): ``cache["_seconds"][key]`` is the time each took,
+    ``cache["_used"]`` the keys this call read."""
+
+    def __init__(self, session: Any, cache: dict | None = None):
+        self.session, self.cache = session, {} if cache is None else cache
+
+    def once(self, key: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` under ``key``, computed on first use."""
+        self.cache.setdefault("_used", set()).add(key)
+        if key not in self.cache:
+            start = time.perf_counter()
+            self.cache[key] = fn()
+            self.cache.setdefault("_seconds", {})[key] = time.perf_counter() - start
+        return self.cache[key]
+
+    def grads(self, data: Any, idx: list[int], key: str, cfg: Any) -> torch.Tensor:
+        """``(len(idx), proj_dim)`` projected per-example gradients of ``data[idx]``."""
+        s = self.session
+        return self.once(key, lambda: grad_features(s.model, s.task, data, idx, cfg.proj_dim, cfg.seed, s.device))
+
+
+@contextlib.contextmanager
+def gradient_pass(cfg: Any, inputs: Any) -> Iterator[None]:
+    """The model of ``inputs.session`` in eval mode for gradient features, after
+    ``cfg.warmup_steps`` of warm-up (``cfg``: a gradient rule's config); afterwards its weights
+    and mode are as before.
+
+    Raises:
+        RankwiseError: A model without trainable weights.
+    """
+    sess = inputs.session
+    model = sess.model
+    if not trainable(model):
+        raise RankwiseError(f"data.select: {cfg.name} needs a model with trainable weights; choose a "
+                            "method such as lora, or data.select.name: embedding or random")
+    was = model.training
+    saved = warm_up(model, sess.task, sess.train_data, inputs.pool, cfg, sess.device) if cfg.warmup_steps else None
+    model.eval()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            with torch.no_grad():
+                for (_, p), v in zip(trainable(model), saved):
+                    p.copy_(v)
+                    p.grad = None
+        model.train(was)

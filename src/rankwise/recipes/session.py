@@ -286,7 +286,7 @@ def _ready_for_training(session: Session, entry: registry.Entry, selected: dict 
     if cfg.train.neftune_noise_alpha:  # noise on the input embeddings of training forwards
         add_neftune(model, cfg.train.neftune_noise_alpha)
     set_fused_lora(model, cfg.train.fused_lora)
-    if cfg.data.select.method or cfg.data.select.from_:  # data.select: keep the chosen records
+    if cfg.data.select is not None:  # data.select: keep the chosen records (or reuse those of from)
         from rankwise.recipes.select import select_training
         (selected if selected is not None else {}).update(full=session.train_data,
                                                           selection=select_training(session))

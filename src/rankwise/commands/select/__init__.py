@@ -17,8 +17,9 @@ from rankwise.recipes.config import RunConfig
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a config key (YAML value).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for scores.jsonl, chosen.json.")
 def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
-    """Score the training records by data.select (random, embedding, less, influence, qcs-proxy:
-    a proxy of QCS) and write the chosen ids (docs/select.md)."""
+    """Score the training records by the rule of data.select (random, embedding, less,
+    influence, qcs-proxy: a proxy of QCS; rankwise list shows every select-rule) and write the
+    chosen ids (docs/select.md)."""
     from rankwise.commands.select.run import run_select
     run_select(config, list(sets), out)
 
@@ -26,7 +27,7 @@ def select(config: Path, sets: tuple[str, ...], out: Path) -> None:
 def example(folder: Path) -> list[str]:
     """Random selection of half the tiny BERT run's records."""
     config = write_config(folder, {"model": {"path": "tiny-bert"},
-                                   "data": {"select": {"method": "random", "fraction": 0.5}}})
+                                   "data": {"select": {"name": "random", "budget": 0.5}}})
     return [str(config), "--out", str(folder / "out")]
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rankwise import registry
 from rankwise.core import atomic
-from rankwise.data import select as rules
 from rankwise.errors import RankwiseError
 from rankwise.recipes import folders
 from rankwise.recipes.config import load_run_config
@@ -47,16 +47,17 @@ def run_select(config: Path, sets: list[str], out: Path) -> Selection:
     """``rankwise select``: build the run's model and data, select, write the folder.
 
     Raises:
-        RankwiseError: A bad config, no ``data.select.method``, or an ``out`` that holds
+        RankwiseError: A bad config, no rule in ``data.select``, or an ``out`` that holds
             anything but an earlier selection (another command's output, the user's own files).
     """
     out = atomic.check_folder(out)
     folders.check_writable(out, "select", "select")  # before any work; never over foreign files
     cfg = load_run_config(config, sets)
-    if not cfg.data.select.method:
-        raise RankwiseError("rankwise select: data.select.method is not set; choose one of "
-                            f"{list(rules.METHODS)}")
-    cfg.data.select.from_ = None
+    if cfg.data.select is None or cfg.data.select.name == "reuse":
+        scoring = [n for n in registry.names("select-rule") if n != "reuse"]
+        raise RankwiseError("rankwise select: data.select names no rule to score with; set "
+                            f"data.select.name to one of {scoring}")
+    cfg.data.select.from_ = None  # select again, even where a run would reuse the folder
     holder = {}
     prepare(cfg, selected=holder)
     sel = holder["selection"]

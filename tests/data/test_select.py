@@ -13,11 +13,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from rankwise.data import select as rules
-from rankwise.data.select import SelectConfig, WeightedData
+from rankwise.data.select import WeightedData
 from rankwise.data.text import TextData
 from rankwise.engine import get_task
 from rankwise.errors import RankwiseError
 from rankwise.recipes import select as stage
+from rankwise.recipes.select_features import grad_features, jvp_embeddings
+from rankwise.recipes.select_rules import InfluenceConfig, LessConfig, QCSProxyConfig, token_weights
 
 V, D, H, C = 12, 5, 4, 3  # vocabulary, input width, hidden width, classes
 
@@ -73,7 +75,7 @@ def cos(a, b):
 
 def test_less_scores_equal_the_cosine_of_hand_computed_gradients():
     model, train, target = TwoLayer(), dataset(10, 1), dataset(4, 2)
-    cfg = SelectConfig(method="less", budget=3, target="t", proj_dim=0)
+    cfg = LessConfig(budget=3, target="t", proj_dim=0)
     s, chosen, w, _ = stage.score(session(model, train), cfg, list(range(10)), target, 3)
     g = np.stack([hand_grad(model, train.ids[i], train.labels[i]) for i in range(10)])
     gt = np.stack([hand_grad(model, target.ids[j], target.labels[j]) for j in range(4)])
@@ -82,14 +84,14 @@ def test_less_scores_equal_the_cosine_of_hand_computed_gradients():
     np.testing.assert_allclose(s.numpy(), want, atol=1e-5)
     assert chosen == sorted(np.argsort(-want)[:3].tolist()) and w is None
     # with a projection the features are G P, P assembled from its regenerated blocks
-    feats = stage.grad_features(model, get_task("classification"), train, list(range(10)), 8, 5, "cpu")
+    feats = grad_features(model, get_task("classification"), train, list(range(10)), 8, 5, "cpu")
     p = torch.cat([rules.projection_block(H * D, 8, 5, 0), rules.projection_block(C * H, 8, 5, 1)]).double()
     np.testing.assert_allclose(feats.double().numpy(), g @ p.numpy(), atol=1e-5)
 
 
 def test_influence_matches_jvp_kernel_ridge_and_round_robin_by_hand():
     model, train, target = TwoLayer(), dataset(12, 3), dataset(3, 4)
-    cfg = SelectConfig(method="influence", budget=5, target="t", proj_dim=0, landmarks=6, jvp_tangents=2)
+    cfg = InfluenceConfig(budget=5, target="t", proj_dim=0, landmarks=6, jvp_tangents=2)
     s, chosen, _, _ = stage.score(session(model, train), cfg, list(range(12)), target, 5)
     # JVP of the logits W2 mean_t tanh(W1 e_t) along tangent (V1, V2):
     # V2 mean_t h_t + W2 mean_t (1 - h_t²) ⊙ (V1 e_t)
@@ -103,7 +105,7 @@ def test_influence_matches_jvp_kernel_ridge_and_round_robin_by_hand():
         emb.append(torch.cat([v2.double() @ h.mean(0) + w2 @ ((1 - h**2) * (x @ v1.double().T)).mean(0)
                               for v1, v2 in tangents]))
     emb = torch.stack(emb).numpy()
-    got = stage.jvp_embeddings(model, get_task("classification"), train, list(range(12)), 2, cfg.seed, "cpu")
+    got = jvp_embeddings(model, get_task("classification"), train, list(range(12)), 2, cfg.seed, "cpu")
     np.testing.assert_allclose(got.numpy(), emb, rtol=1e-3, atol=1e-4)
     land = sorted(torch.randperm(12, generator=torch.Generator().manual_seed(cfg.seed))[:6].tolist())
     g = np.stack([hand_grad(model, train.ids[i], train.labels[i]) for i in land])
@@ -160,7 +162,7 @@ def test_budget_random_and_weights_rules():
     assert abs(float(w.sum()) - 2) < 1e-9 and float(w.min()) >= 0 and w[0] > w[1] >= w[2] >= w[3]
     with pytest.raises(RankwiseError, match="needs a model with trainable weights"):
         frozen = TwoLayer().requires_grad_(False)
-        stage.score(session(frozen, dataset(4, 0)), SelectConfig(method="influence", target="t"),
+        stage.score(session(frozen, dataset(4, 0)), InfluenceConfig(target="t"),
                     [0, 1, 2, 3], dataset(2, 1), 2)
 
 
@@ -194,7 +196,7 @@ def test_qcs_token_weights_keep_the_highest_loss_tokens():
     lm, data = TwoLayer(lm=True), dataset(3, 9)
     sess = SimpleNamespace(model=lm, task=get_task("causal-lm"), train_data=TextData(data.ids, None, [], 0),
                            device="cpu")
-    got = stage._token_weights(sess, SelectConfig(token_ratio=0.5, token_floor=0.1), [0, 1, 2])
+    got = token_weights(sess, QCSProxyConfig(token_ratio=0.5, token_floor=0.1), [0, 1, 2])
     for ids, w in zip(data.ids, got):
         logits = lm(torch.tensor([ids])).logits[0, :-1]
         nll = [0.0] + F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none").detach().tolist()
@@ -223,7 +225,7 @@ def test_less_and_jvp_features_of_a_causal_lm_equal_hand_computed_ones():
     tr, tg = dataset(8, 11), dataset(3, 12)
     train, target = TextData(tr.ids, None, [], 0), TextData(tg.ids, None, [], 0)
     sess = SimpleNamespace(model=lm, task=task, train_data=train, device="cpu")
-    cfg = SelectConfig(method="less", budget=3, target="t", proj_dim=0)
+    cfg = LessConfig(budget=3, target="t", proj_dim=0)
     s, chosen, _, _ = stage.score(sess, cfg, list(range(8)), target, 3)
     g = np.stack([hand_grad_lm(lm, ids) for ids in train.ids])
     gt = np.stack([hand_grad_lm(lm, ids) for ids in target.ids])
@@ -233,7 +235,7 @@ def test_less_and_jvp_features_of_a_causal_lm_equal_hand_computed_ones():
     assert chosen == sorted(np.argsort(-want, kind="stable")[:3].tolist())
     # JVP embedding: the last token's hidden state h_T = tanh(W1 e_T); W2 does not move it, so
     # J v = (1 - h_T²) ⊙ (V1 e_T) for the tangent's W1 block V1
-    emb = stage.jvp_embeddings(lm, task, train, list(range(8)), 1, 0, "cpu")
+    emb = jvp_embeddings(lm, task, train, list(range(8)), 1, 0, "cpu")
     gen = torch.Generator().manual_seed(17)
     v1 = torch.randn(lm.w1.shape, generator=gen).double().numpy()
     w1, e = lm.w1.detach().double().numpy(), lm.emb.detach().double().numpy()
@@ -289,7 +291,7 @@ def test_warm_up_takes_features_after_training_and_restores_the_weights():
     import copy
     model, train, target = TwoLayer(), dataset(12, 3), dataset(3, 4)
     before = [p.detach().clone() for p in (model.w1, model.w2)]
-    cfg = SelectConfig(method="less", budget=4, target="t", proj_dim=0, warmup_steps=3, warmup_lr=0.05)
+    cfg = LessConfig(budget=4, target="t", proj_dim=0, warmup_steps=3, warmup_lr=0.05)
     s, _, _, _ = stage.score(session(model, train), cfg, list(range(12)), target, 4)
     assert torch.equal(model.w1, before[0]) and torch.equal(model.w2, before[1])
     warm, task = copy.deepcopy(model), get_task("classification")
@@ -304,6 +306,6 @@ def test_warm_up_takes_features_after_training_and_restores_the_weights():
     gt = np.stack([hand_grad(warm, target.ids[j], target.labels[j]) for j in range(3)])
     mean_t = (gt / np.linalg.norm(gt, axis=1, keepdims=True)).mean(0)
     np.testing.assert_allclose(s.numpy(), [cos(x, mean_t) for x in g], rtol=1e-5, atol=1e-6)
-    at_init = stage.score(session(model, train), SelectConfig(method="less", budget=4, target="t", proj_dim=0),
+    at_init = stage.score(session(model, train), LessConfig(budget=4, target="t", proj_dim=0),
                           list(range(12)), target, 4)[0]
     assert float((at_init - s).abs().max()) > 1e-3
