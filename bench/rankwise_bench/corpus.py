@@ -2,7 +2,7 @@
 
 The split is the one of ``rankwise.data.corpus`` (``data.source: stdlib-source``): a module is
 held out when ``crc32(module name) % 10 == 0``. ``lowrank-pretrain``, ``tpa``, ``compress``,
-``restore``, ``distill``, ``transfer``, ``memory-decoder``, ``llm-finetune`` and ``plan`` read it.
+``restore``, ``transfer``, ``memory-decoder``, ``llm-finetune`` and ``plan`` read it.
 """
 from __future__ import annotations
 
