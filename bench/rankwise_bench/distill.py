@@ -67,6 +67,9 @@ class BenchSizes:
         seq, batch: Tokens per window, windows per step.
         budgets: Student steps at which held-out loss is measured (the last is the run length).
         lrs: The learning-rate grid of every student row.
+        extra_lrs: ``(row, lr)`` pairs run beyond the grid: 3e-4 for the rows whose best rate
+            sat at the grid's low edge in the first run and whose verdicts rest on it (LRC
+            against Minitron, and the clone-term ablation).
         eval_windows: Held-out windows (of held-out modules).
         calib_windows: Minitron's importance windows (the first training windows).
         temperature: LRC's KL temperature (``DistillConfig``'s default, the authors' published run).
@@ -78,6 +81,7 @@ class BenchSizes:
     batch: int = 8
     budgets: tuple[int, ...] = (30, 60, 120, 240)
     lrs: tuple[float, ...] = (1e-3, 3e-3)
+    extra_lrs: tuple[tuple[str, float], ...] = (("lrc", 3e-4), ("minitron", 3e-4), ("lrc-noclone", 3e-4))
     eval_windows: int = 192
     calib_windows: int = 32
     temperature: float = 40.0
@@ -85,6 +89,11 @@ class BenchSizes:
 
 
 ROWS = ("lrc", "lrc-normal", "minitron", "scratch", "lrc-noclone")
+
+
+def row_lrs(s: BenchSizes, row: str) -> list[float]:
+    """The learning rates ``row`` runs at: the grid, then its extra ones."""
+    return [*s.lrs, *(lr for r, lr in s.extra_lrs if r == row)]
 # LRC variants over the sizes' temperature: the released code's random start; no activation-clone
 # terms (CE + KL only, not in the paper).
 LRC_VARIANTS = {"lrc": {}, "lrc-normal": {"init": "normal", "seed": 1}, "lrc-noclone": {"clone_weight": 0.0}}
@@ -350,13 +359,13 @@ def run(out: Path, sizes: BenchSizes | None = None, only: tuple[str, ...] = (),
         if wanted("teacher") or (out / "pieces" / "teacher.json").is_file():
             pieces["teacher"] = _piece(out, "teacher", teacher_piece)
         for row in ROWS:
-            for lr in s.lrs:
+            for lr in row_lrs(s, row):
                 name = f"{row}-lr{lr:g}"
                 if wanted(name) or (out / "pieces" / f"{name}.json").is_file():
                     pieces[name] = _piece(out, name, _row_piece(row, lr, load, s, train, held, factor, mark))
     finally:
         torch.set_num_threads(threads)
-    names = ["teacher"] + [f"{r}-lr{lr:g}" for r in ROWS for lr in s.lrs]
+    names = ["teacher"] + [f"{r}-lr{lr:g}" for r in ROWS for lr in row_lrs(s, r)]
     missing = [n for n in names if n not in pieces]
     if missing:
         print(f"bench distill: pieces still to run: {missing}")
@@ -370,7 +379,7 @@ def run(out: Path, sizes: BenchSizes | None = None, only: tuple[str, ...] = (),
 def _results(s: BenchSizes, info: dict, pieces: dict, folder: Path) -> dict:
     best = {}
     for row in ROWS:
-        runs = [pieces[f"{row}-lr{lr:g}"] for lr in s.lrs]
+        runs = [pieces[f"{row}-lr{lr:g}"] for lr in row_lrs(s, row)]
         final = lambda r: r["heldout_loss"].get(str(s.budgets[-1]), math.inf)  # noqa: E731
         best[row] = min(runs, key=lambda r: final(r) if math.isfinite(final(r)) else math.inf)
     tokens = {b: b * s.batch * s.seq for b in s.budgets}

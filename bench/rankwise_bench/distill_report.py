@@ -16,6 +16,14 @@ def _nats(loss: float) -> str:
     return f"{loss:.3f}" if math.isfinite(loss) else "diverged"
 
 
+def _extra(s: dict) -> str:
+    """``" (+ 0.0003 for lrc, minitron)"``: the rates run beyond the grid, by rate."""
+    by: dict[float, list[str]] = {}
+    for row, lr in s.get("extra_lrs", ()):
+        by.setdefault(lr, []).append(row)
+    return "".join(f" (+ {lr:g} for {', '.join(rows)})" for lr, rows in by.items())
+
+
 def _table(r: dict, key: str) -> list[str]:
     """One table: held-out loss (``key``: per token or per byte) of the teacher and of each row's
     best learning rate at every token budget."""
@@ -48,7 +56,7 @@ def markdown(r: dict) -> str:
              f"from held-out modules ({w['scored_tokens']:,} scored tokens, {w['scored_bytes']:,} bytes).",
              f"Students: hidden {s['student_hidden']} (teacher's depth, heads, head size, FFN, tied head); "
              f"batch {s['batch']} x {s['seq']} tokens of the training modules; AdamW, 10% warm-up then constant; "
-             f"learning rate best of {tuple(s['lrs'])} by the final held-out loss. Python {r['python']}, "
+             f"learning rate best of {tuple(s['lrs'])}{_extra(s)} by the final held-out loss. Python {r['python']}, "
              f"torch {r['torch']}, one thread, CPU. Quality only. Per byte = total nats / UTF-8 bytes of the "
              "scored tokens' text.", ""]
     lines += _table(r, "heldout_loss") + _table(r, "heldout_nats_per_byte")

@@ -16,7 +16,7 @@ from rankwise_bench import distill
 from rankwise_bench.common import llama, reference_base
 
 TINY = distill.BenchSizes(student_hidden=16, seq=16, batch=2, budgets=(2, 4), lrs=(1e-3,), eval_windows=4,
-                          calib_windows=4)
+                          calib_windows=4, extra_lrs=(("lrc", 3e-4),))
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,7 @@ def test_a_tiny_teacher_run_writes_every_row_and_resumes(tmp_path, tiny_teacher,
     from rankwise_bench.distill_report import markdown
     res = distill.run(tmp_path / "out", TINY, teacher=tiny_teacher)
     assert list(res["best"]) == list(distill.ROWS)
+    assert len(res["pieces"]) == 1 + len(distill.ROWS) + 1 and "lrc-lr0.0003" in res["pieces"]   # the extra rate
     w = res["corpus"]["heldout_windows"]
     assert w["scored_tokens"] == 4 * 15
     for name, rec in res["pieces"].items():
