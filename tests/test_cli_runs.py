@@ -192,7 +192,7 @@ def test_list_shows_compressors():
     assert result.exit_code == 0
     kinds = {line.split()[0] for line in result.stdout.splitlines()}
     assert kinds == {"method", "optimizer", "compressor", "strategy", "exporter", "task", "tracker", "command",
-                     "kv-cache", "merge-rule", "schedule", "order", "select-rule"}
+                     "kv-cache", "merge-rule", "schedule", "order", "select-rule", "reward", "steer"}
     assert any(line.split()[:2] == ["compressor", "wanda"] for line in result.stdout.splitlines())
     help_text = invoke("list", "--help").stdout
     assert "compressors" in help_text and "methods and optimizers." not in help_text
