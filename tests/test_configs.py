@@ -108,6 +108,33 @@ def test_problems_of_checks_the_chosen_entries_of_a_config_made_in_python():
         "decode.chunk: got 0; expected an integer >= 1"]
 
 
+@dataclass
+class Picks:
+    mode: typing.Literal["ipm", "kpm"] = "ipm"
+    maybe: typing.Optional[typing.Literal["a", "b"]] = None
+    either: typing.Union[typing.Literal["auto"], int] = "auto"  # two kinds: only from_dict's type check
+
+
+def test_a_literal_field_of_a_config_made_in_python_is_refused_in_from_dicts_words():
+    assert configs.problems_of(Picks(mode="kmp", maybe="c", either="x")) == [
+        "mode: got 'kmp'; expected one of ['ipm', 'kpm'] (did you mean 'kpm'?)",
+        "maybe: got 'c'; expected one of ['a', 'b']"]
+    assert configs.problems_of(Picks(maybe="b", either=3)) == []
+    with pytest.raises(RankwiseError) as err:  # the same words, reported once
+        configs.from_dict(Picks, {"mode": "kmp"}, "m")
+    assert str(err.value) == "m.mode: got 'kmp'; expected one of ['ipm', 'kpm'] (did you mean 'kpm'?)"
+
+
+def test_every_registered_config_default_is_one_of_its_literal_choices():
+    for kind in registry.kinds():
+        for name in registry.names(kind):
+            cls = registry.get(kind, name).config_cls
+            if dataclasses.is_dataclass(cls):
+                assert configs.literal_problems(cls()) == [], (kind, name)
+    for cls in (DataConfig, EvalConfig, ModelConfig, TrainConfig):
+        assert configs.literal_problems(cls()) == [], cls.__qualname__
+
+
 def test_a_subclass_that_redeclares_a_bounded_field_keeps_its_range():
     """``r: int = 2`` in a subclass of a config whose ``r`` is ``bounded`` would drop the range
     without a word; every registered config re-declares such a field with ``bounded``."""
