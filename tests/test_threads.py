@@ -121,3 +121,5 @@ def test_bad_threads_is_one_line(tmp_path, value):
     assert result.exit_code == 2, result.output
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and "threads: got" in lines[0], result.stderr
+    if value == "0":
+        assert lines[0].endswith("train.threads: got 0; expected an integer in 1..4096 or auto"), lines[0]

@@ -13,7 +13,11 @@ and declared with :func:`chosen`: ``from_dict`` builds the config class of the e
 
     kv_cache: KVCacheConfig = chosen("kv-cache", FPCacheConfig)   # kv_cache: {name: kivi, bits: 4}
 
-:func:`problems_of` checks every declared range and then calls the dataclass's own
+A choice among a few strings is a ``Literal`` type (``corda_mode: Literal["ipm", "kpm"]``):
+:func:`from_dict` reports another value with "did you mean".
+
+:func:`problems_of` checks every declared range and ``Literal`` choice (so a config built in
+Python is refused in the words ``from_dict`` uses) and then calls the dataclass's own
 ``problems()`` (the checks that relate several fields, or need words of their own);
 :func:`from_dict` reports both with the type errors, all at once.
 """
@@ -272,9 +276,31 @@ def range_problems(obj: Any) -> list[str]:
     return out
 
 
+def literal_problems(obj: Any) -> list[str]:
+    """``"field: got 'x'; expected one of [...]"`` for every ``Literal`` field of ``obj`` (or
+    ``Optional[Literal]``) whose value is not one of its choices: the words :func:`from_dict`
+    uses, so a config built in Python is refused as one read from YAML."""
+    out = []
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint = hints.get(f.name)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            arms = [a for a in typing.get_args(hint) if a is not type(None)]
+            if len(arms) != 1 or getattr(obj, f.name, None) is None:
+                continue
+            hint = arms[0]
+        if typing.get_origin(hint) is not typing.Literal:
+            continue
+        value, args = getattr(obj, f.name, None), typing.get_args(hint)
+        if value not in args:
+            out.append(f"{f.name}: got {value!r}; expected one of {list(args)}{closest(value, map(str, args))}")
+    return out
+
+
 def problems_of(obj: Any) -> list[str]:
-    """Every value error of a config dataclass: its declared ranges, those of the entries its
-    :func:`chosen` fields hold (``kv_cache.bits: ...``), then its own ``problems()``.
+    """Every value error of a config dataclass: its declared ranges and ``Literal`` choices,
+    those of the entries its :func:`chosen` fields hold (``kv_cache.bits: ...``), then its own
+    ``problems()``.
 
     Call this (not ``obj.problems()``) where a config built in Python is checked, so the
     declared ranges are checked too.
@@ -285,7 +311,7 @@ def problems_of(obj: Any) -> list[str]:
     Returns:
         ``"field: message"`` strings (empty when valid).
     """
-    out = range_problems(obj) if dataclasses.is_dataclass(obj) else []
+    out = range_problems(obj) + literal_problems(obj) if dataclasses.is_dataclass(obj) else []
     for f in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else ():
         part = getattr(obj, f.name, None)
         if CHOICE in f.metadata and dataclasses.is_dataclass(part):  # the chosen entry's own checks

@@ -79,7 +79,7 @@ class ObfuscateConfig:
 
     rank: int = 8
     cornerstones: int = 4
-    mask_scale: float = 1.0
+    mask_scale: float = configs.bounded(1.0, gt=0, what="a number")
     seed: int | None = None
     targets: str | list[str] = "all-linear"
 
@@ -90,9 +90,7 @@ class ObfuscateConfig:
             out.append(f"--rank: got {self.rank!r}; expected an integer >= 1")
         if not isinstance(self.cornerstones, int) or self.cornerstones < 1:
             out.append(f"--cornerstones: got {self.cornerstones!r}; expected an integer >= 1")
-        if not self.mask_scale > 0:
-            out.append(f"mask_scale: got {self.mask_scale!r}; expected a number > 0")
-        return out
+        return out  # mask_scale's range is declared on the field
 
 
 @dataclass

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from rankwise.cli import main
 from rankwise.compress.clone import DistillConfig, LowRankClone, kl_teacher_student, lrc_losses, masked_mse
+from rankwise.configs import problems_of
 
 V, D_T, D_S = 64, 32, 16
 
@@ -128,7 +129,8 @@ def test_normal_init_is_the_released_codes():
     assert all(torch.equal(a, b) for a, b in zip(lrc.proj.values(), again.proj.values()))
     svd = LowRankClone(teacher(), D_S)
     assert float(next(iter(svd.norms.values())).detach()[0]) == pytest.approx((D_T / D_S) ** 0.5)
-    assert "init: got 'xavier'" in " ".join(DistillConfig(student_hidden=8, init="xavier").problems())
+    assert problems_of(DistillConfig(student_hidden=8, init="xavier")) == [
+        "init: got 'xavier'; expected one of ['svd', 'normal']"]
 
 
 def test_lrc_losses_sum_the_seven_clone_terms():

@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from rankwise.adapters.lora import LoraConfig, apply_lora
+from rankwise.configs import problems_of
 from rankwise.engine import Engine
 from rankwise.tasks import CausalLMTask
 from rankwise.engine.chunked_loss import output_head
@@ -134,4 +135,5 @@ def test_auto_chunks_from_the_vocabulary_size_and_numbers_override_it():
     assert t.loss_chunk_for(32_000) == TrainConfig.AUTO_CHUNK_TOKENS == 512
     assert TrainConfig(loss_chunk_tokens=0).loss_chunk_for(150_000) == 0
     assert TrainConfig(loss_chunk_tokens=64).loss_chunk_for(100) == 64
-    assert TrainConfig(loss_chunk_tokens=-1).problems()
+    assert problems_of(TrainConfig(loss_chunk_tokens=-1)) == [
+        "loss_chunk_tokens: got -1; expected tokens per chunk >= 0 or auto (0: off)"]

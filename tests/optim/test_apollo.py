@@ -97,7 +97,7 @@ def test_norm_growth_limiter_bounds_each_step():
 
 @pytest.mark.parametrize("name,over,message", [
     ("apollo-mini", {"rank": 4}, "apollo-mini is rank 1 with tensor-wise scaling: got rank 4"),
-    ("apollo", {"scale_type": "row"}, "scale_type: got 'row'"),
+    ("apollo", {"scale_type": "row"}, r"scale_type: got 'row'; expected one of \['channel', 'tensor'\]"),
     ("apollo", {"norm_growth": 0.5}, "norm_growth: got 0.5"),
     ("apollo", {"state_bits": 4}, "the bitsandbytes backend stores optimizer state in 8 bits only"),
 ])

@@ -134,5 +134,8 @@ def test_refusals_name_the_fix():
     with pytest.raises(RankwiseError, match="option of optim.name: adamw"):
         from_dict(registry.get("optimizer", "galore").config_cls,
                   {"name": "galore", "loraplus_lr_ratio": 16}, "optim")
-    with pytest.raises(RankwiseError, match="loraplus_lr_ratio: got 0"):
+    with pytest.raises(RankwiseError, match=r"^optim.loraplus_lr_ratio: got 0.0; expected eta_B / eta_A > 0 "
+                                            r"or null \(the paper uses 16; null: plain AdamW\)$"):
         from_dict(AdamWConfig, {"loraplus_lr_ratio": 0}, "optim")
+    with pytest.raises(RankwiseError, match=r"^optim.loraplus_lr_embedding: got -1.0; expected a learning rate >= 0$"):
+        from_dict(AdamWConfig, {"loraplus_lr_embedding": -1}, "optim")

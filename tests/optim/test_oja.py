@@ -121,9 +121,10 @@ def test_sumo_with_oja_transports_its_moment_every_step():
 
 @pytest.mark.parametrize("name,over,message", [
     ("galore", {"oja_bits": 8}, "oja_bits: got 8 with projector 'svd'"),
-    ("galore", {"projector": "oja", "oja_bits": 16}, "oja_bits: got 16; expected an integer in 2..8"),
+    ("galore", {"projector": "oja", "oja_bits": 16},
+     "oja_bits: got 16; expected an integer in 2..8 or null (int8 codes)"),
     ("galore-is", {"projector": "oja"}, "select: sampled draws directions from an SVD"),
-    ("sumo", {"projector": "oja", "oja_lr": 0}, "oja_lr: got 0"),
+    ("sumo", {"projector": "oja", "oja_lr": 0}, "oja_lr: got 0.0; expected a value > 0 such as 1.0"),
     ("adamw", {"projector": "oja"}, "optim.projector: unknown key"),
     ("q3r", {"oja_bits": 8}, "optim.oja_bits: unknown key"),
 ])

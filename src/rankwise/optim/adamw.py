@@ -46,13 +46,13 @@ class AdamWConfig:
     eps: float = bounded(1e-8, ge=0)
     per_layer: bool = False
     state_bits: Optional[int] = None
-    loraplus_lr_ratio: Optional[float] = None
-    loraplus_lr_embedding: float = 1e-6
+    loraplus_lr_ratio: Optional[float] = bounded(None, gt=0, what="eta_B / eta_A",
+                                                 hint="(the paper uses 16; null: plain AdamW)")
+    loraplus_lr_embedding: float = bounded(1e-6, ge=0, what="a learning rate")
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
-        return (betas_problems(self.betas) + bits_problems(self.state_bits)
-                + loraplus.problems(self.loraplus_lr_ratio, self.loraplus_lr_embedding))
+        return betas_problems(self.betas) + bits_problems(self.state_bits)
 
 
 def build_adamw(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:

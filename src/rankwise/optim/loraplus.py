@@ -66,18 +66,7 @@ def loraplus_param_groups(model: nn.Module, lr: float, ratio: float, embedding_l
     return [{"params": ps, "lr": rates[k]} for k, ps in groups.items() if ps]
 
 
-def problems(ratio: float | None, embedding_lr: float) -> list[str]:
-    """Value errors of ``loraplus_lr_ratio`` / ``loraplus_lr_embedding`` (``field: message``)."""
-    out = []
-    if ratio is not None and not ratio > 0:
-        out.append(f"loraplus_lr_ratio: got {ratio}; expected eta_B / eta_A > 0 (the paper uses "
-                   "16), or null for plain AdamW")
-    if not embedding_lr >= 0:
-        out.append(f"loraplus_lr_embedding: got {embedding_lr}; expected a learning rate >= 0")
-    return out
-
-
 HINT = ("LoRA+ (per-group rates for the B factors) is an option of optim.name: adamw; set "
         "optim.name: adamw, or remove it (altlora-plus is AltLoRA's own second-moment variant)")
 
-__all__ = ["loraplus_param_groups", "problems", "HINT"]
+__all__ = ["loraplus_param_groups", "HINT"]

@@ -131,26 +131,22 @@ def principal_angles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 
-def projector_problems(projector_name: str, oja_lr: float, oja_bits: int | None) -> list[str]:
-    """Value errors of the ``projector`` / ``oja_lr`` / ``oja_bits`` config fields (empty when valid).
+def projector_problems(projector_name: str, oja_bits: int | None) -> list[str]:
+    """The error of ``oja_bits`` set without ``projector: oja`` (empty when valid); the ranges of
+    ``oja_lr`` (> 0) and ``oja_bits`` (:data:`SUPPORTED_BITS` or null) are declared on the
+    config fields (``configs.bounded``).
 
     Args:
         projector_name: ``"svd"`` or ``"oja"``.
-        oja_lr: The Oja step ``eta``.
         oja_bits: Tracker bits or ``None``.
 
     Returns:
         ``"field: message"`` strings.
     """
-    out = []
     if oja_bits is not None and projector_name != "oja":
-        out.append(f"oja_bits: got {oja_bits} with projector {projector_name!r}; set projector: oja "
-                   "(the streaming tracker) or remove oja_bits")
-    if oja_bits is not None and oja_bits not in SUPPORTED_BITS:
-        out.append(f"oja_bits: got {oja_bits}; expected an integer in 2..8 (int8 codes) or null")
-    if not oja_lr > 0:
-        out.append(f"oja_lr: got {oja_lr}; expected a positive number such as 1.0")
-    return out
+        return [f"oja_bits: got {oja_bits} with projector {projector_name!r}; set projector: oja "
+                "(the streaming tracker) or remove oja_bits"]
+    return []
 
 
 __all__ = ["SUPPORTED_BITS", "principal_angles", "projector_problems", "stochastic_round", "track"]

@@ -304,7 +304,8 @@ class TrainConfig:
     log_every: int = bounded(5, ge=0)
     seed: int = bounded(0, ge=0, le=2**32 - 1)
     warmup_fraction: float = 0.06
-    grad_clip: Union[float, None, Literal["auto"]] = "auto"
+    grad_clip: Union[float, None, Literal["auto"]] = bounded("auto", ge=0, what="a norm", hint=(
+        "(null or 0: off; auto: the optimizer's choice)"))
     calibration_batches: int = bounded(8, ge=0)
     keep_checkpoints: int = 2
     early_stopping_patience: int = bounded(0, ge=0)
@@ -316,13 +317,14 @@ class TrainConfig:
     distributed: Literal["ddp", "fsdp"] = "ddp"
     distributed_timeout_s: float = bounded(600.0, gt=0, what="seconds")
     distributed_step_timeout_s: Union[float, None] = bounded(None, gt=0, what="seconds")
-    threads: Union[Literal["auto"], int] = "auto"
+    threads: Union[Literal["auto"], int] = bounded("auto", ge=1, le=4096, hint="or auto")
     offload_activations: bool = False
     compile: Union[bool, Literal["auto"]] = False
     compile_buckets: Union[Literal["pow2"], int, list[int]] = bounded("pow2", ge=0, what="tokens",
                                                                       hint="(0: no buckets)")
     fused_lora: Union[Literal["auto", "unshared", "off"], bool] = "auto"  # YAML reads a bare off as false
-    loss_chunk_tokens: Union[Literal["auto"], int] = "auto"
+    loss_chunk_tokens: Union[Literal["auto"], int] = bounded("auto", ge=0, what="tokens per chunk",
+                                                             hint="or auto (0: off)")
     neftune_noise_alpha: Union[float, None] = bounded(None, gt=0, what="alpha", hint="(the paper uses 5 to 15; null: no noise)")
 
     def __post_init__(self) -> None:
@@ -342,16 +344,9 @@ class TrainConfig:
             out.append(f"grad_accum: got {self.grad_accum}, which does not divide batch_size "
                        f"{self.batch_size} (examples per optimizer step); choose a divisor such as "
                        f"{max(d for d in range(1, self.grad_accum + 1) if self.batch_size % d == 0)}")
-        if isinstance(self.grad_clip, float) and self.grad_clip < 0:
-            out.append(f"grad_clip: got {self.grad_clip}; expected a norm > 0, null (off) or auto")
         if self.compile is True and self.gradient_checkpointing:
             out.append("compile: torch.compile with gradient_checkpointing is not supported yet; "
                        "set train.compile: false or train.gradient_checkpointing: false")
-        if self.threads != "auto" and (isinstance(self.threads, bool) or not 1 <= self.threads <= 4096):
-            out.append(f"threads: got {self.threads!r}; expected auto or an integer 1..4096")
-        if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
-            out.append(f"loss_chunk_tokens: got {self.loss_chunk_tokens}; expected auto, 0 (off) "
-                       "or a number of tokens per chunk")
         return out
 
 

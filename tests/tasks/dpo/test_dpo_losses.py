@@ -155,7 +155,8 @@ def test_losses_by_formula_on_fixed_numbers():
     ({"loss": "exo_pair"}, "task.label_smoothing: loss exo_pair needs a value > 0"),
     ({"loss": "robust", "label_smoothing": 0.5}, "task.label_smoothing: got 0.5; expected a value in [0, 0.5)"),
     ({"loss": "sigmoid", "discopop_tau": 0.1}, "task.discopop_tau: read by loss discopop only"),
-    ({"loss": "discopop", "discopop_tau": 0.0}, "task.discopop_tau: got 0.0; expected a value > 0"),
+    ({"loss": "discopop", "discopop_tau": 0.0}, "task.discopop_tau: got 0.0; expected a value in (0, inf)"),
+    ({"loss": "discopop", "discopop_tau": float("inf")}, "task.discopop_tau: got inf; expected a value in (0, inf)"),
 ])
 def test_bad_loss_settings_are_refused_in_one_line(section, message):
     with pytest.raises(RankwiseError) as err:

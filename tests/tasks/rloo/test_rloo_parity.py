@@ -15,6 +15,7 @@ import torch
 
 from rankwise import registry
 from rankwise.adapters.lora.config import LoraConfig as RwLoraConfig
+from rankwise.configs import problems_of
 from rankwise.core.ops import disable_adapters
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.tasks.grpo.data import PromptData
@@ -159,11 +160,11 @@ def test_normalisation_spans_every_micro_batch_of_the_step():
 
 
 def test_num_generations_below_two_is_refused_naming_the_baseline():
-    problems = RLOOConfig(num_generations=1).problems()
-    assert len(problems) == 1 and "num_generations: got 1" in problems[0] and ">= 2" in problems[0]
-    assert "other k - 1" in problems[0]
-    assert RLOOConfig(reward_clip_range=[1.0, 0.0]).problems()[0].startswith("reward_clip_range: got [1.0, 0.0]")
-    assert RLOOConfig().problems() == []
+    assert problems_of(RLOOConfig(num_generations=1)) == [
+        "num_generations: got 1; expected an integer >= 2 (RLOO's baseline of a completion is the mean "
+        "reward of the other k - 1 of its prompt)"]
+    assert problems_of(RLOOConfig(reward_clip_range=[1.0, 0.0]))[0].startswith("reward_clip_range: got [1.0, 0.0]")
+    assert problems_of(RLOOConfig()) == []
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

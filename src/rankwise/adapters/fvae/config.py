@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rankwise.adapters.common.config import TargetedConfig
 from rankwise.configs import bounded
@@ -67,7 +68,7 @@ class FvaeLoraConfig(TargetedConfig):
     dec_layers: int = bounded(1, ge=0)
     enc_dropout: float = bounded(0.1, ge=0.0, lt=1.0)
     dec_dropout: float = bounded(0.5, ge=0.0, lt=1.0)
-    latent_fusion: str = "concat"
+    latent_fusion: Literal["concat", "average"] = "concat"
     z2_prior_mean: float = 1.5
     lambda_task: float = bounded(1000.0, gt=0)
     lambda_reconstruction: float = bounded(1.0, ge=0)
@@ -75,9 +76,3 @@ class FvaeLoraConfig(TargetedConfig):
     lambda_z2: float = bounded(1.0, ge=0)
     lambda_z1: float = bounded(1.0, ge=0)
 
-    def problems(self) -> list[str]:
-        """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = super().problems()
-        if self.latent_fusion not in ("concat", "average"):
-            out.append(f"latent_fusion: got {self.latent_fusion!r}; expected 'concat' or 'average'")
-        return out

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rankwise.adapters.common.config import LoraPairConfig
+from rankwise.configs import bounded
 
 
 @dataclass
@@ -52,9 +54,9 @@ class LoraConfig(LoraPairConfig):
     use_dora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
-    loftq_iter: int = 1
-    eva_rho: float = 2.0
-    corda_mode: str = "ipm"
+    loftq_iter: int = bounded(1, ge=1)
+    eva_rho: float = bounded(2.0, ge=1, what="a number", hint="(1: no redistribution)")
+    corda_mode: Literal["ipm", "kpm"] = "ipm"
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
@@ -63,12 +65,6 @@ class LoraConfig(LoraPairConfig):
         if not init_kind(self.init):
             out.append(f"init: got {self.init!r}; expected one of {', '.join(NAMED_INITS)} "
                        "(N >= 1 subspace iterations, e.g. pissa_niter_4)")
-        if self.loftq_iter < 1:
-            out.append(f"loftq_iter: got {self.loftq_iter!r}; expected an integer >= 1")
-        if self.eva_rho < 1:
-            out.append(f"eva_rho: got {self.eva_rho!r}; expected a number >= 1 (1: no redistribution)")
-        if self.corda_mode not in ("ipm", "kpm"):
-            out.append(f"corda_mode: got {self.corda_mode!r}; expected 'ipm' or 'kpm'")
         if self.use_dora and init_kind(self.init) in ("pissa", "olora", "corda", "loftq"):
             out.append(f"init: {self.init} with use_dora is not supported (DoRA's magnitude and "
                        "row norm would not see the part of W the init moved); use kaiming, "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rankwise.adapters.common.config import LoraPairConfig
 from rankwise.configs import bounded
@@ -58,7 +59,7 @@ class MoeLoraConfig(LoraPairConfig):
     alpha: float = bounded(4.0, gt=0)
     balance_weight: float = bounded(0.01, ge=0)
     entropy_weight: float = bounded(1e-4, ge=0)
-    router_init: str = "kaiming"
+    router_init: Literal["kaiming", "zeros"] = "kaiming"
 
     def problems(self) -> list[str]:
         """Return value errors as ``"field: message"`` strings (empty when valid)."""
@@ -66,6 +67,4 @@ class MoeLoraConfig(LoraPairConfig):
         if 1 <= self.num_experts < self.top_k:
             out.append(f"top_k: got {self.top_k}, more than num_experts={self.num_experts}; "
                        f"choose top_k <= {self.num_experts}")
-        if self.router_init not in ("kaiming", "zeros"):
-            out.append(f"router_init: got {self.router_init!r}; expected 'kaiming' or 'zeros'")
         return out

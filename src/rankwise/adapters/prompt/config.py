@@ -7,7 +7,7 @@ changing weights; only those vectors (and the task head, for classification) tra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Literal, Union
 
 from rankwise.configs import bounded
 
@@ -30,15 +30,8 @@ class PromptTuningConfig:
 
     name: str = "prompt-tuning"
     num_virtual_tokens: int = bounded(20, ge=1)
-    init: str = "vocab"
+    init: Literal["vocab", "random"] = "vocab"
     modules_to_save: Union[list[str], None] = None
-
-    def problems(self) -> list[str]:
-        """Return value errors as ``"field: message"`` strings (empty when valid)."""
-        out = []
-        if self.init not in ("vocab", "random"):
-            out.append(f"init: got {self.init!r}; expected 'vocab' or 'random'")
-        return out
 
 
 @dataclass

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Literal, Union, get_args
 
 from rankwise.adapters.common.config import TargetedConfig
 from rankwise.configs import bounded
 
-EXPERT_ACTS = ("tanh", "relu", "identity")
-GATE_ACTS = ("relu", "tanh", "identity")
+ExpertAct = Literal["tanh", "relu", "identity"]
+GateAct = Literal["relu", "tanh", "identity"]
+EXPERT_ACTS = get_args(ExpertAct)
+GATE_ACTS = get_args(GateAct)
 
 
 @dataclass
@@ -53,8 +55,8 @@ class SmoreConfig(TargetedConfig):
     gate_dims: list[int] = field(default_factory=lambda: [32])
     down_dim: int = bounded(32, ge=1)
     alpha: Union[list[float], None] = None
-    expert_act: str = "tanh"
-    gate_act: str = "relu"
+    expert_act: ExpertAct = "tanh"
+    gate_act: GateAct = "relu"
     balance_weight: float = bounded(0.01, ge=0)
 
     def problems(self) -> list[str]:
@@ -74,8 +76,4 @@ class SmoreConfig(TargetedConfig):
         for lvl, (f, s) in enumerate(zip(self.fanout, self.experts)):
             if s >= 1 and f > s:
                 out.append(f"fanout: level {lvl} picks {f} of {s} experts; choose fanout <= experts")
-        if self.expert_act not in EXPERT_ACTS:
-            out.append(f"expert_act: got {self.expert_act!r}; expected one of {list(EXPERT_ACTS)}")
-        if self.gate_act not in GATE_ACTS:
-            out.append(f"gate_act: got {self.gate_act!r}; expected one of {list(GATE_ACTS)}")
         return out

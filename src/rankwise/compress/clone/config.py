@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rankwise.compress.config import HeldoutConfig, TextConfig
 from rankwise.configs import bounded, problems_of
@@ -47,8 +48,8 @@ class DistillConfig:
     student_hidden: int = 0
     temperature: float = bounded(40.0, gt=0)
     kl_weight: float = bounded(1.0, ge=0)
-    kl_reduction: str = "sequence"
-    init: str = "svd"
+    kl_reduction: Literal["sequence", "token"] = "sequence"
+    init: Literal["svd", "normal"] = "svd"
     clone_weight: float = bounded(0.2, ge=0)
     tie_head_projection: bool = True
     steps: int = bounded(200, ge=1)
@@ -69,10 +70,6 @@ class DistillConfig:
         if self.student_hidden < 1:
             out.append(f"student_hidden: got {self.student_hidden}; expected a positive width below "
                        "the teacher's hidden size (--student-hidden H)")
-        if self.kl_reduction not in ("sequence", "token"):
-            out.append(f"kl_reduction: got {self.kl_reduction!r}; expected 'sequence' or 'token'")
-        if self.init not in ("svd", "normal"):
-            out.append(f"init: got {self.init!r}; expected 'svd' or 'normal'")
         out += [f"data.{p}" for p in problems_of(self.data)]
         out += [f"heldout.{p}" for p in problems_of(self.heldout)]
         return out

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Literal, Union, get_args
 
 from rankwise.compress.config import CompressConfig, Quantization
 from rankwise.configs import bounded
 
 BITS = (1, 2, 3, 4)
-ALLOCATIONS = ("salience", "uniform")
+Allocation = Literal["salience", "uniform"]
+ALLOCATIONS = get_args(Allocation)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class GLVQConfig(Quantization, CompressConfig):
     steps: int = bounded(10, ge=0)
     lr: float = bounded(0.02, gt=0)
     companding: bool = True
-    allocation: str = "salience"
+    allocation: Allocation = "salience"
     regularization: float = bounded(0.1, ge=0)
 
     def problems(self) -> list[str]:
@@ -48,8 +49,6 @@ class GLVQConfig(Quantization, CompressConfig):
         out = CompressConfig.problems(self) + self.quant_problems(BITS)
         if self.dim >= 1 and self.group_size >= 1 and self.group_size % self.dim:
             out.append(f"group_size: got {self.group_size}; expected a multiple of dim={self.dim}")
-        if self.allocation not in ALLOCATIONS:
-            out.append(f"allocation: got {self.allocation!r}; expected one of {list(ALLOCATIONS)}")
         return out
 
     def layer_problems(self, path: str, shape: tuple[int, int]) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from rankwise.configs import bounded
 from rankwise.engine import Task, batch_indices
 from rankwise.federated import keys
 from rankwise.federated.payload import layer_index
@@ -37,7 +38,7 @@ class LeffConfig:
 
     name: str = "leff"
     capacities: list[int] = field(default_factory=lambda: [1, 2, 3])
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     normalize: bool = False
     refresh: bool = True
 
@@ -46,8 +47,6 @@ class LeffConfig:
         out = []
         if not self.capacities or any(c < 1 for c in self.capacities):
             out.append(f"capacities: got {self.capacities}; expected a list of integers >= 1")
-        if self.temperature <= 0:
-            out.append(f"temperature: got {self.temperature}; expected a positive number")
         return out
 
 

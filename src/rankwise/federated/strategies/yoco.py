@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from rankwise.configs import bounded
 from rankwise.core.protocol import adapter_modules, factors
 from rankwise.core.weights import dense_weight
 from rankwise.federated import keys
@@ -34,20 +35,11 @@ class YocoConfig:
     """
 
     name: str = "yoco"
-    sign_weight: float = 0.1
+    sign_weight: float = bounded(0.1, ge=0)
     gamma_max: float = 200.0
-    sparse_weight: float = 0.01
-    pca_components: int = 2
+    sparse_weight: float = bounded(0.01, ge=0)
+    pca_components: int = bounded(2, ge=1)
     steps_multiplier: float = 1.0
-
-    def problems(self) -> list[str]:
-        """Return value errors as ``"field: message"`` strings."""
-        out = []
-        if self.pca_components < 1:
-            out.append(f"pca_components: got {self.pca_components}; expected an integer >= 1")
-        if self.sign_weight < 0 or self.sparse_weight < 0:
-            out.append("sign_weight/sparse_weight: expected non-negative numbers")
-        return out
 
 
 def pca_aggregate(mats: list[torch.Tensor], weights: list[float], k: int) -> torch.Tensor:

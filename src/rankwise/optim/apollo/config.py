@@ -57,8 +57,6 @@ class ApolloConfig:
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
         out = betas_problems(self.betas)
-        if self.scale_type not in ("channel", "tensor"):
-            out.append(f"scale_type: got {self.scale_type!r}; expected 'channel' or 'tensor'")
         if self.name == "apollo-mini" and (self.rank != 1 or self.scale_type != "tensor"):
             out.append(f"apollo-mini is rank 1 with tensor-wise scaling: got rank {self.rank}, scale_type "
                        f"{self.scale_type!r}; remove them or use optim.name: apollo")

@@ -67,15 +67,15 @@ class GaLoreConfig:
     select: Literal["top", "sampled"] = "top"
     seed: int = 0
     projector: Literal["svd", "oja"] = "svd"
-    oja_lr: float = 1.0
-    oja_bits: Optional[int] = None
+    oja_lr: float = bounded(1.0, gt=0, hint="such as 1.0")
+    oja_bits: Optional[int] = bounded(None, ge=2, le=8, hint="(int8 codes)")
     per_layer: bool = False
     state_bits: Optional[int] = None
 
     def problems(self) -> list[str]:
         """Return value errors (empty when valid)."""
         out = betas_problems(self.betas)
-        out += projector_problems(self.projector, self.oja_lr, self.oja_bits)
+        out += projector_problems(self.projector, self.oja_bits)
         out += bits_problems(self.state_bits)
         if self.projector == "oja" and self.select == "sampled":
             out.append("projector: oja tracks the top-r subspace, but select: sampled draws "

@@ -74,8 +74,8 @@ class SumoConfig:
     targets: Union[list[str], str] = "block-linear"
     svd: Literal["svd", "eigh"] = "eigh"
     projector: Literal["svd", "oja"] = "svd"
-    oja_lr: float = 1.0
-    oja_bits: Optional[int] = None
+    oja_lr: float = bounded(1.0, gt=0, hint="such as 1.0")
+    oja_bits: Optional[int] = bounded(None, ge=2, le=8, hint="(int8 codes)")
     seed: int = 0
     per_layer: bool = False
     state_bits: Optional[int] = None
@@ -85,4 +85,4 @@ class SumoConfig:
         out = betas_problems(self.betas)
         if self.norm_growth is not None and not self.residual:
             out.append("norm_growth: limits the residual term; set residual: true or norm_growth: null")
-        return out + projector_problems(self.projector, self.oja_lr, self.oja_bits) + bits_problems(self.state_bits)
+        return out + projector_problems(self.projector, self.oja_bits) + bits_problems(self.state_bits)

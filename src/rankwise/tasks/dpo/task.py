@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
+from rankwise.configs import bounded
 from rankwise.engine.task import TaskConfig
 from rankwise.errors import closest
 from rankwise.tasks.dpo.losses import LOSSES, SMOOTHED, dpo_losses
@@ -67,9 +68,9 @@ class DPOConfig(TaskConfig):
     name: str = "dpo"
     loss: Union[str, list[str]] = "sigmoid"
     loss_weights: Union[list[float], None] = None
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    discopop_tau: float = 0.05
+    beta: float = bounded(0.1, gt=0)
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
+    discopop_tau: float = bounded(0.05, gt=0, lt=math.inf)
     reference: Literal["auto", "adapters-off", "precomputed", "initial"] = "auto"
     disable_dropout: bool = True
 
@@ -98,19 +99,14 @@ class DPOConfig(TaskConfig):
                        "give one weight per loss, in the same order")
         if weights is not None and not all(math.isfinite(w) and w >= 0 for w in weights):
             out.append(f"loss_weights: got {weights}; expected finite values >= 0")
-        if not self.beta > 0:
-            out.append(f"beta: got {self.beta}; expected a value > 0")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            out.append(f"label_smoothing: got {self.label_smoothing}; expected a value in [0, 0.5)")
         if self.label_smoothing and not any(n in SMOOTHED for n in names):
             out.append(f"label_smoothing: read by loss {', '.join(SMOOTHED)} only (got loss "
                        f"{self.loss}); set it to 0")
         if "exo_pair" in names and not self.label_smoothing > 0:
             out.append("label_smoothing: loss exo_pair needs a value > 0 (log eps is in it; the EXO "
                        "paper uses 0.001); set task.label_smoothing: 0.001")
-        if not (math.isfinite(self.discopop_tau) and self.discopop_tau > 0):
-            out.append(f"discopop_tau: got {self.discopop_tau}; expected a value > 0")
-        elif self.discopop_tau != _default(type(self), "discopop_tau") and "discopop" not in names:
+        tau = self.discopop_tau  # its range is declared on the field
+        if 0 < tau < math.inf and tau != _default(type(self), "discopop_tau") and "discopop" not in names:
             out.append(f"discopop_tau: read by loss discopop only (got loss {self.loss}); remove it")
         return out
 

@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from rankwise.configs import bounded
 from rankwise.data.formats import end_id
 from rankwise.engine.generation import sample_groups
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
@@ -82,30 +83,20 @@ class GKDConfig(TaskConfig):
     name: str = "gkd"
     teacher: str = ""
     teacher_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    lmbda: float = 0.5
-    beta: float = 0.5
-    temperature: float = 0.9
+    lmbda: float = bounded(0.5, ge=0, le=1)
+    beta: float = bounded(0.5, ge=0, le=1)
+    temperature: float = bounded(0.9, gt=0, hint="(GKD samples completions at it)")
     temperature_in_loss: bool = False
-    top_p: float = 1.0
-    max_new_tokens: int = 128
+    top_p: float = bounded(1.0, gt=0, le=1)
+    max_new_tokens: int = bounded(128, ge=1, what="tokens")
     seq_kd: bool = False
     disable_dropout: bool = True
 
     def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
+        """Return value errors (the ranges are declared on the fields)."""
         if not self.teacher:
-            out.append("teacher: empty; set task.teacher to the teacher's model or run folder")
-        for key in ("lmbda", "beta"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                out.append(f"{key}: got {getattr(self, key)}; expected a value in [0, 1]")
-        if not self.temperature > 0:
-            out.append(f"temperature: got {self.temperature}; GKD samples completions, expected > 0")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p: got {self.top_p}; expected a value in (0, 1]")
-        if self.max_new_tokens < 1:
-            out.append(f"max_new_tokens: got {self.max_new_tokens}; expected >= 1")
-        return out
+            return ["teacher: empty; set task.teacher to the teacher's model or run folder"]
+        return []
 
     def run_problems(self, run: Any) -> list[str]:
         """The teacher must exist; the records need prompts (a prompt-completion or chat

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, Literal, Union
 
 from rankwise.configs import bounded
 from rankwise.engine.task import TaskConfig
@@ -94,46 +94,31 @@ class RolloutConfig(TaskConfig):
             to false.
     """
 
-    GROUP_NEEDS: ClassVar[str] = "its advantages compare completions of one prompt"
-
     name: str = ""
     rewards: list[Union[str, dict]] = field(default_factory=lambda: ["exact-match"])
     reward_weights: Union[list[float], None] = None
-    num_generations: int = 8
-    max_completion_length: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    beta: float = 0.04
-    epsilon: float = 0.2
-    epsilon_high: Union[float, None] = None
+    num_generations: int = bounded(8, ge=2, hint="(the advantages compare completions of one prompt)")
+    max_completion_length: int = bounded(128, ge=1, what="tokens")
+    temperature: float = bounded(1.0, gt=0, hint="(the groups are sampled at it)")
+    top_p: float = bounded(1.0, gt=0, le=1)
+    beta: float = bounded(0.04, ge=0)
+    epsilon: float = bounded(0.2, ge=0)
+    epsilon_high: Union[float, None] = bounded(None, ge=0)
     answer_field: str = "answer"
     pattern: Union[str, None] = None
-    length_target: int = 200
+    length_target: int = bounded(200, ge=1, what="characters")
     rewards_dir: Union[str, None] = None
     reference: Literal["auto", "adapters-off", "initial"] = "auto"
     disable_dropout: bool = True
 
     def problems(self) -> list[str]:
-        """Return value errors."""
+        """Return value errors (the ranges are declared on the fields)."""
         out = []
-        if self.num_generations < 2:
-            out.append(f"num_generations: got {self.num_generations}; {self.GROUP_NEEDS}, so it "
-                       "needs >= 2")
         if not self.rewards:
             out.append("rewards: got none; name at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             out.append(f"reward_weights: got {len(self.reward_weights)} for {len(self.rewards)} "
                        "rewards; give one weight per reward or null")
-        if self.max_completion_length < 1:
-            out.append(f"max_completion_length: got {self.max_completion_length}; expected >= 1")
-        if not self.temperature > 0:
-            out.append(f"temperature: got {self.temperature}; {self.name} samples its groups, expected > 0")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p: got {self.top_p}; expected a value in (0, 1]")
-        if self.beta < 0 or self.epsilon < 0 or (self.epsilon_high or 0) < 0:
-            out.append("beta, epsilon and epsilon_high must be >= 0")
-        if self.length_target < 1:
-            out.append(f"length_target: got {self.length_target}; expected characters >= 1")
         for i, spec in enumerate(self.rewards):
             out.extend(R.spec_problems(spec, f"rewards[{i}]"))
         return out
@@ -173,9 +158,8 @@ class GRPOConfig(RolloutConfig):
             ``none`` (Dr. GRPO).
     """
 
-    GROUP_NEEDS: ClassVar[str] = "GRPO's advantages compare completions within a group"
-
     name: str = "grpo"
+    num_generations: int = bounded(8, ge=2, hint="(GRPO's advantages compare completions within a group)")
     kl_ratio: bool = True
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rankwise.configs import bounded
 from rankwise.engine.task import IGNORE, Task, TaskConfig, pad
 from rankwise.errors import RankwiseError, require
 from rankwise.tasks.common import CausalLMTask, lm_example
@@ -73,33 +74,24 @@ class MemoryDecoderConfig(TaskConfig):
 
     name: str = "memory-decoder"
     base: str = ""
-    k: int = 1024
-    temperature: float = 10.0
-    target_tokens: int = 64
-    kl_weight: float = 0.5
-    ce_weight: float = 0.5
+    k: int = bounded(1024, ge=1)
+    temperature: float = bounded(10.0, gt=0)
+    target_tokens: int = bounded(64, ge=1)
+    kl_weight: float = bounded(0.5, ge=0)
+    ce_weight: float = bounded(0.5, ge=0)
     index: Literal["auto", "flat", "ivf"] = "auto"
-    flat_max_mb: float = 4096.0
+    flat_max_mb: float = bounded(4096.0, gt=0, what="megabytes")
     ivf_lists: int = 0
-    ivf_probe: int = 8
-    lam: float = 0.55
+    ivf_probe: int = bounded(8, ge=1)
+    lam: float = bounded(0.55, ge=0, le=1)
 
     def problems(self) -> list[str]:
         """Return value errors."""
         out = []
         if not self.base:
             out.append("base: empty; set task.base to the base model's folder")
-        if min(self.k, self.target_tokens, self.ivf_probe) < 1 or min(self.temperature, self.flat_max_mb) <= 0:
-            out.append(f"k, target_tokens, temperature, flat_max_mb, ivf_probe: got {self.k}, "
-                       f"{self.target_tokens}, {self.temperature}, {self.flat_max_mb}, {self.ivf_probe}; "
-                       "expected values > 0")
-        if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
-            out.append(f"kl_weight, ce_weight: got {self.kl_weight}, {self.ce_weight}; expected "
-                       "non-negative weights, not both 0")
-        if not 0.0 <= self.lam <= 1.0:
-            out.append(f"lam: got {self.lam}; expected a value in [0, 1]")
-        if self.index not in ("auto", "flat", "ivf"):
-            out.append(f"index: got {self.index!r}; expected auto, flat or ivf")
+        if self.kl_weight == 0 and self.ce_weight == 0:  # each one's range is declared on its field
+            out.append("kl_weight, ce_weight: got 0, 0; expected non-negative weights, not both 0")
         return out
 
     def run_problems(self, run: Any) -> list[str]:

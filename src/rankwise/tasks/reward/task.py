@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rankwise.configs import bounded
 from rankwise.engine.task import Task, TaskConfig
 from rankwise.errors import RankwiseError
 from rankwise.tasks.common import lm_example, write_records
@@ -63,16 +64,12 @@ class RewardConfig(TaskConfig):
 
     name: str = "reward"
     margin_field: Union[str, None] = MARGIN
-    center_rewards_coefficient: float = 0.0
+    center_rewards_coefficient: float = bounded(0.0, ge=0, lt=math.inf, hint="(0: off; TRL recommends 0.01)")
     disable_dropout: bool = True
 
     def problems(self) -> list[str]:
         """Return value errors."""
-        out = []
-        c = self.center_rewards_coefficient
-        if not (math.isfinite(c) and c >= 0):
-            out.append(f"center_rewards_coefficient: got {c}; expected a value >= 0 (0: off; TRL "
-                       "recommends 0.01)")
+        out = []  # center_rewards_coefficient's range is declared on the field
         if self.margin_field is not None and not self.margin_field.strip():
             out.append("margin_field: got an empty name; name the record field or set it to null")
         return out

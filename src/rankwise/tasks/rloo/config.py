@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import Union
 
+from rankwise.configs import bounded
 from rankwise.tasks.grpo.config import RolloutConfig
 
 
@@ -29,12 +30,10 @@ class RLOOConfig(RolloutConfig):
             penalty) into it (TRL's ``reward_clip_range``); ``null``: no clipping.
     """
 
-    GROUP_NEEDS: ClassVar[str] = ("RLOO's baseline of a completion is the mean reward of the other "
-                                  "k - 1 of its prompt")
-
     name: str = "rloo"
-    num_generations: int = 2
-    beta: float = 0.05
+    num_generations: int = bounded(2, ge=2, hint="(RLOO's baseline of a completion is the mean reward "
+                                                 "of the other k - 1 of its prompt)")
+    beta: float = bounded(0.05, ge=0)
     normalize_advantages: bool = False
     reward_clip_range: Union[list[float], None] = None
 

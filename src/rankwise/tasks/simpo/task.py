@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch.nn import functional as F
 
+from rankwise.configs import bounded
 from rankwise.engine.task import TaskConfig
 from rankwise.tasks.pair_task import pair_run_problems
 from rankwise.tasks.reference_free import ReferenceFreeTask
@@ -61,27 +62,18 @@ class SimPOConfig(TaskConfig):
 
     name: str = "simpo"
     loss: Literal["simpo", "sigmoid", "hinge", "ipo"] = "simpo"
-    beta: float = 0.1
-    gamma: float = 0.5
-    cpo_alpha: float = 1.0
-    label_smoothing: float = 0.0
+    beta: float = bounded(0.1, gt=0)
+    gamma: float = bounded(0.5, ge=0, what="a margin", hint="(SimPO's target reward margin)")
+    cpo_alpha: float = bounded(1.0, ge=0, what="a weight", hint="(0: no NLL term)")
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
     disable_dropout: bool = True
 
     def problems(self) -> list[str]:
-        """Return value errors."""
-        out = []
-        if not self.beta > 0:
-            out.append(f"beta: got {self.beta}; expected a value > 0")
-        if not self.gamma >= 0:
-            out.append(f"gamma: got {self.gamma}; expected a margin >= 0 (SimPO's target reward margin)")
-        if not self.cpo_alpha >= 0:
-            out.append(f"cpo_alpha: got {self.cpo_alpha}; expected a weight >= 0 (0: no NLL term)")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            out.append(f"label_smoothing: got {self.label_smoothing}; expected a value in [0, 0.5)")
-        elif self.label_smoothing and self.loss not in ("simpo", "sigmoid"):
-            out.append(f"label_smoothing: applies to loss simpo or sigmoid only (got loss {self.loss}); "
-                       "set it to 0")
-        return out
+        """Return value errors (the ranges are declared on the fields)."""
+        if 0 < self.label_smoothing < 0.5 and self.loss not in ("simpo", "sigmoid"):
+            return [f"label_smoothing: applies to loss simpo or sigmoid only (got loss {self.loss}); "
+                    "set it to 0"]
+        return []
 
     def run_problems(self, run: Any) -> list[str]:
         """Pairs are scored whole: packing, samples, ``data.train_on_prompt`` and a length
