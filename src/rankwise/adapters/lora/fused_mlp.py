@@ -119,21 +119,38 @@ class _GatedDown(torch.autograd.Function):
             with torch.enable_grad():
                 g_ = g.detach().requires_grad_()
                 s = ctx.act(g_)                          # recomputed: the same op as the forward
-            h = s.detach() * u
-        da = db = None
+            h = s.detach() * u                           # (..., intermediate)
+        shape, dtype = h.shape, h.dtype
+        da = db = dh = None
         if a is None:
-            dh = fused._base_grad(ctx, dy, weight).to(h.dtype).view(h.shape)
+            del h
+            if need_g or need_u:
+                dh = fused._base_grad(ctx, dy, weight).to(dtype).view(shape)
         else:
-            dh, da, db = fused.lora_backward(ctx, dy, h, ah, a, b, weight, need_g or need_u,
-                                             *ctx.needs_input_grad[2:4])
-        del h
+            gax, da, db = fused.lora_factor_grads(ctx, dy, h, ah, a, b, *ctx.needs_input_grad[2:4])
+            del h                                        # before dh: one intermediate tensor less
+            if need_g or need_u:
+                dh = fused.lora_input_grad(ctx, dy, gax, a, weight, shape, dtype)
         dg = du = None
         if dh is not None:
             if need_u:
                 du = dh * s.detach()                     # the product's backward, as autograd's
-            if need_g:
-                dg = torch.autograd.grad(s, g_, dh.mul_(u))[0]
+            if need_g:  # act's own backward on the recomputed s = act(g_)
+                node = s.grad_fn
+                if _one_op(node, g_):  # SiLU, GELU: run its node, s freed first
+                    del s
+                    with torch.no_grad():  # the kernel autograd runs (no double-backward form)
+                        dg = node(dh.mul_(u))
+                    dg = dg[0] if isinstance(dg, tuple) else dg
+                else:
+                    dg = torch.autograd.grad(s, g_, dh.mul_(u))[0]
         return dg, du, da, db, None, None, None, None, None, None
+
+
+def _one_op(node, g_: torch.Tensor) -> bool:
+    """Whether autograd ``node`` maps straight onto the leaf ``g_`` (an activation of one op)."""
+    nxt = node.next_functions if node is not None else ()
+    return len(nxt) == 1 and getattr(nxt[0][0], "variable", None) is g_
 
 
 class _Forward:
