@@ -100,7 +100,7 @@ class _GatedDown(torch.autograd.Function):
         if a is None:                                    # a frozen nn.Linear down-projection
             dts = fused._dtypes(h, weight.dtype)
             with torch.autocast(h.device.type, enabled=False):
-                out = fused._base(h, weight, None if bias is None else bias, layer, False, dts)[0]
+                out = fused._base(h, weight, bias, layer, False, dts)[0]
             ctx.dts, ctx.four_bit, ctx.keep_w, ah = dts + (out.dtype,), False, False, None
         else:
             out, ah, weight = fused.lora_forward(ctx, h, a, b, weight, bias, layer, scale, four_bit)
