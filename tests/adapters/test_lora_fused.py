@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rankwise.adapters.lora import LoraConfig, LoraLayer, apply_lora
-from rankwise.adapters.lora import fused
+from rankwise.adapters.lora import fused, fused_mlp
 from rankwise.core import shared_inputs
 from rankwise.recipes.model import enable_checkpointing
 from rankwise.recipes.session import set_fused_lora
@@ -73,11 +73,12 @@ def run(model, fused_on: bool | str, bf16: bool, accum: int = 2):
 
 class Spy:
     """Counts the calls of the fused nodes (``down``: how many layers each shared product
-    served)."""
+    served; ``mlp``: the gated MLP nodes, which take ``down_proj``)."""
 
     def __init__(self, monkeypatch):
-        self.whole, self.up, self.down = [], [], []
-        for cls, log in ((fused._FusedLora, self.whole), (fused._FusedLoraUp, self.up)):
+        self.whole, self.up, self.down, self.mlp = [], [], [], []
+        for cls, log in ((fused._FusedLora, self.whole), (fused._FusedLoraUp, self.up),
+                         (fused_mlp._GatedDown, self.mlp)):
             monkeypatch.setattr(cls, "forward", staticmethod(
                 lambda *a, _f=cls.forward, _log=log: _log.append(1) or _f(*a)))
         monkeypatch.setattr(fused._SharedDown, "forward", staticmethod(
@@ -100,9 +101,10 @@ def check(model, bf16: bool, atol: float, rtol: float, monkeypatch, stack: bool 
     passes = 2 * (2 if model.is_activation_checkpointing else 1)  # micro-batches x recompute
     if stack:  # per block, every pass: one product for q, k, v (GQA: k, v narrower), one for gate, up
         assert spy.down == [3, 2] * 2 * passes and len(spy.up) == 5 * 2 * passes
-        assert len(spy.whole) == 2 * 2 * passes  # o and down read their own inputs
-    else:  # every wrapped layer took the fused node, each micro-batch
-        assert spy.down == [] and spy.up == [] and len(spy.whole) == 14 * passes
+        assert len(spy.whole) == 1 * 2 * passes  # o reads its own input
+    else:  # every wrapped layer took a fused node, each micro-batch
+        assert spy.down == [] and spy.up == [] and len(spy.whole) == 12 * passes
+    assert len(spy.mlp) == 2 * passes  # down_proj: in each block's gated MLP node
 
 
 @pytest.mark.parametrize("ckpt", [False, True])

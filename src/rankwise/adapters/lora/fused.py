@@ -26,6 +26,10 @@ that equals the plain path's (:meth:`LoraLayer.forward`: the base layer, then tw
   checkpointing that copy would live only per block, but the measured time saved did not pay
   for it either (``docs/fused-lora.md``).
 
+The gated MLP ``down(act(gate(x)) * up(x))`` gets one more node (:mod:`.fused_mlp`), which
+takes ``down`` and keeps ``gate``'s and ``up``'s outputs instead of the four intermediate-width
+tensors autograd keeps; it runs this module's :func:`lora_forward` / :func:`lora_backward`.
+
 Taken while autograd records (no-grad evaluation keeps the plain path) and the layer has
 exactly one active, unmerged adapter that is neither DoRA nor a residual init, its base is
 ``nn.Linear`` / ``Conv1D`` with a frozen weight, or a 4-bit ``Linear4bit`` whose input arrives in
@@ -131,52 +135,85 @@ def _keep_weight(ctx, four_bit, wc, weight):
     return wc if ctx.keep_w else (None if four_bit else weight)
 
 
+def lora_forward(ctx, x, a, b, weight, bias, layer, scale, four_bit):
+    """Eq. 3's forward for :class:`_FusedLora` and the gated MLP node (:mod:`.fused_mlp`):
+    ``(out, A x, the weight to save)``; records on ``ctx`` what :func:`lora_backward` reads.
+
+    Args:
+        ctx: The autograd node's context.
+        x: The input (..., in).
+        a, b: The factors ``A`` (r, in) and ``B`` (out, r).
+        weight, bias: The frozen base weight (``None`` for a 4-bit base) and bias.
+        layer: The base layer (a 4-bit one is dequantized from it).
+        scale: ``s``.
+        four_bit: Whether the base is a bitsandbytes 4-bit layer.
+
+    Returns:
+        ``(out (..., out), A x (..., r), weight to save or None)``.
+    """
+    dts = _dtypes(x, x.dtype if four_bit else weight.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        out, wc, base_dt, lora_dt = _base(x, weight, bias, layer, four_bit, dts)
+        ax = F.linear(x.to(lora_dt), a.to(lora_dt))
+        _add_up(out, ax, b.to(lora_dt), scale)
+    ctx.layer, ctx.scale, ctx.four_bit = layer, scale, four_bit
+    ctx.dts = (base_dt, lora_dt, out.dtype)
+    return out, ax, _keep_weight(ctx, four_bit, wc, weight)
+
+
+def lora_factor_grads(ctx, g, x, ax, a, b, need_a, need_b):
+    """The factors' part of the backward: ``(d(Ax) = s g B, dA, dB)`` (``dA``/``dB`` ``None``
+    where not needed); ``ax`` ``None`` recomputes ``A x``. ``ctx`` as :func:`lora_forward` left it."""
+    lora_dt = ctx.dts[1]
+    da = db = None
+    with torch.autocast(g.device.type, enabled=False):
+        xl = x.to(lora_dt)
+        ax = F.linear(xl, a.to(lora_dt)) if ax is None else ax
+        # s is applied to the r-column products, not to a copy of g (out, per token)
+        gl_ = g.to(lora_dt).reshape(-1, g.shape[-1])
+        if need_b:
+            db = torch.mm(gl_.t(), ax.reshape(-1, ax.shape[-1])).mul_(ctx.scale).to(b.dtype)
+        gax = torch.mm(gl_, b.to(lora_dt)).mul_(ctx.scale)             # (tokens, r)
+        del gl_
+        if need_a:
+            da = torch.mm(gax.t(), xl.reshape(-1, xl.shape[-1])).to(a.dtype)
+    return gax, da, db
+
+
+def lora_input_grad(ctx, g, gax, a, weight, x_shape, x_dtype):
+    """``dx = g W + d(Ax) A`` (..., in) in ``x_dtype``; ``gax`` from :func:`lora_factor_grads`."""
+    lora_dt = ctx.dts[1]
+    with torch.autocast(g.device.type, enabled=False):
+        dx = _base_grad(ctx, g, weight)                                   # (tokens, in)
+        if dx.dtype == lora_dt:  # + d(Ax) A accumulated in the GEMM
+            dx = dx.addmm_(gax, a.to(lora_dt)).to(x_dtype)
+        else:
+            dx = dx.to(x_dtype) + torch.mm(gax, a.to(lora_dt)).to(x_dtype)
+    return dx.view(*x_shape[:-1], dx.shape[-1])
+
+
+def lora_backward(ctx, g, x, ax, a, b, weight, need_x, need_a, need_b):
+    """The backward of the module docstring: ``(dx, dA, dB)``, each ``None`` where not needed;
+    ``ax`` ``None`` recomputes ``A x``. ``ctx`` as :func:`lora_forward` left it."""
+    gax, da, db = lora_factor_grads(ctx, g, x, ax, a, b, need_a, need_b)
+    dx = lora_input_grad(ctx, g, gax, a, weight, x.shape, x.dtype) if need_x else None
+    return dx, da, db
+
+
 class _FusedLora(torch.autograd.Function):
     """LoRA's ``W x + b + s B A x`` (Hu et al. 2021, eq. 3) for a frozen ``W`` (dense, or a
     4-bit layer dequantized on use), with the backward of the module docstring."""
 
     @staticmethod
     def forward(ctx, x, a, b, weight, bias, layer, scale, four_bit):
-        dts = _dtypes(x, x.dtype if four_bit else weight.dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            out, wc, base_dt, lora_dt = _base(x, weight, bias, layer, four_bit, dts)
-            xl = x.to(lora_dt)
-            al, bl = a.to(lora_dt), b.to(lora_dt)
-            ax = F.linear(xl, al)
-            _add_up(out, ax, bl, scale)
-        ctx.save_for_backward(x, ax if KEEP_AX else None, a, b,
-                              _keep_weight(ctx, four_bit, wc, weight))
-        ctx.layer, ctx.scale, ctx.four_bit = layer, scale, four_bit
-        ctx.dts = (base_dt, lora_dt, out.dtype)
+        out, ax, kept = lora_forward(ctx, x, a, b, weight, bias, layer, scale, four_bit)
+        ctx.save_for_backward(x, ax if KEEP_AX else None, a, b, kept)
         return out
 
     @staticmethod
     def backward(ctx, g):
         x, ax, a, b, weight = ctx.saved_tensors
-        base_dt, lora_dt, out_dt = ctx.dts
-        need_x, need_a, need_b = ctx.needs_input_grad[:3]
-        dx = da = db = None
-        with torch.autocast(g.device.type, enabled=False):
-            xl = x.to(lora_dt)
-            al, bl = a.to(lora_dt), b.to(lora_dt)
-            if ax is None:
-                ax = F.linear(xl, al)
-            # s is applied to the r-column products, not to a copy of g (out, per token)
-            gl_ = g.to(lora_dt).reshape(-1, g.shape[-1])
-            ax2 = ax.reshape(-1, ax.shape[-1])
-            if need_b:
-                db = torch.mm(gl_.t(), ax2).mul_(ctx.scale).to(b.dtype)
-            gax = torch.mm(gl_, bl).mul_(ctx.scale)                         # (tokens, r)
-            del gl_
-            if need_a:
-                da = torch.mm(gax.t(), xl.reshape(-1, xl.shape[-1])).to(a.dtype)
-            if need_x:
-                dx = _base_grad(ctx, g, weight)                               # (tokens, in)
-                if dx.dtype == lora_dt:  # + d(Ax) A accumulated in the GEMM
-                    dx = dx.addmm_(gax, al).to(x.dtype)
-                else:
-                    dx = dx.to(x.dtype) + torch.mm(gax, al).to(x.dtype)
-                dx = dx.view(*x.shape[:-1], dx.shape[-1])
+        dx, da, db = lora_backward(ctx, g, x, ax, a, b, weight, *ctx.needs_input_grad[:3])
         return dx, da, db, None, None, None, None, None
 
 
