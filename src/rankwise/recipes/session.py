@@ -312,8 +312,9 @@ def _ready_for_training(session: Session, entry: registry.Entry, selected: dict 
 
 def set_fused_lora(model: nn.Module, setting) -> list[tuple[str, ...]]:
     """Apply ``train.fused_lora`` to every layer that carries the switch (LoRA's layers), and
-    (``auto``, ``unshared``) give every gated MLP the fused node of
-    :mod:`rankwise.adapters.lora.fused_mlp` (``off`` takes it away).
+    (``auto``, ``unshared``) call each such class's ``fuse_model(model, on)`` when it has one
+    (LoRA's gives every gated MLP its fused node; ``off`` takes it away), so this layer knows
+    no method family.
 
     ``auto`` (or ``True``) also fixes, before any step, which of them read one input and share
     one down-projection product (:func:`rankwise.core.shared_inputs.fix_groups`: one probe
@@ -327,12 +328,14 @@ def set_fused_lora(model: nn.Module, setting) -> list[tuple[str, ...]]:
     Returns:
         The groups that share a product, as module paths (leader first).
     """
-    from rankwise.adapters.lora import fused_mlp
     layers = [m for m in model.modules() if isinstance(getattr(type(m), "fused_lora", None), bool)]
     on = setting in ("auto", "unshared", True)
     for layer in layers:
         layer.fused_lora = on
-    fused_mlp.install(model, on and bool(layers))
+    for cls in dict.fromkeys(type(layer) for layer in layers):
+        fuse = getattr(cls, "fuse_model", None)
+        if callable(fuse):
+            fuse(model, on)
     if setting in ("auto", True):
         return shared_inputs.fix_groups(model, layers)
     shared_inputs.forget(layers)

@@ -42,6 +42,18 @@ class LoraLayer(NamedAdapters, nn.Module):
     adapters_attr = "lora_A"
     fused_lora = False  # train.fused_lora: take the fused path (:mod:`.fused`) where it applies
 
+    @staticmethod
+    def fuse_model(model: nn.Module, on: bool) -> int:
+        """``train.fused_lora``'s model-wide part, called once per run by the session for the
+        classes that carry the ``fused_lora`` switch: the gated-MLP node of :mod:`.fused_mlp`
+        installed (``on``) or removed.
+
+        Returns:
+            How many MLP modules have the node now.
+        """
+        from rankwise.adapters.lora import fused_mlp
+        return fused_mlp.install(model, on)
+
     def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
         if isinstance(base_layer, nn.Linear):
