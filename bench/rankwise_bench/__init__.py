@@ -65,7 +65,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "orpo": Benchmark("reference_free", run="run_orpo"),
     "plan": Benchmark("plan", cli="main"),
     "preference": Benchmark("preference"),
-    "restore": Benchmark("restore"),
+    "restore": Benchmark("restore", cli="main"),
     "rloo": Benchmark("rloo"),
     "select": Benchmark("select", cli="main"),
     "select-functions": Benchmark("select_functions", cli="main"),

@@ -12,8 +12,8 @@
 
 Decision (issue 35 item 2): compressing a model only means something for a trained one, so row 2
 loads the reference base instead of training ``lowrank-pretrain``'s byte-level Llama for a few
-minutes here (that code moved to :mod:`rankwise_bench.restore`, whose committed results were
-measured on it). The KV-cache rows run at the base's shape (head dim 64, 2 key/value heads).
+minutes here (that code went to :mod:`rankwise_bench.restore` and is gone since that benchmark
+loads the base too). The KV-cache rows run at the base's shape (head dim 64, 2 key/value heads).
 
 Rows: the dense reference; magnitude, Wanda, SparseGPT and 3BASiL-TM at 50% unstructured and
 2:4 (3BASiL adds a rank-r part, and also runs without TM at 2:4); Wanda and SparseGPT at the

@@ -1,8 +1,8 @@
 """The benchmarks' one corpus loader: the Python standard library's own source, as bytes.
 
 The split is the one of ``rankwise.data.corpus`` (``data.source: stdlib-source``): a module is
-held out when ``crc32(module name) % 10 == 0``. ``lowrank-pretrain``, ``tpa``, ``restore``,
-``transfer``, ``llm-finetune`` and ``plan`` read it (``compress``, ``distill`` and
+held out when ``crc32(module name) % 10 == 0``. ``lowrank-pretrain``, ``tpa``,
+``transfer``, ``llm-finetune`` and ``plan`` read it (``compress``, ``restore``, ``distill`` and
 ``memory-decoder`` read the reference base's ``stdlib-source`` modules through its tokenizer).
 """
 from __future__ import annotations
