@@ -98,3 +98,47 @@ def spaced_windows(ids: torch.Tensor, nbytes: torch.Tensor, n: int, seq: int) ->
 def scored_bytes(window_bytes: torch.Tensor) -> int:
     """Bytes of the tokens a causal LM predicts in these windows (every position but the first)."""
     return int(window_bytes[:, 1:].sum())
+
+
+def base_info(folder, model, tok, train_info: dict, held_info: dict, held: torch.Tensor,
+              held_win_bytes: torch.Tensor) -> dict:
+    """What a benchmark on a base model records about it: its folder (relative to the
+    checkout), parameters, vocabulary, shape, the modules its windows came from, the scored
+    tokens and bytes of the held-out windows ``held``, and the model card's held-out line."""
+    import json
+    from pathlib import Path
+
+    from rankwise_bench.common import ROOT
+    folder = Path(folder)
+    try:
+        where = folder.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        where = str(folder)
+    c = model.config
+    info = {"base": where, "params": sum(p.numel() for p in model.parameters()), "vocab": len(tok),
+            "shape": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+                      "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                      "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                      "intermediate": c.intermediate_size},
+            "train_modules": train_info, "heldout_modules": held_info,
+            "scored_tokens": int(held.shape[0] * (held.shape[1] - 1)), "scored_bytes": scored_bytes(held_win_bytes)}
+    card = folder / "card.json"
+    if card.is_file():
+        info["card_heldout"] = json.loads(card.read_text()).get("heldout")
+    return info
+
+
+def tiny_base(folder):
+    """A base for the benchmarks' tests: a 2-layer Llama (64 wide, 2 heads of 32, 1 KV head)
+    with a SentencePiece tokenizer of 512 trained on 100 training modules, saved to ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rankwise.data.corpus import load_source_records
+    from rankwise.data.tokenizer import TokenizerTrainConfig, train_tokenizer
+    texts = [r["text"] for r in load_source_records() if not r["heldout"]][:100]
+    tok = train_tokenizer(iter(texts), TokenizerTrainConfig(vocab_size=512), folder)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=64, tie_word_embeddings=True)).save_pretrained(folder)
+    return folder

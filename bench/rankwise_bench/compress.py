@@ -47,7 +47,7 @@ from rankwise import registry
 from rankwise.configs import from_dict
 from rankwise.engine import evaluate, get_task
 from rankwise.recipes.compress import Windows, measure, token_windows
-from rankwise_bench.common import ROOT, reference_base, write_json, write_results
+from rankwise_bench.common import reference_base, write_json, write_results
 from rankwise_bench.compress_report import markdown, plot
 
 MODELS = ("minilm", "llama")
@@ -144,7 +144,7 @@ def _base(s: Sizes) -> tuple[torch.nn.Module, torch.Tensor, Windows, dict]:
     what they are (tokens and bytes scored)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rankwise_bench.base_text import module_stream, scored_bytes, spaced_windows
+    from rankwise_bench.base_text import base_info, module_stream, spaced_windows
     folder = Path(s.base) if s.base else reference_base()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(folder)
@@ -152,21 +152,7 @@ def _base(s: Sizes) -> tuple[torch.nn.Module, torch.Tensor, Windows, dict]:
     held_ids, held_bytes, held_info = module_stream(tok, heldout=True)
     calib, _ = spaced_windows(train_ids, train_bytes, s.calib_windows, s.llama_seq)
     held, held_win_bytes = spaced_windows(held_ids, held_bytes, s.heldout_windows, s.llama_seq)
-    c = model.config
-    try:
-        where = folder.resolve().relative_to(ROOT).as_posix()
-    except ValueError:
-        where = str(folder)
-    info = {"base": where, "params": sum(p.numel() for p in model.parameters()), "vocab": len(tok),
-            "shape": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
-                      "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                      "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                      "intermediate": c.intermediate_size},
-            "train_modules": train_info, "heldout_modules": held_info,
-            "scored_tokens": int(held.shape[0] * (held.shape[1] - 1)), "scored_bytes": scored_bytes(held_win_bytes)}
-    card = folder / "card.json"
-    if card.is_file():
-        info["card_heldout"] = json.loads(card.read_text()).get("heldout")
+    info = base_info(folder, model, tok, train_info, held_info, held, held_win_bytes)
     return model, calib, Windows(held, pad_id=tok.pad_token_id or 0), info
 
 

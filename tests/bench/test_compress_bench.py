@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from rankwise_bench.base_text import tiny_base
 from rankwise_bench.compress import Sizes, budget_sparsity, rows, run, svd_rank, tiling_group
 
 
@@ -74,21 +75,6 @@ def test_an_unknown_model_is_a_one_line_error(tmp_path, capsys):
     assert exit_.value.code == 2 and "expected some of ['minilm', 'llama']" in capsys.readouterr().err
 
 
-def _tiny_base(folder):
-    """A 2-layer Llama (64 wide, 2 heads of 32, 1 KV head) with a SentencePiece tokenizer of 512."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from rankwise.data.corpus import load_source_records
-    from rankwise.data.tokenizer import TokenizerTrainConfig, train_tokenizer
-    texts = [r["text"] for r in load_source_records() if not r["heldout"]][:100]
-    tok = train_tokenizer(iter(texts), TokenizerTrainConfig(vocab_size=512), folder)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                 max_position_embeddings=64, tie_word_embeddings=True)).save_pretrained(folder)
-    return folder
-
-
 def _old_minilm_record() -> dict:
     """A results.json as written before each model kept its own run (MiniLM only, one row)."""
     row = {"model": "minilm", "row": "dense", "config": {"method": "none"}, "quality": 0.859, "eval_loss": 0.5,
@@ -103,7 +89,7 @@ def _old_minilm_record() -> dict:
 
 @pytest.mark.slow
 def test_tiny_base_run_keeps_the_other_record_and_reuses_its_pieces(tmp_path):
-    base = _tiny_base(tmp_path / "base")
+    base = tiny_base(tmp_path / "base")
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_text(json.dumps(_old_minilm_record()))

@@ -6,22 +6,8 @@ import json
 import pytest
 import torch
 
+from rankwise_bench.base_text import tiny_base
 from rankwise_bench.restore import Sizes, _batches, run
-
-
-def _tiny_base(folder):
-    """A 2-layer Llama (64 wide, 2 heads of 32, 1 KV head) with a SentencePiece tokenizer of 512."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from rankwise.data.corpus import load_source_records
-    from rankwise.data.tokenizer import TokenizerTrainConfig, train_tokenizer
-    texts = [r["text"] for r in load_source_records() if not r["heldout"]][:100]
-    tok = train_tokenizer(iter(texts), TokenizerTrainConfig(vocab_size=512), folder)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                 max_position_embeddings=64, tie_word_embeddings=True)).save_pretrained(folder)
-    return folder
 
 
 def test_the_batches_are_restorelccs_own_order():
@@ -41,7 +27,7 @@ def test_an_unknown_size_is_a_one_line_error(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_tiny_base_run_measures_both_recoveries_and_reuses_its_pieces(tmp_path):
-    base = _tiny_base(tmp_path / "base")
+    base = tiny_base(tmp_path / "base")
     out = tmp_path / "out"
     s = Sizes(base=str(base), seq=32, calib_windows=8, heldout_windows=4, steps=3, batch_size=2,
               recovery_windows=8, val_windows=4, restore_lrs=(1e-2,), lora_lrs=(1e-3, 1e-2), all_heads_lr=1e-2)
