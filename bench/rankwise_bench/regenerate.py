@@ -38,7 +38,8 @@ FOLDERS = {
        for k in range(3)},
     "memory-decoder": "memory-decoder", "orpo": "orpo", "plan": "plan", "preference": "preference", "restore": "restore",
     "rloo": "rloo",
-    "select": "select", "select-functions": "select-functions", "shapley": "shapley", "simpo": "simpo", "skrull": "skrull",
+    "select": "select", "select-functions": "select-functions", "shapley": "shapley",
+    "shapley-related": "shapley", "simpo": "simpo", "skrull": "skrull",
     "svdecode": "svdecode", "tpa": "tpa", "transfer": "transfer", "vfl": "vfl",
 }
 

@@ -7,6 +7,9 @@ packaged MiniLM, batches of 32, sequences of 32 tokens; ``--steps`` shortens it)
 learning rate, 2e-4, for all rows (no per-row tuning); the neuron scores use
 ``train.calibration_batches: 2`` (64 examples; Model Shapley takes one backward per example for
 its Fisher blocks). The task head always trains.
+
+``--setting related`` runs the paper's setting instead, a model already fine-tuned on related
+data (the reference base on stdlib-functions: :mod:`rankwise_bench.shapley_related`).
 """
 from __future__ import annotations
 
@@ -60,7 +63,11 @@ def run(out: Path, settings: Settings | None = None) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """``results.md`` from the record: the mean ± std table over seeds."""
+    """``results.md`` from the record: the mean ± std table over seeds (a ``--setting related``
+    record renders through :func:`rankwise_bench.shapley_related_report.markdown`)."""
+    if "stage1" in result:
+        from rankwise_bench import shapley_related_report
+        return shapley_related_report.markdown(result)
     md = ["# shapley: top-10 % neurons on the demo task\n",
           f"{result['settings']['seeds']} seed(s); mean ± sample std; AdamW lr {LR} for every row; wall seconds "
           "taken while other processes shared the CPU.\n",
@@ -72,9 +79,19 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``rankwise bench shapley --out DIR [--rows a,b] [--seeds N] [--steps N] ...``."""
+    """``rankwise bench shapley --out DIR [--rows a,b] [--seeds N] [--steps N] ...`` (the demo task), or
+    ``rankwise bench shapley --setting related --out DIR [--preset P] [--set FIELD=VALUE ...]`` (a model
+    fine-tuned on related data first: :mod:`rankwise_bench.shapley_related`)."""
+    import argparse
+    import sys
     from rankwise_bench.common import demo_main
-    return demo_main(run, tuple(ROWS), argv)
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --set is not --setting
+    ap.add_argument("--setting", choices=("demo", "related"), default="demo")
+    known, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.setting == "related":
+        from rankwise_bench import shapley_related
+        return shapley_related.main(rest)
+    return demo_main(run, tuple(ROWS), rest)
 
 
 if __name__ == "__main__":
