@@ -32,8 +32,9 @@ every k-th one (spread over the packages); every 5th of them is held out (512 tr
   completions at ``TEMPERATURE`` (0.7, as ``bench grpo-gain``); chosen = a rewarded one,
   rejected = an unrewarded one (a prompt whose samples are all rewarded, or none, gives no pair).
 
-Each model (and the base, for reference) answers every training prompt and every held-out prompt
-greedily (KV cache, at most ``NEW_TOKENS`` new tokens); reported: mean reward (accuracy) and mean
+Each model (and the base, for reference: scored with the first seed and copied, as greedy
+decoding of the same weights does not depend on the seed) answers every training prompt and
+every held-out prompt greedily (KV cache, at most ``NEW_TOKENS`` new tokens); reported: mean reward (accuracy) and mean
 response length in tokens, per seed and mean ± std. The seed sets the LoRA initialisations, the
 batch order and the sampling; the base weights are the same. One record per seed
 (``seed-N.json``); a run computes the seeds not yet recorded and rewrites the tables.
@@ -191,13 +192,15 @@ def _log(seed: int, start: float, what: str) -> None:
     print(f"[preference] seed {seed}, {time.process_time() - start:.0f} s CPU: {what}", file=sys.stderr, flush=True)
 
 
-def one_seed(seed: int, base, tok, train: list[dict], held: list[dict]) -> dict:
-    """The base, SFT, QFFT and DPO-after-SFT for one seed (progress lines on stderr)."""
+def one_seed(seed: int, base, tok, train: list[dict], held: list[dict], base_scores: dict | None = None) -> dict:
+    """The base (``base_scores`` when another seed has them: greedy, so the same), SFT, QFFT
+    and DPO-after-SFT for one seed (progress lines on stderr)."""
     from rankwise.core.ops import merge_and_unload
     from rankwise.tasks import CausalLMTask
     from rankwise.tasks.dpo.task import DPOConfig, DPOTask
     start = time.process_time()
-    res: dict = {"seed": seed, "base": {"train": score(base, tok, train), "held_out": score(base, tok, held)}}
+    res: dict = {"seed": seed, "base": base_scores or {"train": score(base, tok, train),
+                                                        "held_out": score(base, tok, held)}}
     models = {}
     for name, qf in (("sft", False), ("qfft", True)):
         model = add_lora(copy.deepcopy(base), R, seed)
@@ -257,7 +260,9 @@ def run(out: Path, base: Path | None = None) -> dict:
         train, held = records()
         for seed in SEEDS:
             if not (out / f"seed-{seed}.json").is_file():
-                atomic.write_json(out / f"seed-{seed}.json", one_seed(seed, model, tok, train, held))
+                done = [out / f"seed-{s}.json" for s in SEEDS if (out / f"seed-{s}.json").is_file()]
+                scores = json.loads(done[0].read_text())["base"] if done else None
+                atomic.write_json(out / f"seed-{seed}.json", one_seed(seed, model, tok, train, held, scores))
     finally:
         torch.set_num_threads(threads)
     seeds = [json.loads((out / f"seed-{s}.json").read_text()) for s in SEEDS if (out / f"seed-{s}.json").is_file()]
