@@ -7,9 +7,10 @@ benchmark starts from the reference base (:func:`rankwise_bench.common.reference
 6.45M-parameter Llama pretrained on the standard library, float32, with its own SentencePiece
 tokenizer). The random-weight 4-layer Llama with the MiniLM tokenizer is gone, and so is its
 workaround, training the final RMSNorm's weight beside LoRA: there the frozen random head capped
-every logit at ~2.6 and LoRA alone left the loss at ln(30k); the base's head is trained, and LoRA
-alone takes the completion loss from 3.4 to 1.5 nats per token in 10 steps (measured while
-sizing this run), so every row now trains the LoRA weights only, as ``rankwise train`` does.
+every logit at ~2.6 and LoRA alone left the loss near ln(30k) (9.2 after 150 steps); the
+base's head is trained, and LoRA alone takes the completion loss from 3.8-4.5 to 0.9-1.1 nats
+per token in the 150 SFT steps (the committed seeds), so every row now trains the LoRA weights
+only, as ``rankwise train`` does.
 
 Task: the ``stdlib-functions`` records (prompt: the first ``PROMPT_WORDS`` words of a
 standard-library function's docstring; response: its ``def`` line), encoded as ``rankwise
@@ -31,6 +32,7 @@ every k-th one (spread over the packages); every 5th of them is held out (512 tr
   ``adapters-off``) on pairs sampled from the SFT model: for each training prompt, ``SAMPLES``
   completions at ``TEMPERATURE`` (0.7, as ``bench grpo-gain``); chosen = a rewarded one,
   rejected = an unrewarded one (a prompt whose samples are all rewarded, or none, gives no pair).
+  Its learning rate and steps were fixed before the runs, not chosen on validation.
 
 Each model (and the base, for reference: scored with the first seed and copied, as greedy
 decoding of the same weights does not depend on the seed) answers every training prompt and
