@@ -1,28 +1,45 @@
-"""Benchmark: SFT, question-free fine-tuning (QFFT) and DPO on a verifiable task
-(``rankwise bench preference``; issue 23's measured table, quality only).
+"""Benchmark: SFT, question-free fine-tuning (QFFT) and DPO on a verifiable task, on the
+reference base (``rankwise bench preference``; issue 36 item 2, quality only;
+``docs/preference-rl.md``).
 
-Task: the ``stdlib-functions`` records (prompt: the first words of a standard-library
-function's docstring; response: its ``def`` line). Reward:
-:func:`rankwise.data.instruct.def_line_reward` (1 when the completion parses as a ``def`` line
-naming the record's function). Model: the 4-layer, 128-wide Llama of ``bench dpo`` (random
-weights, the packaged MiniLM tokenizer's 30k vocabulary), trained with LoRA through
-:class:`rankwise.engine.Engine`:
+Decision (issue 36 item 2): the claims need a causal LM that has learned something, so the
+benchmark starts from the reference base (:func:`rankwise_bench.common.reference_base`, a
+6.45M-parameter Llama pretrained on the standard library, float32, with its own SentencePiece
+tokenizer). The random-weight 4-layer Llama with the MiniLM tokenizer is gone, and so is its
+workaround, training the final RMSNorm's weight beside LoRA: there the frozen random head capped
+every logit at ~2.6 and LoRA alone left the loss near ln(30k) (9.2 after 150 steps); the
+base's head is trained, and LoRA alone takes the completion loss from 3.8-4.5 to 0.9-1.1 nats
+per token in the 150 SFT steps (the committed seeds), so every row now trains the LoRA weights
+only, as ``rankwise train`` does.
 
-* **SFT**: LoRA on ``prefix + prompt + response + EOS``, loss on the response + EOS. The final
-  RMSNorm's weight trains too: with random frozen weights the LM head's rows have norm ~0.2 and
-  the norm caps the hidden state at ~sqrt(128), so no logit could exceed ~2.6 and LoRA alone
-  leaves the loss near ln(30k) (measured: 9.2 after 150 steps, reward 0).
+Task: the ``stdlib-functions`` records (prompt: the first ``PROMPT_WORDS`` words of a
+standard-library function's docstring; response: its ``def`` line), encoded as ``rankwise
+train`` encodes ``data.format: prompt-completion`` (``BOS + prompt + response + EOS``, loss on
+the response + EOS; the encoding of ``examples/compare-reference.yaml``, whose prompts are whole
+docstrings: cut here to the 32 words of ``bench grpo-gain``). ``TRAIN + HELD_OUT`` records are
+every k-th one (spread over the packages); every 5th of them is held out (512 training, 128 held out). Reward:
+:func:`rankwise.data.instruct.def_line_reward` (1 when the completion's first line parses as a
+``def`` line naming the record's function). All rows train through
+:class:`rankwise.engine.Engine` with AdamW, gradient clip 1:
+
+* **SFT**: LoRA r=8, alpha 16 on every linear layer (``compare-reference``'s LoRA row),
+  ``SFT_STEPS`` steps of ``SFT_BATCH``, lr ``SFT_LR``, on the training records.
 * **QFFT**: the same LoRA, steps and seed on the responses alone (``data.question_free``'s
-  encoding, :class:`rankwise.data.formats.Encoder`), never seeing a question.
+  encoding, :class:`rankwise.data.formats.Encoder`, at its default ``question_free_eos: false``,
+  the released template: no EOS after a response), never seeing a question.
 * **DPO**: the SFT adapter merged into the base (so "adapters off" is the SFT model), then a
-  fresh LoRA trained with the ``dpo`` task on pairs sampled from the SFT model: for each training
-  prompt, ``SAMPLES`` completions at temperature ``TEMPERATURE``; chosen = a rewarded one, rejected = an
-  unrewarded one (prompts with no such pair give none).
+  fresh LoRA (r=8) trained with the ``dpo`` task (sigmoid loss, ``BETA``, reference
+  ``adapters-off``) on pairs sampled from the SFT model: for each training prompt, ``SAMPLES``
+  completions at ``TEMPERATURE`` (0.7, as ``bench grpo-gain``); chosen = a rewarded one,
+  rejected = an unrewarded one (a prompt whose samples are all rewarded, or none, gives no pair).
+  Its learning rate and steps were fixed before the runs, not chosen on validation.
 
-Each model answers every training prompt and the held-out prompts greedily (KV cache, at most
-``NEW_TOKENS`` new tokens); reported: mean reward (accuracy) and mean response length in tokens.
-One seed per invocation and record file (``seed-N.json``: run the command three times); the seed sets the
-LoRA initialisation, the batch order and the sampling; the base weights are the same.
+Each model (and the base, for reference: scored with the first seed and copied, as greedy
+decoding of the same weights does not depend on the seed) answers every training prompt and
+every held-out prompt greedily (KV cache, at most ``NEW_TOKENS`` new tokens); reported: mean reward (accuracy) and mean
+response length in tokens, per seed and mean ± std. The seed sets the LoRA initialisations, the
+batch order and the sampling; the base weights are the same. One record per seed
+(``seed-N.json``); a run computes the seeds not yet recorded and rewrites the tables.
 """
 from __future__ import annotations
 
@@ -30,34 +47,37 @@ import copy
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from rankwise.core import atomic
-from rankwise_bench.common import write_results
+from rankwise_bench.common import reference_base, write_results
 
 SEEDS = (0, 1, 2)
-TRAIN, HELD_OUT, STRIDE, PROMPT_WORDS = 32, 32, 7, 12
-MAX_LEN, NEW_TOKENS = 48, 32
-R, ALPHA, TARGETS = 16, 32.0, "all-linear"
-SFT_STEPS, SFT_BATCH, SFT_LR = 100, 16, 3e-3
-SAMPLES, TEMPERATURE, DPO_STEPS, DPO_BATCH, DPO_LR, BETA, DPO_R = 8, 0.3, 40, 8, 2e-3, 0.1, 8
-# The committed QFFT rows were measured with EOS after every response (the only encoding then);
-# the released template, and data.question_free_eos's default since, add none. Until a rerun,
-# the benchmark keeps the measured setting (issue 34 item 15).
-QFFT_EOS = True
-COMMAND = "OMP_NUM_THREADS=1 flock /tmp/bench.lock rankwise bench preference --out bench/results/preference"
+TRAIN, HELD_OUT, PROMPT_WORDS = 512, 128, 32
+MAX_LEN, NEW_TOKENS = 96, 32
+R, ALPHA, TARGETS = 8, 16.0, "all-linear"
+SFT_STEPS, SFT_BATCH, SFT_LR = 150, 16, 2e-3
+SAMPLES, TEMPERATURE, DPO_STEPS, DPO_BATCH, DPO_LR, BETA, DPO_R = 8, 0.7, 60, 8, 5e-4, 0.1, 8
+QFFT_EOS = False   # data.question_free_eos's default: the released template ends no response with EOS
+METHODS = ("base", "sft", "qfft", "dpo")
+COMMAND = "OMP_NUM_THREADS=1 flock /tmp/core2.lock rankwise bench preference --out bench/results/preference"
 
 
 def records() -> tuple[list[dict], list[dict]]:
-    """``(training, held-out)`` records: every ``STRIDE``-th stdlib function (so the set spans
-    the packages), the docstring cut to its first ``PROMPT_WORDS`` words."""
+    """``(training, held-out)`` records: ``TRAIN + HELD_OUT`` stdlib functions, every k-th
+    (so both sets span the packages), every n-th of them held out (n = 5 at 512 + 128);
+    docstrings cut to their first ``PROMPT_WORDS`` words."""
     from rankwise.data.instruct import load_function_records
     recs = [{"prompt": " ".join(r["prompt"].split()[:PROMPT_WORDS]) + "\n", "completion": r["completion"],
-             "id": r["id"]} for r in load_function_records()[::STRIDE]]
-    return recs[:TRAIN], recs[TRAIN:TRAIN + HELD_OUT]
+             "id": r["id"]} for r in load_function_records()]
+    step, n = max(1, len(recs) // (TRAIN + HELD_OUT)), (TRAIN + HELD_OUT) // HELD_OUT
+    picked = recs[::step][:TRAIN + HELD_OUT]
+    return ([r for k, r in enumerate(picked) if k % n][:TRAIN],
+            [r for k, r in enumerate(picked) if k % n == 0][:HELD_OUT])
 
 
 class Examples(list):
@@ -70,7 +90,7 @@ class Examples(list):
 
 def encode(tok, recs: list[dict], question_free: bool) -> Examples:
     """SFT (``question_free=False``) or QFFT training examples, as ``rankwise train`` builds them
-    with ``data.question_free_eos: QFFT_EOS``."""
+    (``data.format: prompt-completion``; QFFT with ``data.question_free_eos: QFFT_EOS``)."""
     from rankwise.data.formats import Encoder
     enc = Encoder(tok, "prompt-completion", MAX_LEN, question_free=question_free,
                   question_free_eos=QFFT_EOS)
@@ -80,16 +100,21 @@ def encode(tok, recs: list[dict], question_free: bool) -> Examples:
                     tok.pad_token_id)
 
 
-def base_model(vocab: int):
-    """``bench dpo``'s 4-layer, 128-wide Llama (weights from seed 0)."""
-    from rankwise_bench.dpo import _model
-    return _model(vocab)
+def load_base(folder: Path | None = None):
+    """``(model, tokenizer)``: the reference base (or the base in ``folder``), float32, the
+    tokenizer as ``rankwise train`` loads it (pad = EOS where it has none)."""
+    from transformers import AutoModelForCausalLM
+
+    from rankwise.recipes.model import load_tokenizer
+    folder = Path(folder) if folder else reference_base()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), load_tokenizer(str(folder))
 
 
 def add_lora(model, r: int, seed: int):
+    """LoRA r (alpha 2r) on ``TARGETS``, initialised from ``seed``; the model in train mode."""
     from rankwise.adapters.lora import LoraConfig, apply_lora
     torch.manual_seed(1000 + seed)
-    apply_lora(model, LoraConfig(r=r, alpha=2.0 * r if r != R else ALPHA, targets=TARGETS, dropout=0.0))
+    apply_lora(model, LoraConfig(r=r, alpha=2.0 * r, targets=TARGETS, dropout=0.0))
     return model.train()
 
 
@@ -147,11 +172,12 @@ def preference_pairs(model, tok, recs: list[dict], seed: int):
     ids = answer(model, tok, prompts, temperature=TEMPERATURE, seed=seed)
     rewards = def_line_reward(prompts, [tok.decode(i) for i in ids],
                               id=[r["id"] for r in recs for _ in range(SAMPLES)])
-    pairs, rewarded = [], sum(rewards)
+    pairs, rewarded, all_good = [], sum(rewards), 0
     for n, rec in enumerate(recs):
         got = list(zip(ids[n * SAMPLES:(n + 1) * SAMPLES], rewards[n * SAMPLES:(n + 1) * SAMPLES]))
         good = [i for i, r in got if r == 1.0]
         bad = [i for i, r in got if r == 0.0]
+        all_good += bool(good) and not bad
         if good and bad:
             ask = enc.prompt_ids(rec["prompt"])
             side = {}
@@ -161,27 +187,35 @@ def preference_pairs(model, tok, recs: list[dict], seed: int):
             pairs.append({"chosen_ids": side["chosen"][0], "chosen_labels": side["chosen"][1],
                           "rejected_ids": side["rejected"][0], "rejected_labels": side["rejected"][1]})
     return PairData(pairs, tok.pad_token_id), {"samples": len(prompts), "rewarded_samples": int(rewarded),
-                                               "pairs": len(pairs)}
+                                               "pairs": len(pairs), "all_rewarded_prompts": int(all_good)}
 
 
-def one_seed(seed: int, tok, train: list[dict], held: list[dict]) -> dict:
-    """SFT, QFFT and DPO-after-SFT for one seed."""
+def _log(seed: int, start: float, what: str) -> None:
+    print(f"[preference] seed {seed}, {time.process_time() - start:.0f} s CPU: {what}", file=sys.stderr, flush=True)
+
+
+def one_seed(seed: int, base, tok, train: list[dict], held: list[dict], base_scores: dict | None = None) -> dict:
+    """The base (``base_scores`` when another seed has them: greedy, so the same), SFT, QFFT
+    and DPO-after-SFT for one seed (progress lines on stderr)."""
     from rankwise.core.ops import merge_and_unload
-    from rankwise.tasks.dpo.task import DPOConfig, DPOTask
     from rankwise.tasks import CausalLMTask
+    from rankwise.tasks.dpo.task import DPOConfig, DPOTask
     start = time.process_time()
-    base = base_model(len(tok))
-    res: dict = {"seed": seed}
+    res: dict = {"seed": seed, "base": base_scores or {"train": score(base, tok, train),
+                                                        "held_out": score(base, tok, held)}}
     models = {}
     for name, qf in (("sft", False), ("qfft", True)):
         model = add_lora(copy.deepcopy(base), R, seed)
-        model.model.norm.weight.requires_grad_(True)  # see the module docstring: the logit scale
         losses = fit(model, CausalLMTask(), encode(tok, train, qf), SFT_STEPS, SFT_BATCH, SFT_LR, seed)
-        res[name] = {"final_loss": losses[-1], "train": score(model, tok, train), "held_out": score(model, tok, held)}
+        res[name] = {"first_loss": losses[0], "final_loss": losses[-1], "train": score(model, tok, train),
+                     "held_out": score(model, tok, held)}
         models[name] = model
+        _log(seed, start, f"{name}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, reward train "
+             f"{res[name]['train']['reward']:.3f}, held-out {res[name]['held_out']['reward']:.3f}")
     sft = merge_and_unload(models.pop("sft"))
     pairs, counts = preference_pairs(sft, tok, train, seed)
     res["dpo"] = {"pairs": counts}
+    _log(seed, start, f"pairs {counts}")
     if len(pairs) >= DPO_BATCH // 2:
         model = add_lora(sft, DPO_R, seed)
         losses = fit(model, DPOTask(DPOConfig(beta=BETA, reference="adapters-off")), pairs,
@@ -191,35 +225,50 @@ def one_seed(seed: int, tok, train: list[dict], held: list[dict]) -> dict:
     else:
         res["dpo"]["skipped"] = f"only {len(pairs)} pairs (need {DPO_BATCH // 2})"
     res["cpu_s"] = time.process_time() - start
+    _log(seed, start, f"dpo: {res['dpo'].get('skipped') or res['dpo']['train']['reward']}")
     return res
 
 
-def run(out: Path) -> dict:
-    """Run the first seed not yet recorded under ``out`` (``seed-N.json``; one seed per
-    invocation, so each run fits 8 minutes of one core), then write ``results.json``,
-    ``results.md`` and ``preference.png`` over the seeds recorded so far."""
-    import transformers
+def setup(train: list[dict], held: list[dict], base, tok, folder: Path | None) -> dict:
+    """What the records were measured with."""
+    return {"train_prompts": len(train), "held_out_prompts": len(held), "prompt_words": PROMPT_WORDS,
+            "max_length": MAX_LEN, "new_tokens": NEW_TOKENS, "r": R, "alpha": ALPHA, "targets": TARGETS,
+            "sft_steps": SFT_STEPS, "sft_batch": SFT_BATCH, "sft_lr": SFT_LR, "qfft_eos": QFFT_EOS,
+            "samples": SAMPLES, "temperature": TEMPERATURE, "dpo_steps": DPO_STEPS, "dpo_batch": DPO_BATCH,
+            "dpo_lr": DPO_LR, "dpo_r": DPO_R, "beta": BETA,
+            "model": (f"the reference base ({sum(p.numel() for p in base.parameters()):,} parameters, "
+                      f"its SentencePiece tokenizer of {len(tok):,})" if folder is None
+                      else f"the base in {folder} ({len(tok)} tokens)")}
 
-    from rankwise.recipes.model import load_tokenizer
+
+def run(out: Path, base: Path | None = None) -> dict:
+    """Run every seed not yet recorded under ``out`` (``seed-N.json``, written as each ends),
+    then write ``results.json``, ``results.md`` and ``preference.png`` over the recorded seeds.
+
+    Args:
+        out: The results folder.
+        base: A base model folder instead of the reference base (the tests' tiny one).
+
+    Returns:
+        The record written to ``results.json``.
+    """
+    import transformers
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tok = load_tokenizer("tiny-llama")
+        model, tok = load_base(base)
         train, held = records()
-        todo = [s for s in SEEDS if not (out / f"seed-{s}.json").is_file()]
-        if todo:  # one seed per invocation (each fits 8 minutes of one core); run it again for the next
-            atomic.write_json(out / f"seed-{todo[0]}.json", one_seed(todo[0], tok, train, held))
+        for seed in SEEDS:
+            if not (out / f"seed-{seed}.json").is_file():
+                done = [out / f"seed-{s}.json" for s in SEEDS if (out / f"seed-{s}.json").is_file()]
+                scores = json.loads(done[0].read_text())["base"] if done else None
+                atomic.write_json(out / f"seed-{seed}.json", one_seed(seed, model, tok, train, held, scores))
     finally:
         torch.set_num_threads(threads)
     seeds = [json.loads((out / f"seed-{s}.json").read_text()) for s in SEEDS if (out / f"seed-{s}.json").is_file()]
-    res = {"seeds": seeds, "summary": summarize(seeds),
-           "setup": {"train_prompts": len(train), "held_out_prompts": len(held), "prompt_words": PROMPT_WORDS,
-                     "max_length": MAX_LEN, "new_tokens": NEW_TOKENS, "r": R, "alpha": ALPHA, "targets": TARGETS,
-                     "sft_steps": SFT_STEPS, "sft_batch": SFT_BATCH, "sft_lr": SFT_LR, "samples": SAMPLES, "temperature": TEMPERATURE,
-                     "dpo_steps": DPO_STEPS, "dpo_batch": DPO_BATCH, "dpo_lr": DPO_LR, "dpo_r": DPO_R,
-                     "beta": BETA, "model": "Llama 4 x 128, random weights (seed 0), MiniLM tokenizer"},
+    res = {"seeds": seeds, "summary": summarize(seeds), "setup": setup(train, held, model, tok, base),
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__},
            "command": COMMAND}
@@ -228,66 +277,78 @@ def run(out: Path) -> dict:
     return res
 
 
+def _stats(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "seeds": values}
+
+
 def summarize(seeds: list[dict]) -> dict:
-    """Mean and per-seed values of reward and length per method and prompt set."""
+    """Mean, sample std and per-seed values of reward and length per method and prompt set."""
     out: dict = {}
-    for method in ("sft", "qfft", "dpo"):
+    for method in METHODS:
         for where in ("train", "held_out"):
-            runs = [s[method][where] for s in seeds if where in s[method]]
+            runs = [s[method][where] for s in seeds if where in s.get(method, {})]
             if runs:
-                out[f"{method}/{where}"] = {k: {"mean": statistics.fmean(r[k] for r in runs),
-                                                "seeds": [r[k] for r in runs]} for k in ("reward", "length")}
+                out[f"{method}/{where}"] = {k: _stats([r[k] for r in runs]) for k in ("reward", "length")}
     return out
 
 
 def markdown(res: dict) -> str:
+    """``results.md``: the setup, the table (mean ± std, per seed in brackets) and the pairs."""
     s, st = res["summary"], res["setup"]
+    labels = {"base": "base (no fine-tuning)", "sft": "SFT (LoRA)", "qfft": "QFFT (same LoRA, responses alone)",
+              "dpo": "DPO after SFT"}
 
-    def row(method: str, where: str, label: str) -> str:
-        v = s.get(f"{method}/{where}")
-        if v is None:
-            return f"| {label} | {where} | — | — |"
-        r = ", ".join(f"{x:.3f}" for x in v["reward"]["seeds"])
-        n = ", ".join(f"{x:.1f}" for x in v["length"]["seeds"])
-        return f"| {label} | {where} | {v['reward']['mean']:.3f} ({r}) | {v['length']['mean']:.1f} ({n}) |"
-    pairs = ", ".join(f"{x['dpo']['pairs']['pairs']}" for x in res["seeds"])
+    def cell(v: dict, fmt: str) -> str:
+        return (f"{v['mean']:{fmt}} ± {v['std']:{fmt}} (" + ", ".join(f"{x:{fmt}}" for x in v["seeds"]) + ")")
+
+    rows = [f"| {labels[m]} | {w.replace('_', '-')} | {cell(s[f'{m}/{w}']['reward'], '.3f')} | "
+            f"{cell(s[f'{m}/{w}']['length'], '.1f')} |"
+            for w in ("train", "held_out") for m in METHODS if f"{m}/{w}" in s]
+    pairs = "; ".join(f"seed {x['seed']}: {x['dpo']['pairs']['pairs']} pairs from {x['dpo']['pairs']['samples']} "
+                      f"samples ({x['dpo']['pairs']['rewarded_samples']} rewarded)" for x in res["seeds"])
+    dpo_loss = ", ".join(f"{x['dpo']['first_loss']:.3f} → {x['dpo']['final_loss']:.3f}" for x in res["seeds"]
+                         if "first_loss" in x["dpo"])
     return "\n".join([
-        "# SFT vs QFFT vs DPO on stdlib-functions (quality only)", "",
-        f"Command: `{res['command']}`, run three times (one seed per run, each within 8 minutes of "
-        "one core; quality only, so `/tmp/bench2.lock` serves as well).", "",
-        f"{st['model']}; LoRA r={st['r']} alpha={st['alpha']:g} on {st['targets']} + the final norm's weight; {st['sft_steps']} steps of "
-        f"{st['sft_batch']} examples, AdamW lr {st['sft_lr']} (SFT and QFFT alike); {st['train_prompts']} "
-        f"training prompts (docstrings cut to {st['prompt_words']} words), {st['held_out_prompts']} held-out. "
-        f"DPO: SFT merged, fresh LoRA r={st['dpo_r']}, {st['dpo_steps']} steps of {st['dpo_batch']} pairs, "
-        f"lr {st['dpo_lr']}, beta {st['beta']}, pairs from {st['samples']} samples per training prompt at "
-        f"temperature {st['temperature']} (pairs per seed: {pairs}). Greedy answers, at most {st['new_tokens']} new tokens. "
-        "Reward = the answer parses as a `def` line naming the right function "
-        "(`rankwise.data.instruct:def_line_reward`). Mean over the seeds " + ", ".join(str(x["seed"]) for x in res["seeds"]) + " (per seed in brackets).", "",
-        "| method | prompts | reward (accuracy) | response length, tokens |", "|---|---|---:|---:|",
-        row("sft", "train", "SFT"), row("qfft", "train", "QFFT"), row("dpo", "train", "DPO after SFT"),
-        row("sft", "held_out", "SFT"), row("qfft", "held_out", "QFFT"), row("dpo", "held_out", "DPO after SFT"),
-        "", "CPU time per seed (one thread): " + ", ".join(f"{x['cpu_s']:.0f} s" for x in res["seeds"]) + ".",
-        ""])
+        "# SFT vs QFFT vs DPO on stdlib-functions, on the reference base (quality only)", "",
+        f"Command: `{res['command']}` (computes the seeds not yet recorded in `seed-N.json`).", "",
+        f"Model: {st['model']}. Prompts: the first {st['prompt_words']} words of a stdlib docstring, "
+        f"{st['train_prompts']} training and {st['held_out_prompts']} held-out; response: the `def` line. "
+        f"SFT and QFFT: LoRA r={st['r']} alpha={st['alpha']:g} on {st['targets']}, {st['sft_steps']} steps of "
+        f"{st['sft_batch']}, AdamW lr {st['sft_lr']}; QFFT on the responses alone (EOS after each: "
+        f"{str(st['qfft_eos']).lower()}). DPO: SFT merged, fresh LoRA r={st['dpo_r']}, {st['dpo_steps']} steps "
+        f"of {st['dpo_batch']} pairs, lr {st['dpo_lr']}, beta {st['beta']}, reference adapters-off (the SFT "
+        f"model); pairs from {st['samples']} samples per training prompt at temperature {st['temperature']} "
+        "(chosen rewarded, rejected unrewarded, same prompt). Greedy answers, at most "
+        f"{st['new_tokens']} new tokens. Reward = the answer's first line parses as a `def` line naming the "
+        "right function (`rankwise.data.instruct:def_line_reward`). Mean ± sample std over the seeds "
+        + ", ".join(str(x["seed"]) for x in res["seeds"]) + " (per seed in brackets).", "",
+        "| method | prompts | reward (accuracy) | response length, tokens |", "|---|---|---:|---:|", *rows, "",
+        f"DPO pairs: {pairs}.", "", f"DPO loss, first → last step: {dpo_loss or '—'}.", "",
+        "CPU time per seed (one thread): " + ", ".join(f"{x['cpu_s']:.0f} s" for x in res["seeds"]) + ".", ""])
 
 
 def plot(res: dict, path: Path) -> None:
+    """Reward and length per method on both prompt sets (bars: means; dots: seeds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     s = res["summary"]
-    fig, axes = plt.subplots(1, 2, figsize=(7, 3), dpi=100)
-    for ax, key, label in ((axes[0], "reward", "reward (training prompts)"),
-                           (axes[1], "length", "response tokens (training prompts)")):
-        names = [m for m in ("sft", "qfft", "dpo") if f"{m}/train" in s]
-        vals = [s[f"{m}/train"][key]["seeds"] for m in names]
-        ax.bar(range(len(names)), [statistics.fmean(v) for v in vals], color="#9ab")
-        for i, v in enumerate(vals):
-            ax.plot([i] * len(v), v, "k.", ms=5)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3), dpi=100)
+    for ax, key, label in ((axes[0], "reward", "reward (accuracy)"), (axes[1], "length", "response tokens")):
+        names = [m for m in METHODS if f"{m}/train" in s]
+        for off, where, colour in ((-0.2, "train", "#9ab"), (0.2, "held_out", "#db9")):
+            vals = [s[f"{m}/{where}"][key]["seeds"] if f"{m}/{where}" in s else [] for m in names]
+            ax.bar([i + off for i in range(len(names))], [statistics.fmean(v) if v else 0 for v in vals],
+                   width=0.4, color=colour, label=where.replace("_", "-"))
+            for i, v in enumerate(vals):
+                ax.plot([i + off] * len(v), v, "k.", ms=4)
         ax.set_xticks(range(len(names)), [n.upper() for n in names])
         ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-__all__ = ["run", "records", "encode"]
+__all__ = ["run", "records", "encode", "preference_pairs", "markdown"]
