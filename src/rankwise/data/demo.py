@@ -14,6 +14,7 @@ import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
+from rankwise.data.stdlib_cache import cached, source_key
 from rankwise.errors import RankwiseError
 
 PACKAGES = ("asyncio", "email", "http", "importlib", "logging", "multiprocessing", "tkinter", "xml")
@@ -54,20 +55,25 @@ def load_demo_records(packages: tuple[str, ...] = PACKAGES) -> tuple[list[dict],
         RankwiseError: If a package's sources are not on this machine.
     """
     root = stdlib_dir()
-    records = []
+    files: list[tuple[int, str, Path]] = []  # (label, package, file)
     for label, pkg in enumerate(packages):
         folder = root / pkg
         if not folder.is_dir():
             raise RankwiseError(f"standard-library package {pkg!r} not found under {root}; "
                                 "the demo needs CPython's own sources (3.10-3.13)")
-        for path in sorted(folder.rglob("*.py")):
-            if "test" in path.relative_to(folder).parts[:-1] or path.name.startswith("test_"):
-                continue
+        files += [(label, pkg, path) for path in sorted(folder.rglob("*.py"))
+                  if "test" not in path.relative_to(folder).parts[:-1] and not path.name.startswith("test_")]
+
+    def parse() -> list[dict]:
+        records = []
+        for label, pkg, path in files:
             module = ".".join(path.relative_to(root).with_suffix("").parts)
             for ident, text in _docstrings(path, module):
                 records.append({"text": text, "label": label, "id": ident, "package": pkg})
-    records.sort(key=lambda r: r["id"])
-    return records, list(packages)
+        records.sort(key=lambda r: r["id"])
+        return records
+    key = source_key("demo", packages, root, [f for _, _, f in files], __file__)
+    return cached(key, "demo", parse), list(packages)
 
 
 def split_of(ident: str, eval_fraction: float) -> str:

@@ -12,6 +12,7 @@ import re
 from functools import lru_cache
 
 from rankwise.data.demo import stdlib_dir
+from rankwise.data.stdlib_cache import cached, source_key
 from rankwise.errors import RankwiseError
 
 PACKAGES = ("json", "email", "http", "logging", "importlib", "xml", "asyncio", "unittest")
@@ -40,18 +41,20 @@ def load_function_records(packages: tuple[str, ...] = PACKAGES) -> list[dict]:
         RankwiseError: If none of the packages' sources are on this machine.
     """
     root = stdlib_dir()
-    records = []
+    files = []
     for pkg in packages:
         paths = sorted((root / pkg).rglob("*.py")) if (root / pkg).is_dir() else [root / f"{pkg}.py"]
-        for path in paths:
-            rel = path.relative_to(root)
-            if not path.is_file() or "test" in rel.parts[:-1] or path.name.startswith("test_"):
-                continue
+        files += [path for path in paths if path.is_file() and "test" not in path.relative_to(root).parts[:-1]
+                  and not path.name.startswith("test_")]
+
+    def parse() -> list[dict]:
+        records = []
+        for path in files:
             try:
                 tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
             except (SyntaxError, ValueError):
                 continue
-            module = ".".join(rel.with_suffix("").parts)
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
             for node in ast.walk(tree):
                 if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
@@ -61,10 +64,13 @@ def load_function_records(packages: tuple[str, ...] = PACKAGES) -> list[dict]:
                 words = doc.split()[:MAX_DOC_WORDS]
                 records.append({"prompt": " ".join(words) + "\n", "completion": def_line(node),
                                 "id": f"{module}:{node.name}:{node.lineno}"})
+        records.sort(key=lambda r: r["id"])
+        return records
+    records = cached(source_key("stdlib-functions", packages, root, files, __file__), "stdlib-functions", parse) \
+        if files else []
     if not records:
         raise RankwiseError(f"no standard-library sources found under {root}; the "
                             "stdlib-functions source needs CPython's own .py files")
-    records.sort(key=lambda r: r["id"])
     return records
 
 
