@@ -50,6 +50,9 @@ NOT_GENERATED = {
                     "an older table format than compare writes today",
     "compare-tuned": "written by `rankwise compare` (the library's commands/compare/run.py), not a benchmark; "
                      "the command in examples/compare-tuned.yaml rewrites it from the committed runs",
+    **{f"lope-noisy-{level}": "written by `rankwise compare` (the library's commands/compare/run.py), not a "
+                              "benchmark; the commands in examples/lope-noisy.yaml rewrite it from the committed runs"
+       for level in (0, 40)},
     "federated-demo/alpha-sweep": "a hand summary of single FedIT runs (rankwise federated, the command "
                                   "it names) that chose the example's partition and budget",
     "lowrank-pretrain-8bit-seeds": "a summary written by hand from the six lowrank-pretrain runs below it "
